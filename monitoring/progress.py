@@ -1,0 +1,53 @@
+"""What the terminal shows while a run trains: step, loss, samples/s and ETA.
+
+On a terminal it is a live rich progress bar; in a log file or CI it is one plain line every
+`log_every` steps, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def _eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressView:
+    def __init__(self, stream=None):
+        self.console = Console(file=stream or sys.stderr, highlight=False, soft_wrap=True)
+        self.live = self.console.is_terminal
+        self._progress = None
+
+    def start(self, total_steps: int, global_batch: int, start_step: int = 0, log_every: int = 10) -> None:
+        self.total = total_steps
+        self.global_batch = global_batch
+        self.log_every = log_every
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]step[/]"), MofNCompleteColumn(), BarColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+                TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
+                                                 loss="-", rate="-")
+            self._progress.start()
+
+    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{samples_per_s:,.0f}")
+        elif step % self.log_every == 0 or step == self.total:
+            eta = (self.total - step) * self.global_batch / samples_per_s if samples_per_s > 0 else 0.0
+            self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  "
+                               f"ETA {_eta(eta)}")
+
+    def say(self, text: str) -> None:
+        self.console.print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

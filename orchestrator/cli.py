@@ -1,0 +1,166 @@
+"""`gearshift`: run a job here, or submit it to a Ray cluster and follow it there.
+
+Every user mistake ends in one paragraph on stderr and a non-zero exit status, never a traceback:
+2 for a bad job file or arguments, 1 for a run that failed, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from orchestrator.errors import GearshiftError
+from orchestrator.job import JobError
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gearshift", description="Distributed PyTorch training on Ray.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="train a job on a local (embedded) or existing Ray cluster")
+    run.add_argument("job", nargs="?", help="the job file (YAML); optional with --resume RUN_DIR")
+    run.add_argument("--address", help="join this Ray cluster (default: RAY_ADDRESS, else start one here)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a job key, e.g. --set train.steps=50 (value parsed as YAML); repeatable")
+    run.add_argument("--run-dir", help="where the run's files go (default: runs/<name>-<fingerprint>-<time>)")
+    run.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN_DIR",
+                     help="continue from the latest checkpoint of RUN_DIR (or of --run-dir, or of the newest "
+                          "earlier run of the same job under runs/)")
+
+    submit = sub.add_parser("submit", help="submit a job to a Ray cluster through its Job Submission API")
+    submit.add_argument("job", help="the job file (YAML); its folder travels with it as the working dir")
+    submit.add_argument("--address", help="the head's dashboard, e.g. http://HEAD:8265 (default: RAY_ADDRESS)")
+    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    submit.add_argument("--run-dir", help="run directory on the cluster (default as for run)")
+
+    for name, text in (("logs", "print a submitted job's logs"), ("stop", "stop a submitted job")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("job_id")
+        cmd.add_argument("--address")
+        if name == "logs":
+            cmd.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    status = sub.add_parser("status", help="list submitted jobs, or show one")
+    status.add_argument("job_id", nargs="?")
+    status.add_argument("--address")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        _parser().print_help()
+        return EXIT_BAD_INPUT
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        from orchestrator import jobs_api
+
+        try:
+            if args.command == "submit":
+                from orchestrator.job import load_job
+
+                load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
+                job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir)
+                print(job_id)
+                print(f"Follow it with: gearshift logs {job_id} --follow", file=sys.stderr)
+            elif args.command == "logs":
+                jobs_api.logs(args.address, args.job_id, follow=args.follow)
+            elif args.command == "stop":
+                jobs_api.stop(args.address, args.job_id)
+            elif args.command == "status":
+                jobs_api.status(args.address, args.job_id)
+        except jobs_api.JobsApiError as err:
+            raise GearshiftError(str(err)) from None
+        return 0
+    except JobError as err:
+        print(f"gearshift: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except GearshiftError as err:
+        print(f"gearshift: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("gearshift: interrupted; workers stopped.", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _resolve_run(args):
+    """(job, run dir, resume state) from the arguments; validates everything before any start."""
+    from orchestrator.job import load_job
+    from orchestrator.rundir import RunDir, find_resumable, resume_conflicts
+    from workers import checkpoint
+
+    resume_dir = args.resume if isinstance(args.resume, str) else None
+    if args.job is None and resume_dir is None:
+        raise JobError("job file", None, "is required: gearshift run JOB.yaml (or --resume RUN_DIR)")
+    if args.job is None:
+        run = RunDir(resume_dir)
+        saved = run.load_job()
+        job = saved
+        if args.overrides:
+            from orchestrator.job import apply_overrides, job_from_dict
+
+            job = job_from_dict(apply_overrides(saved.to_dict(), args.overrides), saved.base_dir, saved.name)
+    else:
+        job = load_job(args.job, args.overrides)
+        run = None
+        if args.resume:
+            path = resume_dir or args.run_dir
+            run = RunDir(path) if path else find_resumable(job)
+            if run is None:
+                raise GearshiftError(f"--resume: no earlier run of job {job.name!r} with this configuration "
+                                     f"under runs/. Name one with --resume RUN_DIR.")
+        saved = run.load_job() if run else None
+    if run is not None:
+        conflicts = resume_conflicts(saved, job)
+        if conflicts:
+            raise JobError("--resume", str(run.path), "the job differs from the run it would continue in "
+                           "fields that change the result: " + "; ".join(conflicts),
+                           "Only train.steps, train.log_every and checkpoint.* may change on resume.")
+        found = checkpoint.load_latest(run.checkpoints)
+        resume = (found[0].name, found[1]) if found else None
+        if resume is None:
+            print(f"gearshift: no usable checkpoint in {run.checkpoints}; starting from step 0.", file=sys.stderr)
+        return job, run, resume, True
+    return job, None, None, False
+
+
+def cmd_run(args) -> int:
+    from monitoring.progress import ProgressView
+    from orchestrator.controller import Controller
+    from orchestrator.rundir import RunDir
+    from orchestrator.worker_group import RayWorkerGroup, ray_session
+
+    job, run, resume, resuming = _resolve_run(args)
+    if resume and resume[1]["step"] >= job.train.steps:
+        print(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
+              f"raise train.steps to train further (--set train.steps=N).", file=sys.stderr)
+        return 0
+    if run is None:
+        run = RunDir.create(job, args.run_dir)
+    elif resuming:
+        from workers.checkpoint import write_file_atomic
+        from orchestrator.job import dump_job
+
+        write_file_atomic(run.job_file, dump_job(job).encode())  # e.g. the new train.steps
+    view = ProgressView()
+    resuming_at = f", resuming at step {resume[1]['step']}" if resume else ""
+    view.say(f"gearshift: {job.name} ({job.fingerprint()}): {job.cluster.num_workers} worker(s), "
+             f"strategy {job.parallel.strategy}, {job.train.steps} steps{resuming_at}; run dir {run.path}")
+    with ray_session(args.address) as session:
+        controller = Controller(job, run, lambda j: RayWorkerGroup(j, embedded=session["embedded"]),
+                                resume=resume, view=view)
+        summary = controller.run()
+    rate = summary.get("samples_per_s")
+    view.say(f"done: {summary['steps_done']} steps in {summary['wall_time_s']:.1f} s, loss "
+             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
+             f"{rate:,.0f} samples/s. Outputs in {run.path}/ (final.pt, summary.json, telemetry.jsonl)"
+             if rate else f"done: outputs in {run.path}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The controller: an explicit state machine that places the workers, streams their reports,
+writes checkpoints and the run's outputs, and tears everything down whatever happens.
+
+    PLACING -> STARTING -> TRAINING -> DONE
+                 \\------------\\------> FAILED
+
+The worker-group class is injected, so tests can drive the controller without Ray.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import statistics
+import time
+from typing import Callable
+
+from monitoring.progress import ProgressView
+from monitoring.telemetry import JsonlSink
+from orchestrator.errors import GearshiftError, WorkerFailed
+from orchestrator.job import Job
+from orchestrator.rundir import RunDir
+from workers import checkpoint
+
+log = logging.getLogger("gearshift")
+
+
+class State(enum.Enum):
+    PLACING = "placing"
+    STARTING = "starting"
+    TRAINING = "training"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class StepMerger:
+    """Collects per-rank reports and releases a step once every rank has reported it."""
+
+    def __init__(self, world: int, global_batch: int):
+        self.world = world
+        self.global_batch = global_batch
+        self._pending: dict[int, dict[int, tuple[float, float]]] = {}
+
+    def add(self, rank: int, report: dict) -> list[dict]:
+        done = []
+        for i, (loss, t) in enumerate(zip(report["losses"], report["step_times"])):
+            step = report["first_step"] + i + 1  # steps are counted as completed optimizer steps
+            ranks = self._pending.setdefault(step, {})
+            ranks[rank] = (loss, t)
+            if len(ranks) == self.world:
+                del self._pending[step]
+                losses = [ranks[r][0] for r in range(self.world)]
+                times = [ranks[r][1] for r in range(self.world)]
+                slowest = max(range(self.world), key=lambda r: times[r])
+                done.append({
+                    "type": "step", "step": step,
+                    # every rank holds an equal share of the global batch, so the mean of the
+                    # ranks' mean losses is the loss over the whole global batch
+                    "loss": sum(losses) / self.world,
+                    "step_time_max": times[slowest], "step_time_mean": sum(times) / self.world,
+                    "slowest_rank": slowest,
+                    "samples_per_s": self.global_batch / times[slowest] if times[slowest] > 0 else 0.0,
+                })
+        return sorted(done, key=lambda r: r["step"])
+
+
+class Controller:
+    def __init__(self, job: Job, run: RunDir, group_factory: Callable[[Job], object],
+                 resume: tuple[str, dict] | None = None, view: ProgressView | None = None):
+        self.job = job
+        self.run_dir = run
+        self.group_factory = group_factory
+        self.resume = resume  # (checkpoint name, state) to continue from
+        self.view = view
+        self.state = State.PLACING
+        self.sink = JsonlSink(run.telemetry)
+        self.records: list[dict] = []
+
+    def _enter(self, state: State, **fields) -> None:
+        self.state = state
+        self.sink.event("state", state=state.value, **fields)
+
+    def run(self) -> dict:
+        job = self.job
+        t0 = time.time()
+        start_step = 0
+        group = None
+        summary = {"job": job.name, "fingerprint": job.fingerprint(), "run_dir": str(self.run_dir.path),
+                   "steps_target": job.train.steps}
+        try:
+            self._enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
+            group = self.group_factory(job)
+            infos = group.start()
+            self._enter(State.STARTING, workers=[{k: i.get(k) for k in ("rank", "node_ip", "pid", "gpu_ids", "backend")}
+                                                 for i in infos])
+            if self.resume:
+                name, state = self.resume
+                ref = group.put(state)
+                start_step = group.call("load", ref)[0]
+                self.sink.event("resumed", checkpoint=name, step=start_step)
+            summary.update(world_size=len(infos), backend=infos[0].get("backend"),
+                           nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
+                           resumed_from_step=start_step if self.resume else None,
+                           strategy_history=[{"step": start_step, "strategy": job.parallel.strategy,
+                                              "dp": len(infos), "tp": 1,
+                                              "bucket_cap_mb": job.parallel.bucket_cap_mb}])
+
+            self._enter(State.TRAINING, from_step=start_step)
+            if self.view:
+                self.view.start(job.train.steps, job.train.global_batch_size, start_step, job.train.log_every)
+            self._train(group, start_step)
+            final_state = group.call_rank(0, "state")
+            self._save_checkpoint(final_state)
+            checkpoint.write_file_atomic(self.run_dir.final, checkpoint.torch_bytes(final_state["model"]))
+            self._enter(State.DONE, step=final_state["step"])
+            summary["status"] = "done"
+        except (GearshiftError, KeyboardInterrupt) as err:
+            summary["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+            summary["error"] = "interrupted by the user" if isinstance(err, KeyboardInterrupt) else str(err)
+            if isinstance(err, WorkerFailed) and err.details:
+                self.run_dir.log.write_text(err.details)
+            self._enter(State.FAILED, error=summary["error"])
+            raise
+        finally:
+            if self.view:
+                self.view.close()
+            if group is not None:
+                group.shutdown()
+            summary.update(self._figures(start_step, time.time() - t0))
+            self.run_dir.write_summary(summary)
+            self.sink.close()
+        return summary
+
+    def _train(self, group, start_step: int) -> None:
+        job = self.job
+        merger = StepMerger(job.cluster.num_workers, job.train.global_batch_size)
+        for rank, report in group.train(job.train.steps, job.checkpoint.every):
+            for record in merger.add(rank, report):
+                self.records.append(record)
+                self.sink.write(record)
+                if self.view:
+                    self.view.update(record["step"], record["loss"], self._recent_rate())
+            if "checkpoint" in report:
+                self._save_checkpoint(report["checkpoint"])
+
+    def _recent_rate(self, window: int = 20) -> float:
+        recent = self.records[-window:]
+        total = sum(r["step_time_max"] for r in recent)
+        return len(recent) * self.job.train.global_batch_size / total if total > 0 else 0.0
+
+    def _save_checkpoint(self, state: dict) -> None:
+        path = checkpoint.save(self.run_dir.checkpoints, state["step"], state, self.job.checkpoint.keep,
+                               meta={"fingerprint": self.job.fingerprint()})
+        self.sink.event("checkpoint", step=state["step"], path=str(path))
+
+    def _figures(self, start_step: int, wall: float) -> dict:
+        recs = self.records
+        # the first steps include warm-up (allocator, lazy init); steady state is what a user plans with
+        steady = recs[min(len(recs) // 5, 10):] or recs
+        rate = (len(steady) * self.job.train.global_batch_size / sum(r["step_time_max"] for r in steady)
+                if steady and sum(r["step_time_max"] for r in steady) > 0 else None)
+        return {
+            "steps_done": recs[-1]["step"] if recs else start_step,
+            "final_loss": recs[-1]["loss"] if recs else None,
+            "first_loss": recs[0]["loss"] if recs else None,
+            "samples_per_s": rate,
+            "median_step_time_s": statistics.median(r["step_time_max"] for r in steady) if steady else None,
+            "wall_time_s": wall,
+        }

@@ -1,0 +1,438 @@
+"""The job file: YAML in, frozen dataclasses out, or a JobError that names the field.
+
+`load_job(path, overrides)` is the only way a job enters gearshift. It reads the YAML, applies
+`--set a.b=value` overrides, checks every key and value, and returns a `Job`. Nothing else in
+gearshift re-validates a Job, so everything that can be wrong with a file is caught here,
+before Ray or any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+
+class JobError(ValueError):
+    """A problem with the job file or an override, reported as one paragraph."""
+
+    def __init__(self, field_path: str, value: Any, allowed: str, hint: str = "", source: str = ""):
+        self.field_path = field_path
+        self.value = value
+        self.allowed = allowed
+        self.hint = hint
+        self.source = source
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        where = f"{self.source}: " if self.source else ""
+        shown = _show(self.value)
+        text = f"{where}{self.field_path} = {shown} is not valid: {self.allowed}."
+        if self.hint:
+            text += f" {self.hint}"
+        return text
+
+
+_MISSING = object()
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "(missing)"
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ----------------------------------------------------------------------------- the schema
+# Each field carries its checker in metadata["check"]: (value, path) -> normalised value,
+# raising JobError. Defaults are plain values so a job file can be as short as `model: mlp`.
+
+
+def _int(lo: int | None = None, hi: int | None = None):
+    def check(v, path):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise JobError(path, v, f"must be an integer{_range_text(lo, hi)}")
+        _in_range(v, path, lo, hi, "an integer")
+        return v
+
+    return check
+
+
+def _float(lo: float | None = None, hi: float | None = None, lo_open: bool = False):
+    def check(v, path):
+        # YAML 1.1 reads `1e-3` as a string; accept it as the number users meant.
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                raise JobError(path, v, f"must be a number{_range_text(lo, None, lo_open)}") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise JobError(path, v, f"must be a finite number{_range_text(lo, hi, lo_open)}")
+        _in_range(float(v), path, lo, hi, "a number", lo_open)
+        return float(v)
+
+    return check
+
+
+def _range_text(lo, hi, lo_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f" between {lo} and {hi}"
+    if lo is not None:
+        return f" {'>' if lo_open else '>='} {lo}"
+    if hi is not None:
+        return f" <= {hi}"
+    return ""
+
+
+def _in_range(v, path, lo, hi, noun, lo_open=False):
+    if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        raise JobError(path, v, f"must be {noun}{_range_text(lo, hi, lo_open)}")
+
+
+def _choice(*allowed: str):
+    def check(v, path):
+        if v not in allowed:
+            close = difflib.get_close_matches(str(v), allowed, n=1)
+            hint = f"Did you mean {close[0]!r}?" if close else ""
+            raise JobError(path, v, "must be one of " + ", ".join(map(repr, allowed)), hint)
+        return v
+
+    return check
+
+
+def _bool(v, path):
+    if not isinstance(v, bool):
+        raise JobError(path, v, "must be true or false")
+    return v
+
+
+def _str_or_none(v, path):
+    if v is not None and (not isinstance(v, str) or not v.strip()):
+        raise JobError(path, v, "must be a non-empty string")
+    return v
+
+
+def _entrypoint(v, path):
+    if v is None:
+        return v
+    if not isinstance(v, str) or v.count(":") != 1 or not all(p.strip() for p in v.split(":")):
+        raise JobError(path, v, 'must be "module:function", for example "my_models:build"')
+    module, func = v.split(":")
+    if not all(part.isidentifier() for part in module.split(".")) or not func.isidentifier():
+        raise JobError(path, v, 'must be "module:function" with Python identifiers on both sides')
+    return v
+
+
+def _mapping(v, path):
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise JobError(path, v, "must be a mapping of names to values")
+    return dict(v)
+
+
+def _betas(v, path):
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise JobError(path, v, "must be a list of two numbers in [0, 1), for example [0.9, 0.999]")
+    return tuple(_float(0.0, 0.999999)(b, f"{path}[{i}]") for i, b in enumerate(v))
+
+
+def _grad_clip(v, path):
+    return None if v is None else _float(0.0)(v, path) or None
+
+
+def _num_gpus(v, path):
+    v = _float(0.0)(v, path)
+    if v not in (0.0, 1.0):
+        raise JobError(path, v, "must be 0 (train on CPU) or 1 (one GPU per worker)",
+                       "gearshift runs one worker per device; use more workers for more GPUs.")
+    return v
+
+
+def _f(default, check, doc=""):
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str | None = _f(None, _str_or_none, "a built-in model: mlp, gpt")
+    entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning an nn.Module')
+    kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    name: str | None = _f(None, _str_or_none, "a built-in dataset; default: the one for the built-in model")
+    entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning a map-style Dataset')
+    kwargs: dict = _f({}, _mapping)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str | None = _f(None, _str_or_none, "cross_entropy or mse")
+    entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning loss_fn(output, target)')
+    kwargs: dict = _f({}, _mapping)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str = _f("adamw", _choice("sgd", "adam", "adamw"))
+    lr: float = _f(1e-3, _float(0.0, lo_open=True))
+    weight_decay: float = _f(0.0, _float(0.0))
+    momentum: float = _f(0.0, _float(0.0, 0.999999), "sgd only")
+    nesterov: bool = _f(False, _bool, "sgd only")
+    betas: tuple = _f((0.9, 0.999), _betas, "adam and adamw")
+    eps: float = _f(1e-8, _float(0.0, lo_open=True), "adam and adamw")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    steps: int = _f(100, _int(1))
+    global_batch_size: int = _f(64, _int(1))
+    seed: int = _f(0, _int(0, 2**31 - 1))
+    precision: str = _f("fp32", _choice("fp32", "bf16", "fp16"))
+    grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
+    log_every: int = _f(10, _int(1), "steps between progress lines")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    num_workers: int = _f(2, _int(1, 4096))
+    cpus_per_worker: float = _f(1.0, _float(0.0, lo_open=True))
+    gpus_per_worker: float = _f(0.0, _num_gpus)
+    placement: str = _f("pack", _choice("pack", "spread"))
+    placement_timeout_s: float = _f(60.0, _float(0.0, lo_open=True), "fail when the cluster cannot fit the job by then")
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    strategy: str = _f("data", _choice("data"))
+    bucket_cap_mb: float = _f(25.0, _float(0.0, 4096.0, lo_open=True), "DDP gradient bucket size")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    every: int = _f(0, _int(0), "steps between checkpoints; 0 keeps only the final state")
+    keep: int = _f(3, _int(1), "how many recent checkpoints to keep")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str = _f("job", _str_or_none)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    loss: LossSpec = field(default_factory=LossSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    # Where the job file lies: entry-point modules next to it are importable. Not a YAML key.
+    base_dir: str = field(default=".", metadata={"internal": True}, compare=False)
+
+    @property
+    def dp_size(self) -> int:
+        return self.cluster.num_workers
+
+    def to_dict(self) -> dict:
+        """The resolved job as plain data: what `job.yaml` in the run dir holds."""
+        out = dataclasses.asdict(self)
+        out.pop("base_dir")
+        out["optimizer"]["betas"] = list(out["optimizer"]["betas"])
+        return out
+
+    def fingerprint(self) -> str:
+        """A short hash of everything that changes the result; same config, same fingerprint."""
+        data = self.to_dict()
+        data.pop("name")
+        blob = json.dumps(data, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:8]
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+def _build(cls, raw: Any, path: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobError(path or "(top level)", raw, f"must be a mapping with keys {', '.join(_fields(cls))}")
+    known = _fields(cls)
+    values = {}
+    for key, value in raw.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.5)
+            hint = f"Did you mean {(path + '.' if path else '') + close[0]!r}?" if close else ""
+            raise JobError(sub, value, f"unknown key; {path or 'the top level'} takes {', '.join(known)}", hint)
+        f = known[key]
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            values[key] = _build(f.default_factory, _shorthand(f.default_factory, value), sub)
+        else:
+            values[key] = f.metadata["check"](value, sub)
+    return cls(**values)
+
+
+def _shorthand(cls, value):
+    """`model: mlp`, `loss: cross_entropy` and `loss: "mod:fn"` are short for the mapping form."""
+    if isinstance(value, str) and cls in (ModelSpec, DataSpec, LossSpec):
+        return {"entrypoint": value} if ":" in value else {"name": value}
+    return value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    """`a.b=value` pairs; values parse as YAML so lists, mappings and numbers work."""
+    parsed = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(p.strip() for p in parts):
+            raise JobError("--set", item, "must be KEY=VALUE with a dotted key, for example train.steps=50")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as err:
+            raise JobError(f"--set {key}", text, f"must be a YAML value ({_yaml_problem(err)})") from None
+        parsed.append(([p.strip() for p in parts], value))
+    return parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    raw = json.loads(json.dumps(raw, default=str)) if raw else {}
+    for parts, value in parse_overrides(overrides):
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif isinstance(child, str) and part in ("model", "data", "loss"):
+                child = node[part] = _shorthand({"model": ModelSpec, "data": DataSpec, "loss": LossSpec}[part], child)
+            if not isinstance(child, dict):
+                dotted = ".".join(parts[: i + 1])
+                raise JobError(f"--set {'.'.join(parts)}", value, f"cannot set a key inside {dotted}, which is {_show(child)}")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    if mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return problem
+
+
+def read_yaml(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        raise JobError("job file", str(path), "must be an existing YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise JobError("job file", str(path), f"must be valid YAML ({_yaml_problem(err)})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise JobError("job file", str(path), f"must be a readable UTF-8 text file ({err})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobError("(top level)", raw, "must be a mapping with keys " + ", ".join(_fields(Job)))
+    return raw
+
+
+def job_from_dict(raw: Mapping, base_dir: str | pathlib.Path = ".", default_name: str = "job") -> Job:
+    raw = dict(raw)
+    raw.setdefault("name", default_name)
+    job = _build(Job, raw, "")
+    job = dataclasses.replace(job, base_dir=str(pathlib.Path(base_dir).resolve()))
+    check_job(job)
+    return job
+
+
+def load_job(path: str | pathlib.Path, overrides: list[str] | None = None) -> Job:
+    """Read, override, validate. Raises JobError naming the file and the field."""
+    path = pathlib.Path(path)
+    try:
+        raw = apply_overrides(read_yaml(path), overrides or [])
+        return job_from_dict(raw, path.parent, default_name=path.stem)
+    except JobError as err:
+        if not err.source:
+            err.source = str(path)
+            err.args = (err.message(),)
+        raise
+
+
+# ----------------------------------------------------------------------------- cross-field checks
+
+
+def check_job(job: Job) -> None:
+    """Checks that need more than one field, and the components the job names."""
+    from workers.components import ComponentError
+
+    try:
+        _check_components(job)
+    except ComponentError as err:
+        raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+    _check_sizes(job)
+
+
+def _check_components(job: Job) -> None:
+    from workers import components  # the registry of built-ins lives with the code that builds them
+
+    for section in ("model", "data", "loss"):
+        spec = getattr(job, section)
+        if spec.name and spec.entrypoint:
+            raise JobError(f"{section}", {"name": spec.name, "entrypoint": spec.entrypoint},
+                           "give either name (a built-in) or entrypoint (your own), not both")
+    if not job.model.name and not job.model.entrypoint:
+        raise JobError("model", None, "is required: a built-in name (" + ", ".join(components.MODELS) +
+                       ') or entrypoint: "module:function"')
+
+    search_paths = [job.base_dir]
+    if job.model.name:
+        components.check_builtin("model", job.model.name, job.model.kwargs, components.MODELS)
+    else:
+        components.check_entrypoint("model.entrypoint", job.model.entrypoint, search_paths)
+
+    if job.data.entrypoint:
+        components.check_entrypoint("data.entrypoint", job.data.entrypoint, search_paths)
+    else:
+        name = job.data.name or components.default_data_for(job.model.name)
+        if name is None:
+            raise JobError("data", None, "is required for a model given by entry point: a built-in name (" +
+                           ", ".join(components.DATASETS) + ') or entrypoint: "module:function"')
+        components.check_builtin("data", name, job.data.kwargs, components.DATASETS)
+
+    if job.loss.entrypoint:
+        components.check_entrypoint("loss.entrypoint", job.loss.entrypoint, search_paths)
+    elif job.loss.name:
+        components.check_builtin("loss", job.loss.name, job.loss.kwargs, components.LOSSES)
+
+
+def _check_sizes(job: Job) -> None:
+    dp = job.dp_size
+    if job.train.global_batch_size % dp:
+        raise JobError("train.global_batch_size", job.train.global_batch_size,
+                       f"must divide evenly across the data-parallel workers: "
+                       f"{job.train.global_batch_size} % {dp} = {job.train.global_batch_size % dp}",
+                       f"Use a multiple of {dp}, e.g. {dp * max(1, round(job.train.global_batch_size / dp))}.")
+    if job.optimizer.name != "sgd" and (job.optimizer.momentum or job.optimizer.nesterov):
+        raise JobError("optimizer.momentum", job.optimizer.momentum,
+                       f"applies to sgd only; {job.optimizer.name} uses betas")
+    if job.optimizer.nesterov and job.optimizer.momentum <= 0:
+        raise JobError("optimizer.nesterov", True, "needs optimizer.momentum > 0")
+
+
+def dump_job(job: Job) -> str:
+    return yaml.safe_dump(job.to_dict(), sort_keys=False)

@@ -1,0 +1,96 @@
+"""The run directory: `runs/<name>-<fingerprint>-<timestamp>/` with the resolved job, telemetry,
+checkpoints, `summary.json` and `final.pt`."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import yaml
+
+from orchestrator.errors import GearshiftError
+from orchestrator.job import Job, JobError, dump_job, job_from_dict
+from workers import checkpoint
+
+# Keys that may differ between a run and its resume: they change how long or how often,
+# not what the trajectory is.
+_RESUMABLE = {("name",), ("train", "steps"), ("train", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep")}
+
+
+class RunDir:
+    def __init__(self, path: pathlib.Path):
+        self.path = pathlib.Path(path)
+
+    job_file = property(lambda self: self.path / "job.yaml")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    telemetry = property(lambda self: self.path / "telemetry.jsonl")
+    summary = property(lambda self: self.path / "summary.json")
+    final = property(lambda self: self.path / "final.pt")
+    log = property(lambda self: self.path / "gearshift.log")
+    meta = property(lambda self: self.path / "run.json")  # what job.yaml cannot say: where the job came from
+
+    @classmethod
+    def create(cls, job: Job, explicit: str | None = None, root: str = "runs") -> "RunDir":
+        if explicit:
+            path = pathlib.Path(explicit)
+            if (path / "job.yaml").exists():
+                raise GearshiftError(f"--run-dir {path} already holds a run. Continue it with "
+                                     f"`gearshift run --resume {path}`, or choose another directory.")
+        else:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            path = pathlib.Path(root) / f"{job.name}-{job.fingerprint()}-{stamp}"
+            n = 1
+            while path.exists():  # two runs started within the same second
+                n += 1
+                path = pathlib.Path(root) / f"{job.name}-{job.fingerprint()}-{stamp}-{n}"
+        path.mkdir(parents=True, exist_ok=True)
+        run = cls(path)
+        checkpoint.write_file_atomic(run.job_file, dump_job(job).encode())
+        meta = {"base_dir": job.base_dir, "fingerprint": job.fingerprint(), "created": time.time()}
+        checkpoint.write_file_atomic(run.meta, json.dumps(meta, indent=2).encode())
+        return run
+
+    def load_job(self) -> Job:
+        if not self.job_file.is_file():
+            raise GearshiftError(f"{self.path} is not a gearshift run directory (no job.yaml in it).")
+        raw = yaml.safe_load(self.job_file.read_text())
+        base_dir = json.loads(self.meta.read_text()).get("base_dir", ".") if self.meta.is_file() else "."
+        try:
+            return job_from_dict(raw, base_dir=base_dir)
+        except JobError as err:
+            err.source = str(self.job_file)
+            raise
+
+    def write_summary(self, summary: dict) -> None:
+        checkpoint.write_file_atomic(self.summary, json.dumps(summary, indent=2, default=str).encode())
+
+
+def _flatten(d: dict, prefix=()) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not prefix[-1:] == ("kwargs",) and k != "kwargs":
+            out.update(_flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def resume_conflicts(saved: Job, new: Job) -> list[str]:
+    """Fields where `new` would change the trajectory of the run it resumes."""
+    a, b = _flatten(saved.to_dict()), _flatten(new.to_dict())
+    return [".".join(k) + f": {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k not in _RESUMABLE and a.get(k) != b.get(k)]
+
+
+def find_resumable(job: Job, root: str = "runs") -> RunDir | None:
+    """The newest run under `root` that this job can continue."""
+    candidates = sorted(pathlib.Path(root).glob(f"{job.name}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in candidates:
+        run = RunDir(path)
+        try:
+            if run.job_file.is_file() and not resume_conflicts(run.load_job(), job):
+                return run
+        except (JobError, GearshiftError):
+            continue
+    return None

@@ -1,0 +1,220 @@
+"""Starting Ray (or joining it), placing the workers, and talking to them.
+
+`RayWorkerGroup` is what the controller drives: one placement group with a bundle per worker,
+one TrainWorker actor per bundle, ranks ordered by node, and a gloo/nccl rendezvous on rank 0's
+node. The controller never touches Ray directly, so tests can hand it another group class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import traceback
+from typing import Any, Iterator
+
+from orchestrator.errors import GearshiftError, WorkerFailed
+from orchestrator.job import Job
+
+log = logging.getLogger("gearshift")
+
+# How long one call into the workers may take before it counts as hung. Generous: the first
+# call into a fresh actor imports torch and builds the model.
+CALL_TIMEOUT_S = 300.0
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, num_cpus: int | None = None):
+    """Join `address` (or RAY_ADDRESS) if given, else start an embedded Ray sized to this machine.
+    Ray is shut down on exit either way (for a joined cluster that only disconnects)."""
+    import ray
+
+    if ray.is_initialized():  # someone (a test, a notebook) already connected: use theirs, leave it up
+        yield {"address": "existing", "embedded": False}
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    try:
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        else:
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        where = address or "a new local cluster"
+        raise GearshiftError(f"Could not start or join Ray at {where}: {err}. Check the address "
+                             "(host:port of the head's GCS, e.g. 10.0.0.1:6379, or 'auto') and that the "
+                             "head is running.") from None
+    try:
+        yield {"address": address or "local", "embedded": not address}
+    finally:
+        ray.shutdown()
+
+
+def _bundle(job: Job) -> dict[str, float]:
+    bundle = {"CPU": job.cluster.cpus_per_worker}
+    if job.cluster.gpus_per_worker:
+        bundle["GPU"] = job.cluster.gpus_per_worker
+    return bundle
+
+
+def _fits(job: Job, resources: dict[str, float]) -> str | None:
+    """Why the cluster's total resources cannot hold the job, or None."""
+    need = {k: v * job.cluster.num_workers for k, v in _bundle(job).items()}
+    short = [f"{k} {need[k]:g} needed, {resources.get(k, 0):g} in the cluster" for k in need
+             if resources.get(k, 0) + 1e-9 < need[k]]
+    return "; ".join(short) or None
+
+
+class RayWorkerGroup:
+    def __init__(self, job: Job, embedded: bool):
+        self.job = job
+        self.embedded = embedded  # an embedded cluster cannot grow, so a shortfall is final at once
+        self.pg = None
+        self.workers: list[Any] = []  # actor handles, index = rank
+        self.infos: list[dict] = []
+
+    # ---------------------------------------------------------------- start
+
+    def start(self) -> list[dict]:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from workers.worker import TrainWorker
+
+        job = self.job
+        short = _fits(job, ray.cluster_resources())
+        if short and self.embedded:
+            raise GearshiftError(
+                f"cluster.num_workers = {job.cluster.num_workers} does not fit this machine's Ray cluster: "
+                f"{short}. Use fewer workers (--set cluster.num_workers=N), lower cluster.cpus_per_worker, "
+                f"or join a bigger cluster with --address.")
+        strategy = {"pack": "PACK", "spread": "SPREAD"}[job.cluster.placement]
+        self.pg = placement_group([_bundle(job)] * job.cluster.num_workers, strategy=strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=job.cluster.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise GearshiftError(
+                f"The cluster could not place {job.cluster.num_workers} workers of {_bundle(job)} "
+                f"({job.cluster.placement}) within cluster.placement_timeout_s = {job.cluster.placement_timeout_s:g} s"
+                f"{': ' + short if short else ''}. Available now: {ray.available_resources()}.") from None
+
+        actor_cls = ray.remote(TrainWorker)
+        search_paths = [job.base_dir]
+        handles = [
+            actor_cls.options(
+                num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                max_restarts=0, max_concurrency=1,
+            ).remote(job.to_dict(), search_paths, job.cluster.cpus_per_worker)
+            for i in range(job.cluster.num_workers)
+        ]
+        self.workers = handles
+        infos = self._get([h.node_info.remote() for h in handles], "start")
+        # ranks grouped by node (stable within a node): the ranks on one node are contiguous,
+        # which later lets tensor-parallel groups stay on the fast local link
+        order = sorted(range(len(handles)), key=lambda i: (infos[i]["node_ip"], infos[i]["node_id"], i))
+        self.workers = [handles[i] for i in order]
+        self.infos = [infos[i] for i in order]
+
+        master_addr = self.infos[0]["node_ip"]
+        port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
+        world = len(self.workers)
+        backends = self._get([w.setup.remote(r, world, master_addr, port, COLLECTIVE_TIMEOUT_S)
+                              for r, w in enumerate(self.workers)], "rendezvous")
+        builds = self.call("build")
+        for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds)):
+            info.update(rank=rank, backend=backend, **built)
+        return self.infos
+
+    # ---------------------------------------------------------------- calls
+
+    def _get(self, refs: list, what: str, timeout: float = CALL_TIMEOUT_S) -> list:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerFailed(None, f"workers did not answer '{what}' within {timeout:g} s") from None
+        except ray.exceptions.RayTaskError as err:
+            raise _task_failure(err, None) from None
+        except ray.exceptions.RayActorError as err:
+            raise WorkerFailed(None, f"a worker process died during '{what}': {err}") from None
+
+    def call(self, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> list:
+        return self._get([getattr(w, method).remote(*args) for w in self.workers], method, timeout)
+
+    def call_rank(self, rank: int, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> Any:
+        return self._get([getattr(self.workers[rank], method).remote(*args)], method, timeout)[0]
+
+    def put(self, value: Any) -> Any:
+        import ray
+
+        return ray.put(value)
+
+    def train(self, until_step: int, checkpoint_every: int, stall_timeout_s: float = CALL_TIMEOUT_S
+              ) -> Iterator[tuple[int, dict]]:
+        """Stream (rank, report) pairs from every worker's step loop until all have finished."""
+        import ray
+
+        gens = {w.train.remote(until_step, checkpoint_every): rank for rank, w in enumerate(self.workers)}
+        last_progress = time.monotonic()
+        while gens:
+            ready, _ = ray.wait(list(gens), num_returns=1, timeout=1.0)
+            if not ready:
+                if time.monotonic() - last_progress > stall_timeout_s:
+                    raise WorkerFailed(None, f"no worker reported a step for {stall_timeout_s:g} s")
+                continue
+            last_progress = time.monotonic()
+            for gen in ready:
+                rank = gens[gen]
+                try:
+                    ref = next(gen)
+                except StopIteration:
+                    del gens[gen]
+                    continue
+                try:
+                    report = ray.get(ref, timeout=CALL_TIMEOUT_S)
+                except ray.exceptions.RayTaskError as err:
+                    raise _task_failure(err, rank) from None
+                except ray.exceptions.RayActorError as err:
+                    raise WorkerFailed(rank, f"worker process died: {err}") from None
+                yield rank, report
+
+    # ---------------------------------------------------------------- stop
+
+    def shutdown(self) -> None:
+        """Stop every actor by handle and release the placement group; never raises."""
+        import ray
+
+        if self.workers:
+            # a polite destroy_process_group first, bounded; then kill regardless
+            with contextlib.suppress(Exception):
+                ray.get([w.shutdown.remote() for w in self.workers], timeout=10)
+            for w in self.workers:
+                with contextlib.suppress(Exception):
+                    ray.kill(w, no_restart=True)
+            self.workers = []
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _task_failure(err, rank: int | None) -> WorkerFailed:
+    """A worker raised: keep the user's exception type and message, and its traceback for the log."""
+    cause = getattr(err, "cause", None)
+    if cause is not None:
+        text = f"{type(cause).__name__}: {cause}"
+        tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+    else:
+        text, tb = str(err).splitlines()[0], str(err)
+    return WorkerFailed(rank, text, details=tb, cause=cause)

@@ -1,0 +1,145 @@
+"""Atomic checkpoints with a manifest: a checkpoint either verifies whole or is not used.
+
+Layout: `checkpoints/step_00000050/{state.pt, manifest.json}`. A checkpoint is written into a
+temporary folder, every file fsynced, then the folder renamed into place (rename is atomic on
+POSIX), so a crash mid-write leaves a `.tmp-*` folder that loading ignores, never a half file
+under a real name. The manifest records each file's size and sha256; loading verifies them and
+falls back to the previous checkpoint when one does not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger("gearshift.checkpoint")
+
+FORMAT = 1
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: pathlib.Path, data: bytes) -> None:
+    """temp file in the same folder, fsync, rename, fsync the folder."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def save(root: pathlib.Path, step: int, state: dict, keep: int, meta: dict | None = None) -> pathlib.Path:
+    """Write `state` as the checkpoint of `step` under `root`, then keep only the newest `keep`."""
+    root = pathlib.Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".step_{step:08d}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        blob = torch_bytes(state)
+        files = {"state.pt": blob}
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "created": time.time(),
+            "files": {name: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()} for name, b in files.items()},
+            **(meta or {}),
+        }
+        files["manifest.json"] = json.dumps(manifest, indent=2).encode()
+        for name, data in files.items():
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # a rerun of the same step (after a resume): replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: pathlib.Path, keep: int) -> None:
+    for path in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
+        if stale.stat().st_mtime < time.time() - 60:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
+    """Complete checkpoint folders, oldest first (temporary folders are never listed)."""
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def verify(path: pathlib.Path) -> dict:
+    """Return the manifest when every file matches it; raise CheckpointError saying what is wrong."""
+    path = pathlib.Path(path)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: manifest unreadable ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this gearshift reads {FORMAT}")
+    for name, want in manifest.get("files", {}).items():
+        try:
+            data = (path / name).read_bytes()
+        except OSError as err:
+            raise CheckpointError(f"{path}: {name} unreadable ({err})") from None
+        if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+            raise CheckpointError(f"{path}: {name} does not match its manifest (size or checksum)")
+    return manifest
+
+
+def load(path: pathlib.Path) -> dict:
+    verify(path)
+    # weights_only: a checkpoint is data; loading one never runs code from it
+    return torch.load(pathlib.Path(path) / "state.pt", map_location="cpu", weights_only=True)
+
+
+def load_latest(root: pathlib.Path) -> tuple[pathlib.Path, dict] | None:
+    """The newest checkpoint that verifies; broken ones are skipped with a warning."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            return path, load(path)
+        except (CheckpointError, RuntimeError, OSError) as err:
+            log.warning("skipping checkpoint %s: %s", path.name, err)
+    return None

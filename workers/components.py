@@ -1,0 +1,165 @@
+"""What a job names, turned into objects: built-in registries and `module:function` entry points.
+
+The orchestrator calls the `check_*` functions while validating a job (before anything starts);
+workers call the `build_*` functions. Both go through the same registries, so a name that
+validates is a name that builds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import inspect
+import sys
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers import data, models
+
+
+class ComponentError(ValueError):
+    """A job names something that does not exist or does not fit; the orchestrator reports it
+    with the same field/value/allowed shape as any other job error."""
+
+    def __init__(self, field_path: str, value: Any, allowed: str, hint: str = ""):
+        self.field_path, self.value, self.allowed, self.hint = field_path, value, allowed, hint
+        super().__init__(f"{field_path} = {value!r} is not valid: {allowed}. {hint}".strip())
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # (batch, seq, vocab) logits against (batch, seq) ids are flattened to plain classification
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output.float(), target.to(torch.float32))
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"mlp": models.mlp, "gpt": models.gpt}
+DATASETS: dict[str, Callable[..., Any]] = {"synthetic_digits": data.synthetic_digits, "chars": data.chars}
+LOSSES: dict[str, Callable[..., Callable]] = {"cross_entropy": lambda: cross_entropy, "mse": lambda: mse}
+_DEFAULT_DATA = {"mlp": "synthetic_digits", "gpt": "chars"}
+
+
+def default_data_for(model_name: str | None) -> str | None:
+    return _DEFAULT_DATA.get(model_name or "")
+
+
+@contextlib.contextmanager
+def _on_path(paths: Iterable[str]):
+    added = [p for p in paths if p and p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(p)
+
+
+def resolve(field_path: str, entrypoint: str, search_paths: Iterable[str] = ()) -> Callable:
+    """Import `module:function`, looking next to the job file first."""
+    module_name, func_name = entrypoint.split(":")
+    search_paths = list(search_paths)
+    with _on_path(search_paths):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name and module_name.startswith(err.name):
+                where = ", ".join(search_paths) or "the job file's folder"
+                raise ComponentError(field_path, entrypoint, f"module {module_name!r} was not found in {where} "
+                                     "or on the Python path") from None
+            raise ComponentError(field_path, entrypoint, f"importing {module_name!r} failed: {err}") from None
+        except Exception as err:  # the user's module raised while importing
+            raise ComponentError(field_path, entrypoint,
+                                 f"importing {module_name!r} failed: {type(err).__name__}: {err}") from None
+    func = getattr(module, func_name, None)
+    if func is None or not callable(func):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        close = difflib.get_close_matches(func_name, names, n=1)
+        hint = f"Did you mean {module_name}:{close[0]}?" if close else ""
+        raise ComponentError(field_path, entrypoint, f"module {module_name!r} has no callable {func_name!r}", hint)
+    return func
+
+
+def check_entrypoint(field_path: str, entrypoint: str, search_paths: Iterable[str]) -> None:
+    resolve(field_path, entrypoint, search_paths)
+
+
+def check_builtin(section: str, name: str, kwargs: dict, registry: dict[str, Callable]) -> None:
+    if name not in registry:
+        close = difflib.get_close_matches(name, list(registry), n=1)
+        raise ComponentError(f"{section}.name", name, "must be one of " + ", ".join(map(repr, registry)),
+                             f"Did you mean {close[0]!r}?" if close else "")
+    params = inspect.signature(registry[name]).parameters
+    for key in kwargs:
+        if key not in params:
+            close = difflib.get_close_matches(key, list(params), n=1)
+            raise ComponentError(f"{section}.kwargs.{key}", kwargs[key],
+                                 f"unknown option for {section} {name!r}; it takes " + ", ".join(params),
+                                 f"Did you mean {close[0]!r}?" if close else "")
+
+
+def _call(field_path: str, what: str, func: Callable, kwargs: dict):
+    try:
+        return func(**kwargs)
+    except TypeError as err:
+        raise ComponentError(f"{field_path}.kwargs", kwargs, f"{what} rejected these arguments: {err}") from None
+
+
+def build_model(spec: dict, search_paths: Iterable[str] = ()) -> nn.Module:
+    if spec.get("entrypoint"):
+        func = resolve("model.entrypoint", spec["entrypoint"], search_paths)
+        with _on_path(search_paths):
+            model = _call("model", spec["entrypoint"], func, spec.get("kwargs") or {})
+    else:
+        model = _call("model", spec["name"], MODELS[spec["name"]], spec.get("kwargs") or {})
+    if not isinstance(model, nn.Module):
+        raise ComponentError("model", spec.get("entrypoint") or spec.get("name"),
+                             f"must return a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def build_dataset(spec: dict, model_spec: dict, search_paths: Iterable[str] = ()):
+    kwargs = dict(spec.get("kwargs") or {})
+    if spec.get("entrypoint"):
+        func = resolve("data.entrypoint", spec["entrypoint"], search_paths)
+        with _on_path(search_paths):
+            dataset = _call("data", spec["entrypoint"], func, kwargs)
+    else:
+        name = spec.get("name") or default_data_for(model_spec.get("name"))
+        if name == "chars" and "seq_len" not in kwargs:
+            kwargs["seq_len"] = (model_spec.get("kwargs") or {}).get("block_size", 64)
+        dataset = _call("data", name, DATASETS[name], kwargs)
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise ComponentError("data", spec.get("entrypoint") or spec.get("name"),
+                             f"must return a map-style Dataset (with __len__ and __getitem__), "
+                             f"got {type(dataset).__name__}")
+    return dataset
+
+
+def build_loss(spec: dict, search_paths: Iterable[str] = ()) -> Callable:
+    if spec.get("entrypoint"):
+        func = resolve("loss.entrypoint", spec["entrypoint"], search_paths)
+        with _on_path(search_paths):
+            loss = _call("loss", spec["entrypoint"], func, spec.get("kwargs") or {})
+    else:
+        loss = _call("loss", spec.get("name") or "cross_entropy", LOSSES[spec.get("name") or "cross_entropy"],
+                     spec.get("kwargs") or {})
+    if not callable(loss):
+        raise ComponentError("loss.entrypoint", spec.get("entrypoint"),
+                             f"must return a callable loss_fn(output, target), got {type(loss).__name__}")
+    return loss
+
+
+def build_optimizer(params, spec: dict) -> torch.optim.Optimizer:
+    name, lr, wd = spec["name"], spec["lr"], spec["weight_decay"]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=spec["momentum"], nesterov=spec["nesterov"],
+                               weight_decay=wd)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    return cls(params, lr=lr, betas=tuple(spec["betas"]), eps=spec["eps"], weight_decay=wd)

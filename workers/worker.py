@@ -1,0 +1,166 @@
+"""TrainWorker: one per device. It owns the model replica, runs its own step loop, and streams
+batched step reports back; the controller stays off the hot path.
+
+The class is plain Python; the orchestrator wraps it with `ray.remote` and placement options.
+It receives the resolved job as plain data (the same mapping as the run dir's `job.yaml`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from strategies import data as data_strategy
+from workers import components
+from workers.data import GlobalBatches, load_batch
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True) if obj.device.type != "cpu" else obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """RNG state is a function of (seed, step, rank): a resumed run draws what the original drew."""
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
+
+
+class TrainWorker:
+    def __init__(self, job: dict, search_paths: list[str], cpus: float = 1.0):
+        self.job = job
+        self.search_paths = list(search_paths)
+        torch.set_num_threads(max(1, int(cpus)))
+        self.rank = 0
+        self.world = 1
+        self.step = 0
+        self.model = None
+
+    # ---------------------------------------------------------------- placement and rendezvous
+
+    def node_info(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        gpus = ctx.get_accelerator_ids().get("GPU", [])
+        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
+                "hostname": socket.gethostname(), "gpu_ids": list(gpus)}
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(self, rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> str:
+        self.rank, self.world = rank, world
+        if torch.cuda.is_available():
+            # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU, so it is always cuda:0 here
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        return backend
+
+    # ---------------------------------------------------------------- model, optimizer, data
+
+    def build(self) -> dict:
+        job = self.job
+        train = job["train"]
+        torch.manual_seed(train["seed"])  # identical initial weights on every rank, and in a 1-process run
+        model = components.build_model(job["model"], self.search_paths).to(self.device)
+        self.raw_model = model
+        self.model = data_strategy.apply(model, self.device, bucket_cap_mb=job["parallel"]["bucket_cap_mb"])
+        self.optimizer = components.build_optimizer(self.model.parameters(), job["optimizer"])
+        self.loss_fn = components.build_loss(job["loss"], self.search_paths)
+        self.dataset = components.build_dataset(job["data"], job["model"], self.search_paths)
+        self.batches = GlobalBatches(len(self.dataset), train["global_batch_size"], train["seed"])
+        self.autocast_dtype = _DTYPES[train["precision"]]
+        # fp16 needs loss scaling; the parameters stay fp32 (autocast computes in fp16 from them),
+        # so the optimizer always updates fp32 master weights
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=train["precision"] == "fp16")
+        self.step = 0
+        return {"parameters": sum(p.numel() for p in model.parameters()), "dataset_len": len(self.dataset)}
+
+    def state(self) -> dict:
+        return to_cpu({"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                       "scaler": self.scaler.state_dict(), "step": self.step})
+
+    def load(self, state: dict) -> int:
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = int(state["step"])
+        return self.step
+
+    def model_state(self) -> dict:
+        """The full, unsharded model state_dict on CPU: what `final.pt` holds."""
+        return to_cpu(self.raw_model.state_dict())
+
+    # ---------------------------------------------------------------- the step loop
+
+    def _one_step(self, step: int) -> torch.Tensor:
+        train = self.job["train"]
+        dp_world = self.world  # every rank is a data-parallel rank in the data strategy
+        x, y = load_batch(self.dataset, self.batches.shard(step, self.rank, dp_world))
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        torch.manual_seed(step_seed(train["seed"], step, self.rank))
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            loss = self.loss_fn(self.model(x), y)
+        self.scaler.scale(loss).backward()
+        if train["grad_clip"]:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train["grad_clip"])
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach()
+
+    def train(self, until_step: int, checkpoint_every: int = 0, flush_s: float = 0.5) -> Iterator[dict]:
+        """Run steps up to `until_step`, yielding batches of per-step reports.
+
+        A batch is yielded every `flush_s` seconds, at each checkpoint step (rank 0 attaches the
+        state) and at the end. Losses stay on the device until a flush, so a step never waits
+        on a device-to-host copy just to be reported.
+        """
+        losses, times = [], []
+        first = self.step
+        last_flush = time.perf_counter()
+        t_prev = last_flush
+        while self.step < until_step:
+            step = self.step
+            losses.append(self._one_step(step))
+            self.step = step + 1
+            now = time.perf_counter()
+            times.append(now - t_prev)
+            t_prev = now
+            ckpt = checkpoint_every and self.step % checkpoint_every == 0 and self.step < until_step
+            if ckpt or now - last_flush >= flush_s or self.step == until_step:
+                report = {"rank": self.rank, "first_step": first, "losses": torch.stack(losses).float().tolist(),
+                          "step_times": times}
+                if ckpt and self.rank == 0:
+                    report["checkpoint"] = self.state()
+                yield report
+                losses, times = [], []
+                first = self.step
+                last_flush = time.perf_counter()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
