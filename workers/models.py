@@ -32,7 +32,9 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = n_embd // n_head
         self.q = nn.Linear(n_embd, n_embd, bias=bias)
-        self.k = nn.Linear(n_embd, n_embd, bias=bias)
+        # No key bias: q.(k + b) shifts every score of a query by the same q.b, which softmax
+        # ignores, so its true gradient is zero and Adam would only amplify rounding noise.
+        self.k = nn.Linear(n_embd, n_embd, bias=False)
         self.v = nn.Linear(n_embd, n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
 

@@ -1,0 +1,49 @@
+"""Test tiers: pure logic (no fixture), then a real Ray cluster shared by the session.
+
+Every Ray-using test takes the `ray_cluster` fixture; it starts one embedded Ray for the whole
+session and shuts it down at the end, so no Ray process outlives the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+# Ray prints a warning per connection about token auth; tests read stderr, so keep it quiet.
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    dashboard_port = free_port()
+    # 4 logical CPUs on a 2-core machine: room for a 2-worker job plus a submitted job's driver
+    info = ray.init(address="local", num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+                    dashboard_port=dashboard_port, logging_level="WARNING")
+    try:
+        yield {"dashboard_url": f"http://127.0.0.1:{dashboard_port}", "gcs_address": info.address_info["gcs_address"]}
+    finally:
+        ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:
+        has_gpu = False
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -1,0 +1,142 @@
+"""Data-parallel training on Ray equals plain single-process PyTorch on the same global batches.
+
+The reference below builds the model, data and loss with gearshift's builders (construction
+only) and trains them with a bare PyTorch loop: no Ray, no process group, no gearshift step.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from orchestrator import cli
+from orchestrator.job import Job, load_job
+from workers import components
+from workers.data import GlobalBatches
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+pytestmark = [pytest.mark.ray]
+
+MLP = (ROOT / "examples/mlp.yaml", ["train.steps=12", "train.global_batch_size=32", "checkpoint.every=0"])
+GPT = (ROOT / "examples/gpt.yaml", ["train.steps=10", "train.global_batch_size=8", "checkpoint.every=0",
+                                    "model.kwargs={vocab_size: 128, block_size: 32, n_layer: 2, n_head: 4, n_embd: 64}"])
+
+
+def user_job(tmp_path: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
+    """A job whose model, data and loss are the user's own module, lying next to the job file."""
+    shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
+    job = tmp_path / "user.yaml"
+    job.write_text(
+        "name: user\n"
+        "model: {entrypoint: 'user_model:build', kwargs: {width: 48}}\n"
+        "data: {entrypoint: 'user_model:waves', kwargs: {size: 256}}\n"
+        "loss: {entrypoint: 'user_model:smooth_l1', kwargs: {beta: 0.5}}\n"
+        "optimizer: {name: adam, lr: 0.01}\n"
+        "train: {steps: 15, global_batch_size: 16, grad_clip: 1.0}\n")
+    return job, []
+
+
+def reference(job: Job) -> tuple[dict, list[float]]:
+    spec = job.to_dict()
+    paths = [job.base_dir]
+    torch.manual_seed(job.train.seed)
+    model = components.build_model(spec["model"], paths)
+    dataset = components.build_dataset(spec["data"], spec["model"], paths)
+    loss_fn = components.build_loss(spec["loss"], paths)
+    o = job.optimizer
+    opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name](
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
+    losses = []
+    for step in range(job.train.steps):
+        x, y = default_collate([dataset[i] for i in order.indices(step)])
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if job.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def run_gearshift(job_file, overrides, run_dir, *extra) -> dict:
+    args = ["run", str(job_file), "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
+    assert cli.main(args + list(extra)) == 0
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def step_losses(run_dir) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r.get("type") == "step"}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("which", ["mlp", "gpt", "user"])
+def test_final_params_equal_single_process_reference(ray_cluster, tmp_path, which, workers):
+    job_file, overrides = {"mlp": MLP, "gpt": GPT}.get(which) or user_job(tmp_path)
+    overrides = overrides + [f"cluster.num_workers={workers}"]
+    ref_state, ref_losses = reference(load_job(job_file, overrides))
+
+    summary = run_gearshift(job_file, overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["world_size"] == workers
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    diff = max_diff(final, ref_state)
+    assert diff <= 1e-5, f"{which} x{workers}: max |final - reference| = {diff:.3g}"
+
+    losses = step_losses(tmp_path / "run")
+    assert sorted(losses) == list(range(1, len(ref_losses) + 1))
+    worst = max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses))
+    assert worst <= 1e-5, f"per-step loss differs from the reference by {worst:.3g}"
+
+
+def test_final_pt_loads_into_the_plain_model(ray_cluster, tmp_path):
+    run_gearshift(MLP[0], MLP[1] + ["train.steps=3"], tmp_path / "run")
+    model = components.build_model({"name": "mlp", "kwargs": {}})
+    model.load_state_dict(torch.load(tmp_path / "run" / "final.pt", weights_only=True))  # strict: same keys
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_resume_after_a_checkpoint_matches_an_uninterrupted_run(ray_cluster, tmp_path):
+    job_file, base = MLP[0], ["train.steps=12", "train.global_batch_size=32", "checkpoint.every=4",
+                              "checkpoint.keep=5", "optimizer.name=adam", "cluster.num_workers=2"]
+    whole = tmp_path / "whole"
+    run_gearshift(job_file, base, whole)
+
+    # The same job stopped after its step-4 checkpoint: later checkpoints and outputs never written.
+    cut = tmp_path / "cut"
+    run_gearshift(job_file, base, cut)
+    for path in (cut / "checkpoints").iterdir():
+        if path.name != "step_00000004":
+            shutil.rmtree(path)
+    (cut / "final.pt").unlink()
+    summary = run_gearshift(job_file, base, cut, "--resume")  # --resume with --run-dir
+    assert summary["resumed_from_step"] == 4
+    assert min(step_losses(cut)) == 1  # the telemetry of the first leg is kept; the second appends
+    a = torch.load(whole / "final.pt", weights_only=True)
+    b = torch.load(cut / "final.pt", weights_only=True)
+    assert max_diff(a, b) <= 1e-6
+
+
+def test_resume_extends_a_finished_run(ray_cluster, tmp_path):
+    job_file, base = MLP[0], ["train.global_batch_size=32", "cluster.num_workers=2"]
+    longer = tmp_path / "longer"
+    run_gearshift(job_file, base + ["train.steps=10"], longer)
+    short = tmp_path / "short"
+    run_gearshift(job_file, base + ["train.steps=6"], short)
+    assert cli.main(["run", "--resume", str(short), "--set", "train.steps=10"]) == 0
+    summary = json.loads((short / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 6 and summary["steps_done"] == 10
+    assert max_diff(torch.load(longer / "final.pt", weights_only=True),
+                    torch.load(short / "final.pt", weights_only=True)) <= 1e-6
