@@ -1,0 +1,131 @@
+"""Malformed job files and overrides: one paragraph naming the field, a non-zero exit, no
+traceback, nothing created and no Ray left running."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from orchestrator import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+MLP = "model: mlp\ntrain: {steps: 5, global_batch_size: 8}\ncluster: {num_workers: 2}\n"
+
+# (case id, job file text, overrides, substrings the message must contain)
+CASES = [
+    ("yaml-syntax", "model: [mlp\ntrain: {steps: 3}\n", [], ["valid YAML", "line"]),
+    ("top-level-list", "- model\n- mlp\n", [], ["(top level)", "must be a mapping"]),
+    ("empty-file", "", [], ["model", "is required"]),
+    ("unknown-top-key", "modle: mlp\n", [], ["modle", "unknown key", "Did you mean 'model'"]),
+    ("unknown-nested-key", MLP + "optimizer: {name: adam, learning_rate: 0.1}\n", [],
+     ["optimizer.learning_rate", "unknown key", "lr"]),
+    ("wrong-type", MLP, ["train.steps=ten"], ["train.steps", "'ten'", "integer"]),
+    ("bool-for-int", MLP, ["train.steps=true"], ["train.steps", "true", "integer"]),
+    ("negative-workers", MLP, ["cluster.num_workers=-2"], ["cluster.num_workers", "-2", "between 1"]),
+    ("zero-batch", MLP, ["train.global_batch_size=0"], ["train.global_batch_size", "0", ">= 1"]),
+    ("negative-lr", MLP, ["optimizer.lr=-0.1"], ["optimizer.lr", "-0.1", "> 0"]),
+    ("batch-not-divisible", MLP, ["train.global_batch_size=9"], ["train.global_batch_size", "9 % 2 = 1"]),
+    ("unknown-model", "model: resnet\n", [], ["model.name", "'resnet'", "'mlp', 'gpt'"]),
+    ("unknown-model-kwarg", MLP, ["model.kwargs={hiden: 3}"], ["model.kwargs.hiden", "Did you mean 'hidden'"]),
+    ("unknown-optimizer", MLP, ["optimizer.name=addamw"], ["optimizer.name", "'addamw'", "Did you mean 'adamw'"]),
+    ("bad-precision", MLP, ["train.precision=fp8"], ["train.precision", "'fp8'", "'bf16'"]),
+    ("two-gpus", MLP, ["cluster.gpus_per_worker=2"], ["cluster.gpus_per_worker", "0 (train on CPU) or 1"]),
+    ("bad-betas", MLP, ["optimizer.betas=[0.9]"], ["optimizer.betas", "two numbers"]),
+    ("missing-module", "model: 'no_such_module:build'\ndata: 'no_such_module:data'\n", [],
+     ["model.entrypoint", "no_such_module", "not found"]),
+    ("missing-function", "model: 'user_model:biuld'\ndata: 'user_model:waves'\n", [],
+     ["model.entrypoint", "no callable 'biuld'", "user_model:build"]),
+    ("entrypoint-format", "model: {entrypoint: 'user_model.build'}\n", [], ["model.entrypoint", "module:function"]),
+    ("user-model-without-data", "model: 'user_model:build'\n", [], ["data", "is required"]),
+    ("name-and-entrypoint", "model: {name: mlp, entrypoint: 'user_model:build'}\n", [], ["either name", "not both"]),
+    ("set-without-equals", MLP, ["train.steps"], ["--set", "KEY=VALUE"]),
+    ("set-bad-yaml", MLP, ["model.kwargs={hidden: [1"], ["--set model.kwargs", "YAML"]),
+    ("set-into-scalar", MLP, ["train.steps.max=3"], ["train.steps.max", "cannot set a key inside train.steps"]),
+    ("momentum-with-adam", MLP, ["optimizer.momentum=0.9"], ["optimizer.momentum", "sgd only"]),
+    ("nan-lr", MLP, ["optimizer.lr=.nan"], ["optimizer.lr", "finite"]),
+]
+
+
+@pytest.mark.parametrize("case,text,overrides,expect", CASES, ids=[c[0] for c in CASES])
+def test_bad_job_is_one_paragraph_and_nothing_starts(tmp_path, monkeypatch, capsys, case, text, overrides, expect):
+    shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
+    (tmp_path / "job.yaml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["run", "job.yaml"] + [a for o in overrides for a in ("--set", o)])
+    err = capsys.readouterr().err.strip()
+    assert code == cli.EXIT_BAD_INPUT, err
+    assert "Traceback" not in err and "\n\n" not in err and err.startswith("gearshift: ")
+    for piece in expect:
+        assert piece in err, f"{piece!r} missing from: {err}"
+    assert not (tmp_path / "runs").exists(), "an invalid job must not create a run directory"
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_missing_job_file(tmp_path, capsys):
+    assert cli.main(["run", str(tmp_path / "nope.yaml")]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "nope.yaml" in err and "existing YAML file" in err
+
+
+def test_module_that_fails_to_import(tmp_path, capsys):
+    (tmp_path / "broken.py").write_text("import torch\nraise RuntimeError('no GPU driver here')\n")
+    (tmp_path / "job.yaml").write_text("model: 'broken:build'\ndata: 'broken:data'\n")
+    assert cli.main(["run", str(tmp_path / "job.yaml")]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "importing 'broken' failed: RuntimeError: no GPU driver here" in err and "Traceback" not in err
+
+
+def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):
+    assert cli.main(["run", "--resume", str(tmp_path)]) == cli.EXIT_FAILED
+    assert "not a gearshift run directory" in capsys.readouterr().err
+
+
+def _ray_daemons() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server")}
+
+
+@pytest.mark.ray
+def test_more_workers_than_the_machine_fails_fast_and_stops_ray(tmp_path):
+    """The real command in a fresh process: it starts an embedded Ray, finds the job cannot fit,
+    says so in one paragraph and leaves no Ray process behind."""
+    (tmp_path / "job.yaml").write_text(MLP)
+    before = _ray_daemons()
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "job.yaml",
+                           "--set", "cluster.num_workers=64", "--set", "train.global_batch_size=64"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == cli.EXIT_FAILED, proc.stderr
+    assert "cluster.num_workers = 64 does not fit" in proc.stderr and "CPU 64 needed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s: a job that cannot fit must fail fast"
+    deadline = time.monotonic() + 15
+    while _ray_daemons() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (_ray_daemons() - before), "the embedded Ray must be shut down"
+
+
+@pytest.mark.ray
+def test_job_that_cannot_be_placed_on_a_joined_cluster_times_out_cleanly(ray_cluster, tmp_path, capsys):
+    """On a cluster gearshift joined (it may grow), it waits placement_timeout_s, then fails."""
+    (tmp_path / "job.yaml").write_text(MLP)
+    code = cli.main(["run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"),
+                     "--set", "cluster.cpus_per_worker=3", "--set", "cluster.placement_timeout_s=2"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_FAILED and "could not place 2 workers" in err and "Traceback" not in err
+    import ray
+    from ray.util import placement_group_table
+
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+    assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
