@@ -110,8 +110,8 @@ def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
-def verify(path: pathlib.Path) -> dict:
-    """Return the manifest when every file matches it; raise CheckpointError saying what is wrong."""
+def verify(path: pathlib.Path) -> tuple[dict, dict[str, bytes]]:
+    """The manifest and the files' bytes, when every file matches the manifest; else CheckpointError."""
     path = pathlib.Path(path)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
@@ -119,6 +119,7 @@ def verify(path: pathlib.Path) -> dict:
         raise CheckpointError(f"{path}: manifest unreadable ({err})") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this gearshift reads {FORMAT}")
+    files = {}
     for name, want in manifest.get("files", {}).items():
         try:
             data = (path / name).read_bytes()
@@ -126,20 +127,23 @@ def verify(path: pathlib.Path) -> dict:
             raise CheckpointError(f"{path}: {name} unreadable ({err})") from None
         if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
             raise CheckpointError(f"{path}: {name} does not match its manifest (size or checksum)")
-    return manifest
+        files[name] = data
+    if "state.pt" not in files:
+        raise CheckpointError(f"{path}: the manifest lists no state.pt")
+    return manifest, files
 
 
 def load(path: pathlib.Path) -> dict:
-    verify(path)
+    _, files = verify(path)
     # weights_only: a checkpoint is data; loading one never runs code from it
-    return torch.load(pathlib.Path(path) / "state.pt", map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(files["state.pt"]), map_location="cpu", weights_only=True)
 
 
 def load_latest(root: pathlib.Path) -> tuple[pathlib.Path, dict] | None:
-    """The newest checkpoint that verifies; broken ones are skipped with a warning."""
+    """The newest checkpoint that verifies and loads; broken ones are skipped with a warning."""
     for path in reversed(list_checkpoints(root)):
         try:
             return path, load(path)
-        except (CheckpointError, RuntimeError, OSError) as err:
-            log.warning("skipping checkpoint %s: %s", path.name, err)
+        except Exception as err:  # any checkpoint that cannot be used is skipped, whatever the reason
+            log.warning("skipping checkpoint %s: %s", path.name, str(err).splitlines()[0])
     return None

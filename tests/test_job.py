@@ -1,0 +1,67 @@
+"""The job file model: defaults, shorthands, overrides, fingerprints and resume rules."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import yaml
+
+from orchestrator.job import JobError, apply_overrides, job_from_dict, load_job
+from orchestrator.rundir import resume_conflicts
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_examples_load_and_round_trip(name):
+    job = load_job(ROOT / "examples" / f"{name}.yaml")
+    assert job.name == name and job.model.name == name
+    again = job_from_dict(yaml.safe_load(yaml.safe_dump(job.to_dict())), job.base_dir)
+    assert again == job and again.fingerprint() == job.fingerprint()
+
+
+def test_overrides_parse_as_yaml():
+    job = load_job(ROOT / "examples/mlp.yaml", ["optimizer.betas=[0.8, 0.9]", "model.kwargs={hidden: 64}",
+                                                  "optimizer.lr=1e-2", "train.grad_clip=null"])
+    assert job.optimizer.betas == (0.8, 0.9)
+    assert job.model.kwargs == {"hidden": 64}  # a mapping replaces the mapping
+    assert job.optimizer.lr == pytest.approx(0.01)  # YAML 1.1 reads 1e-2 as text; it is a number here
+    assert job.train.grad_clip is None
+
+
+def test_shorthands_and_defaults(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text("model: gpt\nloss: cross_entropy\n")
+    job = load_job(path)
+    assert job.name == "tiny"  # from the file name
+    assert job.model.name == "gpt" and job.loss.name == "cross_entropy" and job.data.name is None
+    assert job.parallel.strategy == "data" and job.cluster.num_workers == 2
+    raw = apply_overrides({"model": "gpt"}, ["model.kwargs.n_layer=1"])
+    assert raw["model"] == {"name": "gpt", "kwargs": {"n_layer": 1}}
+
+
+def test_fingerprint_tracks_what_changes_the_result():
+    base = load_job(ROOT / "examples/mlp.yaml")
+    renamed = load_job(ROOT / "examples/mlp.yaml", ["name=other"])
+    changed = load_job(ROOT / "examples/mlp.yaml", ["optimizer.lr=0.5"])
+    assert base.fingerprint() == renamed.fingerprint()
+    assert base.fingerprint() != changed.fingerprint()
+
+
+def test_resume_allows_only_length_and_cadence_changes():
+    base = load_job(ROOT / "examples/mlp.yaml")
+    longer = load_job(ROOT / "examples/mlp.yaml", ["train.steps=900", "checkpoint.every=7"])
+    other = load_job(ROOT / "examples/mlp.yaml", ["optimizer.lr=0.5", "model.kwargs={hidden: 8}"])
+    assert resume_conflicts(base, longer) == []
+    conflicts = resume_conflicts(base, other)
+    assert any(c.startswith("optimizer.lr") for c in conflicts)
+    assert any(c.startswith("model.kwargs") for c in conflicts)
+
+
+def test_error_carries_field_value_and_allowed():
+    with pytest.raises(JobError) as info:
+        load_job(ROOT / "examples/mlp.yaml", ["cluster.placement=scatter"])
+    err = info.value
+    assert (err.field_path, err.value) == ("cluster.placement", "scatter")
+    assert "'pack', 'spread'" in err.allowed and "mlp.yaml" in str(err)
