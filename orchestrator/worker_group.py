@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import time
-import traceback
 from typing import Any, Iterator
 
 from orchestrator.errors import GearshiftError, WorkerFailed
@@ -212,9 +211,6 @@ class RayWorkerGroup:
 def _task_failure(err, rank: int | None) -> WorkerFailed:
     """A worker raised: keep the user's exception type and message, and its traceback for the log."""
     cause = getattr(err, "cause", None)
-    if cause is not None:
-        text = f"{type(cause).__name__}: {cause}"
-        tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
-    else:
-        text, tb = str(err).splitlines()[0], str(err)
-    return WorkerFailed(rank, text, details=tb, cause=cause)
+    text = f"{type(cause).__name__}: {cause}" if cause is not None else str(err).splitlines()[0]
+    # str(err) carries the remote traceback; the cause's own traceback does not survive the trip
+    return WorkerFailed(rank, text, details=str(err), cause=cause)

@@ -1,0 +1,54 @@
+"""Precision modes, progress output and a worker that fails, on a real Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+from orchestrator import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+pytestmark = [pytest.mark.ray]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, precision, capsys):
+    code = cli.main(["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(tmp_path / "run"),
+                     "--set", f"train.precision={precision}", "--set", "train.steps=30",
+                     "--set", "train.log_every=10", "--set", "checkpoint.every=0"])
+    assert code == 0
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert summary["final_loss"] < 0.9 * summary["first_loss"], summary
+    final = torch.load(tmp_path / "run/final.pt", weights_only=True)
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in final.values())
+    err = capsys.readouterr().err
+    assert "step 30/30  loss" in err and "samples/s" in err and "ETA" in err
+
+
+def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, tmp_path, capsys):
+    shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
+    (tmp_path / "job.yaml").write_text(
+        "model: {entrypoint: 'user_model:flaky', kwargs: {fail_on: 3}}\ndata: 'user_model:waves'\nloss: mse\n"
+        "train: {steps: 10, global_batch_size: 8}\n")
+    code = cli.main(["run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_FAILED
+    assert "Training failed in worker rank" in err and "ValueError: bad activation on call 3" in err
+    assert "Traceback" not in err
+    assert "user_model.py" in (tmp_path / "run/gearshift.log").read_text()  # the traceback is kept for the user
+    summary = json.loads((tmp_path / "run/summary.json").read_text())
+    assert summary["status"] == "failed"
+
+    import ray
+    from ray.util import placement_group_table
+    from ray.util.state import list_actors
+
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+    alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "TrainWorker"]
+    assert alive == []
+    assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
