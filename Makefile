@@ -1,0 +1,30 @@
+# Two commands for a new user:   make run   (train a real job on an embedded local Ray)
+#                                 make test  (the test suite)
+# Each sets up .venv on first use. TORCH_VERSION picks the PyTorch build pip installs first;
+# gearshift itself only asks for torch>=2.4.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+JOB ?= examples/mlp.yaml
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.gearshift-installed
+
+.PHONY: install run test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+run: install
+	$(BIN)/gearshift run $(JOB)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
