@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from orchestrator.errors import GearshiftError
+from orchestrator.errors import GearshiftError, WorkerFailed
 from orchestrator.job import JobError
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
@@ -128,6 +128,16 @@ def _resolve_run(args):
     return job, None, None, False
 
 
+def _where_to_continue(run) -> str:
+    from workers import checkpoint
+
+    text = f" Details: {run.log}." if run.log.exists() else ""
+    found = checkpoint.list_checkpoints(run.checkpoints)
+    if found:
+        text += f" The last checkpoint is {found[-1].name}: continue with `gearshift run --resume {run.path}`."
+    return text
+
+
 def cmd_run(args) -> int:
     from monitoring.progress import ProgressView
     from orchestrator.controller import Controller
@@ -153,7 +163,10 @@ def cmd_run(args) -> int:
     with ray_session(args.address) as session:
         controller = Controller(job, run, lambda j: RayWorkerGroup(j, embedded=session["embedded"]),
                                 resume=resume, view=view)
-        summary = controller.run()
+        try:
+            summary = controller.run()
+        except WorkerFailed as err:
+            raise GearshiftError(f"{err}.{_where_to_continue(run)}") from None
     rate = summary.get("samples_per_s")
     view.say(f"done: {summary['steps_done']} steps in {summary['wall_time_s']:.1f} s, loss "
              f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "

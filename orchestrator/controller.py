@@ -10,6 +10,7 @@ The worker-group class is injected, so tests can drive the controller without Ra
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import statistics
 import time
@@ -101,9 +102,9 @@ class Controller:
             summary.update(world_size=len(infos), backend=infos[0].get("backend"),
                            nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
                            resumed_from_step=start_step if self.resume else None,
-                           strategy_history=[{"step": start_step, "strategy": job.parallel.strategy,
-                                              "dp": len(infos), "tp": 1,
-                                              "bucket_cap_mb": job.parallel.bucket_cap_mb}])
+                           strategy_history=self._earlier_history(start_step) + [
+                               {"step": start_step, "strategy": job.parallel.strategy, "dp": len(infos), "tp": 1,
+                                "bucket_cap_mb": job.parallel.bucket_cap_mb}])
 
             self._enter(State.TRAINING, from_step=start_step)
             if self.view:
@@ -125,11 +126,21 @@ class Controller:
             if self.view:
                 self.view.close()
             if group is not None:
-                group.shutdown()
+                group.shutdown(polite=self.state is State.DONE)
             summary.update(self._figures(start_step, time.time() - t0))
             self.run_dir.write_summary(summary)
             self.sink.close()
         return summary
+
+    def _earlier_history(self, start_step: int) -> list[dict]:
+        """A resumed run keeps the layouts its earlier legs used before the resume point."""
+        if not self.resume or not self.run_dir.summary.is_file():
+            return []
+        try:
+            old = json.loads(self.run_dir.summary.read_text()).get("strategy_history", [])
+        except ValueError:
+            return []
+        return [h for h in old if h.get("step", 0) < start_step]
 
     def _train(self, group, start_step: int) -> None:
         job = self.job

@@ -144,7 +144,8 @@ class RayWorkerGroup:
         except ray.exceptions.RayTaskError as err:
             raise _task_failure(err, None) from None
         except ray.exceptions.RayActorError as err:
-            raise WorkerFailed(None, f"a worker process died during '{what}': {err}") from None
+            raise WorkerFailed(None, f"a worker process died during '{what}' (killed, crashed, out of memory "
+                                     "or its node was lost)", details=str(err)) from None
 
     def call(self, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> list:
         return self._get([getattr(w, method).remote(*args) for w in self.workers], method, timeout)
@@ -183,19 +184,24 @@ class RayWorkerGroup:
                 except ray.exceptions.RayTaskError as err:
                     raise _task_failure(err, rank) from None
                 except ray.exceptions.RayActorError as err:
-                    raise WorkerFailed(rank, f"worker process died: {err}") from None
+                    info = self.infos[rank]
+                    raise WorkerFailed(rank, f"its process (pid {info['pid']} on {info['node_ip']}) died: killed, "
+                                             "crashed, out of memory or its node was lost", details=str(err)) from None
                 yield rank, report
 
     # ---------------------------------------------------------------- stop
 
-    def shutdown(self) -> None:
-        """Stop every actor by handle and release the placement group; never raises."""
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop every actor by handle and release the placement group; never raises.
+
+        `polite` first lets each worker leave its process group (bounded). After a failure a
+        survivor may be blocked in a collective and would not answer, so it is killed at once."""
         import ray
 
         if self.workers:
-            # a polite destroy_process_group first, bounded; then kill regardless
-            with contextlib.suppress(Exception):
-                ray.get([w.shutdown.remote() for w in self.workers], timeout=10)
+            if polite:
+                with contextlib.suppress(Exception):
+                    ray.get([w.shutdown.remote() for w in self.workers], timeout=10)
             for w in self.workers:
                 with contextlib.suppress(Exception):
                     ray.kill(w, no_restart=True)

@@ -65,8 +65,8 @@ class FakeGroup:
                     pending[rank] = []
                     yield rank, report
 
-    def shutdown(self):
-        self.shut = True
+    def shutdown(self, polite=True):
+        self.shut = "polite" if polite else "killed"
 
 
 def make(tmp_path, overrides, **group_kw):
@@ -92,7 +92,7 @@ def test_merger_releases_a_step_only_when_every_rank_reported():
 def test_run_writes_checkpoints_final_and_summary(tmp_path):
     job, run, factory, groups = make(tmp_path, ["train.steps=10", "checkpoint.every=4", "checkpoint.keep=5"])
     summary = Controller(job, run, factory).run()
-    assert summary["status"] == "done" and summary["steps_done"] == 10 and groups[0].shut
+    assert summary["status"] == "done" and summary["steps_done"] == 10 and groups[0].shut == "polite"
     assert [p.name for p in checkpoint.list_checkpoints(run.checkpoints)] == [
         "step_00000004", "step_00000008", "step_00000010"]
     assert checkpoint.load(run.checkpoints / "step_00000008")["model"]["w"].tolist() == [8.0, 8.0]
@@ -117,7 +117,7 @@ def test_a_failing_worker_ends_the_run_cleanly(tmp_path):
     job, run, factory, groups = make(tmp_path, ["train.steps=10", "checkpoint.every=2"], fail_at=5)
     with pytest.raises(WorkerFailed, match="worker rank 1: ValueError: boom"):
         Controller(job, run, factory).run()
-    assert groups[0].shut, "the group must be torn down on failure"
+    assert groups[0].shut == "killed", "after a failure the group is killed, not asked"
     summary = json.loads(run.summary.read_text())
     assert summary["status"] == "failed" and "boom" in summary["error"] and summary["steps_done"] == 4  # step 5 never completed on every rank
     assert "Traceback" in run.log.read_text()

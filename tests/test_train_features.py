@@ -52,3 +52,42 @@ def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, 
     alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "TrainWorker"]
     assert alive == []
     assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
+
+
+def test_ctrl_c_stops_workers_and_ray_and_records_the_interruption(tmp_path):
+    """The real command in its own process: SIGINT mid-run exits 130 within seconds, the summary
+    says interrupted, the last checkpoint is intact and the embedded Ray is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_bad_input import _ray_daemons
+
+    before = _ray_daemons()
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "examples/mlp.yaml"),
+                             "--run-dir", str(run), "--set", "train.steps=100000", "--set", "checkpoint.every=20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
+    try:
+        deadline = time.monotonic() + 90
+        while not (run / "checkpoints").is_dir() or not any((run / "checkpoints").iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached a checkpoint"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == cli.EXIT_INTERRUPTED, out
+    assert "interrupted" in out and "Traceback" not in out
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    from workers import checkpoint
+
+    assert checkpoint.load_latest(run / "checkpoints")[1]["step"] % 20 == 0
+    deadline = time.monotonic() + 15
+    while _ray_daemons() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (_ray_daemons() - before), "the embedded Ray must be shut down"
