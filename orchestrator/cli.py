@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--address", help="the head's dashboard, e.g. http://HEAD:8265 (default: RAY_ADDRESS)")
     submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     submit.add_argument("--run-dir", help="run directory on the cluster (default as for run)")
+    submit.add_argument("--python", default="python",
+                        help="the interpreter the head runs the job with (default: `python` on the head's PATH)")
 
     for name, text in (("logs", "print a submitted job's logs"), ("stop", "stop a submitted job")):
         cmd = sub.add_parser(name, help=text)
@@ -63,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "submit":
                 from orchestrator.job import load_job
 
-                load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
-                job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir)
+                job = load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
+                job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir,
+                                         python=args.python, job_name=job.name)
                 print(job_id)
                 print(f"Follow it with: gearshift logs {job_id} --follow", file=sys.stderr)
             elif args.command == "logs":
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 def _resolve_run(args):
     """(job, run dir, resume state) from the arguments; validates everything before any start."""
     from orchestrator.job import load_job
-    from orchestrator.rundir import RunDir, find_resumable, resume_conflicts
+    from orchestrator.rundir import RunDir, find_resumable, resume_conflicts, runs_root
     from workers import checkpoint
 
     resume_dir = args.resume if isinstance(args.resume, str) else None
@@ -112,7 +115,7 @@ def _resolve_run(args):
             run = RunDir(path) if path else find_resumable(job)
             if run is None:
                 raise GearshiftError(f"--resume: no earlier run of job {job.name!r} with this configuration "
-                                     f"under runs/. Name one with --resume RUN_DIR.")
+                                     f"under {runs_root()}/. Name one with --resume RUN_DIR.")
         saved = run.load_job() if run else None
     if run is not None:
         conflicts = resume_conflicts(saved, job)

@@ -4,6 +4,7 @@ checkpoints, `summary.json` and `final.pt`."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import time
 
@@ -16,6 +17,11 @@ from workers import checkpoint
 # Keys that may differ between a run and its resume: they change how long or how often,
 # not what the trajectory is.
 _RESUMABLE = {("name",), ("train", "steps"), ("train", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep")}
+
+
+def runs_root(root: str | None = None) -> str:
+    """Where new run dirs go: `root`, else $GEARSHIFT_RUNS_ROOT, else ./runs."""
+    return os.path.expanduser(root or os.environ.get("GEARSHIFT_RUNS_ROOT") or "runs")
 
 
 class RunDir:
@@ -31,13 +37,14 @@ class RunDir:
     meta = property(lambda self: self.path / "run.json")  # what job.yaml cannot say: where the job came from
 
     @classmethod
-    def create(cls, job: Job, explicit: str | None = None, root: str = "runs") -> "RunDir":
+    def create(cls, job: Job, explicit: str | None = None, root: str | None = None) -> "RunDir":
         if explicit:
             path = pathlib.Path(explicit)
             if (path / "job.yaml").exists():
                 raise GearshiftError(f"--run-dir {path} already holds a run. Continue it with "
                                      f"`gearshift run --resume {path}`, or choose another directory.")
         else:
+            root = runs_root(root)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             path = pathlib.Path(root) / f"{job.name}-{job.fingerprint()}-{stamp}"
             n = 1
@@ -83,8 +90,9 @@ def resume_conflicts(saved: Job, new: Job) -> list[str]:
             if k not in _RESUMABLE and a.get(k) != b.get(k)]
 
 
-def find_resumable(job: Job, root: str = "runs") -> RunDir | None:
+def find_resumable(job: Job, root: str | None = None) -> RunDir | None:
     """The newest run under `root` that this job can continue."""
+    root = runs_root(root)
     candidates = sorted(pathlib.Path(root).glob(f"{job.name}-*"), key=lambda p: p.stat().st_mtime, reverse=True)
     for path in candidates:
         run = RunDir(path)

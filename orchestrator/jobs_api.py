@@ -1,0 +1,590 @@
+"""Submit gearshift jobs to a remote Ray cluster and follow them.
+
+A thin layer over Ray's Job Submission API (``ray.job_submission.JobSubmissionClient``,
+HTTP on the head's dashboard port, 8265 by default) behind ``gearshift submit / logs /
+stop / status``. What it adds to the plain client:
+
+* the job file's directory travels as the ``working_dir`` and gearshift's own four
+  packages as ``py_modules``, so the cluster runs the client's version of gearshift;
+* the address comes from the argument, else ``RAY_JOB_ADDRESS`` / ``RAY_API_SERVER_ADDRESS``
+  / ``RAY_ADDRESS`` (an explicit argument wins: the plain client lets the environment
+  override it);
+* every request has a timeout, and every failure a user can cause (nothing listening,
+  wrong port, bad token, unknown job id) becomes one ``JobsApiError`` whose message says
+  what to check, never a traceback.
+
+Token auth (Ray >= 2.52; ``ray.init()`` turns it on by default for the local cluster it
+starts since 2.59): ``JobSubmissionClient`` attaches the token only when *this* process
+runs with ``RAY_AUTH_MODE=token``, so a fresh CLI gets HTTP 401 from such a head. We ask
+the head's public ``/api/authentication_mode`` endpoint first and, when it says "token",
+send the token Ray's own loader finds (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, or
+``~/.ray/auth_token``), so ``RAY_AUTH_MODE`` need not be set on the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import re
+import secrets
+import shlex
+import socket
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence, TextIO
+from urllib.parse import urlsplit
+
+import aiohttp  # a dependency of ray[default]; tail_job_logs speaks websocket through it
+import requests
+import yaml
+from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
+
+# (connect, read) seconds for every HTTP request. Read is generous because the head
+# answers a package upload only after storing it; connect is short because a head that
+# does not accept a connection within seconds is not going to.
+HTTP_TIMEOUT_S: tuple[float, float] = (5.0, 60.0)
+
+# How long `logs --follow` waits for output before checking, over plain HTTP with a
+# timeout, that the head is still there: a websocket to a vanished head can stay open
+# without ever delivering anything.
+FOLLOW_IDLE_CHECK_S = 30.0
+
+# Submissions tried when the head has no job agent yet; the head waits 10 s per try.
+SUBMIT_ATTEMPTS = 3
+
+GEARSHIFT_PACKAGES = ("orchestrator", "workers", "strategies", "monitoring")
+WORKING_DIR_EXCLUDES = (".venv", "runs", ".git", "__pycache__")
+
+# Environment variables consulted, in order, when no address is given. RAY_JOB_ADDRESS is
+# gearshift's own; RAY_API_SERVER_ADDRESS is what `ray job` reads; RAY_ADDRESS is shared
+# with ray.init() and often holds "auto" or a ray:// address, which is skipped.
+ADDRESS_ENV_VARS = ("RAY_JOB_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+# JobSubmissionClient's constructor replaces the address it is given with these.
+_RAY_ADDRESS_OVERRIDES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-_]*):(?P<port>\d{1,5})$")
+_DASHBOARD_HINT = (
+    "Check that it is the Ray dashboard on the head node (port 8265 by default, not the "
+    "GCS port 6379), that the dashboard runs there (`ray start --head --dashboard-host "
+    "0.0.0.0`, then `ray status` on the head), and that the port is reachable from here "
+    "(for a cluster started with `ray up cluster.yaml`, `ray dashboard cluster.yaml` "
+    "forwards it to http://localhost:8265)."
+)
+
+
+class JobsApiError(Exception):
+    """A failure the user can act on; str(error) is the whole explanation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """Everything Ray needs to start one gearshift job; built without touching the network."""
+
+    submission_id: str
+    entrypoint: str
+    runtime_env: dict[str, Any]
+    metadata: dict[str, str]
+
+
+# --------------------------------------------------------------------------- address
+
+
+def resolve_address(address: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """Return the job API's base URL, e.g. ``http://10.0.0.5:8265``.
+
+    An explicit ``address`` (or RAY_JOB_ADDRESS) must be an http(s) URL or ``host:port``;
+    in RAY_API_SERVER_ADDRESS / RAY_ADDRESS, values that are neither (``auto``,
+    ``ray://...``) are skipped rather than rejected: ray.init() gives them a meaning.
+    """
+    if address is not None:
+        url = _as_url(address)
+        if url is None:
+            raise JobsApiError(
+                f"address {address!r} is not one gearshift can use: give the Ray dashboard's "
+                "HTTP address, as http://HOST:PORT, https://HOST[:PORT][/PATH] or HOST:PORT "
+                "(e.g. http://10.0.0.5:8265)."
+            )
+        return url
+    environ = os.environ if environ is None else environ
+    skipped = []
+    for name in ADDRESS_ENV_VARS:
+        value = environ.get(name, "").strip()
+        if not value:
+            continue
+        url = _as_url(value)
+        if url is not None:
+            return url
+        if name == "RAY_JOB_ADDRESS":  # gearshift's own: a bad value is a mistake, not a skip
+            raise JobsApiError(
+                f"RAY_JOB_ADDRESS={value!r} is not an http(s) URL or HOST:PORT; set it to "
+                "the Ray dashboard's address, e.g. http://10.0.0.5:8265."
+            )
+        skipped.append(f"{name}={value!r}")
+    why = f" ({', '.join(skipped)} set, but not an http(s) URL or HOST:PORT)" if skipped else ""
+    raise JobsApiError(
+        f"no Ray job address{why}: pass --address http://HEAD:8265 or set RAY_JOB_ADDRESS. "
+        "For a cluster started with `ray up cluster.yaml`, run `ray dashboard cluster.yaml` "
+        "and use http://localhost:8265."
+    )
+
+
+def _as_url(value: str) -> str | None:
+    value = value.strip()
+    if "://" in value:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return None
+        return value.rstrip("/")
+    match = _HOST_PORT.match(value)
+    if match is None or not 0 < int(match["port"]) < 65536:
+        return None
+    return f"http://{value}"
+
+
+# ------------------------------------------------------------------------ submission
+
+
+def build_submission(
+    job_path: Path,
+    overrides: Sequence[str] = (),
+    run_dir: str | None = None,
+    *,
+    pip: Sequence[str] = (),
+    python: str = "python",
+    job_name: str | None = None,
+) -> Submission:
+    """Build the entrypoint and runtime_env that run ``job_path`` on the cluster.
+
+    ``overrides`` are ``a.b=value`` strings passed on as ``--set``; ``run_dir`` is a path on
+    the head, where the job's driver runs. ``pip`` lists extra requirements Ray installs in
+    a per-job virtualenv (slow on first use: prefer installing them in the cluster's
+    image). ``python`` is the interpreter the head runs the job with: the job's shell gets
+    the PATH of whoever ran `ray start`, so plain ``python`` is right on cluster.yaml nodes
+    but not where Ray runs from an unactivated virtualenv (give its full path there).
+    ``job_name`` defaults to the job file's ``name`` field, else its file stem; it names
+    the submission.
+    """
+    job_path = Path(job_path).resolve()
+    if not job_path.is_file():
+        raise JobsApiError(f"job file {str(job_path)!r} does not exist or is not a file.")
+    for item in overrides:
+        _check_override(item)
+    name = job_name or _job_name_from_file(job_path)
+    return Submission(
+        submission_id=_submission_id(name),
+        entrypoint=_entrypoint(python, job_path.name, overrides, run_dir),
+        runtime_env=_runtime_env(job_path.parent, pip, run_dir),
+        metadata={"gearshift_job": name},
+    )
+
+
+def _check_override(item: str) -> None:
+    key, sep, _ = item.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][\w-]*(\.[\w-]+)*", key):
+        raise JobsApiError(
+            f"override {item!r} must look like KEY=VALUE with a dotted KEY, e.g. "
+            "train.steps=100 or model.name=gpt2."
+        )
+
+
+def _job_name_from_file(job_path: Path) -> str:
+    try:
+        spec = yaml.safe_load(job_path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        # Fail here, before anything is uploaded, rather than in the cluster's log.
+        raise JobsApiError(f"cannot read job file {str(job_path)!r}: {exc}") from None
+    name = spec.get("name") if isinstance(spec, dict) else None
+    return name if isinstance(name, str) and name.strip() else job_path.stem
+
+
+def _submission_id(name: str) -> str:
+    # Ray names the driver's log file after the id; keep it to a file-name-safe alphabet.
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40] or "job"
+    return f"gearshift-{slug}-{secrets.token_hex(3)}"
+
+
+def _entrypoint(python: str, job_file: str, overrides: Sequence[str], run_dir: str | None) -> str:
+    # No --address: inside a Ray job RAY_ADDRESS is set, so `run` joins this cluster.
+    argv = [python, "-m", "orchestrator.cli", "run", job_file]
+    for item in overrides:
+        argv += ["--set", item]
+    if run_dir is not None:
+        argv += ["--run-dir", run_dir]
+    return shlex.join(argv)
+
+
+# Where a submitted job's run dirs go on the head when --run-dir is not given. The job runs
+# inside Ray's temporary copy of the working dir, which Ray deletes later: a relative runs/
+# there would be lost.
+SUBMITTED_RUNS_ROOT = "~/gearshift-runs"
+
+
+def _runtime_env(working_dir: Path, pip: Sequence[str], run_dir: str | None = None) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "working_dir": str(working_dir),
+        "py_modules": [str(p) for p in gearshift_package_dirs()],
+        "excludes": list(WORKING_DIR_EXCLUDES),
+    }
+    if run_dir is None:
+        env["env_vars"] = {"GEARSHIFT_RUNS_ROOT": SUBMITTED_RUNS_ROOT}
+    if pip:
+        env["pip"] = list(pip)
+    return env
+
+
+def gearshift_package_dirs() -> list[Path]:
+    """Directories of the four gearshift packages this process would import."""
+    dirs = []
+    for name in GEARSHIFT_PACKAGES:
+        # find_spec gives the package's __file__ without running its __init__, which may
+        # import torch: seconds we need not spend to submit.
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise JobsApiError(
+                f"package {name!r} is not importable here; install gearshift "
+                "(`pip install -e .` in the checkout) before submitting."
+            )
+        dirs.append(Path(spec.origin).parent)
+    return dirs
+
+
+# ------------------------------------------------------------------- public commands
+
+
+def submit(
+    job_path: Path,
+    address: str | None = None,
+    overrides: Sequence[str] = (),
+    run_dir: str | None = None,
+    *,
+    pip: Sequence[str] = (),
+    python: str = "python",
+    job_name: str | None = None,
+) -> str:
+    """Submit ``job_path`` to the cluster at ``address``; return the submission id."""
+    submission = build_submission(
+        job_path, overrides, run_dir, pip=pip, python=python, job_name=job_name
+    )
+    return send_submission(address, submission)
+
+
+def send_submission(address: str | None, submission: Submission) -> str:
+    """Upload the submission's packages and start it; return the submission id."""
+    client, url = _connect(address)
+    with _translate_errors(url):
+        attempt = 1
+        while True:
+            try:
+                return client.submit_job(
+                    entrypoint=submission.entrypoint,
+                    submission_id=submission.submission_id,
+                    runtime_env=submission.runtime_env,
+                    metadata=submission.metadata,
+                )
+            except _HttpStatusError as exc:
+                # A head that has just started answers HTTP before its node agent, which
+                # runs the job, has registered; the head waits 10 s for it and then
+                # gives up. Nothing was started, so asking again is safe (and the
+                # packages, already uploaded, are not sent twice).
+                if attempt >= SUBMIT_ATTEMPTS or "No available agent" not in str(exc):
+                    raise
+                attempt += 1
+
+
+def logs(address: str | None, job_id: str, follow: bool = False, out: TextIO | None = None) -> None:
+    """Write the job's log so far to ``out``; with ``follow``, keep writing until it ends.
+
+    Ctrl-C while following stops following, not the job.
+    """
+    out = sys.stdout if out is None else out
+    client, url = _connect(address)
+    with _translate_errors(url, job_id):
+        if not follow:
+            out.write(client.get_job_logs(job_id))
+            out.flush()
+            return
+        client.get_job_info(job_id)  # an unknown id fails here, with a timeout
+        try:
+            asyncio.run(_follow(client, job_id, out))
+        except KeyboardInterrupt:
+            print(
+                f"\nstopped following {job_id}; the job keeps running "
+                f"(`gearshift stop {job_id}` stops it).",
+                file=sys.stderr,
+            )
+
+
+def stop(address: str | None, job_id: str) -> bool:
+    """Ask the job to stop; True if it was running, False if it had already ended."""
+    client, url = _connect(address)
+    with _translate_errors(url, job_id):
+        return client.stop_job(job_id)
+
+
+def wait(address: str | None, job_id: str, timeout_s: float, poll_s: float = 1.0) -> JobStatus:
+    """Poll until the job ends; return its final status, or raise after ``timeout_s``."""
+    client, url = _connect(address)
+    deadline = time.monotonic() + timeout_s
+    with _translate_errors(url, job_id):
+        while True:
+            state = client.get_job_status(job_id)
+            if state.is_terminal():
+                return state
+            if time.monotonic() > deadline:
+                raise JobsApiError(
+                    f"job {job_id} is still {state.value} after {timeout_s:g} s; "
+                    f"`gearshift logs --follow {job_id}` shows what it is doing."
+                )
+            time.sleep(poll_s)
+
+
+def status(address: str | None, job_id: str | None = None, console: Any = None) -> list[JobDetails]:
+    """Print one job's status and message, or a table of all jobs; return what was shown."""
+    from rich.console import Console  # imported here: only printing needs rich
+
+    console = Console(highlight=False) if console is None else console
+    client, url = _connect(address)
+    with _translate_errors(url, job_id):
+        jobs = [client.get_job_info(job_id)] if job_id else client.list_jobs()
+    if job_id:
+        _print_one(console, jobs[0])
+    else:
+        _print_table(console, sorted(jobs, key=lambda j: j.start_time or 0))
+    return jobs
+
+
+# -------------------------------------------------------------------------- printing
+
+
+def _print_one(console: Any, job: JobDetails) -> None:
+    # markup=False: a job's message is free text and may hold [brackets] rich would eat.
+    times = f"started {_when(job.start_time)}, ended {_when(job.end_time)}"
+    console.print(f"{_job_label(job)}: {job.status.value}  ({times})", markup=False)
+    if job.message:
+        console.print(job.message, markup=False)
+
+
+def _print_table(console: Any, jobs: Sequence[JobDetails]) -> None:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    # Ids are copied into the next command and the short columns are read at a glance,
+    # so those keep their width; name and entrypoint get what is left, cut with "...".
+    table = Table(title=f"{len(jobs)} job(s)", box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("id", no_wrap=True, min_width=max((len(_job_label(j)) for j in jobs), default=2))
+    table.add_column("name", no_wrap=True, overflow="ellipsis", max_width=24)
+    table.add_column("status", no_wrap=True, min_width=9)
+    table.add_column("start", no_wrap=True, min_width=11)
+    table.add_column("end", no_wrap=True, min_width=11)
+    table.add_column("entrypoint", no_wrap=True, overflow="ellipsis")
+    for job in jobs:
+        cells = (
+            _job_label(job),
+            (job.metadata or {}).get("gearshift_job", ""),
+            job.status.value,
+            _when(job.start_time, "%m-%d %H:%M"),
+            _when(job.end_time, "%m-%d %H:%M"),
+            shorten(job.entrypoint or ""),
+        )
+        table.add_row(*(Text(c) for c in cells))  # Text: cells are data, not markup
+    console.print(table)
+
+
+def _job_label(job: JobDetails) -> str:
+    # Drivers started with ray.init() are listed too; they have no submission id.
+    return job.submission_id or job.job_id or "?"
+
+
+def _when(millis: int | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    if not millis:
+        return "-"
+    return datetime.fromtimestamp(millis / 1000).strftime(fmt)
+
+
+def shorten(text: str, width: int = 60) -> str:
+    """Cut ``text`` to ``width`` characters, marking the cut with '...'."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# ------------------------------------------------------------------------ connection
+
+
+class _HttpStatusError(Exception):
+    def __init__(self, status_code: int, text: str):
+        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()] or ["(no body)"]
+        # Ray answers some failures with a whole server-side traceback; its last line
+        # is the part that says what went wrong.
+        summary = lines[-1] if lines[0].startswith("Traceback") else lines[0]
+        super().__init__(f"HTTP {status_code}: {summary[:300]}")
+        self.status_code = status_code
+
+
+class _Client(JobSubmissionClient):
+    """JobSubmissionClient with a timeout on every request and typed HTTP errors.
+
+    Both hooks are private methods of Ray's SubmissionClient (stable through Ray 2.x);
+    tests/test_jobs_api.py exercises them against a real dashboard.
+    """
+
+    def _do_request(self, method, endpoint, **kwargs):
+        # Ray's client calls requests without a timeout; a head that accepts the
+        # connection but never answers would hang the CLI forever.
+        kwargs.setdefault("timeout", HTTP_TIMEOUT_S)
+        return super()._do_request(method, endpoint, **kwargs)
+
+    def _raise_error(self, r):
+        # Ray raises a bare RuntimeError with the code in its text; keep the code.
+        raise _HttpStatusError(r.status_code, r.text)
+
+
+def _connect(address: str | None) -> tuple[_Client, str]:
+    url = resolve_address(address)
+    with _translate_errors(url):
+        headers = _auth_headers(url)
+        with _environ_without(_RAY_ADDRESS_OVERRIDES):
+            return _Client(url, headers=headers), url
+
+
+def _auth_headers(url: str) -> dict[str, str]:
+    # Public endpoint: answers without a token, so it tells us whether one is needed.
+    r = requests.get(f"{url}/api/authentication_mode", timeout=HTTP_TIMEOUT_S)
+    if r.status_code == 404:
+        return {}  # a dashboard from before Ray 2.52, which has no token auth
+    if r.status_code != 200:
+        raise _HttpStatusError(r.status_code, r.text)
+    if r.json().get("authentication_mode") != "token":
+        return {}
+    headers = _load_token_header()
+    if not headers:
+        raise JobsApiError(
+            f"the Ray cluster at {url} requires an authentication token and none was found "
+            "here. On the head node run `ray get-auth-token`, then on this machine either "
+            "`export RAY_AUTH_TOKEN=<token>` or save it to ~/.ray/auth_token."
+        )
+    return headers
+
+
+def _load_token_header() -> dict[str, str]:
+    # Ray's own loader, so the token sources and their precedence match every other Ray
+    # client: RAY_AUTH_TOKEN, then RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token.
+    from ray._raylet import AuthenticationTokenLoader
+
+    return AuthenticationTokenLoader.instance().get_token_for_http_header(ignore_auth_mode=True)
+
+
+@contextlib.contextmanager
+def _environ_without(names: Sequence[str]) -> Iterator[None]:
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _translate_errors(url: str, job_id: str | None = None) -> Iterator[None]:
+    """Turn everything a bad address, token or job id can raise into JobsApiError."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        yield
+    except JobsApiError:
+        raise
+    except AuthenticationError as exc:
+        raise JobsApiError(
+            f"the Ray cluster at {url} rejected the request ({_first_line(exc)}). Get the "
+            "head's token with `ray get-auth-token` (on the head) and set RAY_AUTH_TOKEN "
+            "or ~/.ray/auth_token here to it."
+        ) from None
+    except _HttpStatusError as exc:
+        if exc.status_code == 404 and job_id is not None:
+            raise JobsApiError(
+                f"no job with id {job_id!r} on the Ray cluster at {url}; "
+                "`gearshift status` lists the jobs there."
+            ) from None
+        if exc.status_code >= 500:
+            raise JobsApiError(
+                f"the Ray job API at {url} failed: {exc}. The head answered, so the address "
+                "is right; if the cluster has just started, try again in a few seconds, else "
+                "see the dashboard's log on the head (/tmp/ray/session_latest/logs/dashboard.log)."
+            ) from None
+        if exc.status_code in (404, 405):
+            raise JobsApiError(
+                f"{url} answered {exc}, which the Ray job API would not. {_DASHBOARD_HINT}"
+            ) from None
+        raise JobsApiError(f"the Ray job API at {url} refused the request: {exc}.") from None
+    except (OSError, asyncio.TimeoutError, aiohttp.ClientError, ValueError, RuntimeError) as exc:
+        # OSError covers requests' and the builtin ConnectionError; ValueError a non-JSON
+        # answer from something that is not a dashboard; RuntimeError what Ray raises
+        # for a failed version check, a refused package or a broken log stream.
+        raise JobsApiError(
+            f"cannot use the Ray job API at {url}: {_describe(exc)}. {_DASHBOARD_HINT}"
+        ) from None
+
+
+def _describe(exc: BaseException) -> str:
+    chain = list(_causes(exc))
+    if any(isinstance(e, ConnectionRefusedError) for e in chain):
+        return "connection refused (nothing is listening on that port)"
+    if any(isinstance(e, socket.gaierror) for e in chain):
+        return "the host name does not resolve"
+    if any(isinstance(e, (requests.Timeout, TimeoutError, asyncio.TimeoutError)) for e in chain):
+        connect_s, read_s = HTTP_TIMEOUT_S
+        return f"no answer in time (timeouts: connect {connect_s:g} s, read {read_s:g} s)"
+    return _first_line(exc)
+
+
+def _causes(exc: BaseException | None) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        reason = getattr(exc, "reason", None)  # urllib3 keeps the cause here
+        exc = exc.__cause__ or exc.__context__ or (reason if isinstance(reason, BaseException) else None)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+# ---------------------------------------------------------------------- log follower
+
+
+async def _follow(client: _Client, job_id: str, out: TextIO) -> None:
+    stream = client.tail_job_logs(job_id)
+    loop = asyncio.get_running_loop()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(stream.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=FOLLOW_IDLE_CHECK_S)
+            if not done:
+                # Quiet is normal for a training job; only a dead head or an ended job
+                # (whose stream somehow stayed open) is a reason to stop waiting.
+                state = await loop.run_in_executor(None, client.get_job_status, job_id)
+                if state.is_terminal():
+                    return
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            out.write(chunk)
+            out.flush()
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        await stream.aclose()

@@ -1,0 +1,507 @@
+"""orchestrator.jobs_api: address resolution, the submission it builds, clean errors.
+
+Everything but the last test runs without Ray; the last one (marked `ray`) starts a
+local Ray with its dashboard and submits through the real Job Submission API.
+"""
+
+import asyncio
+import dataclasses
+import http.server
+import io
+import json
+import os
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+from ray.job_submission import JobStatus
+
+import orchestrator
+from orchestrator import jobs_api
+from orchestrator.jobs_api import JobsApiError, build_submission, resolve_address
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def job_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: Tiny MLP\ntrain:\n  steps: 3\n")
+    return path
+
+
+# ----------------------------------------------------------------------- addresses
+
+
+@pytest.mark.parametrize(
+    "given, url",
+    [
+        ("http://10.0.0.5:8265", "http://10.0.0.5:8265"),
+        ("https://ray.example.com/dash/", "https://ray.example.com/dash"),
+        ("10.0.0.5:8265", "http://10.0.0.5:8265"),
+        ("head-node:8265", "http://head-node:8265"),
+        ("[::1]:8265", "http://[::1]:8265"),
+    ],
+)
+def test_explicit_address(given, url):
+    assert resolve_address(given, environ={}) == url
+
+
+@pytest.mark.parametrize("given", ["ray://10.0.0.5:10001", "auto", "10.0.0.5", "host:99999", "ftp://x:1"])
+def test_bad_explicit_address_names_value_and_allowed_forms(given):
+    with pytest.raises(JobsApiError, match="http://HOST:PORT") as info:
+        resolve_address(given, environ={})
+    assert repr(given) in str(info.value)
+
+
+def test_explicit_address_beats_environment():
+    env = {"RAY_JOB_ADDRESS": "http://a:1", "RAY_ADDRESS": "http://b:2"}
+    assert resolve_address("http://c:3", environ=env) == "http://c:3"
+
+
+def test_environment_order_and_skipping():
+    assert resolve_address(None, {"RAY_JOB_ADDRESS": "a:1", "RAY_ADDRESS": "b:2"}) == "http://a:1"
+    assert resolve_address(None, {"RAY_API_SERVER_ADDRESS": "http://s:8265", "RAY_ADDRESS": "b:2"}) == "http://s:8265"
+    # ray.init() values in RAY_ADDRESS are not job API addresses: skip them.
+    assert resolve_address(None, {"RAY_JOB_ADDRESS": "", "RAY_ADDRESS": "b:2"}) == "http://b:2"
+
+
+def test_bad_gearshift_address_variable_is_an_error_not_a_skip():
+    with pytest.raises(JobsApiError, match="RAY_JOB_ADDRESS='ray://h:10001'"):
+        resolve_address(None, {"RAY_JOB_ADDRESS": "ray://h:10001", "RAY_ADDRESS": "b:2"})
+
+
+def test_no_usable_address_is_a_clear_error():
+    with pytest.raises(JobsApiError, match="--address") as info:
+        resolve_address(None, {"RAY_ADDRESS": "auto"})
+    assert "RAY_ADDRESS='auto'" in str(info.value)
+    with pytest.raises(JobsApiError, match="no Ray job address"):
+        resolve_address(None, {})
+
+
+# ---------------------------------------------------------------------- submission
+
+
+def test_runtime_env_ships_working_dir_and_gearshift(job_file):
+    sub = build_submission(job_file)
+    env = sub.runtime_env
+    assert env["working_dir"] == str(job_file.parent)
+    assert set(env["excludes"]) >= {".venv", "runs", ".git", "__pycache__"}
+    # The packages this process imports, so the cluster runs the client's gearshift.
+    assert env["py_modules"] == [str(REPO / p) for p in ("orchestrator", "workers", "strategies", "monitoring")]
+    assert env["py_modules"][0] == str(Path(orchestrator.__file__).parent)
+    assert all((Path(p) / "__init__.py").is_file() for p in env["py_modules"])
+    assert "pip" not in env
+    assert build_submission(job_file, pip=["einops==0.8.0"]).runtime_env["pip"] == ["einops==0.8.0"]
+    # run dirs must outlive Ray's temporary copy of the working dir
+    assert env["env_vars"] == {"GEARSHIFT_RUNS_ROOT": "~/gearshift-runs"}
+    assert "env_vars" not in build_submission(job_file, run_dir="/data/runs/x").runtime_env
+
+
+def test_runs_root_comes_from_the_environment(monkeypatch, tmp_path):
+    from orchestrator.rundir import runs_root
+
+    monkeypatch.delenv("GEARSHIFT_RUNS_ROOT", raising=False)
+    assert runs_root() == "runs" and runs_root("elsewhere") == "elsewhere"
+    monkeypatch.setenv("GEARSHIFT_RUNS_ROOT", "~/gearshift-runs")
+    assert runs_root() == str(Path.home() / "gearshift-runs")
+
+
+def test_entrypoint_runs_the_job_file_with_quoted_overrides(job_file):
+    overrides = ["train.steps=5", "model.name=it's a model", "optim.lr=1e-3;rm -rf /"]
+    sub = build_submission(job_file, overrides, run_dir="/data/runs/x y")
+    argv = shlex.split(sub.entrypoint)
+    assert argv[:5] == ["python", "-m", "orchestrator.cli", "run", "job.yaml"]
+    assert argv[5:] == [
+        "--set", "train.steps=5",
+        "--set", "model.name=it's a model",
+        "--set", "optim.lr=1e-3;rm -rf /",
+        "--run-dir", "/data/runs/x y",
+    ]
+    assert "--run-dir" not in build_submission(job_file).entrypoint
+    assert build_submission(job_file, python="/opt/py/bin/python").entrypoint.startswith("/opt/py/bin/python -m")
+
+
+def test_submission_id_and_metadata(job_file, tmp_path):
+    a, b = build_submission(job_file), build_submission(job_file)
+    assert a.metadata == {"gearshift_job": "Tiny MLP"}
+    assert a.submission_id.startswith("gearshift-tiny-mlp-")
+    assert a.submission_id != b.submission_id
+    nameless = tmp_path / "sweep_7.yaml"
+    nameless.write_text("train: {steps: 1}\n")
+    assert build_submission(nameless).submission_id.startswith("gearshift-sweep-7-")
+
+
+@pytest.mark.parametrize("bad", ["train.steps", "=5", "train..steps=5", "9lives=1"])
+def test_bad_override_is_rejected(job_file, bad):
+    with pytest.raises(JobsApiError, match="KEY=VALUE") as info:
+        build_submission(job_file, [bad])
+    assert repr(bad) in str(info.value)
+
+
+def test_missing_or_unparsable_job_file(tmp_path):
+    with pytest.raises(JobsApiError, match="does not exist"):
+        build_submission(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: [1, 2\n")
+    with pytest.raises(JobsApiError, match="cannot read job file"):
+        build_submission(broken)
+
+
+def test_shorten():
+    assert jobs_api.shorten("a  b\nc") == "a b c"
+    assert jobs_api.shorten("x" * 100, width=10) == "xxxxxxx..."
+
+
+# -------------------------------------------------------------- failures, no cluster
+
+
+def test_nothing_listening_is_a_clean_error_and_quick(job_file):
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(JobsApiError) as info:
+        jobs_api.submit(job_file, url)
+    assert time.monotonic() - start < 5
+    message = str(info.value)
+    assert url in message and "connection refused" in message and "8265" in message
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_silent_server_times_out(monkeypatch):
+    # Accepts connections (the kernel does, via the backlog) but never answers.
+    monkeypatch.setattr(jobs_api, "HTTP_TIMEOUT_S", (1.0, 1.0))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(JobsApiError, match="no answer in time"):
+            jobs_api.status(url)
+        assert time.monotonic() - start < 5
+
+
+class _FakeHead(http.server.BaseHTTPRequestHandler):
+    routes: dict = {}
+
+    def do_GET(self):
+        code, body = self.routes.get(self.path, (404, "not found"))
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_head():
+    """An HTTP server answering GETs from a {path: (code, body)} table."""
+    routes = {}
+    handler = type("Handler", (_FakeHead,), {"routes": routes})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", routes
+    server.shutdown()
+    server.server_close()
+
+
+def test_token_required_but_missing(fake_head, monkeypatch):
+    url, routes = fake_head
+    routes["/api/authentication_mode"] = (200, json.dumps({"authentication_mode": "token"}))
+    monkeypatch.setattr(jobs_api, "_load_token_header", lambda: {})
+    with pytest.raises(JobsApiError, match="ray get-auth-token") as info:
+        jobs_api.stop(url, "gearshift-x-123456")
+    assert url in str(info.value)
+
+
+class _AgentLateClient:
+    """Stands in for the Ray client: the first ``late`` submissions find no job agent."""
+
+    def __init__(self, late, error_text="No available agent to submit job, please try again later."):
+        self.late, self.error_text, self.calls = late, error_text, 0
+
+    def submit_job(self, *, submission_id, **_):
+        self.calls += 1
+        if self.calls <= self.late:
+            raise jobs_api._HttpStatusError(500, self.error_text)
+        return submission_id
+
+
+@pytest.mark.parametrize("late, succeeds", [(0, True), (2, True), (3, False)])
+def test_submit_retries_while_the_head_has_no_agent(job_file, monkeypatch, late, succeeds):
+    client = _AgentLateClient(late)
+    monkeypatch.setattr(jobs_api, "_connect", lambda address: (client, "http://head:8265"))
+    sub = build_submission(job_file)
+    if succeeds:
+        assert jobs_api.send_submission("head:8265", sub) == sub.submission_id
+    else:
+        with pytest.raises(JobsApiError, match="No available agent.*try again in a few seconds"):
+            jobs_api.send_submission("head:8265", sub)
+    assert client.calls == min(late + 1, jobs_api.SUBMIT_ATTEMPTS)
+
+
+def test_other_server_errors_are_not_retried(job_file, monkeypatch):
+    traceback_body = 'Traceback (most recent call last):\n  File "x.py", line 1\nKeyError: \'boom\'\n'
+    client = _AgentLateClient(late=5, error_text=traceback_body)
+    monkeypatch.setattr(jobs_api, "_connect", lambda address: (client, "http://head:8265"))
+    with pytest.raises(JobsApiError, match=r"failed: HTTP 500: KeyError: 'boom'\.") as info:
+        jobs_api.send_submission("head:8265", build_submission(job_file))
+    assert client.calls == 1 and "Traceback" not in str(info.value)
+
+
+class _QuietStreamClient:
+    """A job whose log stream says one thing, then nothing, and never closes."""
+
+    def __init__(self, status_after_quiet):
+        self.status_after_quiet = status_after_quiet
+
+    def get_job_info(self, job_id):
+        return None
+
+    async def tail_job_logs(self, job_id):
+        yield "step 1\n"
+        await asyncio.Event().wait()  # forever, like a websocket to a vanished head
+
+    def get_job_status(self, job_id):
+        if isinstance(self.status_after_quiet, Exception):
+            raise self.status_after_quiet
+        return self.status_after_quiet
+
+
+@pytest.mark.parametrize(
+    "after_quiet, error",
+    [
+        (JobStatus.SUCCEEDED, None),
+        (requests.ConnectionError("[Errno 111] Connection refused"), "cannot use the Ray job API"),
+    ],
+)
+def test_follow_does_not_hang_on_a_silent_stream(monkeypatch, after_quiet, error):
+    monkeypatch.setattr(jobs_api, "FOLLOW_IDLE_CHECK_S", 0.2)
+    monkeypatch.setattr(jobs_api, "_connect", lambda address: (_QuietStreamClient(after_quiet), "http://head:8265"))
+    out = io.StringIO()
+    start = time.monotonic()
+    if error is None:
+        jobs_api.logs("head:8265", "j", follow=True, out=out)
+    else:
+        with pytest.raises(JobsApiError, match=error):
+            jobs_api.logs("head:8265", "j", follow=True, out=out)
+    assert out.getvalue() == "step 1\n"
+    assert time.monotonic() - start < 5
+
+
+def test_not_a_dashboard(fake_head):
+    url, routes = fake_head
+    routes["/api/authentication_mode"] = (200, "<html>hello</html>")
+    with pytest.raises(JobsApiError, match="Ray dashboard on the head node"):
+        jobs_api.status(url)
+
+
+# -------------------------------------------------------------- end to end, real Ray
+
+PROBE = """\
+import pathlib, orchestrator.jobs_api
+here = pathlib.Path(".")
+print("PROBE", (here / "marker.txt").read_text().strip(),
+      "shipped-from=" + str(pathlib.Path(orchestrator.jobs_api.__file__).resolve()),
+      "runs-excluded=" + str(not (here / "runs").exists()))
+"""
+
+# Runs in a fresh process: no RAY_AUTH_MODE=token there, unlike this one after ray.init().
+FOLLOWER = """\
+import os, sys
+from orchestrator import jobs_api
+url, job_id = sys.argv[1:]
+jobs_api.logs(url, job_id, follow=True)  # returns when the test sends SIGINT
+print("stopped-running-job", jobs_api.stop(url, job_id), flush=True)
+os.environ["RAY_AUTH_TOKEN"] = "not-the-token"
+from ray._raylet import AuthenticationTokenLoader
+AuthenticationTokenLoader.instance().reset_cache()
+try:
+    jobs_api.status(url)
+except jobs_api.JobsApiError as exc:
+    print("wrong-token", exc)
+"""
+
+
+def read_until(stream, text, timeout_s) -> str:
+    """Read a pipe until ``text`` appears; raw reads, so no line sits unseen in a buffer."""
+    deadline = time.monotonic() + timeout_s
+    seen = b""
+    while time.monotonic() < deadline and text.encode() not in seen:
+        ready, _, _ = select.select([stream], [], [], 0.5)
+        chunk = os.read(stream.fileno(), 65536) if ready else b""
+        if ready and not chunk:
+            break  # the process closed its stdout
+        seen += chunk
+    assert text.encode() in seen, f"{text!r} not seen within {timeout_s} s; got {seen!r}"
+    return seen.decode()
+
+
+@pytest.fixture
+def ray_dashboard():
+    """A one-node Ray with its dashboard, started in this process; yields the job API URL.
+
+    ray.cluster_utils.Cluster rather than ray.init(): ray.init() cannot move the node's
+    dashboard agent off port 52365, and with any other Ray on this host (parallel test
+    runs) that agent fails to bind, and every submission then fails with "No available
+    agent to submit job".
+    """
+    pytest.importorskip("ray")
+    from ray._private.authentication.authentication_token_setup import (
+        _enable_token_auth,
+        ensure_token_if_auth_enabled,
+    )
+    from ray.cluster_utils import Cluster
+
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    # What ray.init() does for a new local cluster since Ray 2.59: token auth on, with
+    # the token in ~/.ray/auth_token (created if missing). The head's processes inherit it.
+    _enable_token_auth()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(
+            num_cpus=2,
+            include_dashboard=True,
+            dashboard_port=free_port(),
+            dashboard_agent_listen_port=free_port(),
+        ),
+    )
+    try:
+        yield f"http://{cluster.webui_url}"
+    finally:
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ssl=None is deprecated:DeprecationWarning")  # inside Ray's tail_job_logs
+def test_submit_wait_logs_stop_status_against_real_ray(ray_dashboard, tmp_path):
+    url = ray_dashboard
+    marker = uuid.uuid4().hex
+    work = tmp_path / "work"
+    (work / "runs").mkdir(parents=True)
+    (work / "runs" / "old.jsonl").write_text("{}\n")
+    (work / "marker.txt").write_text(marker)
+    (work / "probe.py").write_text(PROBE)
+    (work / "job.yaml").write_text("name: probe\n")
+
+    # The real runtime_env; only the command differs (orchestrator.cli run would train).
+    # sys.executable: the job's shell has the PATH of whoever started Ray, where `python`
+    # need not be this virtualenv's.
+    sub = build_submission(work / "job.yaml")
+    sub = dataclasses.replace(sub, entrypoint=f"{shlex.quote(sys.executable)} probe.py")
+    job_id = jobs_api.send_submission(url, sub)
+    assert job_id == sub.submission_id
+
+    final = jobs_api.wait(url, job_id, timeout_s=60, poll_s=0.5)
+    out = io.StringIO()
+    jobs_api.logs(url, job_id, out=out)
+    assert final == "SUCCEEDED", out.getvalue()
+    (line,) = [ln for ln in out.getvalue().splitlines() if ln.startswith("PROBE")]
+    _, seen_marker, shipped_from, excluded = line.split()
+    assert seen_marker == marker  # working_dir travelled
+    # py_modules travelled: the job imported Ray's unpacked copy, not this checkout.
+    assert not shipped_from.removeprefix("shipped-from=").startswith(str(REPO))
+    assert excluded == "runs-excluded=True"
+
+    followed = io.StringIO()
+    jobs_api.logs(url, job_id, follow=True, out=followed)
+    assert marker in followed.getvalue()
+
+    assert jobs_api.stop(url, job_id) is False  # already finished: nothing to stop
+
+    table = io.StringIO()
+    from rich.console import Console
+
+    jobs = jobs_api.status(url, console=Console(file=table, width=200))
+    assert job_id in [j.submission_id for j in jobs] and job_id in table.getvalue()
+    (one,) = jobs_api.status(url, job_id, console=Console(file=io.StringIO()))
+    assert one.metadata == {"gearshift_job": "probe"}
+
+    for call in (jobs_api.status, jobs_api.stop, jobs_api.logs):
+        with pytest.raises(JobsApiError, match="no job with id 'no-such-job'"):
+            call(url, "no-such-job")
+    with pytest.raises(JobsApiError, match="no job with id 'no-such-job'"):
+        jobs_api.logs(url, "no-such-job", follow=True)
+
+    # A running job, followed from a fresh process without RAY_AUTH_MODE=token (the
+    # head's token must come from ~/.ray/auth_token), then Ctrl-C, stop, a wrong token.
+    sleeper = dataclasses.replace(
+        sub,
+        submission_id=sub.submission_id + "-sleeper",
+        entrypoint=shlex.join([sys.executable, "-c", "print('started'); import time; time.sleep(120)"]),
+    )
+    sleeper_id = jobs_api.send_submission(url, sleeper)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env["PYTHONPATH"] = str(REPO)
+    stderr_path = tmp_path / "follower.err"
+    with open(stderr_path, "w") as stderr:
+        follower = subprocess.Popen(
+            [sys.executable, "-c", FOLLOWER, url, sleeper_id],
+            env=env, stdout=subprocess.PIPE, stderr=stderr,
+        )
+        try:
+            rest = read_until(follower.stdout, "started", timeout_s=30)
+            follower.send_signal(signal.SIGINT)
+            rest += follower.communicate(timeout=30)[0].decode()
+        finally:
+            follower.kill()
+    errors = stderr_path.read_text()
+    assert follower.returncode == 0, errors
+    assert "Traceback" not in errors and "stopped following" in errors, errors
+    assert "stopped-running-job True" in rest, rest + errors
+    assert f"wrong-token the Ray cluster at {url} rejected the request" in rest, rest + errors
+    assert jobs_api.wait(url, sleeper_id, timeout_s=30, poll_s=0.5) == "STOPPED"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ssl=None is deprecated:DeprecationWarning")
+def test_gearshift_submit_trains_a_real_job_on_the_cluster(ray_dashboard, tmp_path, capsys):
+    """`gearshift submit` through the CLI: the job file's folder travels, the head runs
+    `gearshift run` as a Ray job that joins the cluster, trains and writes its run dir."""
+    from orchestrator import cli
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.yaml").write_text(
+        "name: tiny\nmodel: {name: mlp, kwargs: {hidden: 32}}\ndata: {name: synthetic_digits, kwargs: {size: 256}}\n"
+        "train: {steps: 5, global_batch_size: 16, log_every: 1}\ncluster: {num_workers: 2}\n")
+    run_dir = tmp_path / "on-the-head"  # the head is this machine, so its files can be checked here
+    assert cli.main(["submit", str(work / "job.yaml"), "--address", ray_dashboard, "--python", sys.executable,
+                     "--set", "train.steps=6", "--run-dir", str(run_dir)]) == 0
+    job_id = capsys.readouterr().out.strip()
+    assert job_id.startswith("gearshift-tiny-")
+    final = jobs_api.wait(ray_dashboard, job_id, timeout_s=120, poll_s=0.5)
+    out = io.StringIO()
+    jobs_api.logs(ray_dashboard, job_id, out=out)
+    assert final == "SUCCEEDED", out.getvalue()
+    assert "step 6/6" in out.getvalue() and "done: 6 steps" in out.getvalue()
+    assert json.loads((run_dir / "summary.json").read_text())["steps_done"] == 6
+    assert (run_dir / "final.pt").is_file()
+    assert cli.main(["status", job_id, "--address", ray_dashboard]) == 0
+    assert "SUCCEEDED" in capsys.readouterr().out
