@@ -15,6 +15,18 @@ import pytest
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
 
+def wait_until(condition, timeout_s: float = 15.0, interval_s: float = 0.2) -> bool:
+    """Poll `condition` until it holds or `timeout_s` passes; Ray frees resources asynchronously."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -44,14 +44,19 @@ def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, 
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["status"] == "failed"
 
+    import psutil
     import ray
     from ray.util import placement_group_table
-    from ray.util.state import list_actors
+
+    from conftest import wait_until
 
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
-    alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "TrainWorker"]
-    assert alive == []
-    assert ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU")
+    assert wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"))
+
+    def worker_processes():
+        return [p for p in psutil.process_iter(["cmdline"]) if "ray::TrainWorker" in " ".join(p.info["cmdline"] or [])]
+
+    assert wait_until(lambda: not worker_processes()), "no TrainWorker process may outlive a failed run"
 
 
 def test_ctrl_c_stops_workers_and_ray_and_records_the_interruption(tmp_path):
@@ -73,7 +78,9 @@ def test_ctrl_c_stops_workers_and_ray_and_records_the_interruption(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
     try:
         deadline = time.monotonic() + 90
-        while not (run / "checkpoints").is_dir() or not any((run / "checkpoints").iterdir()):
+        from workers import checkpoint
+
+        while not checkpoint.list_checkpoints(run / "checkpoints"):  # a complete one, not a temp folder
             assert proc.poll() is None and time.monotonic() < deadline, "the run never reached a checkpoint"
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
@@ -84,8 +91,6 @@ def test_ctrl_c_stops_workers_and_ray_and_records_the_interruption(tmp_path):
     assert proc.returncode == cli.EXIT_INTERRUPTED, out
     assert "interrupted" in out and "Traceback" not in out
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
-    from workers import checkpoint
-
     assert checkpoint.load_latest(run / "checkpoints")[1]["step"] % 20 == 0
     deadline = time.monotonic() + 15
     while _ray_daemons() - before and time.monotonic() < deadline:
