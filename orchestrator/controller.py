@@ -92,8 +92,8 @@ class Controller:
             self._enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
             group = self.group_factory(job)
             infos = group.start()
-            self._enter(State.STARTING, workers=[{k: i.get(k) for k in ("rank", "node_ip", "pid", "gpu_ids", "backend")}
-                                                 for i in infos])
+            keys = ("rank", "node_ip", "node_id", "pid", "gpu_ids", "backend")
+            self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos])
             if self.resume:
                 name, state = self.resume
                 ref = group.put(state)

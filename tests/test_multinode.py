@@ -1,0 +1,65 @@
+"""A real multi-node Ray cluster on one machine (ray.cluster_utils.Cluster): `gearshift run
+--address` joins it, spreads the workers over both nodes, numbers ranks node by node, and
+still matches the single-process reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from orchestrator.job import load_job
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    from ray._private.authentication.authentication_token_setup import (
+        _enable_token_auth,
+        ensure_token_if_auth_enabled,
+    )
+    from ray.cluster_utils import Cluster
+
+    saved = os.environ.get("RAY_AUTH_MODE")
+    # as `ray.init()` does for a cluster it starts: token auth on, token under ~/.ray
+    _enable_token_auth()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes(timeout=60)
+        yield cluster
+    finally:
+        cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+def test_spread_job_on_two_nodes_matches_the_reference(two_nodes, tmp_path):
+    from test_train_equivalence import MLP, max_diff, reference
+
+    overrides = MLP[1] + ["cluster.num_workers=4", "cluster.placement=spread", "train.steps=8"]
+    args = [sys.executable, "-m", "orchestrator.cli", "run", str(MLP[0]), "--address", two_nodes.address,
+            "--run-dir", str(tmp_path / "run")] + [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+
+    events = [json.loads(line) for line in (tmp_path / "run/telemetry.jsonl").read_text().splitlines()]
+    (starting,) = [e for e in events if e.get("state") == "starting"]
+    nodes = [w["node_id"] for w in sorted(starting["workers"], key=lambda w: w["rank"])]
+    assert len(set(nodes)) == 2, "spread placement must use both nodes"
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3], f"ranks must be contiguous per node: {nodes}"
+
+    ref_state, _ = reference(load_job(MLP[0], overrides))
+    final = torch.load(tmp_path / "run/final.pt", weights_only=True)
+    assert max_diff(final, ref_state) <= 1e-5
