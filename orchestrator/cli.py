@@ -98,7 +98,7 @@ def _resolve_run(args):
 
     resume_dir = args.resume if isinstance(args.resume, str) else None
     if args.job is None and resume_dir is None:
-        raise JobError("job file", None, "is required: gearshift run JOB.yaml (or --resume RUN_DIR)")
+        _parser().error("run needs a job file: gearshift run JOB.yaml (or gearshift run --resume RUN_DIR)")
     if args.job is None:
         run = RunDir(resume_dir)
         saved = run.load_job()
