@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import pathlib
+import signal
 import sys
+import tempfile
+import traceback
 
-from orchestrator.errors import GearshiftError, WorkerFailed
+from orchestrator.errors import GearshiftError, UsageError, WorkerFailed
 from orchestrator.job import JobError
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
@@ -56,6 +61,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         _parser().print_help()
         return EXIT_BAD_INPUT
+    # `gearshift stop` (through Ray) and schedulers send SIGTERM: clean up as for Ctrl-C
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _dispatch(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    pass
+
+
+def _terminated(signum, frame):
+    raise Terminated("SIGTERM")
+
+
+def _dispatch(args) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
@@ -79,15 +101,22 @@ def main(argv: list[str] | None = None) -> int:
         except jobs_api.JobsApiError as err:
             raise GearshiftError(str(err)) from None
         return 0
-    except JobError as err:
+    except (JobError, UsageError) as err:
         print(f"gearshift: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except GearshiftError as err:
         print(f"gearshift: {err}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("gearshift: interrupted; workers stopped.", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        why = f" by {err}" if isinstance(err, Terminated) else ""
+        print(f"gearshift: interrupted{why}; workers and Ray stopped.", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as err:  # a bug in gearshift, not a user mistake: short here, whole in a file
+        path = pathlib.Path(tempfile.gettempdir()) / f"gearshift-error-{os.getpid()}.log"
+        path.write_text("".join(traceback.format_exception(err)))
+        print(f"gearshift: unexpected {type(err).__name__}: {err}. This is a bug in gearshift; the traceback "
+              f"is in {path}.", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _resolve_run(args):
@@ -114,7 +143,7 @@ def _resolve_run(args):
             path = resume_dir or args.run_dir
             run = RunDir(path) if path else find_resumable(job)
             if run is None:
-                raise GearshiftError(f"--resume: no earlier run of job {job.name!r} with this configuration "
+                raise UsageError(f"--resume: no earlier run of job {job.name!r} with this configuration "
                                      f"under {runs_root()}/. Name one with --resume RUN_DIR.")
         saved = run.load_job() if run else None
     if run is not None:
@@ -122,7 +151,8 @@ def _resolve_run(args):
         if conflicts:
             raise JobError("--resume", str(run.path), "the job differs from the run it would continue in "
                            "fields that change the result: " + "; ".join(conflicts),
-                           "Only train.steps, train.log_every and checkpoint.* may change on resume.")
+                           "Only train.steps, train.log_every, checkpoint.*, cluster.* and parallel.bucket_cap_mb may "
+                           "change on resume.")
         found = checkpoint.load_latest(run.checkpoints)
         resume = (found[0].name, found[1]) if found else None
         if resume is None:
@@ -145,13 +175,20 @@ def cmd_run(args) -> int:
     from monitoring.progress import ProgressView
     from orchestrator.controller import Controller
     from orchestrator.rundir import RunDir
-    from orchestrator.worker_group import RayWorkerGroup, ray_session
+    from orchestrator.worker_group import RayWorkerGroup, check_reachable, ray_session
 
     job, run, resume, resuming = _resolve_run(args)
     if resume and resume[1]["step"] >= job.train.steps:
-        print(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
-              f"raise train.steps to train further (--set train.steps=N).", file=sys.stderr)
+        if not run.final.exists():  # stopped between its last checkpoint and final.pt
+            from workers.checkpoint import torch_bytes, write_file_atomic
+
+            write_file_atomic(run.final, torch_bytes(resume[1]["model"]))
+        print(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps} "
+              f"(final.pt written); raise train.steps to train further (--set train.steps=N).", file=sys.stderr)
         return 0
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        check_reachable(address)  # before a run dir exists for a run that cannot start
     if run is None:
         run = RunDir.create(job, args.run_dir)
     elif resuming:
@@ -163,7 +200,7 @@ def cmd_run(args) -> int:
     resuming_at = f", resuming at step {resume[1]['step']}" if resume else ""
     view.say(f"gearshift: {job.name} ({job.fingerprint()}): {job.cluster.num_workers} worker(s), "
              f"strategy {job.parallel.strategy}, {job.train.steps} steps{resuming_at}; run dir {run.path}")
-    with ray_session(args.address) as session:
+    with ray_session(address) as session:
         controller = Controller(job, run, lambda j: RayWorkerGroup(j, embedded=session["embedded"]),
                                 resume=resume, view=view)
         try:

@@ -14,6 +14,7 @@ import json
 import logging
 import statistics
 import time
+import traceback
 from typing import Callable
 
 from monitoring.progress import ProgressView
@@ -115,11 +116,16 @@ class Controller:
             checkpoint.write_file_atomic(self.run_dir.final, checkpoint.torch_bytes(final_state["model"]))
             self._enter(State.DONE, step=final_state["step"])
             summary["status"] = "done"
-        except (GearshiftError, KeyboardInterrupt) as err:
-            summary["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            summary["error"] = "interrupted by the user" if isinstance(err, KeyboardInterrupt) else str(err)
+        except BaseException as err:  # whatever ends the run, the run dir says so
+            interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
+            summary["status"] = "interrupted" if interrupted else "failed"
+            summary["error"] = (f"interrupted ({err})" if interrupted and str(err) else
+                                "interrupted by the user" if interrupted else
+                                str(err) if isinstance(err, GearshiftError) else f"{type(err).__name__}: {err}")
             if isinstance(err, WorkerFailed) and err.details:
                 self.run_dir.log.write_text(err.details)
+            elif not interrupted and not isinstance(err, GearshiftError):
+                self.run_dir.log.write_text("".join(traceback.format_exception(err)))
             self._enter(State.FAILED, error=summary["error"])
             raise
         finally:

@@ -7,6 +7,10 @@ class GearshiftError(RuntimeError):
     """A problem the user can act on: the message says what happened and what to do."""
 
 
+class UsageError(GearshiftError):
+    """Wrong arguments (a run dir that is not one, or is taken): exit status 2, nothing started."""
+
+
 class WorkerFailed(GearshiftError):
     """A worker raised, died or stopped answering. `details` keeps the worker's traceback for the
     run's log; the message stays one paragraph."""

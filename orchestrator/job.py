@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import pathlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -156,6 +157,13 @@ def _num_gpus(v, path):
     return v
 
 
+def _name(v, path):
+    # the name becomes part of a directory name: keep it to one safe path component
+    if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", v):
+        raise JobError(path, v, "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return v
+
+
 def _f(default, check, doc=""):
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
@@ -227,7 +235,7 @@ class CheckpointSpec:
 
 @dataclass(frozen=True)
 class Job:
-    name: str = _f("job", _str_or_none)
+    name: str = _f("job", _name)
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     loss: LossSpec = field(default_factory=LossSpec)
@@ -365,7 +373,8 @@ def load_job(path: str | pathlib.Path, overrides: list[str] | None = None) -> Jo
     path = pathlib.Path(path)
     try:
         raw = apply_overrides(read_yaml(path), overrides or [])
-        return job_from_dict(raw, path.parent, default_name=path.stem)
+        default_name = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).lstrip("._-")[:64] or "job"
+        return job_from_dict(raw, path.parent, default_name=default_name)
     except JobError as err:
         if not err.source:
             err.source = str(path)
@@ -403,10 +412,10 @@ def _check_components(job: Job) -> None:
     if job.model.name:
         components.check_builtin("model", job.model.name, job.model.kwargs, components.MODELS)
     else:
-        components.check_entrypoint("model.entrypoint", job.model.entrypoint, search_paths)
+        components.check_entrypoint("model.entrypoint", job.model.entrypoint, search_paths, job.model.kwargs)
 
     if job.data.entrypoint:
-        components.check_entrypoint("data.entrypoint", job.data.entrypoint, search_paths)
+        components.check_entrypoint("data.entrypoint", job.data.entrypoint, search_paths, job.data.kwargs)
     else:
         name = job.data.name or components.default_data_for(job.model.name)
         if name is None:
@@ -414,8 +423,12 @@ def _check_components(job: Job) -> None:
                            ", ".join(components.DATASETS) + ') or entrypoint: "module:function"')
         components.check_builtin("data", name, job.data.kwargs, components.DATASETS)
 
+    if job.model.name:
+        spec = job.to_dict()
+        components.check_builtin_fit(spec["model"], spec["data"])
+
     if job.loss.entrypoint:
-        components.check_entrypoint("loss.entrypoint", job.loss.entrypoint, search_paths)
+        components.check_entrypoint("loss.entrypoint", job.loss.entrypoint, search_paths, job.loss.kwargs)
     elif job.loss.name:
         components.check_builtin("loss", job.loss.name, job.loss.kwargs, components.LOSSES)
 

@@ -10,13 +10,16 @@ import time
 
 import yaml
 
-from orchestrator.errors import GearshiftError
+from orchestrator.errors import GearshiftError, UsageError
 from orchestrator.job import Job, JobError, dump_job, job_from_dict
 from workers import checkpoint
 
 # Keys that may differ between a run and its resume: they change how long or how often,
 # not what the trajectory is.
-_RESUMABLE = {("name",), ("train", "steps"), ("train", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep")}
+_RESUMABLE = {("name",), ("train", "steps"), ("train", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep"),
+              ("parallel", "bucket_cap_mb")}
+# The whole cluster section may change too: global batches do not depend on the worker count.
+_RESUMABLE_SECTIONS = {"cluster"}
 
 
 def runs_root(root: str | None = None) -> str:
@@ -41,7 +44,7 @@ class RunDir:
         if explicit:
             path = pathlib.Path(explicit)
             if (path / "job.yaml").exists():
-                raise GearshiftError(f"--run-dir {path} already holds a run. Continue it with "
+                raise UsageError(f"--run-dir {path} already holds a run. Continue it with "
                                      f"`gearshift run --resume {path}`, or choose another directory.")
         else:
             root = runs_root(root)
@@ -60,8 +63,15 @@ class RunDir:
 
     def load_job(self) -> Job:
         if not self.job_file.is_file():
-            raise GearshiftError(f"{self.path} is not a gearshift run directory (no job.yaml in it).")
-        raw = yaml.safe_load(self.job_file.read_text())
+            raise UsageError(f"{self.path} is not a gearshift run directory (no job.yaml in it).")
+        try:
+            raw = yaml.safe_load(self.job_file.read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise UsageError(f"{self.job_file} is unreadable ({str(err).splitlines()[0]}); the run directory "
+                             "is damaged. Resume with the original job file: gearshift run JOB.yaml --resume "
+                             f"--run-dir {self.path}") from None
+        if not isinstance(raw, dict):
+            raise UsageError(f"{self.job_file} does not hold a job mapping; the run directory is damaged.")
         base_dir = json.loads(self.meta.read_text()).get("base_dir", ".") if self.meta.is_file() else "."
         try:
             return job_from_dict(raw, base_dir=base_dir)
@@ -87,7 +97,7 @@ def resume_conflicts(saved: Job, new: Job) -> list[str]:
     """Fields where `new` would change the trajectory of the run it resumes."""
     a, b = _flatten(saved.to_dict()), _flatten(new.to_dict())
     return [".".join(k) + f": {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if k not in _RESUMABLE and a.get(k) != b.get(k)]
+            if k not in _RESUMABLE and k[0] not in _RESUMABLE_SECTIONS and a.get(k) != b.get(k)]
 
 
 def find_resumable(job: Job, root: str | None = None) -> RunDir | None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
 from typing import Any, Iterator
 
-from orchestrator.errors import GearshiftError, WorkerFailed
+from orchestrator.errors import GearshiftError, UsageError, WorkerFailed
 from orchestrator.job import Job
 
 log = logging.getLogger("gearshift")
@@ -22,6 +23,34 @@ log = logging.getLogger("gearshift")
 # call into a fresh actor imports torch and builds the model.
 CALL_TIMEOUT_S = 300.0
 COLLECTIVE_TIMEOUT_S = 300.0
+
+
+class _QuietTokenNotice(logging.Filter):
+    """Ray logs a notice on every start that token auth is on. gearshift keeps it on (it is what
+    protects the cluster), so the notice tells a gearshift user nothing and is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token authentication is enabled" not in record.getMessage()
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not after Ray's minutes of retries, when nothing listens at `address`."""
+    if address in ("auto", "local"):
+        return
+    if address.startswith(("http://", "https://")):
+        raise UsageError(f"--address {address} is a dashboard URL, which `gearshift submit` takes. "
+                         "`gearshift run` joins a cluster by its GCS address, e.g. 10.0.0.1:6379, or 'auto' "
+                         "on a cluster node.")
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--address {address!r} is not host:port (e.g. 10.0.0.1:6379) or 'auto'.")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise GearshiftError(f"Nothing answers at Ray address {address} ({err.strerror or err}). Check that the "
+                             "head is running (`ray status` on it) and that the address is its GCS host:port "
+                             "(port 6379 by default).") from None
 
 
 @contextlib.contextmanager
@@ -34,6 +63,8 @@ def ray_session(address: str | None, num_cpus: int | None = None):
         yield {"address": "existing", "embedded": False}
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
+    for name in ("ray", "ray._private.authentication.authentication_token_setup"):
+        logging.getLogger(name).addFilter(_QuietTokenNotice())
     try:
         if address:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
@@ -44,9 +75,13 @@ def ray_session(address: str | None, num_cpus: int | None = None):
         with contextlib.suppress(Exception):
             ray.shutdown()
         where = address or "a new local cluster"
-        raise GearshiftError(f"Could not start or join Ray at {where}: {err}. Check the address "
-                             "(host:port of the head's GCS, e.g. 10.0.0.1:6379, or 'auto') and that the "
+        raise GearshiftError(f"Could not start or join Ray at {where}: {str(err).splitlines()[0]}. Check the "
+                             "address (host:port of the head's GCS, e.g. 10.0.0.1:6379, or 'auto') and that the "
                              "head is running.") from None
+    except BaseException:  # Ctrl-C while Ray starts: stop what has started
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        raise
     try:
         yield {"address": address or "local", "embedded": not address}
     finally:
@@ -141,11 +176,11 @@ class RayWorkerGroup:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise WorkerFailed(None, f"workers did not answer '{what}' within {timeout:g} s") from None
-        except ray.exceptions.RayTaskError as err:
-            raise _task_failure(err, None) from None
         except ray.exceptions.RayActorError as err:
             raise WorkerFailed(None, f"a worker process died during '{what}' (killed, crashed, out of memory "
                                      "or its node was lost)", details=str(err)) from None
+        except ray.exceptions.RayError as err:  # a task error, or one whose exception could not be rebuilt
+            raise _task_failure(err, None) from None
 
     def call(self, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> list:
         return self._get([getattr(w, method).remote(*args) for w in self.workers], method, timeout)
@@ -181,12 +216,14 @@ class RayWorkerGroup:
                     continue
                 try:
                     report = ray.get(ref, timeout=CALL_TIMEOUT_S)
-                except ray.exceptions.RayTaskError as err:
-                    raise _task_failure(err, rank) from None
+                except ray.exceptions.GetTimeoutError:
+                    raise WorkerFailed(rank, f"its report did not arrive within {CALL_TIMEOUT_S:g} s") from None
                 except ray.exceptions.RayActorError as err:
                     info = self.infos[rank]
                     raise WorkerFailed(rank, f"its process (pid {info['pid']} on {info['node_ip']}) died: killed, "
                                              "crashed, out of memory or its node was lost", details=str(err)) from None
+                except ray.exceptions.RayError as err:
+                    raise _task_failure(err, rank) from None
                 yield rank, report
 
     # ---------------------------------------------------------------- stop
@@ -217,6 +254,14 @@ class RayWorkerGroup:
 def _task_failure(err, rank: int | None) -> WorkerFailed:
     """A worker raised: keep the user's exception type and message, and its traceback for the log."""
     cause = getattr(err, "cause", None)
-    text = f"{type(cause).__name__}: {cause}" if cause is not None else str(err).splitlines()[0]
+    if cause is not None and not isinstance(cause, BaseException):
+        cause = None
+    text = f"{type(cause).__name__}: {cause}" if cause is not None else _first_meaningful_line(str(err))
     # str(err) carries the remote traceback; the cause's own traceback does not survive the trip
     return WorkerFailed(rank, text, details=str(err), cause=cause)
+
+
+def _first_meaningful_line(text: str) -> str:
+    """Ray's error texts start with its own framing; the user's exception is the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "unknown error"

@@ -18,4 +18,6 @@ def apply(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> Distr
     DDP broadcasts rank 0's parameters and buffers at construction, so every replica starts equal.
     """
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+    # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving a copy per step
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
+                                   gradient_as_bucket_view=True)

@@ -89,7 +89,7 @@ def test_module_that_fails_to_import(tmp_path, capsys):
 
 
 def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):
-    assert cli.main(["run", "--resume", str(tmp_path)]) == cli.EXIT_FAILED
+    assert cli.main(["run", "--resume", str(tmp_path)]) == cli.EXIT_BAD_INPUT
     assert "not a gearshift run directory" in capsys.readouterr().err
 
 

@@ -46,3 +46,15 @@ def test_char_corpus_targets_are_the_next_characters():
     assert torch.equal(x[1:], y[:-1]) and int(x.max()) < 128
     text = make_corpus(2000)
     assert text == make_corpus(2000) and text.count(" ") > 200
+
+
+def test_builtin_fast_batches_equal_per_sample_collation():
+    from torch.utils.data import default_collate
+
+    from workers.data import load_batch
+
+    idx = [5, 0, 17, 17, 3]
+    for ds in (SyntheticDigits(size=32), CharCorpus(seq_len=8, chars=500)):
+        fast = load_batch(ds, idx)
+        slow = default_collate([ds[i] for i in idx])
+        assert all(torch.equal(a, b) for a, b in zip(fast, slow))

@@ -29,6 +29,9 @@ class ComponentError(ValueError):
         self.field_path, self.value, self.allowed, self.hint = field_path, value, allowed, hint
         super().__init__(f"{field_path} = {value!r} is not valid: {allowed}. {hint}".strip())
 
+    def __reduce__(self):  # raised inside a worker, it must survive the trip back to the driver
+        return type(self), (self.field_path, self.value, self.allowed, self.hint)
+
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # (batch, seq, vocab) logits against (batch, seq) ids are flattened to plain classification
@@ -86,8 +89,43 @@ def resolve(field_path: str, entrypoint: str, search_paths: Iterable[str] = ()) 
     return func
 
 
-def check_entrypoint(field_path: str, entrypoint: str, search_paths: Iterable[str]) -> None:
-    resolve(field_path, entrypoint, search_paths)
+def check_entrypoint(field_path: str, entrypoint: str, search_paths: Iterable[str], kwargs: dict) -> None:
+    _check_kwargs(field_path.rsplit(".", 1)[0], entrypoint, resolve(field_path, entrypoint, search_paths), kwargs)
+
+
+def _check_kwargs(section: str, what: str, func: Callable, kwargs: dict) -> None:
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check against
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in kwargs:
+        if key not in params:
+            close = difflib.get_close_matches(key, list(params), n=1)
+            raise ComponentError(f"{section}.kwargs.{key}", kwargs[key],
+                                 f"unknown option for {section} {what!r}; it takes " + (", ".join(params) or "none"),
+                                 f"Did you mean {close[0]!r}?" if close else "")
+
+
+def check_builtin_fit(model_spec: dict, data_spec: dict) -> None:
+    """Build a built-in model on the meta device (no memory, no compute) and the built-in data,
+    and run one two-sample batch through: bad sizes and a model/data mismatch fail here, on the
+    driver, instead of in every worker after the cluster was taken."""
+    with torch.device("meta"):
+        model = build_model(model_spec)
+    if data_spec.get("entrypoint"):
+        return
+    dataset = build_dataset(data_spec, model_spec)
+    name = data_spec.get("name") or default_data_for(model_spec.get("name"))
+    if len(dataset) < 1:
+        raise ComponentError("data.kwargs", data_spec.get("kwargs") or {}, f"the built-in {name!r} came out empty")
+    x, y = data.load_batch(dataset, [0, min(1, len(dataset) - 1)])
+    try:
+        cross_entropy(model(x.to("meta")), y.to("meta"))
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        raise ComponentError("data", name, f"its samples do not fit model {model_spec['name']!r} "
+                             f"({str(err).splitlines()[0]})", "Check model.kwargs against data.kwargs.") from None
 
 
 def check_builtin(section: str, name: str, kwargs: dict, registry: dict[str, Callable]) -> None:
@@ -95,20 +133,16 @@ def check_builtin(section: str, name: str, kwargs: dict, registry: dict[str, Cal
         close = difflib.get_close_matches(name, list(registry), n=1)
         raise ComponentError(f"{section}.name", name, "must be one of " + ", ".join(map(repr, registry)),
                              f"Did you mean {close[0]!r}?" if close else "")
-    params = inspect.signature(registry[name]).parameters
-    for key in kwargs:
-        if key not in params:
-            close = difflib.get_close_matches(key, list(params), n=1)
-            raise ComponentError(f"{section}.kwargs.{key}", kwargs[key],
-                                 f"unknown option for {section} {name!r}; it takes " + ", ".join(params),
-                                 f"Did you mean {close[0]!r}?" if close else "")
+    _check_kwargs(section, name, registry[name], kwargs)
 
 
 def _call(field_path: str, what: str, func: Callable, kwargs: dict):
     try:
         return func(**kwargs)
-    except TypeError as err:
-        raise ComponentError(f"{field_path}.kwargs", kwargs, f"{what} rejected these arguments: {err}") from None
+    except Exception as err:  # bad sizes surface as TypeError, ValueError or RuntimeError from torch
+        raise ComponentError(f"{field_path}.kwargs", kwargs,
+                             f"{what} failed with these arguments: {type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''}") from None
 
 
 def build_model(spec: dict, search_paths: Iterable[str] = ()) -> nn.Module:

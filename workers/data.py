@@ -30,6 +30,10 @@ class SyntheticDigits(Dataset):
     def __getitem__(self, i: int):
         return self.inputs[i], self.targets[i]
 
+    def get_batch(self, indices: list[int]):
+        idx = torch.as_tensor(indices)
+        return self.inputs[idx], self.targets[idx]
+
 
 _SUBJECTS = ["the engineer", "a small model", "the cluster", "every worker", "the old scheduler", "our team",
              "the network", "a patient reader", "the controller", "each gradient", "the quiet river", "a red fox"]
@@ -67,6 +71,11 @@ class CharCorpus(Dataset):
         start = i * self.seq_len
         chunk = self.ids[start : start + self.seq_len + 1]
         return chunk[:-1], chunk[1:]
+
+    def get_batch(self, indices: list[int]):
+        starts = torch.as_tensor(indices).unsqueeze(1) * self.seq_len
+        rows = self.ids[starts + torch.arange(self.seq_len + 1)]
+        return rows[:, :-1], rows[:, 1:]
 
 
 def synthetic_digits(size: int = 8192, signal: float = 0.1, noise: float = 1.0, seed: int = 1234) -> SyntheticDigits:
@@ -113,4 +122,9 @@ class GlobalBatches:
 
 
 def load_batch(dataset, indices: list[int]):
+    """One batch. A dataset may offer `get_batch(indices) -> (inputs, targets)` to skip
+    per-sample indexing and collation (the built-ins do); any map-style dataset works without."""
+    get_batch = getattr(dataset, "get_batch", None)
+    if get_batch is not None:
+        return get_batch(indices)
     return default_collate([dataset[i] for i in indices])

@@ -65,7 +65,12 @@ class TrainWorker:
 
     def setup(self, rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> str:
         self.rank, self.world = rank, world
-        if torch.cuda.is_available():
+        # The job, not the host, decides: a CPU job on a GPU node must not touch GPUs that Ray
+        # never reserved for it (Ray leaves CUDA_VISIBLE_DEVICES alone when num_gpus is 0).
+        if self.job["cluster"]["gpus_per_worker"] > 0:
+            if not torch.cuda.is_available():
+                raise RuntimeError("cluster.gpus_per_worker is 1 but this worker sees no CUDA device "
+                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
             # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU, so it is always cuda:0 here
             self.device = torch.device("cuda", 0)
             torch.cuda.set_device(self.device)
@@ -118,9 +123,14 @@ class TrainWorker:
     def _one_step(self, step: int) -> torch.Tensor:
         train = self.job["train"]
         dp_world = self.world  # every rank is a data-parallel rank in the data strategy
+        # Seed before the batch is loaded: a dataset's random augmentation draws from it too.
+        # The generators are seeded directly: torch.manual_seed costs ~70 us a call on CPU.
+        seed = step_seed(train["seed"], step, self.rank)
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index].manual_seed(seed)
         x, y = load_batch(self.dataset, self.batches.shard(step, self.rank, dp_world))
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        torch.manual_seed(step_seed(train["seed"], step, self.rank))
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             loss = self.loss_fn(self.model(x), y)
@@ -159,7 +169,9 @@ class TrainWorker:
                 yield report
                 losses, times = [], []
                 first = self.step
-                last_flush = time.perf_counter()
+                # the next step's time starts after the report left: a checkpoint's copy and
+                # serialisation is not training time (the controller times checkpoints itself)
+                last_flush = t_prev = time.perf_counter()
 
     def shutdown(self) -> None:
         if dist.is_initialized():
