@@ -6,11 +6,11 @@ These run the TrainWorker in-process (world size 1, no Ray), so they need only t
 from __future__ import annotations
 
 import pathlib
-import socket
 
 import pytest
 import torch
 
+from conftest import free_port
 from orchestrator.job import load_job
 from workers.worker import TrainWorker
 
@@ -18,16 +18,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_on_gpu(job):
     worker = TrainWorker(job.to_dict(), [job.base_dir])
     try:
-        assert worker.setup(0, 1, "127.0.0.1", _port(), 60) == "nccl"
+        assert worker.setup(0, 1, "127.0.0.1", free_port(), 60) == "nccl"
         worker.build()
         reports = list(worker.train(job.train.steps))
         return worker.model_state(), [loss for r in reports for loss in r["losses"]]

@@ -26,16 +26,11 @@ import requests
 from ray.job_submission import JobStatus
 
 import orchestrator
+from conftest import free_port
 from orchestrator import jobs_api
 from orchestrator.jobs_api import JobsApiError, build_submission, resolve_address
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

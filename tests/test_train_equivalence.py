@@ -123,7 +123,11 @@ def test_resume_after_a_checkpoint_matches_an_uninterrupted_run(ray_cluster, tmp
     (cut / "final.pt").unlink()
     summary = run_gearshift(job_file, base, cut, "--resume")  # --resume with --run-dir
     assert summary["resumed_from_step"] == 4
-    assert min(step_losses(cut)) == 1  # the telemetry of the first leg is kept; the second appends
+    events = [json.loads(line) for line in (cut / "telemetry.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "resumed"] == [4]
+    second_leg = [e["step"] for e in events[events.index(next(e for e in events if e.get("event") == "resumed")):]
+                  if e.get("type") == "step"]
+    assert second_leg == list(range(5, 13)), "the resumed leg runs exactly the steps after the checkpoint"
     a = torch.load(whole / "final.pt", weights_only=True)
     b = torch.load(cut / "final.pt", weights_only=True)
     assert max_diff(a, b) <= 1e-6

@@ -18,14 +18,27 @@ pytestmark = [pytest.mark.ray]
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, precision, capsys):
+    from test_train_equivalence import max_diff, reference
+
+    from orchestrator.job import load_job
+    from workers import checkpoint
+
+    overrides = ["train.steps=30", "train.log_every=10", "checkpoint.every=0", "train.grad_clip=1.0"]
     code = cli.main(["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(tmp_path / "run"),
-                     "--set", f"train.precision={precision}", "--set", "train.steps=30",
-                     "--set", "train.log_every=10", "--set", "checkpoint.every=0"])
+                     "--set", f"train.precision={precision}"] + [a for o in overrides for a in ("--set", o)])
     assert code == 0
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["final_loss"] < 0.9 * summary["first_loss"], summary
     final = torch.load(tmp_path / "run/final.pt", weights_only=True)
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in final.values())
+    # the precision really applied: close to the fp32 result, but not equal to it
+    fp32, _ = reference(load_job(ROOT / "examples/mlp.yaml", overrides))
+    assert 1e-5 < max_diff(final, fp32) < 0.2
+    scaler = checkpoint.load_latest(tmp_path / "run/checkpoints")[1]["scaler"]
+    if precision == "fp16":  # dynamic loss scaling ran and its state is checkpointed
+        assert scaler["scale"] > 0 and "_growth_tracker" in scaler
+    else:
+        assert scaler == {}
     err = capsys.readouterr().err
     assert "step 30/30  loss" in err and "samples/s" in err and "ETA" in err
 
@@ -59,9 +72,10 @@ def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, 
     assert wait_until(lambda: not worker_processes()), "no TrainWorker process may outlive a failed run"
 
 
-def test_ctrl_c_stops_workers_and_ray_and_records_the_interruption(tmp_path):
-    """The real command in its own process: SIGINT mid-run exits 130 within seconds, the summary
-    says interrupted, the last checkpoint is intact and the embedded Ray is gone."""
+def test_ctrl_c_stops_everything_and_the_run_resumes_exactly(tmp_path):
+    """The real command in its own session, Ctrl-C'd as a terminal does it (SIGINT to the whole
+    process group, Ray's own processes included): it exits 130 within seconds, says so in the
+    summary, leaves no Ray process, and `--resume` then reaches the single-process result."""
     import os
     import signal
     import subprocess
@@ -69,30 +83,40 @@ def test_ctrl_c_stops_workers_and_ray_and_records_the_interruption(tmp_path):
     import time
 
     from test_bad_input import _ray_daemons
+    from test_train_equivalence import max_diff, reference
+
+    from conftest import wait_until
+    from orchestrator.job import load_job
+    from workers import checkpoint
 
     before = _ray_daemons()
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(ROOT / "examples/mlp.yaml"),
-                             "--run-dir", str(run), "--set", "train.steps=100000", "--set", "checkpoint.every=20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
+    overrides = ["train.global_batch_size=32", "checkpoint.every=10", "checkpoint.keep=2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""}
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run"]
+    proc = subprocess.Popen(cmd + [str(ROOT / "examples/mlp.yaml"), "--run-dir", str(run),
+                                   "--set", "train.steps=100000"] + [a for o in overrides for a in ("--set", o)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        from workers import checkpoint
-
-        while not checkpoint.list_checkpoints(run / "checkpoints"):  # a complete one, not a temp folder
-            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached a checkpoint"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        assert wait_until(lambda: checkpoint.list_checkpoints(run / "checkpoints") or proc.poll() is not None,
+                          timeout_s=90), "the run never reached a checkpoint"
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == cli.EXIT_INTERRUPTED, out
     assert "interrupted" in out and "Traceback" not in out
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
-    assert checkpoint.load_latest(run / "checkpoints")[1]["step"] % 20 == 0
-    deadline = time.monotonic() + 15
-    while _ray_daemons() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not (_ray_daemons() - before), "the embedded Ray must be shut down"
+    assert wait_until(lambda: not (_ray_daemons() - before)), "the embedded Ray must be shut down"
+
+    stopped_at = checkpoint.load_latest(run / "checkpoints")[1]["step"]
+    target = stopped_at + 5
+    resumed = subprocess.run(cmd + ["--resume", str(run), "--set", f"train.steps={target}"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming at step {stopped_at}" in resumed.stderr
+    ref, _ = reference(load_job(ROOT / "examples/mlp.yaml", overrides + [f"train.steps={target}"]))
+    assert max_diff(torch.load(run / "final.pt", weights_only=True), ref) <= 1e-5
