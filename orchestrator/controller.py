@@ -9,6 +9,7 @@ The worker-group class is injected, so tests can drive the controller without Ra
 
 from __future__ import annotations
 
+import collections
 import enum
 import json
 import logging
@@ -66,6 +67,42 @@ class StepMerger:
         return sorted(done, key=lambda r: r["step"])
 
 
+class RunStats:
+    """Running figures of a run in constant memory, however many steps it has."""
+
+    WARMUP = 10  # the first steps pay for allocator warm-up and lazy init: not steady state
+
+    def __init__(self, window: int = 50):
+        self.first: dict | None = None
+        self.last: dict | None = None
+        self.recent: collections.deque = collections.deque(maxlen=window)
+        self.steady_steps = 0
+        self.steady_time = 0.0
+
+    def add(self, record: dict) -> None:
+        self.first = self.first or record
+        self.last = record
+        self.recent.append(record["step_time_max"])
+        if record["step"] - self.first["step"] >= self.WARMUP:
+            self.steady_steps += 1
+            self.steady_time += record["step_time_max"]
+
+    def recent_rate(self, global_batch: int, window: int = 20) -> float:
+        times = list(self.recent)[-window:]
+        return len(times) * global_batch / sum(times) if times and sum(times) > 0 else 0.0
+
+    def summary(self, global_batch: int) -> dict:
+        steps, time_s = self.steady_steps, self.steady_time
+        if not steps:  # a run shorter than the warm-up: report what there is
+            steps, time_s = len(self.recent), sum(self.recent)
+        return {
+            "final_loss": self.last["loss"] if self.last else None,
+            "first_loss": self.first["loss"] if self.first else None,
+            "samples_per_s": steps * global_batch / time_s if time_s > 0 else None,
+            "median_step_time_s": statistics.median(self.recent) if self.recent else None,
+        }
+
+
 class Controller:
     def __init__(self, job: Job, run: RunDir, group_factory: Callable[[Job], object],
                  resume: tuple[str, dict] | None = None, view: ProgressView | None = None):
@@ -76,7 +113,7 @@ class Controller:
         self.view = view
         self.state = State.PLACING
         self.sink = JsonlSink(run.telemetry)
-        self.records: list[dict] = []
+        self.stats = RunStats()
 
     def _enter(self, state: State, **fields) -> None:
         self.state = state
@@ -153,17 +190,12 @@ class Controller:
         merger = StepMerger(job.cluster.num_workers, job.train.global_batch_size)
         for rank, report in group.train(job.train.steps, job.checkpoint.every):
             for record in merger.add(rank, report):
-                self.records.append(record)
+                self.stats.add(record)
                 self.sink.write(record)
                 if self.view:
-                    self.view.update(record["step"], record["loss"], self._recent_rate())
+                    self.view.update(record["step"], record["loss"], self.stats.recent_rate(job.train.global_batch_size))
             if "checkpoint" in report:
                 self._save_checkpoint(report["checkpoint"])
-
-    def _recent_rate(self, window: int = 20) -> float:
-        recent = self.records[-window:]
-        total = sum(r["step_time_max"] for r in recent)
-        return len(recent) * self.job.train.global_batch_size / total if total > 0 else 0.0
 
     def _save_checkpoint(self, state: dict) -> None:
         path = checkpoint.save(self.run_dir.checkpoints, state["step"], state, self.job.checkpoint.keep,
@@ -171,16 +203,5 @@ class Controller:
         self.sink.event("checkpoint", step=state["step"], path=str(path))
 
     def _figures(self, start_step: int, wall: float) -> dict:
-        recs = self.records
-        # the first steps include warm-up (allocator, lazy init); steady state is what a user plans with
-        steady = recs[min(len(recs) // 5, 10):] or recs
-        rate = (len(steady) * self.job.train.global_batch_size / sum(r["step_time_max"] for r in steady)
-                if steady and sum(r["step_time_max"] for r in steady) > 0 else None)
-        return {
-            "steps_done": recs[-1]["step"] if recs else start_step,
-            "final_loss": recs[-1]["loss"] if recs else None,
-            "first_loss": recs[0]["loss"] if recs else None,
-            "samples_per_s": rate,
-            "median_step_time_s": statistics.median(r["step_time_max"] for r in steady) if steady else None,
-            "wall_time_s": wall,
-        }
+        return {"steps_done": self.stats.last["step"] if self.stats.last else start_step,
+                **self.stats.summary(self.job.train.global_batch_size), "wall_time_s": wall}
