@@ -37,9 +37,12 @@ def _parser() -> argparse.ArgumentParser:
 
     submit = sub.add_parser("submit", help="submit a job to a Ray cluster through its Job Submission API")
     submit.add_argument("job", help="the job file (YAML); its folder travels with it as the working dir")
-    submit.add_argument("--address", help="the head's dashboard, e.g. http://HEAD:8265 (default: RAY_ADDRESS)")
+    submit.add_argument("--address", help="the head's dashboard, e.g. http://HEAD:8265 (default: RAY_JOB_ADDRESS, else RAY_ADDRESS)")
     submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     submit.add_argument("--run-dir", help="run directory on the cluster (default as for run)")
+    submit.add_argument("--pip", action="append", default=[], metavar="REQUIREMENT",
+                        help="an extra package Ray installs for this job (repeatable; slow on first use: "
+                             "prefer the cluster's image)")
     submit.add_argument("--python", default="python",
                         help="the interpreter the head runs the job with (default: `python` on the head's PATH)")
 
@@ -89,7 +92,7 @@ def _dispatch(args) -> int:
 
                 job = load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
                 job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir,
-                                         python=args.python, job_name=job.name)
+                                         pip=args.pip, python=args.python, job_name=job.name)
                 print(job_id)
                 print(f"Follow it with: gearshift logs {job_id} --follow", file=sys.stderr)
             elif args.command == "logs":
