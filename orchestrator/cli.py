@@ -123,7 +123,8 @@ def _dispatch(args) -> int:
 
 
 def _resolve_run(args):
-    """(job, run dir, resume state) from the arguments; validates everything before any start."""
+    """(job, run dir to continue or None, checkpoint to resume from or None) from the arguments;
+    validates everything before anything starts."""
     from orchestrator.job import load_job
     from orchestrator.rundir import RunDir, find_resumable, resume_conflicts, runs_root
     from workers import checkpoint
@@ -147,7 +148,7 @@ def _resolve_run(args):
             run = RunDir(path) if path else find_resumable(job)
             if run is None:
                 raise UsageError(f"--resume: no earlier run of job {job.name!r} with this configuration "
-                                     f"under {runs_root()}/. Name one with --resume RUN_DIR.")
+                                 f"under {runs_root()}/. Name one with --resume RUN_DIR.")
         saved = run.load_job() if run else None
     if run is not None:
         conflicts = resume_conflicts(saved, job)
@@ -160,8 +161,8 @@ def _resolve_run(args):
         resume = (found[0].name, found[1]) if found else None
         if resume is None:
             print(f"gearshift: no usable checkpoint in {run.checkpoints}; starting from step 0.", file=sys.stderr)
-        return job, run, resume, True
-    return job, None, None, False
+        return job, run, resume
+    return job, None, None
 
 
 def _where_to_continue(run) -> str:
@@ -177,27 +178,24 @@ def _where_to_continue(run) -> str:
 def cmd_run(args) -> int:
     from monitoring.progress import ProgressView
     from orchestrator.controller import Controller
+    from orchestrator.job import dump_job
     from orchestrator.rundir import RunDir
+    from workers.checkpoint import torch_bytes, write_file_atomic
     from orchestrator.worker_group import RayWorkerGroup, check_reachable, ray_session
 
-    job, run, resume, resuming = _resolve_run(args)
+    job, run, resume = _resolve_run(args)
     if resume and resume[1]["step"] >= job.train.steps:
         if not run.final.exists():  # stopped between its last checkpoint and final.pt
-            from workers.checkpoint import torch_bytes, write_file_atomic
-
             write_file_atomic(run.final, torch_bytes(resume[1]["model"]))
-        print(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps} "
-              f"(final.pt written); raise train.steps to train further (--set train.steps=N).", file=sys.stderr)
+        print(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
+              f"raise train.steps to train further (--set train.steps=N).", file=sys.stderr)
         return 0
     address = args.address or os.environ.get("RAY_ADDRESS") or None
     if address:
         check_reachable(address)  # before a run dir exists for a run that cannot start
     if run is None:
         run = RunDir.create(job, args.run_dir)
-    elif resuming:
-        from workers.checkpoint import write_file_atomic
-        from orchestrator.job import dump_job
-
+    else:
         write_file_atomic(run.job_file, dump_job(job).encode())  # e.g. the new train.steps
     view = ProgressView()
     resuming_at = f", resuming at step {resume[1]['step']}" if resume else ""
