@@ -130,7 +130,7 @@ class Controller:
             self._enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
             group = self.group_factory(job)
             infos = group.start()
-            keys = ("rank", "node_ip", "node_id", "pid", "gpu_ids", "backend")
+            keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend")
             self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos])
             if self.resume:
                 name, state = self.resume
@@ -141,14 +141,16 @@ class Controller:
                            nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
                            resumed_from_step=start_step if self.resume else None,
                            strategy_history=self._earlier_history(start_step) + [
-                               {"step": start_step, "strategy": job.parallel.strategy, "dp": len(infos), "tp": 1,
+                               {"step": start_step, "strategy": job.parallel.strategy,
+                                "dp": infos[0].get("layout", {}).get("dp", len(infos)),
+                                "tp": infos[0].get("layout", {}).get("tp", 1),
                                 "bucket_cap_mb": job.parallel.bucket_cap_mb}])
 
             self._enter(State.TRAINING, from_step=start_step)
             if self.view:
                 self.view.start(job.train.steps, job.train.global_batch_size, start_step, job.train.log_every)
             self._train(group, start_step)
-            final_state = group.call_rank(0, "state")
+            final_state = group.call("state")[0]  # every rank takes part in gathering shards
             self._save_checkpoint(final_state)
             checkpoint.write_file_atomic(self.run_dir.final, checkpoint.torch_bytes(final_state["model"]))
             self._enter(State.DONE, step=final_state["step"])

@@ -210,6 +210,7 @@ class TrainSpec:
     precision: str = _f("fp32", _choice("fp32", "bf16", "fp16"))
     grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
     log_every: int = _f(10, _int(1), "steps between progress lines")
+    activation_checkpointing: bool = _f(False, _bool, "recompute activations in backward (built-in models)")
 
 
 @dataclass(frozen=True)
@@ -221,10 +222,24 @@ class ClusterSpec:
     placement_timeout_s: float = _f(60.0, _float(0.0, lo_open=True), "fail when the cluster cannot fit the job by then")
 
 
+def _tp_size(v, path):
+    return None if v is None else _int(1, 4096)(v, path)
+
+
+def _tp_plan(v, path):
+    plan = _mapping(v, path)
+    for pattern, style in plan.items():
+        if style not in ("colwise", "rowwise"):
+            raise JobError(f"{path}.{pattern}", style, "must be 'colwise' or 'rowwise'")
+    return plan
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
-    strategy: str = _f("data", _choice("data"))
-    bucket_cap_mb: float = _f(25.0, _float(0.0, 4096.0, lo_open=True), "DDP gradient bucket size")
+    strategy: str = _f("data", _choice("data", "tensor", "hybrid"))
+    tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size")
+    tp_plan: dict = _f({}, _tp_plan, "module-name pattern -> colwise | rowwise, for models without a plan")
+    bucket_cap_mb: float = _f(25.0, _float(0.0, 4096.0, lo_open=True), "gradient bucket size")
 
 
 @dataclass(frozen=True)
@@ -248,8 +263,14 @@ class Job:
     base_dir: str = field(default=".", metadata={"internal": True}, compare=False)
 
     @property
+    def layout(self):
+        from strategies.layout import Layout
+
+        return Layout.for_workers(self.parallel.strategy, self.cluster.num_workers, self.parallel.tp_size)
+
+    @property
     def dp_size(self) -> int:
-        return self.cluster.num_workers
+        return self.layout.dp
 
     def to_dict(self) -> dict:
         """The resolved job as plain data: what `job.yaml` in the run dir holds."""
@@ -433,7 +454,31 @@ def _check_components(job: Job) -> None:
         components.check_builtin("loss", job.loss.name, job.loss.kwargs, components.LOSSES)
 
 
+def _check_layout(job: Job) -> None:
+    from strategies.layout import LayoutError
+    from workers import components
+    from workers.components import ComponentError
+
+    try:
+        layout = job.layout
+    except LayoutError as err:
+        field = "parallel.tp_size" if job.parallel.tp_size is not None else "parallel.strategy"
+        raise JobError(field, getattr(job.parallel, field.split(".")[1]), str(err)) from None
+    if job.train.activation_checkpointing and not job.model.name:
+        raise JobError("train.activation_checkpointing", True, "is available for the built-in models only; "
+                       "a model given by entry point can use torch.utils.checkpoint itself")
+    if job.parallel.tp_plan and layout.tp == 1:
+        raise JobError("parallel.tp_plan", job.parallel.tp_plan, f"only applies with tensor parallelism; "
+                       f"strategy {layout.kind} with tp {layout.tp} shards nothing")
+    if layout.tp > 1:
+        try:
+            components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
+        except ComponentError as err:
+            raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+
+
 def _check_sizes(job: Job) -> None:
+    _check_layout(job)
     dp = job.dp_size
     if job.train.global_batch_size % dp:
         raise JobError("train.global_batch_size", job.train.global_batch_size,

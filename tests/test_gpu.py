@@ -24,7 +24,7 @@ def train_on_gpu(job):
         assert worker.setup(0, 1, "127.0.0.1", free_port(), 60) == "nccl"
         worker.build()
         reports = list(worker.train(job.train.steps))
-        return worker.model_state(), [loss for r in reports for loss in r["losses"]]
+        return worker.state()["model"], [loss for r in reports for loss in r["losses"]]
     finally:
         worker.shutdown()
 

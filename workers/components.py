@@ -146,16 +146,45 @@ def _call(field_path: str, what: str, func: Callable, kwargs: dict):
 
 
 def build_model(spec: dict, search_paths: Iterable[str] = ()) -> nn.Module:
+    return build_model_and_plan(spec, search_paths)[0]
+
+
+def build_model_and_plan(spec: dict, search_paths: Iterable[str] = (), activation_checkpointing: bool = False
+                         ) -> tuple[nn.Module, dict | None]:
+    """The model, and the tensor-parallel plan its entry point returned with it, if any
+    (an entry point may return `model` or `(model, plan)`)."""
+    kwargs = dict(spec.get("kwargs") or {})
+    if activation_checkpointing:
+        kwargs["activation_checkpointing"] = True  # built-ins only; the job validates that
     if spec.get("entrypoint"):
         func = resolve("model.entrypoint", spec["entrypoint"], search_paths)
         with _on_path(search_paths):
-            model = _call("model", spec["entrypoint"], func, spec.get("kwargs") or {})
+            model = _call("model", spec["entrypoint"], func, kwargs)
     else:
-        model = _call("model", spec["name"], MODELS[spec["name"]], spec.get("kwargs") or {})
+        model = _call("model", spec["name"], MODELS[spec["name"]], kwargs)
+    plan = None
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], dict):
+        model, plan = model
     if not isinstance(model, nn.Module):
         raise ComponentError("model", spec.get("entrypoint") or spec.get("name"),
-                             f"must return a torch.nn.Module, got {type(model).__name__}")
-    return model
+                             f"must return a torch.nn.Module or (module, tp_plan), got {type(model).__name__}")
+    return model, plan
+
+
+def tp_plan(model: nn.Module, job_plan: dict | None, returned_plan: dict | None, tp: int) -> dict | None:
+    """The plan to shard with: the job's parallel.tp_plan, else the entry point's, else the
+    model's own `tp_plan(tp)` (the built-ins ship one)."""
+    if job_plan:
+        return dict(job_plan)
+    if returned_plan:
+        return dict(returned_plan)
+    own = getattr(model, "tp_plan", None)
+    if callable(own):
+        try:
+            return own(tp)
+        except ValueError as err:
+            raise ComponentError("parallel.tp_size", tp, str(err)) from None
+    return None
 
 
 def build_dataset(spec: dict, model_spec: dict, search_paths: Iterable[str] = ()):
@@ -197,3 +226,21 @@ def build_optimizer(params, spec: dict) -> torch.optim.Optimizer:
                                weight_decay=wd)
     cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
     return cls(params, lr=lr, betas=tuple(spec["betas"]), eps=spec["eps"], weight_decay=wd)
+
+
+def check_tp_plan(model_spec: dict, job_plan: dict | None, tp: int, search_paths: Iterable[str] = ()) -> None:
+    """The plan that would shard this model over `tp` ranks, checked on a meta-device copy."""
+    from strategies.plan import PlanError, resolve
+
+    try:
+        with torch.device("meta"):
+            model, returned = build_model_and_plan(model_spec, search_paths)
+    except ComponentError:
+        raise
+    except Exception:  # a model that cannot be built on the meta device: build it for real
+        model, returned = build_model_and_plan(model_spec, search_paths)
+    plan = tp_plan(model, job_plan, returned, tp)
+    try:
+        resolve(model, plan or {}, tp)
+    except PlanError as err:
+        raise ComponentError("parallel.tp_plan", job_plan or plan or {}, str(err)) from None

@@ -14,17 +14,30 @@ from torch.utils.checkpoint import checkpoint
 
 
 class MLP(nn.Module):
-    def __init__(self, in_features: int = 784, hidden: int = 512, out_features: int = 10, layers: int = 1):
+    def __init__(self, in_features: int = 784, hidden: int = 512, out_features: int = 10, layers: int = 1,
+                 activation_checkpointing: bool = False):
         super().__init__()
         dims = [in_features] + [hidden] * layers
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
         self.out = nn.Linear(dims[-1], out_features)
+        self.activation_checkpointing = activation_checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.flatten(1)
         for layer in self.hidden:
-            x = F.relu(layer(x))
+            if self.activation_checkpointing and self.training:
+                x = checkpoint(lambda h, layer=layer: F.relu(layer(h)), x, use_reentrant=False)
+            else:
+                x = F.relu(layer(x))
         return self.out(x)
+
+    def tp_plan(self, tp: int) -> dict[str, str]:
+        """Hidden layers alternate column- and row-parallel (a Megatron pair per two layers); the
+        output layer closes the last pair when one is open, else it stays replicated."""
+        plan = {f"hidden.{i}": ("colwise" if i % 2 == 0 else "rowwise") for i in range(len(self.hidden))}
+        if len(self.hidden) % 2:
+            plan["out"] = "rowwise"
+        return plan
 
 
 class Attention(nn.Module):
@@ -81,6 +94,7 @@ class GPT(nn.Module):
         if n_embd % n_head:
             raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
         self.block_size = block_size
+        self.n_head = n_head
         self.activation_checkpointing = activation_checkpointing
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
@@ -99,6 +113,15 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
+    def tp_plan(self, tp: int) -> dict[str, str]:
+        """Megatron: q, k, v and the first MLP layer column-parallel (heads and ffn width split),
+        the projections after them row-parallel; embeddings, norms and the head replicated."""
+        n_head = self.n_head
+        if n_head % tp:
+            raise ValueError(f"n_head({n_head}) % tp({tp}) = {n_head % tp}: attention splits by whole heads")
+        return {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+                "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.block_size:
@@ -113,8 +136,9 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def mlp(in_features: int = 784, hidden: int = 512, out_features: int = 10, layers: int = 1) -> MLP:
-    return MLP(in_features, hidden, out_features, layers)
+def mlp(in_features: int = 784, hidden: int = 512, out_features: int = 10, layers: int = 1,
+        activation_checkpointing: bool = False) -> MLP:
+    return MLP(in_features, hidden, out_features, layers, activation_checkpointing)
 
 
 def gpt(vocab_size: int = 128, block_size: int = 64, n_layer: int = 2, n_head: int = 4, n_embd: int = 128,

@@ -16,7 +16,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from strategies import data as data_strategy
+import strategies
+import strategies.grads
+import strategies.state
+from strategies.layout import Layout
 from workers import components
 from workers.data import GlobalBatches, load_batch
 
@@ -46,7 +49,7 @@ class TrainWorker:
         self.rank = 0
         self.world = 1
         self.step = 0
-        self.model = None
+        self.parallel = None
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -86,58 +89,82 @@ class TrainWorker:
 
     def build(self) -> dict:
         job = self.job
-        train = job["train"]
+        train, par = job["train"], job["parallel"]
+        self.layout = Layout.for_workers(par["strategy"], self.world, par.get("tp_size"))
         torch.manual_seed(train["seed"])  # identical initial weights on every rank, and in a 1-process run
-        model = components.build_model(job["model"], self.search_paths).to(self.device)
-        self.raw_model = model
-        self.model = data_strategy.apply(model, self.device, bucket_cap_mb=job["parallel"]["bucket_cap_mb"])
-        self.optimizer = components.build_optimizer(self.model.parameters(), job["optimizer"])
+        model, returned_plan = components.build_model_and_plan(job["model"], self.search_paths,
+                                                               train.get("activation_checkpointing", False))
+        model = model.to(self.device)
+        plan = components.tp_plan(model, par.get("tp_plan"), returned_plan, self.layout.tp) \
+            if self.layout.tp > 1 else None
+        self.parallel = strategies.parallelize(model, self.layout, self.device, par["bucket_cap_mb"], plan)
+        self.optimizer = components.build_optimizer(self.parallel.model.parameters(), job["optimizer"])
         self.loss_fn = components.build_loss(job["loss"], self.search_paths)
         self.dataset = components.build_dataset(job["data"], job["model"], self.search_paths)
         self.batches = GlobalBatches(len(self.dataset), train["global_batch_size"], train["seed"])
         self.autocast_dtype = _DTYPES[train["precision"]]
         # fp16 needs loss scaling; the parameters stay fp32 (autocast computes in fp16 from them),
-        # so the optimizer always updates fp32 master weights
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=train["precision"] == "fp16")
-        self.step = 0
-        return {"parameters": sum(p.numel() for p in model.parameters()), "dataset_len": len(self.dataset)}
+        # so the optimizer always updates fp32 master weights. With shards, ranks see different
+        # gradients, so whether any overflowed must be agreed over all ranks before stepping.
+        fp16 = train["precision"] == "fp16"
+        if self.layout.tp > 1:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    def state(self) -> dict:
-        return to_cpu({"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                       "scaler": self.scaler.state_dict(), "step": self.step})
+            self.scaler = ShardedGradScaler(self.device.type, enabled=fp16, process_group=dist.group.WORLD)
+        else:
+            self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
+        self.step = 0
+        n_params = sum(v.numel() for v in strategies.state.model_state(self.parallel.model).values()) \
+            if self.layout.tp > 1 else sum(p.numel() for p in model.parameters())
+        return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
+                "layout": {"kind": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp}}
+
+    def state(self) -> dict | None:
+        """Full (unsharded) model, optimizer and scaler state on CPU, on rank 0; None elsewhere.
+        With shards this is a collective: every rank must call it at the same step."""
+        if self.layout.tp == 1 and self.rank != 0:
+            return None
+        model = strategies.state.model_state(self.parallel.model)
+        optim = strategies.state.optimizer_state(self.optimizer)
+        if self.rank != 0:
+            return None
+        return to_cpu({"model": model, "optimizer": optim, "scaler": self.scaler.state_dict(), "step": self.step})
 
     def load(self, state: dict) -> int:
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        strategies.state.load_model_state(self.parallel.model, state["model"])
+        strategies.state.load_optimizer_state(self.optimizer, state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         return self.step
 
-    def model_state(self) -> dict:
-        """The full, unsharded model state_dict on CPU: what `final.pt` holds."""
-        return to_cpu(self.raw_model.state_dict())
-
     # ---------------------------------------------------------------- the step loop
 
     def _one_step(self, step: int) -> torch.Tensor:
         train = self.job["train"]
-        dp_world = self.world  # every rank is a data-parallel rank in the data strategy
+        layout = self.layout
         # Seed before the batch is loaded: a dataset's random augmentation draws from it too.
         # The generators are seeded directly: torch.manual_seed costs ~70 us a call on CPU.
         seed = step_seed(train["seed"], step, self.rank)
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index].manual_seed(seed)
-        x, y = load_batch(self.dataset, self.batches.shard(step, self.rank, dp_world))
+        # every rank of a tensor-parallel group works on its data-parallel replica's slice
+        x, y = load_batch(self.dataset, self.batches.shard(step, layout.dp_rank(self.rank), layout.dp))
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            loss = self.loss_fn(self.model(x), y)
+            loss = self.loss_fn(self.parallel.module(x), y)
         self.scaler.scale(loss).backward()
+        if self.parallel.after_backward is not None:
+            self.parallel.after_backward()
         if train["grad_clip"]:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train["grad_clip"])
+            params = self.parallel.model.parameters()
+            if layout.tp == 1:
+                torch.nn.utils.clip_grad_norm_(params, train["grad_clip"])
+            else:
+                strategies.grads.clip_grad_norm(params, train["grad_clip"], self.parallel.tp_group)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss.detach()
@@ -164,8 +191,10 @@ class TrainWorker:
             if ckpt or now - last_flush >= flush_s or self.step == until_step:
                 report = {"rank": self.rank, "first_step": first, "losses": torch.stack(losses).float().tolist(),
                           "step_times": times}
-                if ckpt and self.rank == 0:
-                    report["checkpoint"] = self.state()
+                if ckpt:
+                    state = self.state()  # a collective when sharded: every rank takes part
+                    if state is not None:
+                        report["checkpoint"] = state
                 yield report
                 losses, times = [], []
                 first = self.step

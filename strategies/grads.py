@@ -1,0 +1,75 @@
+"""Gradient work that must know about shards: the global norm for clipping, and averaging
+gradients over the data-parallel replicas of a tensor-parallel model (hybrid)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_group=None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (2-norm) for a model whose parameters may be tensor-parallel
+    shards: a shard's squares are summed over its tp group, a replicated gradient counts once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    device = _local(grads[0]).device
+    sharded = torch.zeros((), device=device, dtype=torch.float32)
+    replicated = torch.zeros((), device=device, dtype=torch.float32)
+    for g in grads:
+        sq = _local(g).float().pow(2).sum()
+        if isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements):
+            sharded += sq
+        else:
+            replicated += sq
+    if tp_group is not None:
+        dist.all_reduce(sharded, group=tp_group)
+    total = (sharded + replicated).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        _local(g).mul_(coef.to(_local(g).dtype))
+    return total
+
+
+class GradAverager:
+    """Average gradients over the data-parallel group after backward, in buckets of at most
+    `bucket_cap_mb` (one all-reduce per bucket). Used where DDP cannot wrap the model: its
+    tensor-parallel parameters are DTensors. Runs after backward, so it does not overlap."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group, bucket_cap_mb: float):
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+
+    def __call__(self) -> None:
+        if self.size == 1:
+            return
+        bucket, used = [], 0
+        for p in reversed(self.params):  # the order backward produced them: last layers first
+            if p.grad is None:
+                continue
+            g = _local(p.grad)
+            bucket.append(g)
+            used += g.numel() * g.element_size()
+            if used >= self.cap_bytes:
+                self._reduce(bucket)
+                bucket, used = [], 0
+        if bucket:
+            self._reduce(bucket)
+
+    def _reduce(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)  # gloo has no AVG: sum, then divide
+        flat.div_(self.size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
