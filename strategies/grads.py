@@ -73,3 +73,29 @@ class GradAverager:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def sharded_grad_scaler(device_type: str, enabled: bool, group=None):
+    """fp16 loss scaling for a model with tensor-parallel shards: each rank unscales its local
+    gradients and all ranks agree whether any overflowed, so they skip or take a step together."""
+    from collections import defaultdict
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler, _GeneralMultiDeviceReplicator
+
+    class _Scaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+            inv = _GeneralMultiDeviceReplicator(inv_scale)
+            inf = _GeneralMultiDeviceReplicator(found_inf)
+            grouped = defaultdict(lambda: defaultdict(list))
+            with torch.no_grad():
+                for group_ in optimizer.param_groups:
+                    for p in group_["params"]:
+                        if p.grad is not None:
+                            g = _local(p.grad)  # a shard's local piece; the base class sees DTensors
+                            grouped[g.device][g.dtype].append(g)
+                for device, per_dtype in grouped.items():
+                    for grads in per_dtype.values():
+                        torch._amp_foreach_non_finite_check_and_unscale_(grads, inf.get(device), inv.get(device))
+            return inf._per_device_tensors
+
+    return _Scaler(device_type, enabled=enabled, process_group=group or dist.group.WORLD)

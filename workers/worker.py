@@ -108,9 +108,7 @@ class TrainWorker:
         # gradients, so whether any overflowed must be agreed over all ranks before stepping.
         fp16 = train["precision"] == "fp16"
         if self.layout.tp > 1:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.scaler = ShardedGradScaler(self.device.type, enabled=fp16, process_group=dist.group.WORLD)
+            self.scaler = strategies.grads.sharded_grad_scaler(self.device.type, fp16)
         else:
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
         self.step = 0
