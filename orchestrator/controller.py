@@ -131,7 +131,10 @@ class Controller:
             group = self.group_factory(job)
             infos = group.start()
             keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend")
-            self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos])
+            layout = job.layout
+            self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
+                        layout={"kind": layout.kind, "dp": layout.dp, "tp": layout.tp},
+                        tp_groups=layout.tp_groups() if layout.tp > 1 else [])
             if self.resume:
                 name, state = self.resume
                 ref = group.put(state)
@@ -141,9 +144,7 @@ class Controller:
                            nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
                            resumed_from_step=start_step if self.resume else None,
                            strategy_history=self._earlier_history(start_step) + [
-                               {"step": start_step, "strategy": job.parallel.strategy,
-                                "dp": infos[0].get("layout", {}).get("dp", len(infos)),
-                                "tp": infos[0].get("layout", {}).get("tp", 1),
+                               {"step": start_step, "strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
                                 "bucket_cap_mb": job.parallel.bucket_cap_mb}])
 
             self._enter(State.TRAINING, from_step=start_step)

@@ -156,6 +156,7 @@ class RayWorkerGroup:
         order = sorted(range(len(handles)), key=lambda i: (infos[i]["node_ip"], infos[i]["node_id"], i))
         self.workers = [handles[i] for i in order]
         self.infos = [infos[i] for i in order]
+        self._check_tp_groups_are_node_local()
 
         master_addr = self.infos[0]["node_ip"]
         port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
@@ -166,6 +167,21 @@ class RayWorkerGroup:
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos
+
+    def _check_tp_groups_are_node_local(self) -> None:
+        """Tensor parallelism talks on every layer; across nodes it would run on the slow link."""
+        layout = self.job.layout
+        for group in layout.tp_groups() if layout.tp > 1 else []:
+            nodes = {self.infos[r]["node_id"] for r in group}
+            if len(nodes) > 1:
+                per_node: dict[str, int] = {}
+                for info in self.infos:
+                    per_node[info["node_ip"] + "/" + info["node_id"][:8]] = per_node.get(
+                        info["node_ip"] + "/" + info["node_id"][:8], 0) + 1
+                raise GearshiftError(
+                    f"tensor-parallel group of ranks {group} would span {len(nodes)} nodes: the cluster placed "
+                    f"{per_node} workers per node, and tp_size({layout.tp}) does not divide each node's count. "
+                    f"Use cluster.placement=pack, a tp_size that divides the workers per node, or strategy data.")
 
     # ---------------------------------------------------------------- calls
 

@@ -63,3 +63,44 @@ def test_spread_job_on_two_nodes_matches_the_reference(two_nodes, tmp_path):
     ref_state, _ = reference(load_job(MLP[0], overrides))
     final = torch.load(tmp_path / "run/final.pt", weights_only=True)
     assert max_diff(final, ref_state) <= 1e-5
+
+
+def test_hybrid_tensor_groups_stay_inside_a_node(two_nodes, tmp_path):
+    """dp 2 x tp 2 spread over two 2-CPU nodes: each tensor-parallel pair is one node's workers,
+    the data-parallel pairs cross nodes, and the result equals the reference."""
+    from test_train_equivalence import GPT, max_diff, reference
+
+    overrides = GPT[1] + ["cluster.num_workers=4", "cluster.placement=spread", "parallel.strategy=hybrid",
+                          "parallel.tp_size=2", "train.global_batch_size=8"]
+    args = [sys.executable, "-m", "orchestrator.cli", "run", str(GPT[0]), "--address", two_nodes.address,
+            "--run-dir", str(tmp_path / "run")] + [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+
+    events = [json.loads(line) for line in (tmp_path / "run/telemetry.jsonl").read_text().splitlines()]
+    (starting,) = [e for e in events if e.get("state") == "starting"]
+    node_of = {w["rank"]: w["node_id"] for w in starting["workers"]}
+    assert starting["tp_groups"] == [[0, 1], [2, 3]]
+    for group in starting["tp_groups"]:
+        assert len({node_of[r] for r in group}) == 1, f"tp group {group} crosses nodes"
+    assert node_of[0] != node_of[2], "the data-parallel replicas are on different nodes"
+
+    ref_state, _ = reference(load_job(GPT[0], overrides))
+    assert max_diff(torch.load(tmp_path / "run/final.pt", weights_only=True), ref_state) <= 1e-4
+
+
+def test_a_tensor_group_across_nodes_is_refused():
+    """Placement gave 3 workers to one node and 1 to the other: tp pairs [0,1],[2,3] would put
+    rank 2 and 3 on different nodes. This is checked before any process group exists."""
+    from orchestrator.errors import GearshiftError
+    from orchestrator.worker_group import RayWorkerGroup
+
+    job = load_job(ROOT / "examples/gpt.yaml", ["cluster.num_workers=4", "parallel.strategy=hybrid",
+                                                "parallel.tp_size=2"])
+    group = RayWorkerGroup(job, embedded=False)
+    group.infos = [{"node_id": n, "node_ip": "10.0.0." + n} for n in ("1", "1", "1", "2")]
+    with pytest.raises(GearshiftError, match=r"ranks \[2, 3\] would span 2 nodes"):
+        group._check_tp_groups_are_node_local()
+    group.infos = [{"node_id": n, "node_ip": "10.0.0." + n} for n in ("1", "1", "2", "2")]
+    group._check_tp_groups_are_node_local()
