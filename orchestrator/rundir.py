@@ -17,9 +17,10 @@ from workers import checkpoint
 # Keys that may differ between a run and its resume: they change how long or how often,
 # not what the trajectory is.
 _RESUMABLE = {("name",), ("train", "steps"), ("train", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep"),
-              ("parallel", "bucket_cap_mb")}
-# The whole cluster section may change too: global batches do not depend on the worker count.
-_RESUMABLE_SECTIONS = {"cluster"}
+              ("train", "activation_checkpointing")}
+# Whole sections that may change too: global batches do not depend on the worker count, and
+# checkpoints hold full tensors, so any layout continues what any other started.
+_RESUMABLE_SECTIONS = {"cluster", "parallel"}
 
 
 def runs_root(root: str | None = None) -> str:

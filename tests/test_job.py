@@ -51,7 +51,8 @@ def test_fingerprint_tracks_what_changes_the_result():
 
 def test_resume_allows_only_length_and_cadence_changes():
     base = load_job(ROOT / "examples/mlp.yaml")
-    longer = load_job(ROOT / "examples/mlp.yaml", ["train.steps=900", "checkpoint.every=7"])
+    longer = load_job(ROOT / "examples/mlp.yaml", ["train.steps=900", "checkpoint.every=7",
+                                                     "parallel.strategy=tensor", "cluster.num_workers=4"])
     other = load_job(ROOT / "examples/mlp.yaml", ["optimizer.lr=0.5", "model.kwargs={hidden: 8}"])
     assert resume_conflicts(base, longer) == []
     conflicts = resume_conflicts(base, other)

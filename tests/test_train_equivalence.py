@@ -175,3 +175,19 @@ def test_every_layout_equals_the_single_process_reference(ray_cluster, tmp_path,
     losses = step_losses(tmp_path / "run")
     worst = max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses))
     assert worst <= 1e-4, f"per-step loss differs from the reference by {worst:.3g}"
+
+
+def test_a_run_continues_under_another_layout(ray_cluster, tmp_path):
+    """Checkpoints hold full tensors: 6 steps of data(2), resumed as tensor(2) to step 9, then as
+    hybrid(2 x 2) to step 12, reach the single-process result."""
+    job_file, base = GPT[0], GPT[1] + ["train.global_batch_size=8", "optimizer.name=adam"]
+    run = tmp_path / "run"
+    run_gearshift(job_file, base + ["train.steps=6"], run)
+    assert cli.main(["run", "--resume", str(run), "--set", "train.steps=9", "--set", "parallel.strategy=tensor"]) == 0
+    assert cli.main(["run", "--resume", str(run), "--set", "train.steps=12", "--set", "parallel.strategy=hybrid",
+                     "--set", "parallel.tp_size=2", "--set", "cluster.num_workers=4"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert [(h["step"], h["strategy"]) for h in summary["strategy_history"]] == [
+        (0, "data"), (6, "tensor"), (9, "hybrid")]
+    ref, _ = reference(load_job(job_file, base + ["train.steps=12"]))
+    assert max_diff(torch.load(run / "final.pt", weights_only=True), ref) <= 1e-4
