@@ -467,10 +467,10 @@ def _check_layout(job: Job) -> None:
     if job.train.activation_checkpointing and not job.model.name:
         raise JobError("train.activation_checkpointing", True, "is available for the built-in models only; "
                        "a model given by entry point can use torch.utils.checkpoint itself")
-    if job.parallel.tp_plan and layout.tp == 1:
-        raise JobError("parallel.tp_plan", job.parallel.tp_plan, f"only applies with tensor parallelism; "
-                       f"strategy {layout.kind} with tp {layout.tp} shards nothing")
-    if layout.tp > 1:
+    if job.parallel.tp_plan and layout.kind == "data":
+        raise JobError("parallel.tp_plan", job.parallel.tp_plan, "only applies with tensor parallelism; "
+                       "strategy data shards nothing")
+    if layout.kind != "data":
         try:
             components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
         except ComponentError as err:

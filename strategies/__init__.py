@@ -51,6 +51,16 @@ def _hybrid(model, layout, device, bucket_cap_mb, plan, mesh):
     return Parallel(model, model, layout, mesh, average)
 
 
+def param_groups(model: nn.Module) -> list[dict]:
+    """Parameters for the optimizer, tensor-parallel shards (DTensors) apart from plain tensors:
+    fused multi-tensor updates (the default on GPU) cannot mix the two in one call."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": g} for g in groups if g]
+
+
 STRATEGIES: dict[str, Callable[..., Parallel]] = {"data": _data, "tensor": _tensor, "hybrid": _hybrid}
 
 

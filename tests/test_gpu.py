@@ -49,3 +49,15 @@ def test_gpu_mixed_precision_trains(precision):
     state, losses = train_on_gpu(job)
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in state.values())
     assert sum(losses[-5:]) / 5 < 0.8 * losses[0]
+
+
+def test_gpu_tensor_layout_shards_with_dtensor_and_matches_the_reference():
+    """One GPU can hold a tensor-parallel group of one: the DTensor path on CUDA and NCCL."""
+    from test_train_equivalence import GPT, max_diff, reference
+
+    job = load_job(GPT[0], GPT[1] + ["cluster.num_workers=1", "cluster.gpus_per_worker=1", "parallel.strategy=tensor"])
+    state, losses = train_on_gpu(job)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_state, ref_losses = reference(job)
+    assert max_diff(state, ref_state) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-4

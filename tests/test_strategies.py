@@ -26,3 +26,23 @@ def test_bucket_cap_mb_reaches_ddp(process_group, mb):
     assert ddp.bucket_bytes_cap == int(mb * 1024 * 1024)
     ddp(torch.randn(4, 784)).sum().backward()  # buckets work with gradients as bucket views
     assert all(p.grad is not None for p in ddp.parameters())
+
+
+def test_param_groups_keep_shards_apart_for_fused_optimizers(process_group):
+    """On GPU, Adam's default multi-tensor (foreach) update cannot mix DTensor shards and plain
+    tensors in one call; forcing foreach here reproduces that on CPU."""
+    import strategies
+    from strategies.layout import Layout
+    from workers.models import gpt
+
+    torch.manual_seed(0)
+    model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)
+    par = strategies.parallelize(model, Layout("tensor", 1, 1), torch.device("cpu"), 25.0, model.tp_plan(1))
+    groups = strategies.param_groups(par.model)
+    assert len(groups) == 2 and sum(len(g["params"]) for g in groups) == len(list(par.model.parameters()))
+    opt = torch.optim.Adam(groups, lr=1e-3, foreach=True)
+    par.module(torch.randint(0, 128, (2, 8))).sum().backward()
+    opt.step()  # a single mixed group raises "got mixed torch.Tensor and DTensor" here
+    mixed = torch.optim.Adam(list(par.model.parameters()), lr=1e-3, foreach=True)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        mixed.step()

@@ -147,6 +147,7 @@ def test_resume_extends_a_finished_run(ray_cluster, tmp_path):
 
 
 LAYOUTS = {  # name -> overrides; every one must reach the single-process result
+    "tensor1": ["cluster.num_workers=1", "parallel.strategy=tensor"],
     "data4": ["cluster.num_workers=4", "parallel.strategy=data"],
     "tensor2": ["cluster.num_workers=2", "parallel.strategy=tensor"],
     "tensor4": ["cluster.num_workers=4", "parallel.strategy=tensor"],

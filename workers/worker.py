@@ -96,9 +96,9 @@ class TrainWorker:
                                                                train.get("activation_checkpointing", False))
         model = model.to(self.device)
         plan = components.tp_plan(model, par.get("tp_plan"), returned_plan, self.layout.tp) \
-            if self.layout.tp > 1 else None
+            if self.layout.kind != "data" else None
         self.parallel = strategies.parallelize(model, self.layout, self.device, par["bucket_cap_mb"], plan)
-        self.optimizer = components.build_optimizer(self.parallel.model.parameters(), job["optimizer"])
+        self.optimizer = components.build_optimizer(strategies.param_groups(self.parallel.model), job["optimizer"])
         self.loss_fn = components.build_loss(job["loss"], self.search_paths)
         self.dataset = components.build_dataset(job["data"], job["model"], self.search_paths)
         self.batches = GlobalBatches(len(self.dataset), train["global_batch_size"], train["seed"])
@@ -107,20 +107,20 @@ class TrainWorker:
         # so the optimizer always updates fp32 master weights. With shards, ranks see different
         # gradients, so whether any overflowed must be agreed over all ranks before stepping.
         fp16 = train["precision"] == "fp16"
-        if self.layout.tp > 1:
+        if self.layout.kind != "data":
             self.scaler = strategies.grads.sharded_grad_scaler(self.device.type, fp16)
         else:
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
         self.step = 0
         n_params = sum(v.numel() for v in strategies.state.model_state(self.parallel.model).values()) \
-            if self.layout.tp > 1 else sum(p.numel() for p in model.parameters())
+            if self.layout.kind != "data" else sum(p.numel() for p in model.parameters())
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": {"kind": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp}}
 
     def state(self) -> dict | None:
         """Full (unsharded) model, optimizer and scaler state on CPU, on rank 0; None elsewhere.
         With shards this is a collective: every rank must call it at the same step."""
-        if self.layout.tp == 1 and self.rank != 0:
+        if self.layout.kind == "data" and self.rank != 0:
             return None
         model = strategies.state.model_state(self.parallel.model)
         optim = strategies.state.optimizer_state(self.optimizer)
@@ -159,7 +159,7 @@ class TrainWorker:
         if train["grad_clip"]:
             self.scaler.unscale_(self.optimizer)
             params = self.parallel.model.parameters()
-            if layout.tp == 1:
+            if layout.kind == "data":
                 torch.nn.utils.clip_grad_norm_(params, train["grad_clip"])
             else:
                 strategies.grads.clip_grad_norm(params, train["grad_clip"], self.parallel.tp_group)
