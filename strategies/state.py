@@ -42,19 +42,29 @@ def load_model_state(model: nn.Module, state: dict) -> None:
                 piece.to_local() if isinstance(piece, DTensor) else piece)
 
 
-def _params(optimizer: torch.optim.Optimizer) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+def _names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    """The parameter names in the optimizer's own order (its state is keyed by that position)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """Full tensors keyed by parameter name: layouts group and order parameters differently,
+    so positions do not carry over from one layout to another; names do."""
     sd = optimizer.state_dict()
-    sd["state"] = {i: {k: full(v) for k, v in s.items()} for i, s in sd["state"].items()}
-    return sd
+    names = _names(optimizer, model)
+    hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+    return {"state": {names[i]: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()},
+            "hyperparameters": hyper}
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
-    params = _params(optimizer)
-    sd = dict(sd)
-    sd["state"] = {i: {k: (shard_like(v, params[int(i)]) if torch.is_tensor(v) and v.dim() > 0 else v)
-                       for k, v in s.items()} for i, s in sd["state"].items()}
+def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict) -> None:
+    names = _names(optimizer, model)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: (shard_like(v, params[i]) if torch.is_tensor(v) and v.dim() > 0 else v)
+                       for k, v in saved["state"][name].items()}
+                   for i, name in enumerate(names) if name in saved["state"]}
+    for group in sd["param_groups"]:
+        group.update({k: v for k, v in saved["hyperparameters"].items()})
     optimizer.load_state_dict(sd)

@@ -123,14 +123,14 @@ class TrainWorker:
         if self.layout.kind == "data" and self.rank != 0:
             return None
         model = strategies.state.model_state(self.parallel.model)
-        optim = strategies.state.optimizer_state(self.optimizer)
+        optim = strategies.state.optimizer_state(self.optimizer, self.parallel.model)
         if self.rank != 0:
             return None
         return to_cpu({"model": model, "optimizer": optim, "scaler": self.scaler.state_dict(), "step": self.step})
 
     def load(self, state: dict) -> int:
         strategies.state.load_model_state(self.parallel.model, state["model"])
-        strategies.state.load_optimizer_state(self.optimizer, state["optimizer"])
+        strategies.state.load_optimizer_state(self.optimizer, self.parallel.model, state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
