@@ -17,10 +17,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_group=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm) for a model whose parameters may be tensor-parallel
     shards: a shard's squares are summed over its tp group, a replicated gradient counts once."""
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    device = _local(grads[0]).device
+    # every rank reaches the all-reduce below, even one without gradients, or the others would wait
+    device = _local(grads[0]).device if grads else _local(params[0]).device if params else torch.device("cpu")
     sharded = torch.zeros((), device=device, dtype=torch.float32)
     replicated = torch.zeros((), device=device, dtype=torch.float32)
     for g in grads:

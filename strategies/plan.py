@@ -34,6 +34,11 @@ def resolve(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, str]:
                             + ", ".join(n for n in list(modules)[1:20] if n) + (" ..." if len(modules) > 20 else ""))
         for name in names:
             mod = modules[name]
+            parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
+            if isinstance(parent, nn.MultiheadAttention):
+                raise PlanError(f"pattern {pattern!r} matches {name!r} inside nn.MultiheadAttention, which uses "
+                                "its weights without calling the layer, so sharding it would be silently wrong; "
+                                "shard your own q/k/v/out projections instead")
             if not isinstance(mod, nn.Linear):
                 raise PlanError(f"pattern {pattern!r} matches {name!r}, a {type(mod).__name__}; "
                                 "only nn.Linear layers can be sharded colwise or rowwise")

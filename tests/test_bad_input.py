@@ -73,6 +73,9 @@ CASES = [
     ("heads-not-divisible", "model: {name: gpt, kwargs: {n_head: 4, n_embd: 96}}\n",
      ["parallel.strategy=tensor", "cluster.num_workers=8", "train.global_batch_size=8"],
      ["parallel.tp_size", "n_head(4) % tp(8) = 4"]),
+    ("plan-inside-multihead-attention", "model: 'user_model:with_mha'\ndata: 'user_model:waves'\n",
+     ["parallel.strategy=tensor", "parallel.tp_plan={attn.out_proj: rowwise}"],
+     ["parallel.tp_plan", "inside nn.MultiheadAttention"]),
     ("checkpointing-user-model", "model: 'user_model:build'\ndata: 'user_model:waves'\n",
      ["train.activation_checkpointing=true"], ["train.activation_checkpointing", "built-in models only"]),
 ]

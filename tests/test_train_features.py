@@ -128,6 +128,7 @@ SHARDED_CASES = [  # (model, layout, precision, activation checkpointing)
     ("gpt", "data4", "fp32", True),
     ("mlp", "tensor2", "fp16", False),
     ("gpt", "hybrid2x2", "bf16", True),
+    ("gpt", "hybrid2x2", "fp16", False),
 ]
 
 
@@ -149,6 +150,7 @@ def test_precision_and_activation_checkpointing_under_every_strategy(ray_cluster
     # recomputation changes nothing in the math, so fp32 stays exact; reduced precision stays close
     ref, _ = reference(load_job(job_file, overrides + ["train.activation_checkpointing=false"]))
     diff = max_diff(final, ref)
-    assert diff <= (1e-4 if precision == "fp32" else 0.2), diff
+    # measured here: fp32 <= 6e-6; bf16 and fp16 5e-3 to 7.5e-3 after 10-12 steps
+    assert diff <= (1e-4 if precision == "fp32" else 0.03), diff
     if precision != "fp32":
         assert diff > 1e-6, "reduced precision must actually apply"

@@ -142,8 +142,10 @@ class TrainWorker:
         train = self.job["train"]
         layout = self.layout
         # Seed before the batch is loaded: a dataset's random augmentation draws from it too.
+        # One stream per data-parallel replica: the ranks of a tensor-parallel group hold one
+        # replica between them, so they must draw the same dropout masks and augmentations.
         # The generators are seeded directly: torch.manual_seed costs ~70 us a call on CPU.
-        seed = step_seed(train["seed"], step, self.rank)
+        seed = step_seed(train["seed"], step, layout.dp_rank(self.rank))
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index].manual_seed(seed)
