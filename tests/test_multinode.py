@@ -44,18 +44,23 @@ def two_nodes():
             os.environ["RAY_AUTH_MODE"] = saved
 
 
+def run_on_cluster(cluster, job_file, overrides, run_dir) -> dict:
+    """`gearshift run --address` in its own process; returns the run's "starting" event."""
+    args = [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--address", cluster.address,
+            "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    (starting,) = [e for e in events if e.get("state") == "starting"]
+    return starting
+
+
 def test_spread_job_on_two_nodes_matches_the_reference(two_nodes, tmp_path):
     from test_train_equivalence import MLP, max_diff, reference
 
     overrides = MLP[1] + ["cluster.num_workers=4", "cluster.placement=spread", "train.steps=8"]
-    args = [sys.executable, "-m", "orchestrator.cli", "run", str(MLP[0]), "--address", two_nodes.address,
-            "--run-dir", str(tmp_path / "run")] + [a for o in overrides for a in ("--set", o)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr
-
-    events = [json.loads(line) for line in (tmp_path / "run/telemetry.jsonl").read_text().splitlines()]
-    (starting,) = [e for e in events if e.get("state") == "starting"]
+    starting = run_on_cluster(two_nodes, MLP[0], overrides, tmp_path / "run")
     nodes = [w["node_id"] for w in sorted(starting["workers"], key=lambda w: w["rank"])]
     assert len(set(nodes)) == 2, "spread placement must use both nodes"
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3], f"ranks must be contiguous per node: {nodes}"
@@ -72,14 +77,7 @@ def test_hybrid_tensor_groups_stay_inside_a_node(two_nodes, tmp_path):
 
     overrides = GPT[1] + ["cluster.num_workers=4", "cluster.placement=spread", "parallel.strategy=hybrid",
                           "parallel.tp_size=2", "train.global_batch_size=8"]
-    args = [sys.executable, "-m", "orchestrator.cli", "run", str(GPT[0]), "--address", two_nodes.address,
-            "--run-dir", str(tmp_path / "run")] + [a for o in overrides for a in ("--set", o)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr
-
-    events = [json.loads(line) for line in (tmp_path / "run/telemetry.jsonl").read_text().splitlines()]
-    (starting,) = [e for e in events if e.get("state") == "starting"]
+    starting = run_on_cluster(two_nodes, GPT[0], overrides, tmp_path / "run")
     node_of = {w["rank"]: w["node_id"] for w in starting["workers"]}
     assert starting["tp_groups"] == [[0, 1], [2, 3]]
     for group in starting["tp_groups"]:
