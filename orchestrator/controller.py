@@ -46,7 +46,7 @@ class StepMerger:
 
     def add(self, rank: int, report: dict) -> list[dict]:
         done = []
-        for i, (loss, t) in enumerate(zip(report["losses"], report["step_times"])):
+        for i, (loss, t) in enumerate(zip(report["losses"], report["step_times"], strict=True)):
             step = report["first_step"] + i + 1  # steps are counted as completed optimizer steps
             ranks = self._pending.setdefault(step, {})
             ranks[rank] = (loss, t)

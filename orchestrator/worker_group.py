@@ -164,7 +164,7 @@ class RayWorkerGroup:
         backends = self._get([w.setup.remote(r, world, master_addr, port, COLLECTIVE_TIMEOUT_S)
                               for r, w in enumerate(self.workers)], "rendezvous")
         builds = self.call("build")
-        for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds)):
+        for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_an_interrupted_write_leaves_nothing_that_loads(tmp_path, monkeypatch):
 def test_checkpoints_load_as_data_only(tmp_path):
     """weights_only: a state that would need arbitrary code to unpickle is refused, and skipped."""
     path = checkpoint.save(tmp_path, 1, {"step": 1, "obj": os.environ.__class__}, keep=2)
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         checkpoint.load(path)
     assert checkpoint.load_latest(tmp_path) is None
 

@@ -18,7 +18,7 @@ class MLP(nn.Module):
                  activation_checkpointing: bool = False):
         super().__init__()
         dims = [in_features] + [hidden] * layers
-        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
         self.out = nn.Linear(dims[-1], out_features)
         self.activation_checkpointing = activation_checkpointing
 
