@@ -248,6 +248,32 @@ class CheckpointSpec:
     keep: int = _f(3, _int(1), "how many recent checkpoints to keep")
 
 
+def _port(v, path):
+    return None if v is None else _int(0, 65535)(v, path)
+
+
+def _host(v, path):
+    if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9.:_-]{1,253}", v):
+        raise JobError(path, v, "must be a host name or IP address to bind, e.g. 127.0.0.1 or 0.0.0.0")
+    return v
+
+
+@dataclass(frozen=True)
+class TelemetrySpec:
+    enabled: bool = _f(True, _bool, "per-step timing of data, compute and comm wait, and device sampling")
+    sample_period_s: float = _f(1.0, _float(0.2, 3600.0), "device sampling period (NVML takes a driver lock)")
+    metrics_port: int | None = _f(None, _port, "serve Prometheus /metrics on this port; 0 picks a free one")
+    metrics_host: str = _f("127.0.0.1", _host, "address the /metrics endpoint binds")
+    ray_metrics: bool = _f(True, _bool, "also export through ray.util.metrics (Ray's Prometheus endpoint)")
+
+
+@dataclass(frozen=True)
+class InjectSpec:
+    """Test-only knobs that make a fast machine behave like a slow cluster."""
+
+    comm_delay_ms: float = _f(0.0, _float(0.0, 60000.0), "extra latency added to every timed collective")
+
+
 @dataclass(frozen=True)
 class Job:
     name: str = _f("job", _name)
@@ -259,6 +285,8 @@ class Job:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    telemetry: TelemetrySpec = field(default_factory=TelemetrySpec)
+    inject: InjectSpec = field(default_factory=InjectSpec)
     # Where the job file lies: entry-point modules next to it are importable. Not a YAML key.
     base_dir: str = field(default=".", metadata={"internal": True}, compare=False)
 

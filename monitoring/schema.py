@@ -1,0 +1,96 @@
+"""The telemetry record schema: what each line of `telemetry.jsonl` holds.
+
+One source of truth for the writers (controller, workers), the readers (`gearshift watch`,
+`gearshift report`, the policy) and `docs/telemetry.md`; `validate` is what the tests hold
+real records to. Times are seconds, sizes bytes, fractions 0..1, percentages 0..100.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NUM = (int, float)
+OPT_NUM = (int, float, type(None))
+
+# name -> (allowed types, meaning). Every field listed is present in every record of its type.
+COMMON = {
+    "type": (str, "'step', 'sample' or 'event'"),
+    "time": (NUM, "wall-clock time the record was made (Unix seconds)"),
+}
+
+STEP = {
+    "step": (int, "optimizer steps completed, counting from 1"),
+    "strategy": (str, "the layout the step ran under: data, tensor or hybrid"),
+    "dp": (int, "data-parallel degree"),
+    "tp": (int, "tensor-parallel degree"),
+    "bucket_cap_mb": (NUM, "DDP gradient bucket size in force"),
+    "loss": (NUM, "loss over the whole global batch (mean of the ranks' losses)"),
+    "step_time_max": (NUM, "step time of the slowest rank: the step's wall time"),
+    "step_time_mean": (NUM, "step time averaged over ranks"),
+    "slowest_rank": (int, "the rank with the longest step time"),
+    "data_time_mean": (NUM, "time loading the batch and moving it to the device, mean over ranks"),
+    "data_time_max": (NUM, "the same, slowest rank"),
+    "compute_time_mean": (NUM, "step time minus comm wait minus data time, mean over ranks"),
+    "comm_wait_mean": (NUM, "comm wait (time blocked on collectives), mean over ranks"),
+    "comm_wait_max": (NUM, "comm wait of the rank that waited longest"),
+    "comm_wait_frac_mean": (NUM, "comm wait / step time, mean over ranks"),
+    "comm_wait_frac_max": (NUM, "comm wait / step time, largest over ranks"),
+    "comm_calls": (int, "collectives timed on one rank in this step (buckets for data)"),
+    "samples_per_s": (NUM, "global batch / step_time_max"),
+    "tokens_per_s": (OPT_NUM, "samples_per_s x tokens per sample, for sequence models; else null"),
+    "peak_mem_bytes": (OPT_NUM, "peak memory of the rank that used most (device memory on GPU, "
+                                 "process peak RSS on CPU); null if unknown"),
+    "ranks": (dict, "per-rank lists indexed by rank: step_time, data_time, compute_time, comm_wait, "
+                    "comm_wait_frac, samples_per_s"),
+}
+STEP_RANK_LISTS = ("step_time", "data_time", "compute_time", "comm_wait", "comm_wait_frac", "samples_per_s")
+
+SAMPLE = {
+    "rank": (int, "the worker the reading is from"),
+    "node_ip": (str, "the worker's node"),
+    "source": (str, "'nvml' (NVIDIA GPU through nvidia-ml-py) or 'psutil' (host without one)"),
+    "device": (str, "what was read: 'cuda:N <name>' or 'cpu'"),
+    "util_pct": (OPT_NUM, "GPU utilisation (nvml) or this worker process's CPU use (psutil), percent"),
+    "mem_used_bytes": (OPT_NUM, "GPU memory used (nvml) or the worker's resident memory (psutil)"),
+    "mem_total_bytes": (OPT_NUM, "GPU memory total (nvml) or host memory total (psutil)"),
+    "power_w": (OPT_NUM, "board power draw in watts (nvml); null for psutil"),
+    "sm_clock_mhz": (OPT_NUM, "SM clock (nvml); null for psutil"),
+    "host_cpu_pct": (OPT_NUM, "whole-host CPU use, percent (psutil); null for nvml"),
+}
+
+EVENT = {
+    "event": (str, "what happened; see EVENTS"),
+}
+EVENTS = {
+    "state": "the controller entered a state (field `state`: placing, starting, training, done, failed; "
+             "`error` when failed; `workers`, `layout` and `tp_groups` when starting)",
+    "resumed": "training continues from a checkpoint (`checkpoint`, `step`)",
+    "checkpoint": "a checkpoint was written (`step`, `path`)",
+    "sampler": "which device sampler a worker uses (`rank`, `source`, `reason` when it fell back to psutil)",
+    "metrics": "the /metrics endpoint is serving (`url`)",
+    "decision": "an automatic decision with its evidence (`decision`, `evidence`)",
+    "switch": "the layout changed (`step`, `from`, `to`, `seconds`)",
+}
+
+BY_TYPE = {"step": STEP, "sample": SAMPLE, "event": EVENT}
+
+
+def validate(record: Any) -> list[str]:
+    """What is wrong with `record` as a telemetry record; [] when it conforms."""
+    if not isinstance(record, dict):
+        return [f"record is {type(record).__name__}, not an object"]
+    kind = record.get("type")
+    if kind not in BY_TYPE:
+        return [f"type = {kind!r} is not one of {sorted(BY_TYPE)}"]
+    problems = []
+    for name, (types, _) in {**COMMON, **BY_TYPE[kind]}.items():
+        if name not in record:
+            problems.append(f"{kind}: missing field {name!r}")
+        elif isinstance(record[name], bool) or not isinstance(record[name], types):
+            problems.append(f"{kind}: {name} = {record[name]!r} has type {type(record[name]).__name__}")
+    if kind == "step" and isinstance(record.get("ranks"), dict):
+        for name in STEP_RANK_LISTS:
+            values = record["ranks"].get(name)
+            if not isinstance(values, list) or not all(isinstance(v, NUM) for v in values):
+                problems.append(f"step: ranks.{name} = {values!r} is not a list of numbers")
+    return problems
