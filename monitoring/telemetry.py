@@ -13,6 +13,15 @@ import time
 from typing import Any
 
 
+# A submitted job's driver also prints its records into the job log, one per line behind this
+# prefix, so `gearshift watch JOB_ID` can follow a run whose files live on the cluster.
+LOG_PREFIX = "@gearshift-telemetry "
+
+
+class TelemetryError(Exception):
+    """A telemetry file or run dir that cannot be read or shown; the message says what to do."""
+
+
 class JsonlSink:
     """Append-only; flushed on every event and every `flush_every` step records, so a reader
     (or `gearshift watch`) sees progress while the run is live without a write per step."""

@@ -52,6 +52,20 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--address")
         if name == "logs":
             cmd.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    watch = sub.add_parser("watch", help="live view of a run: per-worker utilisation, comm wait, throughput")
+    watch.add_argument("target", nargs="?", help="a run dir, or a submitted job's id (default: the newest run "
+                                                 "under runs/)")
+    watch.add_argument("--address", help="for a job id: the head's dashboard, as for `gearshift logs`")
+    watch.add_argument("--replay", action="store_true",
+                       help="for a finished run: play it back step by step instead of showing the end state")
+    watch.add_argument("--speed", type=float, default=20.0, help="replay speed, times real time (default 20)")
+    watch.add_argument("--timeout", type=float, default=None, metavar="S",
+                       help="stop watching a live run after S seconds without a new record")
+
+    report = sub.add_parser("report", help="plots (PNG) and a text summary of a run")
+    report.add_argument("run_dir")
+    report.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
+
     status = sub.add_parser("status", help="list submitted jobs, or show one")
     status.add_argument("job_id", nargs="?")
     status.add_argument("--address")
@@ -84,6 +98,13 @@ def _dispatch(args) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command in ("watch", "report"):
+            from monitoring.telemetry import TelemetryError
+
+            try:
+                return cmd_watch(args) if args.command == "watch" else cmd_report(args)
+            except TelemetryError as err:
+                raise UsageError(str(err)) from None
         from orchestrator import jobs_api
 
         try:
@@ -214,6 +235,47 @@ def cmd_run(args) -> int:
              f"{rate:,.0f} samples/s. Outputs in {run.path}/ (final.pt, summary.json, telemetry.jsonl)"
              if rate else f"done: outputs in {run.path}/")
     return 0
+
+
+def cmd_report(args) -> int:
+    from monitoring import report
+
+    result = report.make_report(args.run_dir, args.out)
+    print(result.summary_text)
+    print("plots: " + ", ".join(str(p) for p in result.paths))
+    return 0
+
+
+def cmd_watch(args) -> int:
+    from rich.console import Console
+
+    from monitoring import watch
+
+    console = Console()
+    target = args.target
+    if target is None or pathlib.Path(target).exists():
+        path = pathlib.Path(target) if target else _newest_run()
+        records = watch.follow_file(path / "telemetry.jsonl" if path.is_dir() else path, idle_timeout_s=args.timeout)
+        return watch.watch(records, console, replay_speed=args.speed if args.replay else None, title=str(path))
+    from orchestrator import jobs_api
+
+    try:
+        lines = jobs_api.iter_log_lines(args.address, target)
+        return watch.watch(watch.records_from_log_lines(lines), console,
+                           replay_speed=args.speed if args.replay else None, title=target)
+    except jobs_api.JobsApiError as err:
+        raise GearshiftError(str(err)) from None
+
+
+def _newest_run() -> pathlib.Path:
+    from orchestrator.rundir import runs_root
+
+    root = pathlib.Path(runs_root())
+    runs = sorted((p for p in root.glob("*") if (p / "telemetry.jsonl").is_file()),
+                  key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+    if not runs:
+        raise UsageError(f"no runs under {root}/ to watch; name a run dir or a job id: gearshift watch RUN_DIR")
+    return runs[-1]
 
 
 if __name__ == "__main__":
