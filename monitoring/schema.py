@@ -2,7 +2,8 @@
 
 One source of truth for the writers (controller, workers), the readers (`gearshift watch`,
 `gearshift report`, the policy) and `docs/telemetry.md`; `validate` is what the tests hold
-real records to. Times are seconds, sizes bytes, fractions 0..1, percentages 0..100.
+real records to. Times are seconds, sizes bytes, fractions 0..1, percentages 0..100. With
+`telemetry.enabled: false` the timing fields of step records (data, compute, comm wait) are null.
 """
 
 from __future__ import annotations
@@ -28,20 +29,20 @@ STEP = {
     "step_time_max": (NUM, "step time of the slowest rank: the step's wall time"),
     "step_time_mean": (NUM, "step time averaged over ranks"),
     "slowest_rank": (int, "the rank with the longest step time"),
-    "data_time_mean": (NUM, "time loading the batch and moving it to the device, mean over ranks"),
-    "data_time_max": (NUM, "the same, slowest rank"),
-    "compute_time_mean": (NUM, "step time minus comm wait minus data time, mean over ranks"),
-    "comm_wait_mean": (NUM, "comm wait (time blocked on collectives), mean over ranks"),
-    "comm_wait_max": (NUM, "comm wait of the rank that waited longest"),
-    "comm_wait_frac_mean": (NUM, "comm wait / step time, mean over ranks"),
-    "comm_wait_frac_max": (NUM, "comm wait / step time, largest over ranks"),
+    "data_time_mean": (OPT_NUM, "time loading the batch and moving it to the device, mean over ranks"),
+    "data_time_max": (OPT_NUM, "the same, slowest rank"),
+    "compute_time_mean": (OPT_NUM, "step time minus comm wait minus data time, mean over ranks"),
+    "comm_wait_mean": (OPT_NUM, "comm wait (time blocked on collectives), mean over ranks"),
+    "comm_wait_max": (OPT_NUM, "comm wait of the rank that waited longest"),
+    "comm_wait_frac_mean": (OPT_NUM, "comm wait / step time, mean over ranks"),
+    "comm_wait_frac_max": (OPT_NUM, "comm wait / step time, largest over ranks"),
     "comm_calls": (int, "collectives timed on one rank in this step (buckets for data)"),
     "samples_per_s": (NUM, "global batch / step_time_max"),
     "tokens_per_s": (OPT_NUM, "samples_per_s x tokens per sample, for sequence models; else null"),
     "peak_mem_bytes": (OPT_NUM, "peak memory of the rank that used most (device memory on GPU, "
                                  "process peak RSS on CPU); null if unknown"),
     "ranks": (dict, "per-rank lists indexed by rank: step_time, data_time, compute_time, comm_wait, "
-                    "comm_wait_frac, samples_per_s"),
+                    "comm_wait_frac, samples_per_s (the timing lists are null when telemetry is off)"),
 }
 STEP_RANK_LISTS = ("step_time", "data_time", "compute_time", "comm_wait", "comm_wait_frac", "samples_per_s")
 
@@ -90,7 +91,9 @@ def validate(record: Any) -> list[str]:
             problems.append(f"{kind}: {name} = {record[name]!r} has type {type(record[name]).__name__}")
     if kind == "step" and isinstance(record.get("ranks"), dict):
         for name in STEP_RANK_LISTS:
-            values = record["ranks"].get(name)
-            if not isinstance(values, list) or not all(isinstance(v, NUM) for v in values):
+            values = record["ranks"].get(name, "missing")
+            if name in ("step_time", "samples_per_s") and values is None:
+                problems.append(f"step: ranks.{name} is null")
+            elif values is not None and (not isinstance(values, list) or not all(isinstance(v, NUM) for v in values)):
                 problems.append(f"step: ranks.{name} = {values!r} is not a list of numbers")
     return problems

@@ -49,6 +49,38 @@ class JsonlSink:
             self._f.close()
 
 
+class LogEcho:
+    """Prints records into the job log (stdout) behind LOG_PREFIX, for `gearshift watch JOB_ID`.
+
+    Events go out at once; step records at most every `every_s` seconds (the latest one), and
+    with it the latest sample of each rank, so a fast job does not flood its own log."""
+
+    def __init__(self, every_s: float = 0.5, stream=None):
+        import sys
+
+        self.every_s = every_s
+        self.stream = stream or sys.stdout
+        self._last = 0.0
+        self._samples: dict[int, dict] = {}
+        self._step: dict | None = None
+
+    def observe(self, record: dict[str, Any]) -> None:
+        kind = record.get("type")
+        if kind == "sample":
+            self._samples[record.get("rank", 0)] = record
+            return
+        if kind == "step":
+            self._step = record
+            if time.monotonic() - self._last < self.every_s:
+                return
+        # an event goes out after the step it follows, so a reader never sees "done" at step 90
+        held = [*self._samples.values(), *([self._step] if self._step else [])]
+        self._samples, self._step, self._last = {}, None, time.monotonic()
+        for r in held + ([record] if kind != "step" else []):
+            self.stream.write(LOG_PREFIX + json.dumps(r, default=str) + "\n")
+        self.stream.flush()
+
+
 def read(path: pathlib.Path) -> list[dict]:
     """All records; a torn last line (the run is still writing) is ignored."""
     out = []

@@ -19,7 +19,7 @@ import traceback
 from typing import Callable
 
 from monitoring.progress import ProgressView
-from monitoring.telemetry import JsonlSink
+from monitoring.telemetry import JsonlSink, LogEcho
 from orchestrator.errors import GearshiftError, WorkerFailed
 from orchestrator.job import Job
 from orchestrator.rundir import RunDir
@@ -37,34 +37,61 @@ class State(enum.Enum):
 
 
 class StepMerger:
-    """Collects per-rank reports and releases a step once every rank has reported it."""
+    """Collects per-rank reports and releases a step, aggregated over ranks, once every rank has
+    reported it. `context` (strategy, dp, tp, bucket_cap_mb) is stamped on every record."""
 
-    def __init__(self, world: int, global_batch: int):
+    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls")
+
+    def __init__(self, world: int, global_batch: int, context: dict, tokens_per_sample: int | None = None):
         self.world = world
         self.global_batch = global_batch
-        self._pending: dict[int, dict[int, tuple[float, float]]] = {}
+        self.context = dict(context)
+        self.local_batch = global_batch / context.get("dp", world)
+        self.tokens_per_sample = tokens_per_sample
+        self.peak_mem: dict[int, int] = {}
+        self._pending: dict[int, dict[int, tuple]] = {}
 
     def add(self, rank: int, report: dict) -> list[dict]:
+        if report.get("peak_mem_bytes") is not None:
+            self.peak_mem[rank] = report["peak_mem_bytes"]
+        n = len(report["losses"])
+        columns = [report.get(k) or [None] * n for k in self._PER_STEP]
         done = []
-        for i, (loss, t) in enumerate(zip(report["losses"], report["step_times"], strict=True)):
+        for i, values in enumerate(zip(*columns, strict=True)):
             step = report["first_step"] + i + 1  # steps are counted as completed optimizer steps
             ranks = self._pending.setdefault(step, {})
-            ranks[rank] = (loss, t)
+            ranks[rank] = values
             if len(ranks) == self.world:
                 del self._pending[step]
-                losses = [ranks[r][0] for r in range(self.world)]
-                times = [ranks[r][1] for r in range(self.world)]
-                slowest = max(range(self.world), key=lambda r: times[r])
-                done.append({
-                    "type": "step", "step": step,
-                    # every rank holds an equal share of the global batch, so the mean of the
-                    # ranks' mean losses is the loss over the whole global batch
-                    "loss": sum(losses) / self.world,
-                    "step_time_max": times[slowest], "step_time_mean": sum(times) / self.world,
-                    "slowest_rank": slowest,
-                    "samples_per_s": self.global_batch / times[slowest] if times[slowest] > 0 else 0.0,
-                })
+                done.append(self._merge(step, [ranks[r] for r in range(self.world)]))
         return sorted(done, key=lambda r: r["step"])
+
+    def _merge(self, step: int, per_rank: list[tuple]) -> dict:
+        losses, times, data, waits, calls = (list(c) for c in zip(*per_rank))
+        slowest = max(range(self.world), key=lambda r: times[r])
+        rate = self.global_batch / times[slowest] if times[slowest] > 0 else 0.0
+        timed = all(w is not None for w in waits)  # telemetry off: only loss and step time
+        fracs = [min(1.0, w / t) if t > 0 else 0.0 for w, t in zip(waits, times)] if timed else None
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        return {
+            "type": "step", "step": step, **self.context,
+            # every rank holds an equal share of the global batch, so the mean of the ranks'
+            # mean losses is the loss over the whole global batch
+            "loss": mean(losses),
+            "step_time_max": times[slowest], "step_time_mean": mean(times), "slowest_rank": slowest,
+            "data_time_mean": mean(data) if timed else None, "data_time_max": max(data) if timed else None,
+            "compute_time_mean": mean([t - w - d for t, w, d in zip(times, waits, data)]) if timed else None,
+            "comm_wait_mean": mean(waits) if timed else None, "comm_wait_max": max(waits) if timed else None,
+            "comm_wait_frac_mean": mean(fracs) if timed else None, "comm_wait_frac_max": max(fracs) if timed else None,
+            "comm_calls": max(calls) if timed else 0,
+            "samples_per_s": rate,
+            "tokens_per_s": rate * self.tokens_per_sample if self.tokens_per_sample else None,
+            "peak_mem_bytes": max(self.peak_mem.values()) if self.peak_mem else None,
+            "ranks": {"step_time": times, "data_time": data if timed else None,
+                      "compute_time": [t - w - d for t, w, d in zip(times, waits, data)] if timed else None,
+                      "comm_wait": waits if timed else None, "comm_wait_frac": fracs,
+                      "samples_per_s": [self.local_batch / t if t > 0 else 0.0 for t in times]},
+        }
 
 
 class RunStats:
@@ -114,10 +141,39 @@ class Controller:
         self.state = State.PLACING
         self.sink = JsonlSink(run.telemetry)
         self.stats = RunStats()
+        # where records go besides telemetry.jsonl: the /metrics endpoint, the job log
+        self.observers: list = []
+        self.metrics = None
+
+    def _emit(self, record: dict) -> None:
+        self.sink.write(record)
+        for observer in self.observers:
+            observer.observe(record)
+
+    def _event(self, name: str, **fields) -> None:
+        self._emit({"type": "event", "event": name, **fields})
 
     def _enter(self, state: State, **fields) -> None:
         self.state = state
-        self.sink.event("state", state=state.value, **fields)
+        self._event("state", state=state.value, **fields)
+
+    def _start_observers(self) -> None:
+        import os
+
+        tel = self.job.telemetry
+        if tel.metrics_port is not None:
+            from monitoring.metrics import MetricsEndpoint
+
+            try:
+                self.metrics = MetricsEndpoint(self.job.name, tel.metrics_host, tel.metrics_port)
+            except OSError as err:
+                raise GearshiftError(f"telemetry.metrics_port = {tel.metrics_port}: {err}. Choose another port, "
+                                     "or 0 for any free one.") from None
+            self.observers.append(self.metrics)
+            if self.view:
+                self.view.say(f"metrics: {self.metrics.url}")
+        if os.environ.get("GEARSHIFT_TELEMETRY_LOG") == "1":  # a submitted job: `watch JOB_ID` reads the log
+            self.observers.append(LogEcho())
 
     def run(self) -> dict:
         job = self.job
@@ -127,6 +183,9 @@ class Controller:
         summary = {"job": job.name, "fingerprint": job.fingerprint(), "run_dir": str(self.run_dir.path),
                    "steps_target": job.train.steps}
         try:
+            self._start_observers()
+            if self.metrics:
+                self._event("metrics", url=self.metrics.url)
             self._enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
             group = self.group_factory(job)
             infos = group.start()
@@ -135,11 +194,15 @@ class Controller:
             self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
                         layout={"kind": layout.kind, "dp": layout.dp, "tp": layout.tp},
                         tp_groups=layout.tp_groups() if layout.tp > 1 else [])
+            for info in infos:
+                if info.get("sampler"):
+                    self._event("sampler", rank=info["rank"], **info["sampler"])
+            self.tokens_per_sample = infos[0].get("tokens_per_sample")
             if self.resume:
                 name, state = self.resume
                 ref = group.put(state)
                 start_step = group.call("load", ref)[0]
-                self.sink.event("resumed", checkpoint=name, step=start_step)
+                self._event("resumed", checkpoint=name, step=start_step)
             summary.update(world_size=len(infos), backend=infos[0].get("backend"),
                            nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
                            resumed_from_step=start_step if self.resume else None,
@@ -147,7 +210,7 @@ class Controller:
                                {"step": start_step, "strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
                                 "bucket_cap_mb": job.parallel.bucket_cap_mb}])
 
-            self._enter(State.TRAINING, from_step=start_step)
+            self._enter(State.TRAINING, from_step=start_step, steps_target=job.train.steps)
             if self.view:
                 self.view.start(job.train.steps, job.train.global_batch_size, start_step, job.train.log_every)
             self._train(group, start_step)
@@ -176,6 +239,9 @@ class Controller:
             summary.update(self._figures(start_step, time.time() - t0))
             self.run_dir.write_summary(summary)
             self.sink.close()
+            for observer in self.observers:
+                if hasattr(observer, "close"):
+                    observer.close()
         return summary
 
     def _earlier_history(self, start_step: int) -> list[dict]:
@@ -190,11 +256,17 @@ class Controller:
 
     def _train(self, group, start_step: int) -> None:
         job = self.job
-        merger = StepMerger(job.cluster.num_workers, job.train.global_batch_size)
+        layout = job.layout
+        context = {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
+                   "bucket_cap_mb": job.parallel.bucket_cap_mb}
+        merger = StepMerger(job.cluster.num_workers, job.train.global_batch_size, context,
+                            getattr(self, "tokens_per_sample", None))
         for rank, report in group.train(job.train.steps, job.checkpoint.every):
+            for sample in report.get("samples", ()):
+                self._emit({"type": "sample", **sample})
             for record in merger.add(rank, report):
                 self.stats.add(record)
-                self.sink.write(record)
+                self._emit(record)
                 if self.view:
                     self.view.update(record["step"], record["loss"], self.stats.recent_rate(job.train.global_batch_size))
             if "checkpoint" in report:
@@ -203,7 +275,7 @@ class Controller:
     def _save_checkpoint(self, state: dict) -> None:
         path = checkpoint.save(self.run_dir.checkpoints, state["step"], state, self.job.checkpoint.keep,
                                meta={"fingerprint": self.job.fingerprint()})
-        self.sink.event("checkpoint", step=state["step"], path=str(path))
+        self._event("checkpoint", step=state["step"], path=str(path))
 
     def _figures(self, start_step: int, wall: float) -> dict:
         return {"steps_done": self.stats.last["step"] if self.stats.last else start_step,

@@ -44,6 +44,8 @@ import requests
 import yaml
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
+from monitoring.telemetry import LOG_PREFIX
+
 # (connect, read) seconds for every HTTP request. Read is generous because the head
 # answers a package upload only after storing it; connect is short because a head that
 # does not accept a connection within seconds is not going to.
@@ -231,8 +233,10 @@ def _runtime_env(working_dir: Path, pip: Sequence[str], run_dir: str | None = No
         "py_modules": [str(p) for p in gearshift_package_dirs()],
         "excludes": list(WORKING_DIR_EXCLUDES),
     }
+    # the driver also prints telemetry into the job log, which `gearshift watch JOB_ID` follows
+    env["env_vars"] = {"GEARSHIFT_TELEMETRY_LOG": "1"}
     if run_dir is None:
-        env["env_vars"] = {"GEARSHIFT_RUNS_ROOT": SUBMITTED_RUNS_ROOT}
+        env["env_vars"]["GEARSHIFT_RUNS_ROOT"] = SUBMITTED_RUNS_ROOT
     if pip:
         env["pip"] = list(pip)
     return env
@@ -297,12 +301,79 @@ def send_submission(address: str | None, submission: Submission) -> str:
                 attempt += 1
 
 
+class _WithoutTelemetry:
+    """A writer that drops the telemetry lines a submitted driver prints for `gearshift watch`."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self._partial = ""
+
+    def write(self, text: str) -> None:
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        kept = [line for line in lines if not line.startswith(LOG_PREFIX)]
+        if kept:
+            self.out.write("\n".join(kept) + "\n")
+
+    def flush(self) -> None:
+        if self._partial and not self._partial.startswith(LOG_PREFIX[: len(self._partial)]):
+            self.out.write(self._partial)
+            self._partial = ""
+        self.out.flush()
+
+
+def iter_log_lines(address: str | None, job_id: str, timeout_s: float | None = None) -> Iterator[str]:
+    """The job's log line by line, following it until the job ends (for `gearshift watch`)."""
+    import queue
+    import threading
+
+    client, url = _connect(address)
+    with _translate_errors(url, job_id):
+        client.get_job_info(job_id)  # an unknown id fails here
+    lines: queue.Queue = queue.Queue()
+    failure: list[BaseException] = []
+
+    class _Lines:
+        partial = ""
+
+        def write(self, text: str) -> None:
+            parts = (self.partial + text).split("\n")
+            self.partial = parts.pop()
+            for line in parts:
+                lines.put(line)
+
+        def flush(self) -> None:
+            pass
+
+    def follow() -> None:
+        try:
+            with _translate_errors(url, job_id):
+                asyncio.run(_follow(client, job_id, _Lines()))
+        except BaseException as err:  # handed to the reading thread
+            failure.append(err)
+        finally:
+            lines.put(None)
+
+    threading.Thread(target=follow, name="gearshift-log-follow", daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=timeout_s)
+        except queue.Empty:
+            return
+        if line is None:
+            if failure:
+                raise failure[0]
+            return
+        yield line
+
+
 def logs(address: str | None, job_id: str, follow: bool = False, out: TextIO | None = None) -> None:
     """Write the job's log so far to ``out``; with ``follow``, keep writing until it ends.
+    Telemetry lines (for `gearshift watch`) are left out.
 
     Ctrl-C while following stops following, not the job.
     """
-    out = sys.stdout if out is None else out
+    out = _WithoutTelemetry(sys.stdout if out is None else out)
     client, url = _connect(address)
     with _translate_errors(url, job_id):
         if not follow:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import resource
 import socket
 import time
 from typing import Any, Iterator
@@ -20,6 +21,7 @@ import strategies
 import strategies.grads
 import strategies.state
 from strategies.layout import Layout
+from monitoring.comm import CommClock, time_functional_collectives
 from workers import components
 from workers.data import GlobalBatches, load_batch
 
@@ -50,6 +52,11 @@ class TrainWorker:
         self.world = 1
         self.step = 0
         self.parallel = None
+        self.clock: CommClock | None = None  # per-step comm timing; None when telemetry is off
+        self.sampler = None  # the device-sampling thread
+        self.gpu_ids: list[str] = []
+        self.node_ip = "127.0.0.1"
+        self.ray_metrics = None
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -58,6 +65,8 @@ class TrainWorker:
 
         ctx = ray.get_runtime_context()
         gpus = ctx.get_accelerator_ids().get("GPU", [])
+        self.gpu_ids = [str(g) for g in gpus] if self.job["cluster"]["gpus_per_worker"] > 0 else []
+        self.node_ip = ray.util.get_node_ip_address()
         return {"node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "hostname": socket.gethostname(), "gpu_ids": list(gpus)}
 
@@ -112,10 +121,59 @@ class TrainWorker:
         else:
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
         self.step = 0
+        self._instrument()
         n_params = sum(v.numel() for v in strategies.state.model_state(self.parallel.model).values()) \
             if self.layout.kind != "data" else sum(p.numel() for p in model.parameters())
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
-                "layout": {"kind": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp}}
+                "layout": {"kind": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp},
+                "tokens_per_sample": self._tokens_per_sample(), "sampler": self._start_sampler()}
+
+    def _tokens_per_sample(self) -> int | None:
+        """Targets that are sequences of integer ids (a language model's next tokens) count as
+        tokens; other targets (a class, a regression value) do not."""
+        target = self.dataset[0][1]
+        if isinstance(target, torch.Tensor) and target.dim() >= 1 and not target.is_floating_point():
+            return int(target.numel())
+        return None
+
+    # ---------------------------------------------------------------- telemetry
+
+    def _instrument(self) -> None:
+        """Hook comm timing into the layout just built (and the injected delay, a test knob)."""
+        tel, delay = self.job["telemetry"], self.job["inject"]["comm_delay_ms"]
+        self.clock = CommClock(self.device, delay) if tel["enabled"] or delay else None
+        time_functional_collectives(self.clock if self.layout.kind != "data" else None)
+        if self.clock is None:
+            return
+        if self.layout.kind == "data":
+            self.parallel.module.register_comm_hook(None, self.clock.ddp_hook)
+        elif isinstance(self.parallel.after_backward, strategies.grads.GradAverager):
+            self.parallel.after_backward.timer = self.clock.blocked
+
+    def _start_sampler(self) -> dict | None:
+        """Device sampling on a background thread; what it reads and why, for the telemetry."""
+        tel = self.job["telemetry"]
+        if not tel["enabled"] or self.sampler is not None:
+            return None
+        from monitoring.devices import SamplerThread, make_sampler
+
+        sampler, reason = make_sampler(self.gpu_ids)
+        self.sampler = SamplerThread(sampler, tel["sample_period_s"])
+        self.sampler.start()
+        if tel["ray_metrics"]:
+            from monitoring.metrics import RayMetrics
+
+            self.ray_metrics = RayMetrics.create(self.job["name"], self.rank)
+        return {"source": type(sampler).__name__.replace("Sampler", "").lower(), "reason": reason}
+
+    def _peak_memory(self) -> int | None:
+        """Peak memory since the last report: device memory on GPU; on CPU the process's peak
+        resident set (Linux reports ru_maxrss in KiB), which only grows."""
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return int(peak)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def state(self) -> dict | None:
         """Full (unsharded) model, optimizer and scaler state on CPU, on rank 0; None elsewhere.
@@ -138,7 +196,7 @@ class TrainWorker:
 
     # ---------------------------------------------------------------- the step loop
 
-    def _one_step(self, step: int) -> torch.Tensor:
+    def _one_step(self, step: int) -> tuple[torch.Tensor, tuple | None]:
         train = self.job["train"]
         layout = self.layout
         # Seed before the batch is loaded: a dataset's random augmentation draws from it too.
@@ -149,13 +207,18 @@ class TrainWorker:
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index].manual_seed(seed)
+        clock = self.clock
+        data_start = clock.mark() if clock else None
         # every rank of a tensor-parallel group works on its data-parallel replica's slice
         x, y = load_batch(self.dataset, self.batches.shard(step, layout.dp_rank(self.rank), layout.dp))
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        data_span = (data_start, clock.mark()) if clock else None
         self.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             loss = self.loss_fn(self.parallel.module(x), y)
         self.scaler.scale(loss).backward()
+        if clock:
+            clock.after_backward()
         if self.parallel.after_backward is not None:
             self.parallel.after_backward()
         if train["grad_clip"]:
@@ -164,10 +227,11 @@ class TrainWorker:
             if layout.kind == "data":
                 torch.nn.utils.clip_grad_norm_(params, train["grad_clip"])
             else:
-                strategies.grads.clip_grad_norm(params, train["grad_clip"], self.parallel.tp_group)
+                strategies.grads.clip_grad_norm(params, train["grad_clip"], self.parallel.tp_group,
+                                                clock.blocked if clock else None)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return loss.detach()
+        return loss.detach(), data_span
 
     def train(self, until_step: int, checkpoint_every: int = 0, flush_s: float = 0.5) -> Iterator[dict]:
         """Run steps up to `until_step`, yielding batches of per-step reports.
@@ -176,32 +240,63 @@ class TrainWorker:
         state) and at the end. Losses stay on the device until a flush, so a step never waits
         on a device-to-host copy just to be reported.
         """
-        losses, times = [], []
+        losses, times, spans = [], [], []
         first = self.step
+        clock = self.clock
+        if clock:
+            clock.take()  # nothing timed between steps belongs to the first one
         last_flush = time.perf_counter()
         t_prev = last_flush
+        step_start = clock.mark() if clock else None
         while self.step < until_step:
             step = self.step
-            losses.append(self._one_step(step))
+            loss, data_span = self._one_step(step)
+            losses.append(loss)
             self.step = step + 1
             now = time.perf_counter()
             times.append(now - t_prev)
             t_prev = now
+            if clock:
+                step_end = clock.mark()
+                spans.append(((step_start, step_end), data_span, clock.take()))
+                step_start = step_end
             ckpt = checkpoint_every and self.step % checkpoint_every == 0 and self.step < until_step
             if ckpt or now - last_flush >= flush_s or self.step == until_step:
                 report = {"rank": self.rank, "first_step": first, "losses": torch.stack(losses).float().tolist(),
                           "step_times": times}
+                if clock:
+                    self._add_timings(report, spans)
                 if ckpt:
                     state = self.state()  # a collective when sharded: every rank takes part
                     if state is not None:
                         report["checkpoint"] = state
                 yield report
-                losses, times = [], []
+                losses, times, spans = [], [], []
                 first = self.step
                 # the next step's time starts after the report left: a checkpoint's copy and
                 # serialisation is not training time (the controller times checkpoints itself)
                 last_flush = t_prev = time.perf_counter()
+                step_start = clock.mark() if clock else None
+
+    def _add_timings(self, report: dict, spans: list) -> None:
+        """Per-step data time, comm wait and collective count, device samples and peak memory.
+        On CUDA this is where the step's events are read, once per report, not per step."""
+        seconds = CommClock.resolve
+        if self.clock.cuda:  # device time, not the host's (which runs ahead of the device)
+            report["step_times"] = [a.elapsed_time(b) / 1000.0 for (a, b), _, _ in spans]
+        report["data_times"] = [b - a if not self.clock.cuda else a.elapsed_time(b) / 1000.0
+                                for _, (a, b), _ in spans]
+        report["comm_waits"] = [seconds(wait) for _, _, (wait, _) in spans]
+        report["comm_calls"] = [calls for _, _, (_, calls) in spans]
+        report["peak_mem_bytes"] = self._peak_memory()
+        if self.sampler is not None:
+            report["samples"] = [dict(s, rank=self.rank, node_ip=self.node_ip) for s in self.sampler.drain()]
+        if self.ray_metrics is not None:
+            self.ray_metrics.update(report)
 
     def shutdown(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.sampler = None
         if dist.is_initialized():
             dist.destroy_process_group()

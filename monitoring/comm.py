@@ -1,0 +1,160 @@
+"""Comm wait: the part of a step in which this rank's compute is blocked on a collective.
+
+`CommClock` accumulates it per step, fed from three places:
+
+- data parallel: a DDP comm hook marks when each gradient bucket's all-reduce is launched. The
+  last launch is the end of the backward computation (the last gradients just became ready);
+  from then until backward returns (DDP waits for every bucket there) the rank only waits.
+- tensor parallel: DTensor's collectives go through torch's functional collectives; wrappers
+  time each launch and each wait (the wait may come later, at the output's first use).
+- gradient averaging (hybrid) and the clipping norm's all-reduce: timed where they run.
+
+`inject.comm_delay_ms` (a test knob) adds that much latency to every timed collective, so the
+measurement can be checked against a known delay. Timing on the host costs two clock reads
+per collective; on CUDA, where the host runs ahead of the device, spans are CUDA events that
+are resolved once per report, not per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class CommClock:
+    def __init__(self, device: torch.device, delay_ms: float = 0.0):
+        self.cuda = device.type == "cuda"
+        self.delay_s = delay_ms / 1000.0
+        self.wait = 0.0  # seconds blocked in this step (host timing)
+        self.calls = 0  # collectives timed in this step
+        self._spans: list = []  # CUDA (start, end) event pairs of this step
+        self._last_launch = None
+
+    # ------------------------------------------------------------ the step's bookkeeping
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, start, end) -> None:
+        if self.cuda:
+            self._spans.append((start, end))
+        else:
+            self.wait += end - start
+
+    def take(self) -> tuple[object, int]:
+        """This step's comm wait (seconds, or CUDA spans to resolve later) and call count; resets."""
+        wait = self._spans if self.cuda else self.wait
+        calls = self.calls
+        self.wait, self.calls, self._spans, self._last_launch = 0.0, 0, [], None
+        return wait, calls
+
+    @staticmethod
+    def resolve(wait) -> float:
+        """Seconds from what `take` returned (waits for the CUDA events to complete)."""
+        if isinstance(wait, list):
+            total = 0.0
+            for start, end in wait:
+                end.synchronize()
+                total += start.elapsed_time(end) / 1000.0
+            return total
+        return wait
+
+    @contextlib.contextmanager
+    def blocked(self, calls: int = 1):
+        """Time a region that only waits on collectives (run synchronously on this thread)."""
+        start = self.mark()
+        try:
+            yield
+            if self.delay_s:
+                time.sleep(self.delay_s * calls)
+        finally:
+            self.add(start, self.mark())
+            self.calls += calls
+
+    # ------------------------------------------------------------ data parallel
+
+    def ddp_hook(self, process_group, bucket):
+        """A DDP comm hook: the default all-reduce (divide, then sum), with the launch marked."""
+        self._last_launch = self.mark()
+        self.calls += 1
+        group = process_group or dist.group.WORLD
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size(group))
+        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+        delay = self.delay_s
+
+        def done(f):
+            if delay:  # the injected latency is part of the collective, after the wire time
+                time.sleep(delay)
+            return f.value()[0]
+
+        return fut.then(done)
+
+    def after_backward(self) -> None:
+        """Called once backward returned: the wait since the last bucket's launch is comm wait."""
+        if self._last_launch is not None:
+            self.add(self._last_launch, self.mark())
+            self._last_launch = None
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+_ACTIVE: CommClock | None = None
+_LAUNCHES = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
+             "reduce_scatter_single", "all_to_all_single", "broadcast")
+
+
+def _timed_launch(orig):
+    def launch(*args, **kwargs):
+        clock = _ACTIVE
+        if clock is None:
+            return orig(*args, **kwargs)
+        start = clock.mark()
+        out = orig(*args, **kwargs)
+        if clock.delay_s:
+            time.sleep(clock.delay_s)
+        clock.add(start, clock.mark())
+        clock.calls += 1
+        return out
+
+    launch.__wrapped__ = orig
+    return launch
+
+
+def _timed_wait(orig):
+    def wait_tensor(tensor):
+        clock = _ACTIVE
+        if clock is None:
+            return orig(tensor)
+        start = clock.mark()
+        out = orig(tensor)
+        clock.add(start, clock.mark())
+        return out
+
+    wait_tensor.__wrapped__ = orig
+    return wait_tensor
+
+
+def time_functional_collectives(clock: CommClock | None) -> None:
+    """Route the functional collectives that DTensor uses through `clock` (None: stop timing).
+
+    The wrappers stay installed for the life of the process (one worker per process) and cost
+    one global read when no clock is active; DTensor looks the functions up on the module at
+    each call, so wrapping the module attributes reaches every collective it issues."""
+    global _ACTIVE
+    import torch.distributed._functional_collectives as funcol
+
+    if not getattr(funcol, "_gearshift_timed", False):
+        for name in _LAUNCHES:
+            if hasattr(funcol, name):
+                setattr(funcol, name, _timed_launch(getattr(funcol, name)))
+        funcol.wait_tensor = _timed_wait(funcol.wait_tensor)
+        funcol._gearshift_timed = True
+    _ACTIVE = clock
