@@ -74,7 +74,7 @@ class StepMerger:
         fracs = [min(1.0, w / t) if t > 0 else 0.0 for w, t in zip(waits, times)] if timed else None
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         return {
-            "type": "step", "step": step, **self.context,
+            "type": "step", "time": time.time(), "step": step, **self.context,
             # every rank holds an equal share of the global batch, so the mean of the ranks'
             # mean losses is the loss over the whole global batch
             "loss": mean(losses),

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 import torch
 
+from monitoring.schema import validate
 from monitoring.telemetry import read
 from orchestrator.controller import Controller, StepMerger
 from orchestrator.errors import WorkerFailed
@@ -22,8 +23,9 @@ class FakeGroup:
     """Two ranks whose 'training' adds 1 to a weight per step; rank 1 reports in odd-sized batches
     so the controller has to merge reports that do not line up."""
 
-    def __init__(self, job, fail_at: int | None = None):
+    def __init__(self, job, fail_at: int | None = None, run=None, scrape_at: int | None = None):
         self.job, self.fail_at = job, fail_at
+        self.run, self.scrape_at, self.scraped = run, scrape_at, None
         self.w = torch.zeros(2)
         self.step = 0
         self.shut = False
@@ -59,16 +61,40 @@ class FakeGroup:
             for rank in (0, 1):
                 pending[rank].append(step)
                 if len(pending[rank]) == chunk[rank] or self.step == until or (every and self.step % every == 0):
+                    n = len(pending[rank])
                     report = {"rank": rank, "first_step": pending[rank][0],
                               "losses": [10.0 - s - rank for s in pending[rank]],
-                              "step_times": [0.01 * (1 + rank)] * len(pending[rank])}
+                              "step_times": [0.01 * (1 + rank)] * n,
+                              # rank 1 waits 4 ms of its 20 ms on collectives, rank 0 1 ms of 10
+                              "data_times": [0.001] * n, "comm_waits": [0.001 * (1 + 3 * rank)] * n,
+                              "comm_calls": [2] * n, "peak_mem_bytes": 1000 * (rank + 1),
+                              "samples": [{"type": "sample", "time": 1.0, "rank": rank, "node_ip": "127.0.0.1",
+                                           "source": "psutil", "device": "cpu", "util_pct": 50.0 + rank,
+                                           "mem_used_bytes": 10, "mem_total_bytes": 100, "power_w": None,
+                                           "sm_clock_mhz": None, "host_cpu_pct": 70.0}]}
                     if rank == 0 and every and self.step % every == 0 and self.step < until:
                         report["checkpoint"] = self.call_rank(0, "state")
                     pending[rank] = []
                     yield rank, report
+            if self.scrape_at is not None and self.step == self.scrape_at:
+                self.scraped = scrape(self.run)
 
     def shutdown(self, polite=True):
         self.shut = "polite" if polite else "killed"
+
+
+def scrape(run) -> dict:
+    """Scrape the controller's /metrics (its URL is in the telemetry) and parse it as Prometheus does."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = next(r["url"] for r in read(run.telemetry) if r.get("event") == "metrics")
+    assert url.startswith("http://127.0.0.1:")
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.name + str(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def make(tmp_path, overrides, **group_kw):
@@ -77,18 +103,67 @@ def make(tmp_path, overrides, **group_kw):
     groups = []
 
     def factory(j):
-        groups.append(FakeGroup(j, **group_kw))
+        groups.append(FakeGroup(j, run=run, **group_kw))
         return groups[-1]
 
     return job, run, factory, groups
 
 
+CONTEXT = {"strategy": "data", "dp": 2, "tp": 1, "bucket_cap_mb": 25.0}
+
+
 def test_merger_releases_a_step_only_when_every_rank_reported():
-    m = StepMerger(world=2, global_batch=8)
+    m = StepMerger(world=2, global_batch=8, context=CONTEXT)
     assert m.add(0, {"first_step": 0, "losses": [1.0, 2.0], "step_times": [0.1, 0.1]}) == []
     done = m.add(1, {"first_step": 0, "losses": [3.0], "step_times": [0.4]})
     assert [r["step"] for r in done] == [1]
     assert done[0]["loss"] == 2.0 and done[0]["slowest_rank"] == 1 and done[0]["samples_per_s"] == pytest.approx(20)
+    # without timings (telemetry off) the timing fields are null and the record still conforms
+    assert done[0]["comm_wait_mean"] is None and done[0]["ranks"]["comm_wait"] is None
+    assert validate(done[0]) == []
+
+
+def test_merger_aggregates_timings_over_ranks():
+    m = StepMerger(world=2, global_batch=8, context=CONTEXT, tokens_per_sample=16)
+    m.add(0, {"first_step": 0, "losses": [1.0], "step_times": [0.1], "data_times": [0.01], "comm_waits": [0.02],
+              "comm_calls": [3], "peak_mem_bytes": 500})
+    [r] = m.add(1, {"first_step": 0, "losses": [3.0], "step_times": [0.2], "data_times": [0.03],
+                    "comm_waits": [0.1], "comm_calls": [3], "peak_mem_bytes": 900})
+    assert validate(r) == []
+    assert r["comm_wait_mean"] == pytest.approx(0.06) and r["comm_wait_max"] == pytest.approx(0.1)
+    assert r["comm_wait_frac_mean"] == pytest.approx((0.2 + 0.5) / 2) and r["comm_wait_frac_max"] == pytest.approx(0.5)
+    assert r["data_time_max"] == pytest.approx(0.03) and r["compute_time_mean"] == pytest.approx((0.07 + 0.07) / 2)
+    assert r["ranks"]["samples_per_s"] == pytest.approx([40.0, 20.0])  # 4 samples per rank
+    assert r["samples_per_s"] == pytest.approx(40.0) and r["tokens_per_s"] == pytest.approx(640.0)
+    assert r["peak_mem_bytes"] == 900 and r["comm_calls"] == 3 and r["strategy"] == "data"
+
+
+def test_every_record_of_a_run_conforms_to_the_schema(tmp_path):
+    job, run, factory, groups = make(tmp_path, ["train.steps=10", "checkpoint.every=4"])
+    Controller(job, run, factory).run()
+    records = read(run.telemetry)
+    assert {r["type"] for r in records} == {"step", "sample", "event"}
+    assert [p for r in records for p in validate(r)] == []
+    step = [r for r in records if r["type"] == "step"][-1]
+    assert step["ranks"]["comm_wait_frac"] == pytest.approx([0.1, 0.2]) and step["slowest_rank"] == 1
+
+
+def test_metrics_endpoint_serves_the_live_figures(tmp_path):
+    job, run, factory, groups = make(tmp_path, ["train.steps=10", "telemetry.metrics_port=0"], scrape_at=6)
+    Controller(job, run, factory).run()
+    got = groups[0].scraped
+    assert got is not None, "the endpoint was not reachable while the run trained"
+    job_label = ("job", job.name)
+    assert got["gearshift_step" + str([job_label])] >= 5
+    assert got["gearshift_comm_wait_fraction" + str(sorted([job_label, ("rank", "1")]))] == pytest.approx(0.2)
+    assert got["gearshift_device_utilization_percent" + str(sorted([job_label, ("rank", "0"), ("source", "psutil")]))] == 50.0
+    assert got["gearshift_strategy_info" + str(sorted([job_label, ("strategy", "data"), ("dp", "2"), ("tp", "1")]))] == 1
+    url = next(r["url"] for r in read(run.telemetry) if r.get("event") == "metrics")
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.URLError):  # the endpoint closes with the run
+        urllib.request.urlopen(url, timeout=5)
 
 
 def test_run_writes_checkpoints_final_and_summary(tmp_path):

@@ -1,0 +1,93 @@
+"""Telemetry measured for real: comm wait against a known injected delay (plain gloo processes,
+nothing else on the cores), and the records a Ray run writes, checked against the schema."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+
+import pytest
+
+from monitoring.schema import validate
+from orchestrator import cli
+from orchestrator.job import job_from_dict
+from workers.local_group import LocalGroup
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WARMUP = 5  # the first steps build DDP's buckets and warm the allocator
+
+
+def measure(strategy: str, world: int, delay_ms: float, steps: int = 25, **parallel) -> list[dict]:
+    """Per rank: median comm wait, median collectives per step and median step time (seconds)."""
+    job = job_from_dict({
+        "model": "mlp", "train": {"steps": steps, "global_batch_size": 64},
+        "cluster": {"num_workers": world},
+        # one gradient bucket: the whole injected delay falls after backward, none hides behind it
+        "parallel": {"strategy": strategy, "bucket_cap_mb": 100, **parallel},
+        "inject": {"comm_delay_ms": delay_ms}, "telemetry": {"ray_metrics": False, "sample_period_s": 0.5},
+    }).to_dict()
+    with LocalGroup(job, world, search_paths=[str(ROOT)]) as group:
+        reports = group.call("train", steps, 0, 1000.0)
+    out = []
+    for per_rank in reports:
+        flat = {k: [v for r in per_rank for v in r[k]][WARMUP:] for k in ("comm_waits", "comm_calls", "step_times")}
+        out.append({"wait": statistics.median(flat["comm_waits"]), "calls": statistics.median(flat["comm_calls"]),
+                    "step": statistics.median(flat["step_times"]),
+                    "samples": [s for r in per_rank for s in r.get("samples", [])]})
+    return out
+
+
+def test_one_worker_without_injection_waits_about_nothing():
+    [rank0] = measure("data", 1, 0.0)
+    assert rank0["calls"] == 1  # DDP still runs its (trivial) all-reduce through the hook
+    assert rank0["wait"] < max(0.5e-3, 0.1 * rank0["step"]), rank0
+
+
+@pytest.mark.parametrize("strategy,world,parallel", [
+    ("data", 2, {}),
+    ("tensor", 2, {}),
+    ("hybrid", 4, {"tp_size": 2}),  # the forward all-reduce in each tp pair, and the dp averaging
+], ids=["data", "tensor", "hybrid"])
+def test_injected_delay_raises_the_measured_wait_by_that_much(strategy, world, parallel):
+    delay_ms = 20.0
+    base = measure(strategy, world, 0.0, **parallel)
+    slow = measure(strategy, world, delay_ms, **parallel)
+    for rank, (b, s) in enumerate(zip(base, slow)):
+        assert s["calls"] == b["calls"] >= 1
+        expected = delay_ms / 1000 * s["calls"]
+        rise = s["wait"] - b["wait"]
+        assert 0.75 * expected <= rise <= 1.25 * expected, (
+            f"{strategy} rank {rank}: wait rose by {rise * 1e3:.2f} ms for {s['calls']:g} collective(s) "
+            f"delayed {delay_ms:g} ms each (expected {expected * 1e3:.1f} ms +-25%)")
+        # and the delay shows in the step time, where a real slow link would cost it
+        assert s["step"] - b["step"] >= 0.75 * expected
+
+
+def test_workers_report_device_samples():
+    [rank0] = measure("data", 1, 0.0, steps=1000)  # a few seconds: several 0.5 s samples
+    assert rank0["samples"], "no device samples arrived with the reports"
+    for sample in rank0["samples"]:
+        assert sample["source"] == "psutil" and sample["rank"] == 0  # no NVIDIA GPU here
+        assert validate(sample) == []
+
+
+@pytest.mark.ray
+def test_a_ray_run_writes_conforming_telemetry(ray_cluster, tmp_path):
+    run = tmp_path / "run"
+    args = ["run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(run), "--set", "train.steps=8",
+            "--set", "train.global_batch_size=8", "--set", "checkpoint.every=4", "--set", "telemetry.sample_period_s=0.2",
+            "--set", "model.kwargs={vocab_size: 128, block_size: 32, n_layer: 1, n_head: 2, n_embd: 32}"]
+    assert cli.main(args) == 0
+    records = [json.loads(line) for line in (run / "telemetry.jsonl").read_text().splitlines()]
+    assert [p for r in records for p in validate(r)] == []
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    last = steps[-1]
+    assert last["strategy"] == "data" and last["dp"] == 2 and last["comm_calls"] >= 1
+    assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 32)  # block_size tokens per sample
+    assert all(0 <= f <= 1 for r in steps for f in r["ranks"]["comm_wait_frac"])
+    events = {r["event"] for r in records if r["type"] == "event"}
+    assert {"state", "sampler", "checkpoint"} <= events
+    samplers = [r for r in records if r.get("event") == "sampler"]
+    assert sorted(r["rank"] for r in samplers) == [0, 1] and {r["source"] for r in samplers} == {"psutil"}
