@@ -31,18 +31,22 @@ class ProgressView:
             self._progress = Progress(
                 TextColumn("[bold]step[/]"), MofNCompleteColumn(), BarColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+                TextColumn("{task.fields[wait]}"),
                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step,
-                                                 loss="-", rate="-")
+                                                 loss="-", rate="-", wait="")
             self._progress.start()
 
-    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+    def update(self, step: int, loss: float, samples_per_s: float, comm_wait_frac: float | None = None) -> None:
+        """`comm_wait_frac`: the recent mean comm-wait fraction over ranks (None: not measured)."""
+        wait = f"comm wait {comm_wait_frac:.0%}" if comm_wait_frac is not None else ""
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{samples_per_s:,.0f}")
+            self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{samples_per_s:,.0f}",
+                                  wait=wait)
         elif step % self.log_every == 0 or step == self.total:
             eta = (self.total - step) * self.global_batch / samples_per_s if samples_per_s > 0 else 0.0
             self.console.print(f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  "
-                               f"ETA {_eta(eta)}")
+                               + (f"{wait}  " if wait else "") + f"ETA {_eta(eta)}")
 
     def say(self, text: str) -> None:
         self.console.print(text)

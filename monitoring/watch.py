@@ -15,7 +15,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Callable, Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -279,9 +279,11 @@ def _parse(line: bytes | str) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def follow_file(path, poll_s: float = 0.25, idle_timeout_s: float | None = None) -> Iterator[dict]:
+def follow_file(path, poll_s: float = 0.25, idle_timeout_s: float | None = None,
+                alive: Callable[[], bool] | None = None) -> Iterator[dict]:
     """The records of a telemetry.jsonl, including those appended later, until the run ends
-    (its last record says done or failed) or `idle_timeout_s` passes without new data."""
+    (its last record says done or failed), `idle_timeout_s` passes without new data, or
+    `alive()` says the process writing it is gone (killed before it could record its end)."""
     path = pathlib.Path(path)
     if not path.exists() and not (path.parent / "job.yaml").is_file():
         raise TelemetryError(
@@ -294,14 +296,18 @@ def follow_file(path, poll_s: float = 0.25, idle_timeout_s: float | None = None)
         if first.endswith(b"\n") and (_parse(first) or {}).get("type") is None:
             raise TelemetryError(f"{path} is not a gearshift telemetry file (its first line is not a record); "
                                  f"pass a run dir or its telemetry.jsonl.")
-    return _follow(path, poll_s, idle_timeout_s)
+    return _follow(path, poll_s, idle_timeout_s, alive)
 
 
-def _follow(path: pathlib.Path, poll_s: float, idle_timeout_s: float | None) -> Iterator[dict]:
+def _follow(path: pathlib.Path, poll_s: float, idle_timeout_s: float | None,
+            alive: Callable[[], bool] | None = None) -> Iterator[dict]:
     last_data = time.monotonic()
 
     def idle() -> bool:
-        return idle_timeout_s is not None and time.monotonic() - last_data >= idle_timeout_s
+        quiet = time.monotonic() - last_data
+        if alive is not None and quiet >= 1.0 and not alive():
+            return True
+        return idle_timeout_s is not None and quiet >= idle_timeout_s
 
     while not path.exists():  # the run dir is there, the run has not written its first record
         if idle():

@@ -254,9 +254,18 @@ def cmd_watch(args) -> int:
     console = Console()
     target = args.target
     if target is None or pathlib.Path(target).exists():
+        from orchestrator.rundir import RunDir
+
         path = pathlib.Path(target) if target else _newest_run()
-        records = watch.follow_file(path / "telemetry.jsonl" if path.is_dir() else path, idle_timeout_s=args.timeout)
-        return watch.watch(records, console, replay_speed=args.speed if args.replay else None, title=str(path))
+        run = RunDir(path if path.is_dir() else path.parent)
+        records = watch.follow_file(path / "telemetry.jsonl" if path.is_dir() else path, idle_timeout_s=args.timeout,
+                                    alive=lambda: run.driver_alive() is not False)
+        code = watch.watch(records, console, replay_speed=args.speed if args.replay else None, title=str(path))
+        if run.driver_alive() is False and not _ended(run):
+            print(f"gearshift: the process that ran {run.path} is gone and recorded no end: it was killed. "
+                  f"Continue it with `gearshift run --resume {run.path}`.", file=sys.stderr)
+            return EXIT_FAILED
+        return code
     from orchestrator import jobs_api
 
     try:
@@ -265,6 +274,16 @@ def cmd_watch(args) -> int:
                            replay_speed=args.speed if args.replay else None, title=target)
     except jobs_api.JobsApiError as err:
         raise GearshiftError(str(err)) from None
+
+
+def _ended(run) -> bool:
+    """Whether the run's summary says it finished, failed or was interrupted (not killed)."""
+    import json
+
+    try:
+        return json.loads(run.summary.read_text()).get("status") in ("done", "failed", "interrupted")
+    except (OSError, ValueError):
+        return False
 
 
 def _newest_run() -> pathlib.Path:

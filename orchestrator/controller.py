@@ -103,20 +103,32 @@ class RunStats:
         self.first: dict | None = None
         self.last: dict | None = None
         self.recent: collections.deque = collections.deque(maxlen=window)
+        self.recent_wait: collections.deque = collections.deque(maxlen=20)
         self.steady_steps = 0
         self.steady_time = 0.0
+        self.steady_wait = 0.0  # comm wait (mean over ranks) summed over the steady steps
+        self.timed = True
 
     def add(self, record: dict) -> None:
         self.first = self.first or record
         self.last = record
         self.recent.append(record["step_time_max"])
+        if record.get("comm_wait_frac_mean") is not None:
+            self.recent_wait.append(record["comm_wait_frac_mean"])
         if record["step"] - self.first["step"] >= self.WARMUP:
             self.steady_steps += 1
             self.steady_time += record["step_time_max"]
+            if record.get("comm_wait_mean") is None:
+                self.timed = False
+            else:
+                self.steady_wait += record["comm_wait_mean"]
 
     def recent_rate(self, global_batch: int, window: int = 20) -> float:
         times = list(self.recent)[-window:]
         return len(times) * global_batch / sum(times) if times and sum(times) > 0 else 0.0
+
+    def recent_comm_wait(self) -> float | None:
+        return sum(self.recent_wait) / len(self.recent_wait) if self.recent_wait else None
 
     def summary(self, global_batch: int) -> dict:
         steps, time_s = self.steady_steps, self.steady_time
@@ -127,6 +139,9 @@ class RunStats:
             "first_loss": self.first["loss"] if self.first else None,
             "samples_per_s": steps * global_batch / time_s if time_s > 0 else None,
             "median_step_time_s": statistics.median(self.recent) if self.recent else None,
+            # the share of the steady-state step time spent waiting on collectives
+            "comm_wait_frac": self.steady_wait / self.steady_time if self.timed and self.steady_steps
+            and self.steady_time > 0 else None,
         }
 
 
@@ -183,6 +198,7 @@ class Controller:
         summary = {"job": job.name, "fingerprint": job.fingerprint(), "run_dir": str(self.run_dir.path),
                    "steps_target": job.train.steps}
         try:
+            self.run_dir.write_driver()
             self._start_observers()
             if self.metrics:
                 self._event("metrics", url=self.metrics.url)
@@ -268,7 +284,8 @@ class Controller:
                 self.stats.add(record)
                 self._emit(record)
                 if self.view:
-                    self.view.update(record["step"], record["loss"], self.stats.recent_rate(job.train.global_batch_size))
+                    self.view.update(record["step"], record["loss"], self.stats.recent_rate(job.train.global_batch_size),
+                                     self.stats.recent_comm_wait())
             if "checkpoint" in report:
                 self._save_checkpoint(report["checkpoint"])
 

@@ -39,6 +39,32 @@ class RunDir:
     final = property(lambda self: self.path / "final.pt")
     log = property(lambda self: self.path / "gearshift.log")
     meta = property(lambda self: self.path / "run.json")  # what job.yaml cannot say: where the job came from
+    driver = property(lambda self: self.path / "driver.json")  # which process is running it now
+
+    def write_driver(self) -> None:
+        """Record the process driving the run, so `gearshift watch` can tell a killed run from a slow one."""
+        import socket
+
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        checkpoint.write_file_atomic(self.driver, json.dumps(info).encode())
+
+    def driver_alive(self) -> bool | None:
+        """False when the recorded driver ran on this host and is gone; None when that cannot be told."""
+        import socket
+
+        try:
+            info = json.loads(self.driver.read_text())
+        except (OSError, ValueError):
+            return None
+        if info.get("host") != socket.gethostname():
+            return None
+        try:
+            os.kill(int(info["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, KeyError, ValueError, TypeError):
+            return None
+        return True
 
     @classmethod
     def create(cls, job: Job, explicit: str | None = None, root: str | None = None) -> "RunDir":

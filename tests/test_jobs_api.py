@@ -104,8 +104,9 @@ def test_runtime_env_ships_working_dir_and_gearshift(job_file):
     assert "pip" not in env
     assert build_submission(job_file, pip=["einops==0.8.0"]).runtime_env["pip"] == ["einops==0.8.0"]
     # run dirs must outlive Ray's temporary copy of the working dir
-    assert env["env_vars"] == {"GEARSHIFT_RUNS_ROOT": "~/gearshift-runs"}
-    assert "env_vars" not in build_submission(job_file, run_dir="/data/runs/x").runtime_env
+    assert env["env_vars"] == {"GEARSHIFT_RUNS_ROOT": "~/gearshift-runs", "GEARSHIFT_TELEMETRY_LOG": "1"}
+    # a run dir of the user's choosing: no runs root, but telemetry still goes into the log for watch
+    assert build_submission(job_file, run_dir="/data/runs/x").runtime_env["env_vars"] == {"GEARSHIFT_TELEMETRY_LOG": "1"}
 
 
 def test_runs_root_comes_from_the_environment(monkeypatch, tmp_path):
@@ -496,7 +497,13 @@ def test_gearshift_submit_trains_a_real_job_on_the_cluster(ray_dashboard, tmp_pa
     jobs_api.logs(ray_dashboard, job_id, out=out)
     assert final == "SUCCEEDED", out.getvalue()
     assert "step 6/6" in out.getvalue() and "done: 6 steps" in out.getvalue()
+    assert "@gearshift-telemetry" not in out.getvalue(), "logs shows the telemetry lines meant for watch"
     assert json.loads((run_dir / "summary.json").read_text())["steps_done"] == 6
+    # `watch JOB_ID` follows the same run through the job log, from another machine's view
+    capsys.readouterr()
+    assert cli.main(["watch", job_id, "--address", ray_dashboard]) == 0
+    shown = capsys.readouterr().out
+    assert "done" in shown and "6/6" in shown and "data dp=2" in shown, shown
     assert (run_dir / "final.pt").is_file()
     assert cli.main(["status", job_id, "--address", ray_dashboard]) == 0
     assert "SUCCEEDED" in capsys.readouterr().out

@@ -91,3 +91,44 @@ def test_a_ray_run_writes_conforming_telemetry(ray_cluster, tmp_path):
     assert {"state", "sampler", "checkpoint"} <= events
     samplers = [r for r in records if r.get("event") == "sampler"]
     assert sorted(r["rank"] for r in samplers) == [0, 1] and {r["source"] for r in samplers} == {"psutil"}
+
+
+def test_the_docs_describe_every_schema_field_and_event():
+    from monitoring import schema
+
+    text = (ROOT / "docs/telemetry.md").read_text()
+    names = [*schema.COMMON, *schema.STEP, *schema.SAMPLE, *schema.EVENT, *schema.EVENTS]
+    assert [n for n in names if f"`{n}`" not in text] == []
+
+
+def test_log_echo_throttles_steps_but_never_drops_the_last_one_before_an_event():
+    import io
+
+    from monitoring.telemetry import LOG_PREFIX, LogEcho
+
+    out = io.StringIO()
+    echo = LogEcho(every_s=3600, stream=out)
+    echo.observe({"type": "step", "step": 1})  # the first goes out
+    for step in range(2, 50):
+        echo.observe({"type": "sample", "rank": 0, "util_pct": step})
+        echo.observe({"type": "step", "step": step})
+    echo.observe({"type": "event", "event": "state", "state": "done"})
+    lines = out.getvalue().splitlines()
+    assert all(line.startswith(LOG_PREFIX) for line in lines)
+    got = [json.loads(line[len(LOG_PREFIX):]) for line in lines]
+    assert [(r["type"], r.get("step"), r.get("util_pct")) for r in got] == [
+        ("step", 1, None), ("sample", None, 49), ("step", 49, None), ("event", None, None)]
+
+
+def test_logs_leave_out_telemetry_lines_even_split_across_chunks():
+    import io
+
+    from orchestrator.jobs_api import _WithoutTelemetry
+
+    out = io.StringIO()
+    w = _WithoutTelemetry(out)
+    for chunk in ["step 1/2 loss 1.0\n@gearshift-tel", 'emetry {"type": "step"}\nstep 2/2', " loss 0.5\n",
+                  "no newline at the end"]:
+        w.write(chunk)
+    w.flush()
+    assert out.getvalue() == "step 1/2 loss 1.0\nstep 2/2 loss 0.5\nno newline at the end"

@@ -439,3 +439,20 @@ def test_cli_watch_ctrl_c_leaves_the_terminal_sane(tmp_path):
     assert sent and rc == 130, text
     assert "the run itself is not affected" in text and "Traceback" not in text
     assert raw.rfind("\x1b[?25h") > raw.rfind("\x1b[?25l")
+
+
+def test_watching_a_run_whose_driver_was_killed_ends_and_says_so(tmp_path):
+    """A driver killed with SIGKILL writes no end record; watch must not wait for one forever."""
+    import socket
+
+    records = start_records(steps=100) + [step(n) for n in range(1, 6)]
+    run_dir = write_run(tmp_path / "run", records)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)  # its pid now names no process
+    (run_dir / "driver.json").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "watch", str(run_dir)], capture_output=True,
+                          text=True, timeout=60, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert proc.returncode == 1, proc.stderr
+    assert "killed" in proc.stderr and f"--resume {run_dir}" in proc.stderr
+    assert time.monotonic() - started < 30
