@@ -1,12 +1,13 @@
 """What telemetry costs the step loop: steps/s with telemetry on and off, side by side.
 
-Two groups of the same job run at once on plain gloo processes (workers.local_group, no Ray:
-nothing else competes for the two cores), one with `telemetry.enabled: true` (DDP comm hook
-or functional-collective timing, per-step data/comm marks, device sampling every second,
-reports with timings) and one with it off (DDP's built-in all-reduce, no sampler). They train
-in alternating blocks (on, off, off, on, ...) so that machine noise hits both alike; each
-block's steps/s is its steps over its wall time, and the ratio on/off is taken per pair of
-neighbouring blocks, then the median.
+One group of plain gloo processes (workers.local_group, no Ray: nothing else competes for the
+two cores) trains the job in alternating blocks with `telemetry.enabled` on (DDP comm hook or
+functional-collective timing, per-step data/comm marks, device sampling every second, reports
+with timings) and off (DDP's built-in all-reduce, no sampler): on, off, off, on, ... The
+workers rebuild the model between blocks, in the same processes, so that a process's own
+quirks (where its memory landed, which core it got) weigh on both alike. Each block's steps/s
+is its steps over its wall time; the ratio on/off is taken per pair of neighbouring blocks,
+then the median.
 
     python bench/telemetry_overhead.py            # 16 pairs of 300-step blocks per case
     python bench/telemetry_overhead.py --quick    # 4 pairs of 100 steps: a smoke check
@@ -37,47 +38,46 @@ CASES = {  # name -> (job mapping, workers)
 }
 
 
-def job_for(spec: dict, workers: int, telemetry: bool, total_steps: int) -> dict:
+def job_for(spec: dict, workers: int, telemetry: bool, steps: int) -> dict:
     from orchestrator.job import job_from_dict
 
-    raw = {**spec, "train": {"steps": total_steps, "global_batch_size": 32},
+    raw = {**spec, "train": {"steps": steps, "global_batch_size": 32},
            "cluster": {"num_workers": workers},
            "telemetry": {"enabled": telemetry, "ray_metrics": False}}
     return job_from_dict(raw, base_dir=str(ROOT)).to_dict()
 
 
-def block(group, until: int) -> float:
-    """Train up to step `until`; the wall time of the call."""
-    start = time.perf_counter()
-    group.call("train", until, 0)
-    return time.perf_counter() - start
+def set_telemetry(worker, enabled: bool) -> None:
+    """Runs in each worker process: rebuild the model with telemetry on or off."""
+    worker.job["telemetry"]["enabled"] = enabled
+    if not enabled and worker.sampler is not None:
+        worker.sampler.stop()
+        worker.sampler = None
+    worker.build()
 
 
 def run_case(name: str, pairs: int, steps: int) -> dict:
     from workers.local_group import LocalGroup
 
     spec, workers = CASES[name]
-    total = steps * (2 * pairs + 1)
-    on = LocalGroup(job_for(spec, workers, True, total), workers, [str(ROOT)])
-    off = LocalGroup(job_for(spec, workers, False, total), workers, [str(ROOT)])
+    group = LocalGroup(job_for(spec, workers, True, steps), workers, [str(ROOT)])
     try:
-        done = {id(on): 0, id(off): 0}
+        def rate(enabled: bool) -> float:
+            group.apply(set_telemetry, enabled)
+            start = time.perf_counter()
+            group.call("train", steps, 0)
+            return steps / (time.perf_counter() - start)
 
-        def run(group) -> float:
-            done[id(group)] += steps
-            return steps / block(group, done[id(group)])
-
-        run(on), run(off)  # warm-up: DDP buckets, allocator, first-call imports
+        rate(True), rate(False)  # warm-up: first-call imports, allocator
         ratios, on_rates, off_rates = [], [], []
         for i in range(pairs):
-            order = (on, off) if i % 2 == 0 else (off, on)  # ABBA: drift favours neither
-            rates = {id(g): run(g) for g in order}
-            on_rates.append(rates[id(on)])
-            off_rates.append(rates[id(off)])
-            ratios.append(rates[id(on)] / rates[id(off)])
+            order = (True, False) if i % 2 == 0 else (False, True)  # ABBA: drift favours neither
+            rates = {enabled: rate(enabled) for enabled in order}
+            on_rates.append(rates[True])
+            off_rates.append(rates[False])
+            ratios.append(rates[True] / rates[False])
     finally:
-        on.close()
-        off.close()
+        group.close()
     return {"steps_per_s_on": statistics.median(on_rates), "steps_per_s_off": statistics.median(off_rates),
             "on_vs_off": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 

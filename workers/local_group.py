@@ -27,6 +27,8 @@ def _serve(conn, job: dict, search_paths: list[str], rank: int, world: int, port
             try:
                 if method == "setup":
                     result = worker.setup(rank, world, "127.0.0.1", port, 120.0)
+                elif callable(method):  # apply(): a module-level function run on the worker
+                    result = method(worker, *args)
                 else:
                     result = getattr(worker, method)(*args)
                     if method == "train":
@@ -61,18 +63,23 @@ class LocalGroup:
             self.close()
             raise
 
-    def call(self, method: str, *args: Any) -> list:
+    def call(self, method, *args: Any) -> list:
         for conn in self.conns:
             conn.send((method, args))
         results = []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.timeout_s):
-                raise TimeoutError(f"rank {rank} did not answer {method!r} within {self.timeout_s:g} s")
+                raise TimeoutError(f"rank {rank} did not answer {getattr(method, '__name__', method)!r} "
+                                   f"within {self.timeout_s:g} s")
             status, value = conn.recv()
             if status == "error":
                 raise RuntimeError(value)
             results.append(value)
         return results
+
+    def apply(self, fn, *args: Any) -> list:
+        """Run `fn(worker, *args)` in every process (fn must be importable there)."""
+        return self.call(fn, *args)
 
     def close(self) -> None:
         for conn in self.conns:
