@@ -13,6 +13,9 @@ import pytest
 
 # Ray prints a warning per connection about token auth; tests read stderr, so keep it quiet.
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+# Ray's processes report metrics to its Prometheus endpoint every second, not every ten,
+# so the test that scrapes gearshift's Ray metrics finds them quickly
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 
 def wait_until(condition, timeout_s: float = 15.0, interval_s: float = 0.2) -> bool:

@@ -132,3 +132,68 @@ def test_logs_leave_out_telemetry_lines_even_split_across_chunks():
         w.write(chunk)
     w.flush()
     assert out.getvalue() == "step 1/2 loss 1.0\nstep 2/2 loss 0.5\nno newline at the end"
+
+
+@pytest.mark.ray
+def test_workers_export_ray_metrics_to_rays_prometheus_endpoint(ray_cluster, tmp_path):
+    """While a run trains, Ray's own /metrics carries every worker's gearshift gauges."""
+    import threading
+    import urllib.request
+
+    import ray
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from orchestrator.controller import Controller
+    from orchestrator.job import load_job
+    from orchestrator.rundir import RunDir
+    from orchestrator.worker_group import RayWorkerGroup
+    from conftest import wait_until
+
+    node = ray._private.worker._global_node
+    url = f"http://{node.node_ip_address}:{node.metrics_export_port}/metrics"
+    job = load_job(ROOT / "examples/mlp.yaml", ["name=raymetrics", "train.steps=100000", "checkpoint.every=0",
+                                                "model.kwargs={hidden: 32}", "telemetry.sample_period_s=0.2"])
+    controller = Controller(job, RunDir.create(job, str(tmp_path / "run")), lambda j: RayWorkerGroup(j, False))
+    stop = threading.Event()
+    outcome = {}
+
+    def train():
+        try:
+            outcome["summary"] = controller.run()
+        except BaseException as err:  # the KeyboardInterrupt that stops it below
+            outcome["error"] = err
+
+    # the run is stopped from inside: the group's report stream raises once the test has seen enough
+    original_train = RayWorkerGroup.train
+
+    def stoppable(self, *args, **kwargs):
+        for item in original_train(self, *args, **kwargs):
+            if stop.is_set():
+                raise KeyboardInterrupt("test done")
+            yield item
+
+    RayWorkerGroup.train = stoppable
+    thread = threading.Thread(target=train, daemon=True)
+    try:
+        thread.start()
+        found: dict = {}
+
+        def scraped() -> bool:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if s.name.startswith("ray_gearshift_") and s.labels.get("job") == "raymetrics":
+                        found[(s.name, s.labels["rank"])] = s.value
+            return {(name, r) for r in "01" for name in ("ray_gearshift_step_time_seconds",
+                                                         "ray_gearshift_device_utilization_percent")} <= set(found)
+
+        assert wait_until(scraped, timeout_s=60, interval_s=1.0), f"gearshift gauges not on {url}: {found}"
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+        RayWorkerGroup.train = original_train
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), KeyboardInterrupt), outcome
+    assert 0 < found[("ray_gearshift_step_time_seconds", "0")] < 5
+    assert 0 <= found[("ray_gearshift_comm_wait_fraction", "1")] <= 1
+    assert found[("ray_gearshift_device_utilization_percent", "0")] >= 0

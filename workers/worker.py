@@ -164,7 +164,7 @@ class TrainWorker:
             from monitoring.metrics import RayMetrics
 
             self.ray_metrics = RayMetrics.create(self.job["name"], self.rank)
-        return {"source": type(sampler).__name__.replace("Sampler", "").lower(), "reason": reason}
+        return {"source": sampler.source, "reason": reason}
 
     def _peak_memory(self) -> int | None:
         """Peak memory since the last report: device memory on GPU; on CPU the process's peak
