@@ -234,9 +234,11 @@ def _workers(state: WatchState, max_rows: int | None) -> Table | Text:
     n = len(state.recent)
     caption = [f"{len(ranks) - len(shown)} more ranks not shown"] if len(shown) < len(ranks) else []
     caption += [f"per-rank figures: mean of the last {n} steps"] if n > 1 and step_time else []
+    # no rules, two spaces between columns: the eight columns fit an 80-column terminal
     table = Table(title="workers", title_justify="left", caption_justify="left", expand=False,
-                  caption="; ".join(caption) or None)
-    for name in ("rank", "node", "util", "memory", "comm wait", "step ms", "samples/s", ""):
+                  caption="; ".join(caption) or None, box=None, padding=(0, 1),
+                  header_style="bold underline")
+    for name in ("rank", "node", "util", "memory", "comm %", "step ms", "samples/s", ""):
         table.add_column(name, justify="right" if name not in ("node", "memory", "") else "left", no_wrap=True)
     for r in shown:
         s, w = state.samples.get(r, {}), state.workers.get(r, {})
