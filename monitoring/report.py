@@ -393,7 +393,8 @@ def _plot_utilisation(records, marks, out):
         x = time_to_step([r["time"] for r in mine], at, st, clamp=False)
         order = np.argsort(x, kind="stable")  # nan (outside training) sorts last and is dropped
         _series(ax, x[order], np.array([r["util_pct"] for r in mine], float)[order], f"rank {rank}", f"C{i % 10}")
-    ax.set_ylim(bottom=0)
+    top = max((r["util_pct"] for r in samples if r.get("util_pct") is not None), default=100.0)
+    ax.set_ylim(0, max(100.0, top * 1.05))  # a percentage: 100 in view (a busy worker's CPU % may pass it)
     return _finish(fig, ax, marks, out / "utilisation.png")
 
 
