@@ -81,17 +81,23 @@ class CommClock:
     # ------------------------------------------------------------ data parallel
 
     def ddp_hook(self, process_group, bucket):
-        """A DDP comm hook: the default all-reduce (divide, then sum), with the launch marked."""
-        self._last_launch = self.mark()
+        """A DDP comm hook: DDP's default all-reduce (scale by 1/world, then sum; multiplying by
+        the reciprocal as DDP does, so the result is bit for bit the same), with the last
+        bucket's launch marked: from there on backward computes nothing more."""
+        if bucket.is_last():
+            self._last_launch = self.mark()
         self.calls += 1
         group = process_group or dist.group.WORLD
         tensor = bucket.buffer()
-        tensor.div_(dist.get_world_size(group))
+        tensor.mul_(1.0 / dist.get_world_size(group))
         fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
         delay = self.delay_s
 
         def done(f):
-            if delay:  # the injected latency is part of the collective, after the wire time
+            # the injected latency is part of the collective. On gloo this runs on the
+            # communication thread once the all-reduce completes; an NCCL future is complete
+            # at launch, so there it delays the launching thread
+            if delay:
                 time.sleep(delay)
             return f.value()[0]
 
@@ -107,21 +113,29 @@ class CommClock:
 # ---------------------------------------------------------------- tensor parallel
 
 _ACTIVE: CommClock | None = None
+# Some functional collectives call others (all_gather_tensor calls all_gather_single, which may
+# wait inside): only the outermost call is timed, or its time would count twice.
+_DEPTH = 0
 _LAUNCHES = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
              "reduce_scatter_single", "all_to_all_single", "broadcast")
 
 
 def _timed_launch(orig):
     def launch(*args, **kwargs):
+        global _DEPTH
         clock = _ACTIVE
-        if clock is None:
+        if clock is None or _DEPTH:
             return orig(*args, **kwargs)
-        start = clock.mark()
-        out = orig(*args, **kwargs)
-        if clock.delay_s:
-            time.sleep(clock.delay_s)
-        clock.add(start, clock.mark())
-        clock.calls += 1
+        _DEPTH += 1
+        try:
+            start = clock.mark()
+            out = orig(*args, **kwargs)
+            if clock.delay_s:
+                time.sleep(clock.delay_s)
+            clock.add(start, clock.mark())
+            clock.calls += 1
+        finally:
+            _DEPTH -= 1
         return out
 
     launch.__wrapped__ = orig
@@ -130,12 +144,17 @@ def _timed_launch(orig):
 
 def _timed_wait(orig):
     def wait_tensor(tensor):
+        global _DEPTH
         clock = _ACTIVE
-        if clock is None:
+        if clock is None or _DEPTH:
             return orig(tensor)
-        start = clock.mark()
-        out = orig(tensor)
-        clock.add(start, clock.mark())
+        _DEPTH += 1
+        try:
+            start = clock.mark()
+            out = orig(tensor)
+            clock.add(start, clock.mark())
+        finally:
+            _DEPTH -= 1
         return out
 
     wait_tensor.__wrapped__ = orig

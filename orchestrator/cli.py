@@ -218,6 +218,7 @@ def cmd_run(args) -> int:
         run = RunDir.create(job, args.run_dir)
     else:
         write_file_atomic(run.job_file, dump_job(job).encode())  # e.g. the new train.steps
+    run.write_driver()  # before Ray starts: `watch` must not take a resumed run for a killed one
     view = ProgressView()
     resuming_at = f", resuming at step {resume[1]['step']}" if resume else ""
     view.say(f"gearshift: {job.name} ({job.fingerprint()}): {job.cluster.num_workers} worker(s), "
@@ -269,7 +270,7 @@ def cmd_watch(args) -> int:
     from orchestrator import jobs_api
 
     try:
-        lines = jobs_api.iter_log_lines(args.address, target)
+        lines = jobs_api.iter_log_lines(args.address, target, timeout_s=args.timeout)
         return watch.watch(watch.records_from_log_lines(lines), console,
                            replay_speed=args.speed if args.replay else None, title=target)
     except jobs_api.JobsApiError as err:

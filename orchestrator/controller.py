@@ -10,6 +10,7 @@ The worker-group class is injected, so tests can drive the controller without Ra
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import json
 import logging
@@ -107,6 +108,7 @@ class RunStats:
         self.steady_steps = 0
         self.steady_time = 0.0
         self.steady_wait = 0.0  # comm wait (mean over ranks) summed over the steady steps
+        self.steady_mean_time = 0.0  # step time (mean over ranks), the same
         self.timed = True
 
     def add(self, record: dict) -> None:
@@ -118,6 +120,7 @@ class RunStats:
         if record["step"] - self.first["step"] >= self.WARMUP:
             self.steady_steps += 1
             self.steady_time += record["step_time_max"]
+            self.steady_mean_time += record["step_time_mean"]
             if record.get("comm_wait_mean") is None:
                 self.timed = False
             else:
@@ -140,8 +143,8 @@ class RunStats:
             "samples_per_s": steps * global_batch / time_s if time_s > 0 else None,
             "median_step_time_s": statistics.median(self.recent) if self.recent else None,
             # the share of the steady-state step time spent waiting on collectives
-            "comm_wait_frac": self.steady_wait / self.steady_time if self.timed and self.steady_steps
-            and self.steady_time > 0 else None,
+            "comm_wait_frac": self.steady_wait / self.steady_mean_time if self.timed and self.steady_steps
+            and self.steady_mean_time > 0 else None,
         }
 
 
@@ -162,8 +165,12 @@ class Controller:
 
     def _emit(self, record: dict) -> None:
         self.sink.write(record)
-        for observer in self.observers:
-            observer.observe(record)
+        for observer in list(self.observers):
+            try:
+                observer.observe(record)
+            except Exception as err:  # a broken scrape endpoint or log pipe must not end the training
+                log.warning("telemetry to %s stopped: %s", type(observer).__name__, err)
+                self.observers.remove(observer)
 
     def _event(self, name: str, **fields) -> None:
         self._emit({"type": "event", "event": name, **fields})
@@ -256,8 +263,9 @@ class Controller:
             self.run_dir.write_summary(summary)
             self.sink.close()
             for observer in self.observers:
-                if hasattr(observer, "close"):
-                    observer.close()
+                with contextlib.suppress(Exception):  # never hide how the run ended
+                    if hasattr(observer, "close"):
+                        observer.close()
         return summary
 
     def _earlier_history(self, start_step: int) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 import statistics
+import time
 
 import pytest
 
@@ -64,6 +65,48 @@ def test_injected_delay_raises_the_measured_wait_by_that_much(strategy, world, p
         assert s["step"] - b["step"] >= 0.75 * expected
 
 
+def slow_rank(worker, rank: int, seconds: float) -> None:
+    """Runs in each worker process: rank `rank` computes `seconds` longer every step."""
+    if worker.rank == rank:
+        loss_fn = worker.loss_fn
+        worker.loss_fn = lambda out, target: (time.sleep(seconds), loss_fn(out, target))[1]
+
+
+@pytest.mark.parametrize("strategy", ["data", "tensor"])
+def test_a_straggler_shows_as_the_others_comm_wait(strategy):
+    """Not the injected delay, which gearshift itself adds inside a timed span: here one rank
+    is slow at computing, and the other really blocks in the collective waiting for it."""
+    job = job_from_dict({"model": "mlp", "train": {"steps": 25, "global_batch_size": 64},
+                         "cluster": {"num_workers": 2}, "parallel": {"strategy": strategy},
+                         "telemetry": {"ray_metrics": False}}).to_dict()
+    lag = 0.02
+    waits = {}
+    with LocalGroup(job, 2, search_paths=[str(ROOT)]) as group:
+        for label, seconds in (("even", 0.0), ("rank 1 slow", lag)):
+            group.apply(slow_rank, 1, seconds)
+            reports = group.call("train", (1 + len(waits)) * 25, 0, 1000.0)
+            waits[label] = [statistics.median([w for r in per_rank for w in r["comm_waits"]][WARMUP:])
+                            for per_rank in reports]
+    rise = waits["rank 1 slow"][0] - waits["even"][0]
+    assert 0.75 * lag <= rise <= 1.25 * lag, f"rank 0 waited {rise * 1e3:.1f} ms more for a {lag * 1e3:.0f} ms straggler"
+    assert waits["rank 1 slow"][1] < 0.25 * lag, "the straggler itself should hardly wait"
+
+
+def test_timing_leaves_the_arithmetic_alone():
+    """The comm hook replaces DDP's built-in all-reduce: at a world size where dividing and
+    multiplying by the reciprocal round differently (3), the result must still be bit for bit."""
+    import torch
+
+    finals = {}
+    for enabled in (True, False):
+        job = job_from_dict({"model": {"name": "mlp", "kwargs": {"hidden": 64}}, "train": {"steps": 6, "global_batch_size": 48},
+                             "cluster": {"num_workers": 3}, "telemetry": {"enabled": enabled, "ray_metrics": False}}).to_dict()
+        with LocalGroup(job, 3, search_paths=[str(ROOT)]) as group:
+            group.call("train", 6, 0, 1000.0)
+            finals[enabled] = group.call("state")[0]["model"]
+    assert all(torch.equal(finals[True][k], finals[False][k]) for k in finals[False])
+
+
 def test_workers_report_device_samples():
     [rank0] = measure("data", 1, 0.0, steps=1000)  # a few seconds: several 0.5 s samples
     assert rank0["samples"], "no device samples arrived with the reports"
@@ -86,7 +129,9 @@ def test_a_ray_run_writes_conforming_telemetry(ray_cluster, tmp_path):
     last = steps[-1]
     assert last["strategy"] == "data" and last["dp"] == 2 and last["comm_calls"] >= 1
     assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 32)  # block_size tokens per sample
-    assert all(0 <= f <= 1 for r in steps for f in r["ranks"]["comm_wait_frac"])
+    for r in steps:  # the parts add up: waiting never exceeds the step, compute is what is left
+        assert all(0 <= w <= t for w, t in zip(r["ranks"]["comm_wait"], r["ranks"]["step_time"]))
+        assert all(c >= 0 for c in r["ranks"]["compute_time"])
     events = {r["event"] for r in records if r["type"] == "event"}
     assert {"state", "sampler", "checkpoint"} <= events
     samplers = [r for r in records if r.get("event") == "sampler"]

@@ -146,7 +146,8 @@ class TrainWorker:
         if self.clock is None:
             return
         if self.layout.kind == "data":
-            self.parallel.module.register_comm_hook(None, self.clock.ddp_hook)
+            ddp = self.parallel.module
+            ddp.register_comm_hook(ddp.process_group, self.clock.ddp_hook)
         elif isinstance(self.parallel.after_backward, strategies.grads.GradAverager):
             self.parallel.after_backward.timer = self.clock.blocked
 
@@ -283,6 +284,7 @@ class TrainWorker:
         On CUDA this is where the step's events are read, once per report, not per step."""
         seconds = CommClock.resolve
         if self.clock.cuda:  # device time, not the host's (which runs ahead of the device)
+            spans[-1][0][1].synchronize()  # every event of the report is on this stream, before it
             report["step_times"] = [a.elapsed_time(b) / 1000.0 for (a, b), _, _ in spans]
         report["data_times"] = [b - a if not self.clock.cuda else a.elapsed_time(b) / 1000.0
                                 for _, (a, b), _ in spans]
@@ -295,6 +297,7 @@ class TrainWorker:
             self.ray_metrics.update(report)
 
     def shutdown(self) -> None:
+        time_functional_collectives(None)  # this worker's clock must not outlive it
         if self.sampler is not None:
             self.sampler.stop()
             self.sampler = None
