@@ -32,6 +32,20 @@ class CommClock:
         self.calls = 0  # collectives timed in this step
         self._spans: list = []  # CUDA (start, end) event pairs of this step
         self._last_launch = None
+        self.link: tuple[float, float] | None = None  # simulated link: (bytes/s, latency s)
+        self.tp_slow = self.dp_slow = False  # whether this rank's tp / dp group spans simulated nodes
+
+    def simulate_link(self, mb_per_s: float, latency_ms: float, tp_slow: bool, dp_slow: bool) -> None:
+        """`inject.link`: a collective whose group spans simulated nodes takes bytes / B + L longer."""
+        self.link = (mb_per_s * 1e6, latency_ms / 1000.0)
+        self.tp_slow, self.dp_slow = tp_slow, dp_slow
+
+    def extra_delay(self, nbytes: int, slow: bool) -> float:
+        """Seconds the test knobs add to one collective of `nbytes` on a group (slow: spans nodes)."""
+        delay = self.delay_s
+        if slow and self.link is not None:
+            delay += nbytes / self.link[0] + self.link[1]
+        return delay
 
     # ------------------------------------------------------------ the step's bookkeeping
 
@@ -67,16 +81,23 @@ class CommClock:
         return wait
 
     @contextlib.contextmanager
-    def blocked(self, calls: int = 1):
-        """Time a region that only waits on collectives (run synchronously on this thread)."""
+    def blocked(self, nbytes: int = 0, slow: bool = False):
+        """Time a region that only waits on one collective (run synchronously on this thread)."""
         start = self.mark()
         try:
             yield
-            if self.delay_s:
-                time.sleep(self.delay_s * calls)
+            delay = self.extra_delay(nbytes, slow)
+            if delay:
+                time.sleep(delay)
         finally:
             self.add(start, self.mark())
-            self.calls += calls
+            self.calls += 1
+
+    def dp_blocked(self, nbytes: int = 0):
+        return self.blocked(nbytes, self.dp_slow)
+
+    def tp_blocked(self, nbytes: int = 0):
+        return self.blocked(nbytes, self.tp_slow)
 
     # ------------------------------------------------------------ data parallel
 
@@ -91,7 +112,7 @@ class CommClock:
         tensor = bucket.buffer()
         tensor.mul_(1.0 / dist.get_world_size(group))
         fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-        delay = self.delay_s
+        delay = self.extra_delay(tensor.numel() * tensor.element_size(), self.dp_slow)
 
         def done(f):
             # the injected latency is part of the collective. On gloo this runs on the
@@ -130,8 +151,11 @@ def _timed_launch(orig):
         try:
             start = clock.mark()
             out = orig(*args, **kwargs)
-            if clock.delay_s:
-                time.sleep(clock.delay_s)
+            # DTensor's collectives here are those of the tensor-parallel mesh dimension
+            sent = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            delay = clock.extra_delay(sent.numel() * sent.element_size() if sent is not None else 0, clock.tp_slow)
+            if delay:
+                time.sleep(delay)
             clock.add(start, clock.mark())
             clock.calls += 1
         finally:

@@ -1,8 +1,13 @@
 """The controller: an explicit state machine that places the workers, streams their reports,
 writes checkpoints and the run's outputs, and tears everything down whatever happens.
 
-    PLACING -> STARTING -> TRAINING -> DONE
-                 \\------------\\------> FAILED
+    PLACING -> STARTING -> TRAINING <-> SWITCHING
+                 \\            \\-> DONE
+                  \\------------\\-> FAILED
+
+Training runs in chunks that end where a layout may change: at the forced schedule's steps,
+and every `adapt.window` steps under `strategy: auto`, where the policy's decisions are
+carried out on the same workers (`reshard`), all ranks at the same step boundary.
 
 The worker-group class is injected, so tests can drive the controller without Ray.
 """
@@ -33,6 +38,7 @@ class State(enum.Enum):
     PLACING = "placing"
     STARTING = "starting"
     TRAINING = "training"
+    SWITCHING = "switching"
     DONE = "done"
     FAILED = "failed"
 
@@ -148,6 +154,20 @@ class RunStats:
         }
 
 
+def _layout_text(layout) -> str:
+    return f"{layout.kind} dp={layout.dp} tp={layout.tp}"
+
+
+def _describe(decision) -> str:
+    """One line for the terminal: what the policy decided and on what evidence."""
+    ev = decision.evidence or {}
+    parts = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in ev.items()
+             if not isinstance(v, (dict, list))]
+    target = getattr(decision, "to", None)
+    head = f"{decision.name} -> {_layout_text(target)}" if target is not None else decision.name
+    return head + (f" ({', '.join(parts[:6])})" if parts else "")
+
+
 class Controller:
     def __init__(self, job: Job, run: RunDir, group_factory: Callable[[Job], object],
                  resume: tuple[str, dict] | None = None, view: ProgressView | None = None):
@@ -162,6 +182,11 @@ class Controller:
         # where records go besides telemetry.jsonl: the /metrics endpoint, the job log
         self.observers: list = []
         self.metrics = None
+        self.layout = job.layout  # the layout in force now
+        self.history: list[dict] = []
+        self.switches: list[dict] = []
+        self.node_sizes: list[int] = [job.cluster.num_workers]
+        self.policy = None
 
     def _emit(self, record: dict) -> None:
         self.sink.write(record)
@@ -226,12 +251,13 @@ class Controller:
                 ref = group.put(state)
                 start_step = group.call("load", ref)[0]
                 self._event("resumed", checkpoint=name, step=start_step)
+            self.layout = layout
+            self.history = self._earlier_history(start_step) + [self._history_entry(start_step, layout)]
             summary.update(world_size=len(infos), backend=infos[0].get("backend"),
                            nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
-                           resumed_from_step=start_step if self.resume else None,
-                           strategy_history=self._earlier_history(start_step) + [
-                               {"step": start_step, "strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
-                                "bucket_cap_mb": job.parallel.bucket_cap_mb}])
+                           resumed_from_step=start_step if self.resume else None, strategy_history=self.history,
+                           switches=self.switches)
+            self.node_sizes = self._node_sizes(infos)
 
             self._enter(State.TRAINING, from_step=start_step, steps_target=job.train.steps)
             if self.view:
@@ -278,14 +304,83 @@ class Controller:
             return []
         return [h for h in old if h.get("step", 0) < start_step]
 
-    def _train(self, group, start_step: int) -> None:
-        job = self.job
-        layout = job.layout
+    def _history_entry(self, step: int, layout) -> dict:
+        return {"step": step, "strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
+                "bucket_cap_mb": self.job.parallel.bucket_cap_mb}
+
+    def _node_sizes(self, infos: list[dict]) -> list[int]:
+        """Workers per node in rank order: simulated nodes (inject.nodes) when the job asks for them."""
+        w, k = self.job.cluster.num_workers, self.job.inject.nodes
+        if k > 1:
+            return [w // k] * k
+        sizes: list[int] = []
+        last = None
+        for info in infos:
+            node = info.get("node_id") or info.get("node_ip")
+            if node != last:
+                sizes.append(0)
+                last = node
+            sizes[-1] += 1
+        return sizes or [w]
+
+    def _merger(self) -> StepMerger:
+        job, layout = self.job, self.layout
         context = {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
                    "bucket_cap_mb": job.parallel.bucket_cap_mb}
-        merger = StepMerger(job.cluster.num_workers, job.train.global_batch_size, context,
-                            getattr(self, "tokens_per_sample", None))
-        for rank, report in group.train(job.train.steps, job.checkpoint.every):
+        return StepMerger(job.cluster.num_workers, job.train.global_batch_size, context,
+                          getattr(self, "tokens_per_sample", None))
+
+    def _scheduled_layout(self, step: int):
+        """The layout the forced schedule has in force at `step` (None: the schedule says nothing)."""
+        from strategies.layout import Layout
+
+        entries = [e for e in self.job.adapt.schedule if e["step"] <= step]
+        if not entries:
+            return None
+        e = entries[-1]
+        return Layout.for_workers(e["strategy"], self.job.cluster.num_workers, e["tp_size"])
+
+    def _make_policy(self):
+        from orchestrator.policy import AdaptConfig, Policy, candidate_layouts
+
+        a = self.job.adapt
+        config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown)
+        return Policy(config, candidate_layouts(self.job.cluster.num_workers, self.node_sizes), self.layout)
+
+    def _train(self, group, start_step: int) -> None:
+        job = self.job
+        total, step = job.train.steps, start_step
+        # a resumed run continues in the layout its schedule had in force at the resume point
+        resumed_layout = self._scheduled_layout(start_step) if start_step else None
+        if resumed_layout is not None and resumed_layout != self.layout:
+            self._switch(group, resumed_layout, step, "schedule (resume)")
+        schedule = [e for e in job.adapt.schedule if e["step"] > start_step]
+        auto = job.parallel.strategy == "auto" and job.adapt.enabled
+        self.policy = self._make_policy() if auto else None
+        while step < total:
+            until = total
+            if schedule:
+                until = min(until, schedule[0]["step"])
+            if self.policy is not None:
+                until = min(until, step + job.adapt.window)
+            pending = self._train_chunk(group, until)
+            step = until
+            if step >= total:
+                break
+            if schedule and schedule[0]["step"] == step:
+                self._switch(group, self._scheduled_layout(step), step, "schedule")
+                schedule.pop(0)
+            elif pending is not None:
+                self._switch(group, pending.to, step, pending.name, pending.evidence)
+            if self.policy is not None and (pending is not None or self.switches and self.switches[-1]["step"] == step):
+                self.policy.switched(self.layout, step)
+
+    def _train_chunk(self, group, until: int):
+        """Train to `until`; the first switch or revert the policy asks for on the way, if any."""
+        job = self.job
+        merger = self._merger()
+        pending = None
+        for rank, report in group.train(until, job.checkpoint.every, last_step=job.train.steps):
             for sample in report.get("samples", ()):
                 self._emit({"type": "sample", **sample})
             for record in merger.add(rank, report):
@@ -294,8 +389,39 @@ class Controller:
                 if self.view:
                     self.view.update(record["step"], record["loss"], self.stats.recent_rate(job.train.global_batch_size),
                                      self.stats.recent_comm_wait())
+                if self.policy is not None:
+                    decision = self.policy.observe(record)
+                    if decision.name != "keep":
+                        self._decided(decision, record["step"])
+                        if pending is None and decision.name in ("switch", "revert"):
+                            pending = decision
             if "checkpoint" in report:
                 self._save_checkpoint(report["checkpoint"])
+        return pending
+
+    def _decided(self, decision, step: int) -> None:
+        data = decision.to_dict()
+        self._event("decision", step=step, decision=decision.name, **{k: v for k, v in data.items() if k != "name"})
+        if self.view:
+            self.view.say(f"step {step}: {_describe(decision)}")
+
+    def _switch(self, group, target, step: int, reason: str, evidence: dict | None = None) -> None:
+        """Carry out a layout change on the running workers, at step boundary `step`."""
+        old = self.layout
+        self._enter(State.SWITCHING, step=step, to={"strategy": target.kind, "dp": target.dp, "tp": target.tp})
+        results = group.call("reshard", target.kind, target.tp)
+        seconds = max(r["seconds"] for r in results)
+        self.layout = target
+        record = {"step": step, "from": {"strategy": old.kind, "dp": old.dp, "tp": old.tp},
+                  "to": {"strategy": target.kind, "dp": target.dp, "tp": target.tp}, "seconds": seconds,
+                  "reason": reason}
+        self.switches.append(record)
+        self.history.append(self._history_entry(step, target))
+        self._event("switch", **record, **({"evidence": evidence} if evidence else {}))
+        if self.view:
+            self.view.say(f"step {step}: switched {_layout_text(old)} -> {_layout_text(target)} in {seconds:.2f} s "
+                          f"({reason})")
+        self._enter(State.TRAINING, from_step=step, steps_target=self.job.train.steps)
 
     def _save_checkpoint(self, state: dict) -> None:
         path = checkpoint.save(self.run_dir.checkpoints, state["step"], state, self.job.checkpoint.keep,

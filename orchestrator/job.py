@@ -236,7 +236,8 @@ def _tp_plan(v, path):
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    strategy: str = _f("data", _choice("data", "tensor", "hybrid"))
+    strategy: str = _f("data", _choice("data", "tensor", "hybrid", "auto"),
+                       "auto starts data parallel and lets the adaptive policy switch (see adapt)")
     tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size")
     tp_plan: dict = _f({}, _tp_plan, "module-name pattern -> colwise | rowwise, for models without a plan")
     bucket_cap_mb: float = _f(25.0, _float(0.0, 4096.0, lo_open=True), "gradient bucket size")
@@ -258,6 +259,44 @@ def _host(v, path):
     return v
 
 
+def _schedule(v, path):
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise JobError(path, v, "must be a list of {step: N, strategy: data|tensor|hybrid, tp_size: K}")
+    out, last = [], 0
+    for i, entry in enumerate(v):
+        where = f"{path}[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"step", "strategy", "tp_size"} or \
+                not {"step", "strategy"} <= set(entry):
+            raise JobError(where, entry, "must be {step: N, strategy: data|tensor|hybrid} with tp_size for hybrid")
+        step = _int(1)(entry["step"], f"{where}.step")
+        if step <= last:
+            raise JobError(f"{where}.step", step, f"must be later than the entry before it (step {last})")
+        last = step
+        strategy = _choice("data", "tensor", "hybrid")(entry["strategy"], f"{where}.strategy")
+        out.append({"step": step, "strategy": strategy, "tp_size": _tp_size(entry.get("tp_size"), f"{where}.tp_size")})
+    return out
+
+
+@dataclass(frozen=True)
+class AdaptSpec:
+    enabled: bool = _f(True, _bool, "with strategy auto: let the policy switch layouts")
+    threshold: float = _f(0.15, _float(0.0, 1.0, lo_open=True), "comm-wait fraction of the step that calls for a switch")
+    window: int = _f(20, _int(2, 100000), "steps averaged before each decision")
+    cooldown: int = _f(40, _int(0), "steps after a switch before the next one")
+    schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K}, ...]")
+
+
+def _link(v, path):
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) - {"mb_per_s", "latency_ms"} or "mb_per_s" not in v:
+        raise JobError(path, v, "must be {mb_per_s: B, latency_ms: L} (latency optional) or null")
+    return {"mb_per_s": _float(0.0, lo_open=True)(v["mb_per_s"], f"{path}.mb_per_s"),
+            "latency_ms": _float(0.0, 60000.0)(v.get("latency_ms", 0.0), f"{path}.latency_ms")}
+
+
 @dataclass(frozen=True)
 class TelemetrySpec:
     enabled: bool = _f(True, _bool, "per-step timing of data, compute and comm wait, and device sampling")
@@ -272,6 +311,8 @@ class InjectSpec:
     """Test-only knobs that make a fast machine behave like a slow cluster."""
 
     comm_delay_ms: float = _f(0.0, _float(0.0, 60000.0), "extra latency added to every timed collective")
+    nodes: int = _f(1, _int(1, 4096), "group the workers into this many simulated nodes (consecutive ranks)")
+    link: dict | None = _f(None, _link, "a simulated slow link between simulated nodes: {mb_per_s, latency_ms}")
 
 
 @dataclass(frozen=True)
@@ -284,6 +325,7 @@ class Job:
     train: TrainSpec = field(default_factory=TrainSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    adapt: AdaptSpec = field(default_factory=AdaptSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     telemetry: TelemetrySpec = field(default_factory=TelemetrySpec)
     inject: InjectSpec = field(default_factory=InjectSpec)
@@ -294,7 +336,9 @@ class Job:
     def layout(self):
         from strategies.layout import Layout
 
-        return Layout.for_workers(self.parallel.strategy, self.cluster.num_workers, self.parallel.tp_size)
+        # auto starts data parallel; the policy moves it from there
+        strategy = "data" if self.parallel.strategy == "auto" else self.parallel.strategy
+        return Layout.for_workers(strategy, self.cluster.num_workers, self.parallel.tp_size)
 
     @property
     def dp_size(self) -> int:
@@ -495,7 +539,7 @@ def _check_layout(job: Job) -> None:
     if job.train.activation_checkpointing and not job.model.name:
         raise JobError("train.activation_checkpointing", True, "is available for the built-in models only; "
                        "a model given by entry point can use torch.utils.checkpoint itself")
-    if job.parallel.tp_plan and layout.kind == "data":
+    if job.parallel.tp_plan and job.parallel.strategy == "data" and not job.adapt.schedule:
         raise JobError("parallel.tp_plan", job.parallel.tp_plan, "only applies with tensor parallelism; "
                        "strategy data shards nothing")
     if layout.kind != "data":
@@ -505,8 +549,42 @@ def _check_layout(job: Job) -> None:
             raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
 
 
+def _check_adapt(job: Job) -> None:
+    """Every layout the run may switch to must fit the workers, the batch and the model."""
+    from strategies.layout import Layout, LayoutError
+    from workers import components
+    from workers.components import ComponentError
+
+    w = job.cluster.num_workers
+    if job.parallel.strategy == "auto" and job.parallel.tp_size is not None:
+        raise JobError("parallel.tp_size", job.parallel.tp_size, "is chosen by the policy under strategy auto; "
+                       "leave it unset (or pin layouts with adapt.schedule)")
+    if job.inject.nodes > 1 and w % job.inject.nodes:
+        raise JobError("inject.nodes", job.inject.nodes, f"must divide cluster.num_workers ({w}): "
+                       f"{w} % {job.inject.nodes} = {w % job.inject.nodes}")
+    if job.inject.link is not None and job.inject.nodes < 2:
+        raise JobError("inject.link", job.inject.link, "needs inject.nodes >= 2: a link joins simulated nodes")
+    for i, entry in enumerate(job.adapt.schedule):
+        where = f"adapt.schedule[{i}]"
+        if entry["step"] >= job.train.steps:
+            raise JobError(f"{where}.step", entry["step"], f"must be before the last step (train.steps = {job.train.steps})")
+        try:
+            layout = Layout.for_workers(entry["strategy"], w, entry["tp_size"])
+        except LayoutError as err:
+            raise JobError(where, entry, str(err)) from None
+        if job.train.global_batch_size % layout.dp:
+            raise JobError(where, entry, f"dp({layout.dp}) must divide train.global_batch_size "
+                                         f"({job.train.global_batch_size})")
+        if layout.kind != "data":
+            try:
+                components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
+            except ComponentError as err:
+                raise JobError(err.field_path, err.value, err.allowed, f"(needed by {where}) {err.hint}".strip()) from None
+
+
 def _check_sizes(job: Job) -> None:
     _check_layout(job)
+    _check_adapt(job)
     dp = job.dp_size
     if job.train.global_batch_size % dp:
         raise JobError("train.global_batch_size", job.train.global_batch_size,

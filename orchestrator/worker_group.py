@@ -209,12 +209,13 @@ class RayWorkerGroup:
 
         return ray.put(value)
 
-    def train(self, until_step: int, checkpoint_every: int, stall_timeout_s: float = CALL_TIMEOUT_S
-              ) -> Iterator[tuple[int, dict]]:
+    def train(self, until_step: int, checkpoint_every: int, stall_timeout_s: float = CALL_TIMEOUT_S,
+              last_step: int | None = None) -> Iterator[tuple[int, dict]]:
         """Stream (rank, report) pairs from every worker's step loop until all have finished."""
         import ray
 
-        gens = {w.train.remote(until_step, checkpoint_every): rank for rank, w in enumerate(self.workers)}
+        gens = {w.train.remote(until_step, checkpoint_every, 0.5, last_step): rank
+                for rank, w in enumerate(self.workers)}
         last_progress = time.monotonic()
         while gens:
             ready, _ = ray.wait(list(gens), num_returns=1, timeout=1.0)

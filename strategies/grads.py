@@ -18,7 +18,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_group=None, timer=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm) for a model whose parameters may be tensor-parallel
     shards: a shard's squares are summed over its tp group, a replicated gradient counts once.
-    `timer`, if given, is a context-manager factory wrapped around the all-reduce (comm timing)."""
+    `timer(nbytes)`, if given, is a context manager wrapped around the all-reduce (comm timing)."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     # every rank reaches the all-reduce below, even one without gradients, or the others would wait
@@ -32,7 +32,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_group=Non
         else:
             replicated += sq
     if tp_group is not None:
-        with timer() if timer is not None else contextlib.nullcontext():
+        with timer(sharded.element_size()) if timer is not None else contextlib.nullcontext():
             dist.all_reduce(sharded, group=tp_group)
     total = (sharded + replicated).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -51,7 +51,7 @@ class GradAverager:
         self.group = group
         self.size = dist.get_world_size(group)
         self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
-        self.timer = None  # a context-manager factory around each all-reduce (comm timing), or None
+        self.timer = None  # timer(nbytes): a context manager around each all-reduce (comm timing), or None
 
     def __call__(self) -> None:
         if self.size == 1:
@@ -71,7 +71,7 @@ class GradAverager:
 
     def _reduce(self, grads: list[torch.Tensor]) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
-        with self.timer() if self.timer is not None else contextlib.nullcontext():
+        with self.timer(flat.numel() * flat.element_size()) if self.timer is not None else contextlib.nullcontext():
             dist.all_reduce(flat, group=self.group)  # gloo has no AVG: sum, then divide
         flat.div_(self.size)
         offset = 0

@@ -30,6 +30,7 @@ class FakeGroup:
         self.step = 0
         self.shut = False
         self.loaded = None
+        self.reshards: list = []
 
     def start(self):
         return [{"rank": r, "node_ip": "127.0.0.1", "pid": 1, "backend": "gloo", "parameters": 2} for r in range(2)]
@@ -40,6 +41,9 @@ class FakeGroup:
     def call(self, method, *args):
         if method == "state":
             return [self.call_rank(0, "state"), None]
+        if method == "reshard":
+            self.reshards.append((self.step, *args))
+            return [{"seconds": 0.01 * (r + 1), "step": self.step} for r in range(2)]
         assert method == "load"
         self.loaded = args[0]
         self.step = args[0]["step"]
@@ -50,7 +54,8 @@ class FakeGroup:
         assert (rank, method) == (0, "state")
         return {"model": {"w": self.w.clone()}, "step": self.step}
 
-    def train(self, until, every):
+    def train(self, until, every, last_step=None):
+        last_step = last_step or until
         chunk = {0: 2, 1: 3}
         pending = {0: [], 1: []}
         for step in range(self.step, until):
@@ -60,7 +65,8 @@ class FakeGroup:
             self.step = step + 1
             for rank in (0, 1):
                 pending[rank].append(step)
-                if len(pending[rank]) == chunk[rank] or self.step == until or (every and self.step % every == 0):
+                ckpt = every and self.step % every == 0 and self.step < last_step
+                if len(pending[rank]) == chunk[rank] or self.step == until or ckpt:
                     n = len(pending[rank])
                     report = {"rank": rank, "first_step": pending[rank][0],
                               "losses": [10.0 - s - rank for s in pending[rank]],
@@ -72,7 +78,7 @@ class FakeGroup:
                                            "source": "psutil", "device": "cpu", "util_pct": 50.0 + rank,
                                            "mem_used_bytes": 10, "mem_total_bytes": 100, "power_w": None,
                                            "sm_clock_mhz": None, "host_cpu_pct": 70.0}]}
-                    if rank == 0 and every and self.step % every == 0 and self.step < until:
+                    if rank == 0 and ckpt:
                         report["checkpoint"] = self.call_rank(0, "state")
                     pending[rank] = []
                     yield rank, report
@@ -200,3 +206,33 @@ def test_a_failing_worker_ends_the_run_cleanly(tmp_path):
     assert "Traceback" in run.log.read_text()
     assert not run.final.exists()
     assert checkpoint.load_latest(run.checkpoints)[1]["step"] == 4
+
+
+def test_forced_schedule_switches_at_its_steps_and_records_them(tmp_path):
+    job, run, factory, groups = make(tmp_path, [
+        "train.steps=10", "checkpoint.every=2", "checkpoint.keep=10",
+        "adapt.schedule=[{step: 4, strategy: tensor}, {step: 7, strategy: hybrid, tp_size: 2}]"])
+    summary = Controller(job, run, factory).run()
+    assert groups[0].reshards == [(4, "tensor", 2), (7, "hybrid", 2)]
+    # the chunk ending at a switch still writes its checkpoint
+    assert [p.name for p in checkpoint.list_checkpoints(run.checkpoints)] == [
+        f"step_{s:08d}" for s in (2, 4, 6, 8, 10)]
+    records = read(run.telemetry)
+    assert [p for r in records for p in validate(r)] == []
+    layout_of = {r["step"]: (r["strategy"], r["dp"], r["tp"]) for r in records if r["type"] == "step"}
+    assert layout_of[4] == ("data", 2, 1) and layout_of[5] == ("tensor", 1, 2) and layout_of[8] == ("hybrid", 1, 2)
+    switches = [r for r in records if r.get("event") == "switch"]
+    assert [(s["step"], s["to"]["strategy"], s["reason"]) for s in switches] == [(4, "tensor", "schedule"),
+                                                                                  (7, "hybrid", "schedule")]
+    assert switches[0]["seconds"] == pytest.approx(0.02)  # the slowest rank's time
+    assert [h["strategy"] for h in summary["strategy_history"]] == ["data", "tensor", "hybrid"]
+    states = [r["state"] for r in records if r.get("event") == "state"]
+    assert states == ["placing", "starting", "training", "switching", "training", "switching", "training", "done"]
+
+
+def test_a_resumed_run_continues_in_the_layout_its_schedule_had_in_force(tmp_path):
+    job, run, factory, groups = make(tmp_path, ["train.steps=8", "adapt.schedule=[{step: 3, strategy: tensor}]"])
+    state = {"model": {"w": torch.full((2,), 5.0)}, "step": 5}
+    summary = Controller(job, run, factory, resume=("step_00000005", state)).run()
+    assert groups[0].reshards == [(5, "tensor", 2)]
+    assert summary["strategy_history"][-1]["strategy"] == "tensor"

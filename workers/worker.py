@@ -99,34 +99,61 @@ class TrainWorker:
     def build(self) -> dict:
         job = self.job
         train, par = job["train"], job["parallel"]
-        self.layout = Layout.for_workers(par["strategy"], self.world, par.get("tp_size"))
-        torch.manual_seed(train["seed"])  # identical initial weights on every rank, and in a 1-process run
-        model, returned_plan = components.build_model_and_plan(job["model"], self.search_paths,
-                                                               train.get("activation_checkpointing", False))
-        model = model.to(self.device)
-        plan = components.tp_plan(model, par.get("tp_plan"), returned_plan, self.layout.tp) \
-            if self.layout.kind != "data" else None
-        self.parallel = strategies.parallelize(model, self.layout, self.device, par["bucket_cap_mb"], plan)
-        self.optimizer = components.build_optimizer(strategies.param_groups(self.parallel.model), job["optimizer"])
         self.loss_fn = components.build_loss(job["loss"], self.search_paths)
         self.dataset = components.build_dataset(job["data"], job["model"], self.search_paths)
         self.batches = GlobalBatches(len(self.dataset), train["global_batch_size"], train["seed"])
         self.autocast_dtype = _DTYPES[train["precision"]]
+        strategy = "data" if par["strategy"] == "auto" else par["strategy"]  # auto starts data parallel
+        self._lay_out(Layout.for_workers(strategy, self.world, par.get("tp_size")))
+        self.step = 0
+        n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
+        return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
+                "layout": {"kind": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp},
+                "tokens_per_sample": self._tokens_per_sample(), "sampler": self._start_sampler()}
+
+    def _lay_out(self, layout: Layout) -> None:
+        """Build the model afresh (seeded: the same initial weights on every rank, and in a
+        1-process run) and lay it out as `layout`, with its optimizer, scaler and comm timing."""
+        job = self.job
+        train, par = job["train"], job["parallel"]
+        self.layout = layout
+        torch.manual_seed(train["seed"])
+        model, returned_plan = components.build_model_and_plan(job["model"], self.search_paths,
+                                                               train.get("activation_checkpointing", False))
+        model = model.to(self.device)
+        plan = components.tp_plan(model, par.get("tp_plan"), returned_plan, layout.tp) if layout.kind != "data" else None
+        self.parallel = strategies.parallelize(model, layout, self.device, par["bucket_cap_mb"], plan)
+        self.optimizer = components.build_optimizer(strategies.param_groups(self.parallel.model), job["optimizer"])
         # fp16 needs loss scaling; the parameters stay fp32 (autocast computes in fp16 from them),
         # so the optimizer always updates fp32 master weights. With shards, ranks see different
         # gradients, so whether any overflowed must be agreed over all ranks before stepping.
         fp16 = train["precision"] == "fp16"
-        if self.layout.kind != "data":
+        if layout.kind != "data":
             self.scaler = strategies.grads.sharded_grad_scaler(self.device.type, fp16)
         else:
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
-        self.step = 0
         self._instrument()
-        n_params = sum(v.numel() for v in strategies.state.model_state(self.parallel.model).values()) \
-            if self.layout.kind != "data" else sum(p.numel() for p in model.parameters())
-        return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
-                "layout": {"kind": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp},
-                "tokens_per_sample": self._tokens_per_sample(), "sampler": self._start_sampler()}
+
+    def reshard(self, kind: str, tp: int) -> dict:
+        """Switch: move the live model and optimizer state to another layout, in memory, on the
+        same processes. Every rank gathers the full tensors (a collective), builds the new
+        layout and keeps its own shard; step, data position and random state carry over (the
+        data order and the per-step seeds are functions of the step). All ranks call it at the
+        same step boundary."""
+        start = time.perf_counter()
+        target = Layout.for_workers(kind, self.world, tp if kind != "data" else None)
+        state = {"model": strategies.state.model_state(self.parallel.model),
+                 "optimizer": strategies.state.optimizer_state(self.optimizer, self.parallel.model),
+                 "scaler": self.scaler.state_dict(), "step": self.step}
+        gathered = time.perf_counter()
+        self.parallel = self.optimizer = None  # the old layout's buffers go before the new ones come
+        self._lay_out(target)
+        self.load(state)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
+        return {"seconds": end - start, "gather_s": gathered - start, "rebuild_s": end - gathered,
+                "layout": {"kind": target.kind, "dp": target.dp, "tp": target.tp}, "step": self.step}
 
     def _tokens_per_sample(self) -> int | None:
         """Targets that are sequences of integer ids (a language model's next tokens) count as
@@ -139,9 +166,21 @@ class TrainWorker:
     # ---------------------------------------------------------------- telemetry
 
     def _instrument(self) -> None:
-        """Hook comm timing into the layout just built (and the injected delay, a test knob)."""
-        tel, delay = self.job["telemetry"], self.job["inject"]["comm_delay_ms"]
-        self.clock = CommClock(self.device, delay) if tel["enabled"] or delay else None
+        """Hook comm timing into the layout just built, with the test knobs: a fixed delay per
+        collective, and a simulated slow link that delays the collectives of a group whose ranks
+        span simulated nodes."""
+        tel, inject = self.job["telemetry"], self.job["inject"]
+        slow = inject["comm_delay_ms"] or inject.get("link")
+        self.clock = CommClock(self.device, inject["comm_delay_ms"]) if tel["enabled"] or slow else None
+        if self.clock is not None and inject.get("link"):
+            per_node = self.world // inject["nodes"]
+            node = [r // per_node for r in range(self.world)]
+            layout, me = self.layout, self.rank
+            tp_group = layout.tp_groups()[layout.dp_rank(me)]
+            dp_group = [d * layout.tp + me % layout.tp for d in range(layout.dp)]
+            self.clock.simulate_link(inject["link"]["mb_per_s"], inject["link"]["latency_ms"],
+                                     tp_slow=len({node[r] for r in tp_group}) > 1,
+                                     dp_slow=len({node[r] for r in dp_group}) > 1)
         time_functional_collectives(self.clock if self.layout.kind != "data" else None)
         if self.clock is None:
             return
@@ -149,7 +188,7 @@ class TrainWorker:
             ddp = self.parallel.module
             ddp.register_comm_hook(ddp.process_group, self.clock.ddp_hook)
         elif isinstance(self.parallel.after_backward, strategies.grads.GradAverager):
-            self.parallel.after_backward.timer = self.clock.blocked
+            self.parallel.after_backward.timer = self.clock.dp_blocked
 
     def _start_sampler(self) -> dict | None:
         """Device sampling on a background thread; what it reads and why, for the telemetry."""
@@ -229,12 +268,13 @@ class TrainWorker:
                 torch.nn.utils.clip_grad_norm_(params, train["grad_clip"])
             else:
                 strategies.grads.clip_grad_norm(params, train["grad_clip"], self.parallel.tp_group,
-                                                clock.blocked if clock else None)
+                                                clock.tp_blocked if clock else None)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss.detach(), data_span
 
-    def train(self, until_step: int, checkpoint_every: int = 0, flush_s: float = 0.5) -> Iterator[dict]:
+    def train(self, until_step: int, checkpoint_every: int = 0, flush_s: float = 0.5,
+              last_step: int | None = None) -> Iterator[dict]:
         """Run steps up to `until_step`, yielding batches of per-step reports.
 
         A batch is yielded every `flush_s` seconds, at each checkpoint step (rank 0 attaches the
@@ -261,7 +301,9 @@ class TrainWorker:
                 step_end = clock.mark()
                 spans.append(((step_start, step_end), data_span, clock.take()))
                 step_start = step_end
-            ckpt = checkpoint_every and self.step % checkpoint_every == 0 and self.step < until_step
+            # the run's last step gets its own final save; a chunk's last step (before a possible
+            # switch) is checkpointed like any other
+            ckpt = checkpoint_every and self.step % checkpoint_every == 0 and self.step < (last_step or until_step)
             if ckpt or now - last_flush >= flush_s or self.step == until_step:
                 report = {"rank": self.rank, "first_step": first, "losses": torch.stack(losses).float().tolist(),
                           "step_times": times}
