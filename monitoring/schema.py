@@ -63,14 +63,17 @@ EVENT = {
     "event": (str, "what happened; see EVENTS"),
 }
 EVENTS = {
-    "state": "the controller entered a state (field `state`: placing, starting, training, done, failed; "
+    "state": "the controller entered a state (field `state`: placing, starting, training, switching, done, failed; "
              "`error` when failed; `workers`, `layout` and `tp_groups` when starting)",
     "resumed": "training continues from a checkpoint (`checkpoint`, `step`)",
     "checkpoint": "a checkpoint was written (`step`, `path`)",
     "sampler": "which device sampler a worker uses (`rank`, `source`, `reason` when it fell back to psutil)",
     "metrics": "the /metrics endpoint is serving (`url`)",
-    "decision": "an automatic decision with its evidence (`decision`, `evidence`)",
-    "switch": "the layout changed (`step`, `from`, `to`, `seconds`)",
+    "policy": "the adaptive policy's set-up (`candidates` in order, `node_sizes`, `threshold`, `window`, `cooldown`)",
+    "decision": "an automatic decision with its evidence (`step`, `decision`: switch, revert, keep (a switch "
+                "that helped), straggler or input_bound; `to` for switch/revert; `evidence`: window means, "
+                "threshold, candidate, throughput before/after)",
+    "switch": "the layout changed (`step`, `from`, `to`, `seconds`, `reason`: schedule, switch or revert)",
 }
 
 BY_TYPE = {"step": STEP, "sample": SAMPLE, "event": EVENT}

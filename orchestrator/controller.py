@@ -164,7 +164,8 @@ def _describe(decision) -> str:
     parts = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in ev.items()
              if not isinstance(v, (dict, list))]
     target = getattr(decision, "to", None)
-    head = f"{decision.name} -> {_layout_text(target)}" if target is not None else decision.name
+    name = getattr(decision, "kind", None) or decision.name  # a report says what it found
+    head = f"{name} -> {_layout_text(target)}" if target is not None else name
     return head + (f" ({', '.join(parts[:6])})" if parts else "")
 
 
@@ -343,9 +344,23 @@ class Controller:
     def _make_policy(self):
         from orchestrator.policy import AdaptConfig, Policy, candidate_layouts
 
-        a = self.job.adapt
+        from workers import components
+        from workers.components import ComponentError
+
+        job, a = self.job, self.job.adapt
+
+        def shardable(tp: int) -> bool:  # a model that cannot be split tp ways is not a candidate
+            try:
+                components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, tp, [job.base_dir])
+                return True
+            except ComponentError:
+                return False
+
         config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown)
-        return Policy(config, candidate_layouts(self.job.cluster.num_workers, self.node_sizes), self.layout)
+        candidates = candidate_layouts(job.cluster.num_workers, self.node_sizes, tp_ok=shardable)
+        self._event("policy", candidates=[{"strategy": c.kind, "dp": c.dp, "tp": c.tp} for c in candidates],
+                    node_sizes=self.node_sizes, threshold=a.threshold, window=a.window, cooldown=a.cooldown)
+        return Policy(config, candidates, self.layout)
 
     def _train(self, group, start_step: int) -> None:
         job = self.job
@@ -391,7 +406,7 @@ class Controller:
                                      self.stats.recent_comm_wait())
                 if self.policy is not None:
                     decision = self.policy.observe(record)
-                    if decision.name != "keep":
+                    if decision.name != "keep" or decision.evidence:  # a kept switch is news too
                         self._decided(decision, record["step"])
                         if pending is None and decision.name in ("switch", "revert"):
                             pending = decision
@@ -401,7 +416,8 @@ class Controller:
 
     def _decided(self, decision, step: int) -> None:
         data = decision.to_dict()
-        self._event("decision", step=step, decision=decision.name, **{k: v for k, v in data.items() if k != "name"})
+        name = data.get("kind") if decision.name == "report" else decision.name
+        self._event("decision", step=step, decision=name, **{k: v for k, v in data.items() if k not in ("name", "kind", "decision")})
         if self.view:
             self.view.say(f"step {step}: {_describe(decision)}")
 

@@ -1,0 +1,257 @@
+"""The adaptive policy: watches merged step records and decides when to shift layouts.
+
+Pure logic, no Ray and no torch.distributed: the controller feeds it every step record in
+order (`observe`) and carries out what it returns; it tells the policy when a switch has
+really happened (`switched`). Each decision carries the evidence that led to it.
+
+Rules, evaluated once per full window of steps on the current layout (after `settle`):
+  1. after a switch, the first window judges it: throughput not better -> Revert, and the
+     layout is not retried for `retry_after` steps;
+  2. time in data loading above `input_bound_frac` -> Report("input_bound"), no switch;
+  3. one rank computing much longer while the others wait on it -> Report("straggler"), no switch;
+  4. mean comm-wait fraction above `threshold`, outside the cooldown -> Switch to the next
+     candidate that is not blocked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import fmean, median
+from typing import ClassVar
+
+from strategies.layout import Layout
+
+# null when telemetry is off: without them there is nothing to judge
+TIMING_FIELDS = ("comm_wait_frac_mean", "data_time_mean", "compute_time_mean")
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    threshold: float = 0.15        # comm-wait fraction of the step that calls for a switch
+    window: int = 20               # steps per evaluation
+    cooldown: int = 40             # steps after a switch/revert before the next switch (and between repeated reports)
+    settle: int = 3                # steps ignored after a switch: the first steps on a new layout pay warm-up
+    retry_after: int = 400         # steps a reverted layout is not tried again
+    min_gain: float = 0.0          # a switch is kept when after > before * (1 + min_gain)
+    straggler_ratio: float = 1.5   # slow rank's compute time / median of the others
+    input_bound_frac: float = 0.3  # data time / step time
+
+
+def layout_dict(layout: Layout) -> dict:
+    return {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp}
+
+
+@dataclass(frozen=True)
+class Keep:
+    evidence: dict = field(default_factory=dict)  # empty for "nothing to do"; set when a switch was judged and kept
+    name: ClassVar[str] = "keep"
+
+    def to_dict(self) -> dict:
+        return {"decision": self.name, "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class Switch:
+    to: Layout
+    evidence: dict
+    name: ClassVar[str] = "switch"
+
+    def to_dict(self) -> dict:
+        return {"decision": self.name, "to": layout_dict(self.to), "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class Revert:
+    to: Layout
+    evidence: dict
+    name: ClassVar[str] = "revert"
+
+    def to_dict(self) -> dict:
+        return {"decision": self.name, "to": layout_dict(self.to), "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class Report:
+    kind: str  # "straggler" or "input_bound"
+    evidence: dict
+    name: ClassVar[str] = "report"
+
+    def to_dict(self) -> dict:
+        return {"decision": self.name, "kind": self.kind, "evidence": self.evidence}
+
+
+Decision = Keep | Switch | Revert | Report
+KEEP = Keep()
+
+
+def candidate_layouts(world: int, node_sizes: list[int],
+                      tp_ok: Callable[[int], bool] = lambda tp: True) -> list[Layout]:
+    """Layouts to try in order, data first, then ever larger node-local tensor-parallel groups.
+
+    Ranks are contiguous per node and a tp group is tp consecutive ranks, so a tp that divides
+    every node's size keeps every group inside one node: only the dp all-reduce (smaller by tp)
+    crosses nodes. A tp that does not would put tensor-parallel collectives, the chattiest
+    ones, on the slow link, so it is never offered. `tp_ok` lets the caller drop sizes the
+    model cannot shard (heads, hidden size).
+    """
+    if sum(node_sizes) != world or min(node_sizes, default=0) < 1:
+        raise ValueError(f"sum(node_sizes={node_sizes}) != world({world}) or a node has no worker")
+    out = [Layout("data", world, 1)]
+    for tp in range(2, world + 1):
+        if all(n % tp == 0 for n in node_sizes) and tp_ok(tp):
+            # tp == world divides every node only when there is one node: that is plain tensor
+            out.append(Layout("tensor", 1, tp) if tp == world else Layout("hybrid", world // tp, tp))
+    return out
+
+
+def window_means(window: list[dict]) -> dict:
+    time = sum(r["step_time_max"] for r in window)
+    # samples_per_s * step_time_max is the global batch: total samples / total wall time is
+    # robust to a few outlier steps, where a mean of rates is not
+    samples = sum(r["samples_per_s"] * r["step_time_max"] for r in window)
+    mean_time = sum(r["step_time_mean"] for r in window)
+    return {
+        "steps": [window[0]["step"], window[-1]["step"]],
+        "comm_wait_frac": fmean(r["comm_wait_frac_mean"] for r in window),
+        "step_time": time / len(window),
+        "samples_per_s": samples / time if time > 0 else 0.0,
+        "data_frac": sum(r["data_time_mean"] for r in window) / mean_time if mean_time > 0 else 0.0,
+    }
+
+
+def find_straggler(window: list[dict], c: AdaptConfig) -> dict | None:
+    """The rank that, in most steps, computes > straggler_ratio x the others while they wait on it."""
+    hits: Counter = Counter()
+    ratios: dict[int, list[float]] = {}
+    for r in window:
+        comp, frac = r["ranks"].get("compute_time"), r["ranks"].get("comm_wait_frac")
+        if not comp or not frac or len(comp) < 2:
+            continue
+        slow = max(range(len(comp)), key=comp.__getitem__)
+        others, waits = comp[:slow] + comp[slow + 1:], frac[:slow] + frac[slow + 1:]
+        ratio = comp[slow] / median(others) if median(others) > 0 else float("inf")
+        # the others' wait is high and the slow rank's low: they wait for it, not for the network
+        if ratio > c.straggler_ratio and fmean(waits) > c.threshold and frac[slow] < fmean(waits) / 2:
+            hits[slow] += 1
+            ratios.setdefault(slow, []).append(ratio)
+    if not hits:
+        return None
+    rank, n = hits.most_common(1)[0]
+    if n <= len(window) / 2:
+        return None
+    return {"rank": rank, "steps_flagged": n, "compute_ratio": fmean(ratios[rank])}
+
+
+class Policy:
+    def __init__(self, config: AdaptConfig, candidates: list[Layout], current: Layout):
+        self.config = config
+        self.candidates = list(candidates)
+        self.current = current
+        self.history: list[dict] = []          # every decision that is not a bare Keep, with its step
+        self._window: list[dict] = []
+        self._pending: Switch | Revert | None = None  # handed out, not yet carried out
+        self._since: int | None = None         # step the current layout took over; None: from the start
+        self._trial: tuple[Layout, float] | None = None  # (layout before, samples/s before) while judging a switch
+        self._blocked: dict[Layout, int] = {}  # reverted layout -> first step it may be tried again
+        self._reported: dict[tuple, int] = {}  # (kind, rank) -> step of the last report
+
+    def observe(self, record: dict) -> Decision:
+        step = record["step"]
+        if self._pending is not None or not self._on_current(record):
+            return KEEP  # the switch is not done yet, or a late record from the old layout
+        if any(record.get(f) is None for f in TIMING_FIELDS):
+            return KEEP
+        if self._since is not None and step <= self._since + self.config.settle:
+            return KEEP
+        self._window.append(record)
+        if len(self._window) < self.config.window:
+            return KEEP
+        window, self._window = self._window, []
+        decision = self._decide(window, step)
+        if not isinstance(decision, Keep) or decision.evidence:
+            self.history.append({"step": step, **decision.to_dict()})
+        return decision
+
+    def switched(self, to: Layout, step: int) -> None:
+        """The controller has carried out a switch (or revert, or a forced one) at `step`.
+
+        Call it with the layout actually in force: if a switch failed and the old layout
+        stays, pass that one; the pending decision is cleared either way.
+        """
+        pending, self._pending = self._pending, None
+        judged = isinstance(pending, Switch) and pending.to == to
+        self._trial = (self.current, pending.evidence["samples_per_s"]) if judged else None
+        self.current, self._since, self._window = to, step, []
+
+    def state(self) -> dict:
+        return {
+            "current": layout_dict(self.current),
+            "pending": self._pending.to_dict() if self._pending else None,
+            "since": self._since,
+            "window_fill": len(self._window),
+            "trial": {"from": layout_dict(self._trial[0]), "samples_per_s_before": self._trial[1]}
+            if self._trial else None,
+            "blocked": [{"layout": layout_dict(k), "until": v} for k, v in self._blocked.items()],
+            "history": list(self.history),
+        }
+
+    def _on_current(self, r: dict) -> bool:
+        same = (r["strategy"], r["dp"], r["tp"]) == (self.current.kind, self.current.dp, self.current.tp)
+        return same and (self._since is None or r["step"] > self._since)
+
+    def _decide(self, window: list[dict], step: int) -> Decision:
+        c, means = self.config, window_means(window)
+        if self._trial is not None:
+            return self._judge(means, step)
+        if means["data_frac"] > c.input_bound_frac:
+            return self._report("input_bound", None, {**means, "input_bound_frac": c.input_bound_frac}, step)
+        slow = find_straggler(window, c)
+        if slow is not None:
+            return self._report("straggler", slow["rank"],
+                                {**means, **slow, "straggler_ratio": c.straggler_ratio}, step)
+        if means["comm_wait_frac"] <= c.threshold:
+            return KEEP
+        if self._since is not None and step < self._since + c.cooldown:
+            return KEEP
+        to = self._next_candidate(step)
+        if to is None:
+            return KEEP  # everything further is blocked or there is nothing further: stay put
+        self._pending = Switch(to, {"reason": "comm_wait", **means, "threshold": c.threshold,
+                                    "window": c.window, "from": layout_dict(self.current),
+                                    "candidate": layout_dict(to)})
+        return self._pending
+
+    def _judge(self, means: dict, step: int) -> Decision:
+        before_layout, before = self._trial
+        self._trial = None
+        after, c = means["samples_per_s"], self.config
+        evidence = {**means, "samples_per_s_before": before, "samples_per_s_after": after,
+                    "min_gain": c.min_gain, "from": layout_dict(before_layout),
+                    "layout": layout_dict(self.current)}
+        if after > before * (1 + c.min_gain):
+            return Keep({"reason": "kept", **evidence})
+        # block the layout that did not help so the next slow window does not try it again at once
+        self._blocked[self.current] = step + c.retry_after
+        evidence["reason"] = (f"samples/s after {after:.4g} <= before {before:.4g} x (1 + {c.min_gain}); "
+                              f"not retried before step {step + c.retry_after}")
+        self._pending = Revert(before_layout, evidence)
+        return self._pending
+
+    def _next_candidate(self, step: int) -> Layout | None:
+        if self.current in self.candidates:
+            later = self.candidates[self.candidates.index(self.current) + 1:]
+        else:  # a layout forced by hand: only larger tp groups lie further on
+            later = [layout for layout in self.candidates if layout.tp > self.current.tp]
+        for layout in later:
+            if self._blocked.get(layout, step) <= step:
+                return layout
+        return None
+
+    def _report(self, kind: str, rank: int | None, evidence: dict, step: int) -> Decision:
+        last = self._reported.get((kind, rank))
+        if last is not None and step - last < self.config.cooldown:
+            return KEEP  # said already; repeating every window is noise
+        self._reported[(kind, rank)] = step
+        return Report(kind, evidence)

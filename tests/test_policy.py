@@ -1,0 +1,261 @@
+"""The adaptive policy on synthetic step records: pure logic, no process group, no Ray."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from monitoring.schema import validate
+from orchestrator.policy import (
+    AdaptConfig,
+    Keep,
+    Policy,
+    Report,
+    Revert,
+    Switch,
+    candidate_layouts,
+)
+from strategies.layout import Layout
+
+DATA4, HYB2, HYB4 = Layout("data", 4, 1), Layout("hybrid", 2, 2), Layout("hybrid", 1, 4)
+TENSOR4 = Layout("tensor", 1, 4)
+
+
+def record(step, layout, *, step_time=0.1, wait=0.05, data=0.02, batch=32, telemetry=True):
+    """One merged step record; `wait` and `data` are fractions of the step, a number or one per rank."""
+    world = layout.dp * layout.tp
+    waits = wait if isinstance(wait, list) else [wait] * world
+    datas = data if isinstance(data, list) else [data] * world
+    st = [step_time] * world  # ranks leave a synchronous step together
+    dt = [d * step_time for d in datas]
+    cw = [w * step_time for w in waits]
+    ct = [s - w - d for s, w, d in zip(st, cw, dt)]
+    mean = lambda xs: sum(xs) / len(xs)
+    t = (lambda v: v) if telemetry else (lambda v: None)
+    return {
+        "type": "step", "time": 1.7e9 + step, "step": step, "strategy": layout.kind,
+        "dp": layout.dp, "tp": layout.tp, "bucket_cap_mb": 25, "loss": 1.0,
+        "step_time_max": max(st), "step_time_mean": mean(st), "slowest_rank": 0,
+        "data_time_mean": t(mean(dt)), "data_time_max": t(max(dt)),
+        "compute_time_mean": t(mean(ct)), "comm_wait_mean": t(mean(cw)), "comm_wait_max": t(max(cw)),
+        "comm_wait_frac_mean": t(mean(waits)), "comm_wait_frac_max": t(max(waits)), "comm_calls": 3,
+        "samples_per_s": batch / max(st), "tokens_per_s": None, "peak_mem_bytes": None,
+        "ranks": {"step_time": st, "data_time": t(dt), "compute_time": t(ct), "comm_wait": t(cw),
+                  "comm_wait_frac": t(waits), "samples_per_s": [batch / world / s for s in st]},
+    }
+
+
+def run(policy, steps, shape, lag=2, start=1):
+    """Feed `steps` records made by shape(layout, step) -> record kwargs, acting as the controller:
+    a Switch/Revert is carried out `lag` steps later, and the policy told then."""
+    decisions, pending = [], None
+    for step in range(start, start + steps):
+        if pending and step > pending[1]:
+            policy.switched(pending[0].to, pending[1])
+            pending = None
+        d = policy.observe(record(step, policy.current, **shape(policy.current, step)))
+        if not isinstance(d, Keep):
+            decisions.append((step, d))
+        if isinstance(d, (Switch, Revert)):
+            pending = (d, step + lag)
+    return decisions
+
+
+def names(decisions):
+    return [d.name for _, d in decisions]
+
+
+def test_records_conform_to_the_schema():
+    assert validate(record(1, DATA4)) == []
+    assert validate(record(1, HYB2, wait=[0.4, 0.4, 0.02, 0.4], telemetry=False)) == []
+
+
+@pytest.mark.parametrize("world, nodes, expected", [
+    (4, [2, 2], [DATA4, HYB2]),
+    (4, [4], [DATA4, HYB2, TENSOR4]),
+    (4, [1, 1, 1, 1], [DATA4]),
+    (8, [4, 4], [Layout("data", 8, 1), Layout("hybrid", 4, 2), Layout("hybrid", 2, 4)]),
+    (1, [1], [Layout("data", 1, 1)]),
+])
+def test_candidates_ordered_node_local(world, nodes, expected):
+    assert candidate_layouts(world, nodes) == expected
+
+
+@pytest.mark.parametrize("nodes", [[2, 2], [4, 4], [4], [8], [2, 4, 2], [6, 6], [3, 1], [1, 1, 1, 1], [8, 8, 8, 8]])
+def test_no_tp_group_spans_nodes(nodes):
+    node_of = [i for i, n in enumerate(nodes) for _ in range(n)]
+    cands = candidate_layouts(sum(nodes), nodes)
+    assert cands[0].kind == "data"
+    assert [c.tp for c in cands] == sorted(c.tp for c in cands)
+    for layout in cands:
+        assert layout.world == sum(nodes)
+        for group in layout.tp_groups():
+            assert len({node_of[r] for r in group}) == 1, (nodes, layout)
+    assert any(c.kind == "tensor" for c in cands) == (len(nodes) == 1 and nodes[0] > 1)
+
+
+def test_candidates_reject_a_placement_that_does_not_add_up():
+    with pytest.raises(ValueError, match="world"):
+        candidate_layouts(4, [2, 1])
+
+
+def test_switches_on_sustained_wait_not_on_one_spike():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    spike = run(policy, 100, lambda lay, s: {"wait": 0.9 if s % 20 == 7 else 0.05})
+    assert spike == []
+    sustained = run(policy, 20, lambda lay, s: {"wait": 0.3}, start=101)
+    assert [(s, d.name, d.to) for s, d in sustained] == [(120, "switch", HYB2)]
+    # not carried out yet: the policy waits to be told, whatever the records say
+    assert all(isinstance(policy.observe(record(s, DATA4, wait=0.5)), Keep) for s in range(121, 200))
+    assert policy.current == DATA4 and policy.state()["pending"]["to"]["tp"] == 2
+
+
+def test_switch_evidence_is_complete_and_json_ready():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    [(_step, switch)] = run(policy, 20, lambda lay, s: {"wait": 0.3, "step_time": 0.2})
+    ev = switch.evidence
+    assert ev["threshold"] == 0.15 and ev["window"] == 20 and ev["steps"] == [1, 20]
+    assert ev["comm_wait_frac"] == pytest.approx(0.3)
+    assert ev["samples_per_s"] == pytest.approx(32 / 0.2) and ev["step_time"] == pytest.approx(0.2)
+    assert ev["candidate"] == {"strategy": "hybrid", "dp": 2, "tp": 2}
+    assert ev["from"] == {"strategy": "data", "dp": 4, "tp": 1}
+    out = json.loads(json.dumps(switch.to_dict()))
+    assert out["decision"] == "switch" and out["to"] == {"strategy": "hybrid", "dp": 2, "tp": 2}
+    assert policy.history[-1]["step"] == 20 and policy.history[-1]["decision"] == "switch"
+
+
+def test_reverts_when_the_switch_did_not_help_and_blocks_that_layout():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [4]), DATA4)
+    slower = lambda lay, s: {"wait": 0.3, "step_time": 0.1 if lay == DATA4 else 0.125}
+    decisions = run(policy, 200, slower)
+    assert names(decisions)[:2] == ["switch", "revert"]
+    (s1, switch), (s2, revert) = decisions[:2]
+    assert switch.to == HYB2 and revert.to == DATA4
+    # the judging window is the first full window after settle on the new layout
+    assert s2 == s1 + 2 + AdaptConfig().settle + AdaptConfig().window
+    assert revert.evidence["samples_per_s_before"] == pytest.approx(320)
+    assert revert.evidence["samples_per_s_after"] == pytest.approx(256)
+    assert "reason" in revert.evidence and revert.evidence["layout"]["tp"] == 2
+    # the next try skips the blocked hybrid tp=2 and goes on to tensor
+    assert decisions[2][1].name == "switch" and decisions[2][1].to == TENSOR4
+    assert policy.state()["blocked"][0]["layout"] == {"strategy": "hybrid", "dp": 2, "tp": 2}
+
+
+def test_keeps_the_switch_when_it_helped():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    faster = lambda lay, s: {"wait": 0.3, "step_time": 0.1} if lay == DATA4 else {"wait": 0.05, "step_time": 0.08}
+    decisions = run(policy, 500, faster)
+    assert names(decisions) == ["switch"] and policy.current == HYB2
+    kept = [h for h in policy.history if h["decision"] == "keep"]
+    assert len(kept) == 1 and kept[0]["evidence"]["reason"] == "kept"
+    assert kept[0]["evidence"]["samples_per_s_after"] > kept[0]["evidence"]["samples_per_s_before"]
+
+
+def test_min_gain_demands_a_margin():
+    policy = Policy(AdaptConfig(min_gain=0.1), candidate_layouts(4, [2, 2]), DATA4)
+    slightly = lambda lay, s: {"wait": 0.3, "step_time": 0.1 if lay == DATA4 else 0.095}  # +5 %
+    assert names(run(policy, 60, slightly)) == ["switch", "revert"]
+
+
+def test_straggler_is_reported_not_switched():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    # rank 2 computes ~2x longer; the others sit in the all-reduce waiting for it
+    straggler = lambda lay, s: {"wait": [0.45, 0.45, 0.02, 0.45]}
+    decisions = run(policy, 200, straggler)
+    assert decisions and all(isinstance(d, Report) and d.kind == "straggler" for _, d in decisions)
+    assert decisions[0][1].evidence["rank"] == 2
+    assert decisions[0][1].evidence["comm_wait_frac"] > 0.15  # a switch would have fired on the wait
+    # said once per cooldown, not every window
+    steps = [s for s, _ in decisions]
+    assert all(b - a >= AdaptConfig().cooldown for a, b in itertools.pairwise(steps))
+    assert len(steps) < 200 // AdaptConfig().window
+
+
+def test_a_slow_rank_that_also_waits_is_no_straggler():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    # rank 2 computes 2x longer, yet it waits on the network too: the link is the bottleneck
+    decisions = run(policy, 20, lambda lay, s: {"wait": [0.7, 0.7, 0.4, 0.7]})
+    assert [d.name for _, d in decisions] == ["switch"]
+
+
+def test_throughput_is_total_samples_over_total_time():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    # hybrid is slower, but one step per window is absurdly fast: a mean of per-step rates
+    # (dominated by that step) would call the switch a gain
+    shape = lambda lay, s: {"wait": 0.3, "step_time": 0.1 if lay == DATA4 else (0.001 if s % 20 == 0 else 0.125)}
+    decisions = run(policy, 60, shape)
+    assert names(decisions) == ["switch", "revert"]
+    assert decisions[1][1].evidence["samples_per_s_after"] == pytest.approx(20 * 32 / (19 * 0.125 + 0.001))
+
+
+def test_input_bound_is_reported_not_switched():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    decisions = run(policy, 100, lambda lay, s: {"wait": 0.2, "data": 0.4})
+    assert decisions and all(isinstance(d, Report) and d.kind == "input_bound" for _, d in decisions)
+    assert decisions[0][1].evidence["data_frac"] == pytest.approx(0.4)
+    assert decisions[0][1].to_dict()["kind"] == "input_bound"
+
+
+def test_respects_the_cooldown():
+    cfg = AdaptConfig(window=5, settle=0, cooldown=40)
+    policy = Policy(cfg, candidate_layouts(4, [4]), DATA4)
+    # every layout is faster than the last, but the wait stays high: each switch is kept
+    shape = lambda lay, s: {"wait": 0.3, "step_time": 0.1 / lay.tp}
+    decisions = run(policy, 200, shape, lag=0)
+    assert [(s, d.to) for s, d in decisions] == [(5, HYB2), (45, TENSOR4)]
+
+
+@pytest.mark.parametrize("seed, penalty", [(5, 1.0), (6, 1.0), (7, 1.1), (8, 1.1)])
+def test_never_oscillates_over_a_long_noisy_trace(seed, penalty):
+    rng = random.Random(seed)
+    cfg = AdaptConfig()
+    cands = candidate_layouts(8, [4, 4])
+    policy = Policy(cfg, cands, cands[0])
+    # the network is always slow and no layout helps: equally slow up to noise (penalty 1.0),
+    # or a little slower than data (1.1), which makes the policy revert every try
+    noisy = lambda lay, s: {"wait": rng.uniform(0.2, 0.6),
+                            "step_time": 0.1 * rng.uniform(0.8, 1.3) * (1 if lay.tp == 1 else penalty)}
+    decisions = run(policy, 5000, noisy)
+    switches = [(s, d.to) for s, d in decisions if d.name == "switch"]
+    reverts = [s for s, d in decisions if d.name == "revert"]
+    assert switches and len(reverts) <= len(switches)
+    assert len([s for s, _ in switches if s <= cfg.retry_after]) <= len(cands) - 1
+    assert len(switches) <= (len(cands) - 1) * (5000 // cfg.retry_after + 1)
+    assert all(b - a >= cfg.cooldown for (a, _), (b, _) in itertools.pairwise(switches))
+    # no ping-pong: a layout is tried again only after its retry period
+    for layout in cands[1:]:
+        tries = [s for s, to in switches if to == layout]
+        assert all(b - a > cfg.retry_after for a, b in itertools.pairwise(tries)), (layout, tries)
+    if penalty > 1:
+        assert len(reverts) >= 10  # the trace really exercises revert and retry
+
+
+def test_slow_network_for_data_only_switches_once_and_stays():
+    rng = random.Random(7)
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    shape = lambda lay, s: ({"wait": rng.uniform(0.25, 0.35), "step_time": rng.uniform(0.095, 0.105)}
+                            if lay == DATA4 else
+                            {"wait": rng.uniform(0.03, 0.07), "step_time": rng.uniform(0.07, 0.075)})
+    decisions = run(policy, 5000, shape)
+    assert [(d.name, d.to) for _, d in decisions] == [("switch", HYB2)]
+    assert policy.current == HYB2
+
+
+def test_telemetry_off_always_keeps():
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    for step in range(1, 300):
+        assert policy.observe(record(step, DATA4, wait=0.9, data=0.05, telemetry=False)) == Keep()
+    assert policy.history == []
+
+
+def test_late_records_from_the_old_layout_are_ignored():
+    policy = Policy(AdaptConfig(window=5, settle=0, cooldown=0), candidate_layouts(4, [2, 2]), DATA4)
+    [(_, switch)] = run(policy, 5, lambda lay, s: {"wait": 0.3})
+    policy.switched(switch.to, 5)
+    # stale records from data must not count towards judging hybrid
+    for step in range(3, 20):
+        assert policy.observe(record(step, DATA4, step_time=1.0)) == Keep()
+    assert policy.state()["window_fill"] == 0 and policy.state()["trial"] is not None
