@@ -71,3 +71,33 @@ def test_forced_switches_reach_the_single_process_result(ray_cluster, tmp_path, 
     records = [json.loads(line) for line in (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines()]
     steps = {r["step"]: (r["strategy"], r["tp"]) for r in records if r["type"] == "step"}
     assert steps[3] == ("data", 1) and steps[4] == ("hybrid", 2) and steps[6] == ("tensor", 4) and steps[8] == ("data", 1)
+
+
+def test_auto_switches_to_hybrid_by_itself_when_the_link_between_nodes_is_slow(ray_cluster, tmp_path):
+    """4 workers in 2 simulated nodes joined by a 5 MB/s link: data parallelism all-reduces every
+    gradient over it and waits most of each step. The policy moves to hybrid (tensor-parallel
+    inside a node, half the gradient bytes over the link) and keeps it because it is faster."""
+    run = tmp_path / "run"
+    overrides = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=auto",
+                 "inject.nodes=2", "inject.link={mb_per_s: 5, latency_ms: 2}", "train.steps=70",
+                 "train.global_batch_size=32", "checkpoint.every=0"]
+    summary = run_gearshift(GPT[0], overrides, run)
+    records = [json.loads(line) for line in (run / "telemetry.jsonl").read_text().splitlines()]
+    [policy] = [r for r in records if r.get("event") == "policy"]
+    assert [c["strategy"] for c in policy["candidates"]] == ["data", "hybrid"]  # no tp across the link
+    switches = [r for r in records if r.get("event") == "switch"]
+    assert [(s["from"]["strategy"], s["to"]["strategy"], s["to"]["tp"], s["reason"]) for s in switches] == [
+        ("data", "hybrid", 2, "switch")], switches
+    decision = next(r for r in records if r.get("event") == "decision" and r["decision"] == "switch")
+    assert decision["evidence"]["comm_wait_frac"] > decision["evidence"]["threshold"] == 0.15
+    assert not [r for r in records if r.get("event") == "decision" and r["decision"] == "revert"]
+
+    at = switches[0]["step"]
+    rate = lambda rs: sum(32 for _ in rs) / sum(r["step_time_max"] for r in rs)  # noqa: E731
+    steps = [r for r in records if r["type"] == "step"]
+    before = rate([r for r in steps if 3 < r["step"] <= at])  # past the first steps' warm-up
+    after = rate([r for r in steps if r["step"] > at + 3])
+    assert after > before, f"samples/s before the switch {before:.1f}, after {after:.1f}"
+    assert summary["strategy_history"][-1]["strategy"] == "hybrid"
+    print(f"auto: data {before:.1f} samples/s -> hybrid {after:.1f} samples/s at step {at} "
+          f"(switch took {switches[0]['seconds']:.2f} s)")
