@@ -531,6 +531,9 @@ def _check_layout(job: Job) -> None:
     from workers import components
     from workers.components import ComponentError
 
+    if job.parallel.strategy == "auto" and job.parallel.tp_size is not None:
+        raise JobError("parallel.tp_size", job.parallel.tp_size, "is chosen by the policy under strategy auto; "
+                       "leave it unset (or pin layouts with adapt.schedule)")
     try:
         layout = job.layout
     except LayoutError as err:
@@ -556,9 +559,6 @@ def _check_adapt(job: Job) -> None:
     from workers.components import ComponentError
 
     w = job.cluster.num_workers
-    if job.parallel.strategy == "auto" and job.parallel.tp_size is not None:
-        raise JobError("parallel.tp_size", job.parallel.tp_size, "is chosen by the policy under strategy auto; "
-                       "leave it unset (or pin layouts with adapt.schedule)")
     if job.inject.nodes > 1 and w % job.inject.nodes:
         raise JobError("inject.nodes", job.inject.nodes, f"must divide cluster.num_workers ({w}): "
                        f"{w} % {job.inject.nodes} = {w % job.inject.nodes}")

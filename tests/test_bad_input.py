@@ -78,6 +78,23 @@ CASES = [
      ["parallel.tp_plan", "inside nn.MultiheadAttention"]),
     ("checkpointing-user-model", "model: 'user_model:build'\ndata: 'user_model:waves'\n",
      ["train.activation_checkpointing=true"], ["train.activation_checkpointing", "built-in models only"]),
+    ("schedule-past-the-end", MLP, ["adapt.schedule=[{step: 5, strategy: tensor}]"],
+     ["adapt.schedule[0].step", "5", "before the last step"]),
+    ("schedule-unknown-strategy", MLP, ["adapt.schedule=[{step: 2, strategy: pipeline}]"],
+     ["adapt.schedule[0].strategy", "'pipeline'", "'data', 'tensor', 'hybrid'"]),
+    ("schedule-out-of-order", MLP, ["train.steps=20", "adapt.schedule=[{step: 8, strategy: tensor}, {step: 4, strategy: data}]"],
+     ["adapt.schedule[1].step", "later than the entry before it"]),
+    ("schedule-hybrid-without-tp", MLP, ["adapt.schedule=[{step: 2, strategy: hybrid}]"],
+     ["adapt.schedule[0]", "needs parallel.tp_size"]),
+    ("schedule-entry-not-mapping", MLP, ["adapt.schedule=[3]"], ["adapt.schedule[0]", "{step: N, strategy"]),
+    ("auto-with-tp-size", MLP, ["parallel.strategy=auto", "parallel.tp_size=2"],
+     ["parallel.tp_size", "chosen by the policy"]),
+    ("bad-threshold", MLP, ["adapt.threshold=1.5"], ["adapt.threshold", "1.5", "between 0.0 and 1.0"]),
+    ("nodes-not-dividing", MLP, ["inject.nodes=3"], ["inject.nodes", "must divide cluster.num_workers (2)"]),
+    ("link-without-nodes", MLP, ["inject.link={mb_per_s: 5}"], ["inject.link", "needs inject.nodes >= 2"]),
+    ("link-bad-rate", MLP, ["inject.nodes=2", "inject.link={mb_per_s: 0}"], ["inject.link.mb_per_s", "> 0.0"]),
+    ("metrics-port-out-of-range", MLP, ["telemetry.metrics_port=70000"], ["telemetry.metrics_port", "70000", "between 0 and 65535"]),
+    ("sample-period-too-short", MLP, ["telemetry.sample_period_s=0.05"], ["telemetry.sample_period_s", "0.05", "between 0.2"]),
 ]
 
 
