@@ -67,7 +67,7 @@ class TrainWorker:
         gpus = ctx.get_accelerator_ids().get("GPU", [])
         self.gpu_ids = [str(g) for g in gpus] if self.job["cluster"]["gpus_per_worker"] > 0 else []
         self.node_ip = ray.util.get_node_ip_address()
-        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
+        return {"node_ip": self.node_ip, "node_id": ctx.get_node_id(), "pid": os.getpid(),
                 "hostname": socket.gethostname(), "gpu_ids": list(gpus)}
 
     def free_port(self) -> int:
