@@ -1,0 +1,238 @@
+"""A two-node Ray cluster with a real slow link, on one machine (run as root).
+
+Two network namespaces, joined by a veth pair whose rate `tc` shapes (tbf), hold one Ray node
+each: the head in the first, a worker node in the second. Inside a namespace, workers talk over
+local delivery (the fast link inside a node); between the namespaces every byte crosses the
+shaped veth (the slow link between nodes). The gearshift driver runs in the head's namespace.
+
+    sudo python bench/testbed/testbed.py run examples/gpt.yaml --rate 200mbit -- --set cluster.num_workers=4
+        (arguments after -- go to `gearshift run`)
+    sudo python bench/testbed/testbed.py run JOB.yaml --scenario 1000mbit:20,50mbit:40,1000mbit:20
+    sudo python bench/testbed/testbed.py check      # what would be left behind (namespaces, veths, Ray)
+
+Everything it starts lives inside its two namespaces; teardown stops exactly the processes that
+`ip netns pids` lists there (never a name-wide kill such as `ray stop`), then deletes the
+namespaces, which takes the veth pair with them. Teardown runs on success, on failure and on
+Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PREFIX = "gs-tb"  # every namespace this testbed makes is named PREFIX-<tag>-{a,b}
+SUBNET = "10.77.{n}.{host}"
+RAY_PORT = 6379
+
+
+def sh(*argv: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), check=check, timeout=timeout, capture_output=True, text=True, **kw)
+
+
+def leftovers() -> dict:
+    """Namespaces, and processes inside them, that a testbed made and did not take down."""
+    names = [line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines() if line.startswith(PREFIX)]
+    pids = {ns: _ns_pids(ns) for ns in names}
+    return {"namespaces": names, "pids": {ns: p for ns, p in pids.items() if p}}
+
+
+def _ns_pids(ns: str) -> list[int]:
+    out = sh("ip", "netns", "pids", ns, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+class Testbed:
+    """`with Testbed(rate="200mbit") as tb: tb.run_driver([...])` — up on enter, down on exit."""
+
+    def __init__(self, rate: str = "200mbit", cpus: tuple[float, float] = (1, 1), tag: str | None = None,
+                 burst: str = "256kb", delay_ms: float = 0.0, start_timeout_s: float = 90):
+        if os.geteuid() != 0:
+            raise SystemExit("the testbed makes network namespaces and shapes links: run it as root")
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                raise SystemExit(f"the testbed needs `{tool}` (iproute2)")
+        self.tag = tag or f"{os.getpid() % 100000}"
+        self.ns = (f"{PREFIX}-{self.tag}-a", f"{PREFIX}-{self.tag}-b")
+        n = os.getpid() % 200 + 10
+        self.ips = (SUBNET.format(n=n, host=1), SUBNET.format(n=n, host=2))
+        self.rate, self.burst, self.delay_ms = rate, burst, delay_ms
+        self.cpus = cpus
+        self.start_timeout_s = start_timeout_s
+        self.temp = pathlib.Path(tempfile.mkdtemp(prefix="gs-testbed-"))
+        self.address = f"{self.ips[0]}:{RAY_PORT}"
+        self._up = False
+
+    # ------------------------------------------------------------------ up
+
+    def __enter__(self) -> Testbed:
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def up(self) -> None:
+        a, b = self.ns
+        self._up = True  # from here on, down() has something to take down
+        for ns in self.ns:
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        # one veth pair, each end called gs0 inside its namespace (names are per namespace)
+        sh("ip", "link", "add", "gs0", "netns", a, "type", "veth", "peer", "name", "gs0", "netns", b)
+        for ns, ip in zip(self.ns, self.ips):
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "gs0")
+            sh("ip", "-n", ns, "link", "set", "gs0", "up")
+            self._shape(ns, "add")
+        self._start_ray()
+
+    def _shape(self, ns: str, verb: str) -> None:
+        """tbf on the veth end: both directions of the link are shaped to the rate."""
+        qdisc = ["tbf", "rate", self.rate, "burst", self.burst, "latency", "100ms"]
+        if self.delay_ms:  # netem is missing on some kernels; add delay only where asked
+            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", "handle", "1:", "netem",
+               "delay", f"{self.delay_ms}ms")
+            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "parent", "1:", "handle", "2:", *qdisc)
+        else:
+            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", *qdisc)
+
+    def set_rate(self, rate: str) -> None:
+        """Change the link's rate while a run trains (both ends)."""
+        self.rate = rate
+        for ns in self.ns:
+            self._shape(ns, "change")
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        env.update(RAY_AUTH_MODE="token", GLOO_SOCKET_IFNAME="gs0", PYTHONPATH=str(ROOT),
+                   RAY_USAGE_STATS_ENABLED="0")
+        env.pop("RAY_ADDRESS", None)
+        return env
+
+    def _in(self, ns: str, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def _start_ray(self) -> None:
+        ray = str(pathlib.Path(sys.executable).with_name("ray"))
+        common = ["--disable-usage-stats", "--temp-dir", str(self.temp / "ray"), "--num-gpus", "0"]
+        sh(*self._in(self.ns[0], ray, "start", "--head", "--node-ip-address", self.ips[0], "--port", str(RAY_PORT),
+                     "--num-cpus", str(self.cpus[0]), "--include-dashboard", "false", *common),
+           env=self.env(), timeout=self.start_timeout_s)
+        sh(*self._in(self.ns[1], ray, "start", "--address", self.address, "--node-ip-address", self.ips[1],
+                     "--num-cpus", str(self.cpus[1]), *common),
+           env=self.env(), timeout=self.start_timeout_s)
+        self._wait_for_nodes(2)
+
+    def _wait_for_nodes(self, count: int) -> None:
+        probe = ("import ray, time\n"
+                 f"ray.init(address='{self.address}', logging_level='ERROR')\n"
+                 f"deadline = time.time() + {self.start_timeout_s}\n"
+                 f"while len([n for n in ray.nodes() if n['Alive']]) < {count} and time.time() < deadline:\n"
+                 "    time.sleep(0.5)\n"
+                 "print(len([n for n in ray.nodes() if n['Alive']]))\n")
+        out = sh(*self._in(self.ns[0], sys.executable, "-c", probe), env=self.env(),
+                 timeout=self.start_timeout_s + 30, check=False)
+        if out.stdout.strip().splitlines()[-1:] != [str(count)]:
+            raise RuntimeError(f"the testbed's Ray cluster did not come up with {count} nodes: {out.stderr[-2000:]}")
+
+    # ------------------------------------------------------------------ run
+
+    def run_driver(self, argv: list[str], scenario: list[tuple[str, float]] | None = None,
+                   timeout_s: float = 3600, capture: bool = False) -> subprocess.CompletedProcess:
+        """Run `python -m orchestrator.cli ARGV --address HEAD` in the head's namespace. With a
+        scenario [(rate, seconds), ...] the link's rate follows it while the driver runs."""
+        cmd = self._in(self.ns[0], sys.executable, "-m", "orchestrator.cli", *argv, "--address", self.address)
+        stop = threading.Event()
+        changer = None
+        if scenario:
+            def follow() -> None:
+                for rate, seconds in scenario:
+                    self.set_rate(rate)
+                    print(f"testbed: link at {rate} for {seconds:g} s", file=sys.stderr, flush=True)
+                    if stop.wait(seconds):
+                        return
+            changer = threading.Thread(target=follow, daemon=True)
+            changer.start()
+        try:
+            return subprocess.run(cmd, env=self.env(), cwd=ROOT, timeout=timeout_s, text=True,
+                                  capture_output=capture)
+        finally:
+            stop.set()
+            if changer is not None:
+                changer.join(timeout=10)
+
+    # ------------------------------------------------------------------ down
+
+    def down(self) -> None:
+        """Stop every process in the namespaces by pid (TERM, then KILL), delete the namespaces."""
+        if not self._up:
+            return
+        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            pids = [p for ns in self.ns for p in _ns_pids(ns)]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(_ns_pids(ns) for ns in self.ns):
+                time.sleep(0.2)
+        for ns in self.ns:
+            sh("ip", "netns", "del", ns, check=False)
+        shutil.rmtree(self.temp, ignore_errors=True)
+        self._up = False
+
+
+def parse_scenario(text: str) -> list[tuple[str, float]]:
+    """'1000mbit:20,50mbit:40' -> [('1000mbit', 20.0), ('50mbit', 40.0)]"""
+    steps = []
+    for part in text.split(","):
+        rate, _, seconds = part.partition(":")
+        if not rate or not seconds:
+            raise SystemExit(f"--scenario {text!r}: each part is RATE:SECONDS, e.g. 50mbit:30")
+        steps.append((rate, float(seconds)))
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="bring the testbed up, run a gearshift job on it, take it down")
+    run.add_argument("job")
+    run.add_argument("--rate", default="200mbit", help="the link's rate (tc units: 50mbit, 1gbit, ...)")
+    run.add_argument("--delay-ms", type=float, default=0.0, help="link delay (needs netem in the kernel)")
+    run.add_argument("--scenario", help="rate changes while the job runs: RATE:SECONDS,RATE:SECONDS,...")
+    run.add_argument("--cpus", type=float, nargs=2, default=(1, 1), metavar=("HEAD", "WORKER"))
+    sub.add_parser("check", help="list namespaces and processes a testbed left behind (exit 1 if any)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)  # after --: arguments for `gearshift run`
+    args = ap.parse_args(argv[:split])
+    args.rest = argv[split + 1:]
+    if args.command == "check":
+        left = leftovers()
+        print(left)
+        return 1 if left["namespaces"] else 0
+    extra = args.rest
+    # SIGTERM ends the run like Ctrl-C, so teardown runs either way
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms) as tb:
+        print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}",
+              file=sys.stderr, flush=True)
+        scenario = parse_scenario(args.scenario) if args.scenario else None
+        return tb.run_driver(["run", args.job, *extra], scenario).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
