@@ -10,7 +10,10 @@ Rules, evaluated once per full window of steps on the current layout (after `set
   2. time in data loading above `input_bound_frac` -> Report("input_bound"), no switch;
   3. one rank computing much longer while the others wait on it -> Report("straggler"), no switch;
   4. mean comm-wait fraction above `threshold`, outside the cooldown -> Switch to the next
-     candidate that is not blocked.
+     candidate that is not blocked;
+  5. the network got better: on a layout the policy moved to and kept, the comm-wait fraction
+     fell below half of what it was when the layout was kept (and below `threshold`) -> Switch
+     back to the previous candidate, judged like any switch. A steady network never triggers it.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ class Policy:
         self._trial: tuple[Layout, float] | None = None  # (layout before, samples/s before) while judging a switch
         self._blocked: dict[Layout, int] = {}  # reverted layout -> first step it may be tried again
         self._reported: dict[tuple, int] = {}  # (kind, rank) -> step of the last report
+        self._kept_wait: float | None = None  # comm-wait fraction when the current layout was judged and kept
 
     def observe(self, record: dict) -> Decision:
         step = record["step"]
@@ -184,6 +188,7 @@ class Policy:
         judged = isinstance(pending, Switch) and pending.to == to
         self._trial = (self.current, pending.evidence["samples_per_s"]) if judged else None
         self.current, self._since, self._window = to, step, []
+        self._kept_wait = None
 
     def state(self) -> dict:
         return {
@@ -211,9 +216,16 @@ class Policy:
         if slow is not None:
             return self._report("straggler", slow["rank"],
                                 {**means, **slow, "straggler_ratio": c.straggler_ratio}, step)
+        cooling = self._since is not None and step < self._since + c.cooldown
         if means["comm_wait_frac"] <= c.threshold:
-            return KEEP
-        if self._since is not None and step < self._since + c.cooldown:
+            back = None if cooling else self._previous_candidate(means, step)
+            if back is None:
+                return KEEP
+            self._pending = Switch(back, {"reason": "comm_wait_fell", **means, "threshold": c.threshold,
+                                          "comm_wait_frac_when_kept": self._kept_wait, "window": c.window,
+                                          "from": layout_dict(self.current), "candidate": layout_dict(back)})
+            return self._pending
+        if cooling:
             return KEEP
         to = self._next_candidate(step)
         if to is None:
@@ -231,6 +243,7 @@ class Policy:
                     "min_gain": c.min_gain, "from": layout_dict(before_layout),
                     "layout": layout_dict(self.current)}
         if after > before * (1 + c.min_gain):
+            self._kept_wait = means["comm_wait_frac"]
             return Keep({"reason": "kept", **evidence})
         # block the layout that did not help so the next slow window does not try it again at once
         self._blocked[self.current] = step + c.retry_after
@@ -248,6 +261,15 @@ class Policy:
             if self._blocked.get(layout, step) <= step:
                 return layout
         return None
+
+    def _previous_candidate(self, means: dict, step: int) -> Layout | None:
+        """The layout before this one, once the wait that drove the move here has gone."""
+        if self._kept_wait is None or means["comm_wait_frac"] >= 0.5 * self._kept_wait:
+            return None
+        if self.current not in self.candidates or self.candidates.index(self.current) == 0:
+            return None
+        back = self.candidates[self.candidates.index(self.current) - 1]
+        return back if self._blocked.get(back, step) <= step else None
 
     def _report(self, kind: str, rank: int | None, evidence: dict, step: int) -> Decision:
         last = self._reported.get((kind, rank))

@@ -259,3 +259,39 @@ def test_late_records_from_the_old_layout_are_ignored():
     for step in range(3, 20):
         assert policy.observe(record(step, DATA4, step_time=1.0)) == Keep()
     assert policy.state()["window_fill"] == 0 and policy.state()["trial"] is not None
+
+
+def test_steps_back_when_the_network_recovers_and_stays_there():
+    """Slow link until step 2000, fast after: data -> hybrid while it is slow, back to data once
+    hybrid's wait has collapsed (data is faster on a fast link), and no further churn."""
+    rng = random.Random(3)
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+
+    def shape(lay, step):
+        slow = step < 2000
+        if lay == DATA4:
+            return {"wait": rng.uniform(0.45, 0.55) if slow else rng.uniform(0.04, 0.06),
+                    "step_time": rng.uniform(0.19, 0.21) if slow else rng.uniform(0.078, 0.082)}
+        return {"wait": rng.uniform(0.28, 0.32) if slow else rng.uniform(0.02, 0.04),
+                "step_time": rng.uniform(0.135, 0.145) if slow else rng.uniform(0.098, 0.102)}
+
+    decisions = run(policy, 5000, shape)
+    summary = [(s, d.name, getattr(d, "to", None), d.evidence.get("reason")) for s, d in decisions]
+    # (kept switches are Keep decisions, which `run` leaves out)
+    assert [(n, to, why) for _, n, to, why in summary] == [
+        ("switch", HYB2, "comm_wait"), ("switch", DATA4, "comm_wait_fell")], summary
+    back = summary[1][0]
+    assert 2000 < back <= 2000 + 3 * AdaptConfig().window  # reacts within a few windows
+    assert policy.current == DATA4
+
+
+def test_a_steady_network_never_steps_back():
+    """The step back needs the wait to fall below half of what it was when the layout was kept:
+    noise around a steady level must not trigger it."""
+    rng = random.Random(11)
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    shape = lambda lay, s: ({"wait": rng.uniform(0.4, 0.6), "step_time": rng.uniform(0.18, 0.22)} if lay == DATA4
+                            else {"wait": rng.uniform(0.08, 0.14), "step_time": rng.uniform(0.13, 0.15)})
+    decisions = run(policy, 5000, shape)
+    assert [(d.name, getattr(d, "to", None)) for _, d in decisions] == [("switch", HYB2)]
+    assert policy.current == HYB2
