@@ -241,6 +241,7 @@ class ParallelSpec:
     tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size")
     tp_plan: dict = _f({}, _tp_plan, "module-name pattern -> colwise | rowwise, for models without a plan")
     bucket_cap_mb: float = _f(25.0, _float(0.0, 4096.0, lo_open=True), "gradient bucket size")
+    tp_across_nodes: bool = _f(False, _bool, "allow tensor-parallel groups that span nodes (slow: for comparisons)")
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,10 @@ class RayWorkerGroup:
         layout = self.job.layout
         for group in layout.tp_groups() if layout.tp > 1 else []:
             nodes = {self.infos[r]["node_id"] for r in group}
-            if len(nodes) > 1:
+            if len(nodes) > 1 and self.job.parallel.tp_across_nodes:
+                log.warning("tensor-parallel group %s spans %d nodes (parallel.tp_across_nodes is on): its "
+                            "collectives run over the link between nodes", group, len(nodes))
+            elif len(nodes) > 1:
                 per_node: dict[str, int] = {}
                 for info in self.infos:
                     per_node[info["node_ip"] + "/" + info["node_id"][:8]] = per_node.get(
@@ -181,7 +184,8 @@ class RayWorkerGroup:
                 raise GearshiftError(
                     f"tensor-parallel group of ranks {group} would span {len(nodes)} nodes: the cluster placed "
                     f"{per_node} workers per node, and tp_size({layout.tp}) does not divide each node's count. "
-                    f"Use cluster.placement=pack, a tp_size that divides the workers per node, or strategy data.")
+                    f"Use cluster.placement=pack, a tp_size that divides the workers per node, or strategy data "
+                    f"(or parallel.tp_across_nodes: true to run it anyway, slowly).")
 
     # ---------------------------------------------------------------- calls
 
