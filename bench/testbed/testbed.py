@@ -9,6 +9,7 @@ shaped veth (the slow link between nodes). The gearshift driver runs in the head
         (arguments after -- go to `gearshift run`)
     sudo python bench/testbed/testbed.py run JOB.yaml --scenario 1000mbit:20,50mbit:40,1000mbit:20
     sudo python bench/testbed/testbed.py check      # what would be left behind (namespaces, veths, Ray)
+    sudo python bench/testbed/testbed.py clean      # take down what a testbed killed with SIGKILL left
 
 Everything it starts lives inside its two namespaces; teardown stops exactly the processes that
 `ip netns pids` lists there (never a name-wide kill such as `ray stop`), then deletes the
@@ -76,6 +77,10 @@ class Testbed:
     # ------------------------------------------------------------------ up
 
     def __enter__(self) -> Testbed:
+        # SIGTERM (a scheduler, `kill`) must unwind like Ctrl-C, or the teardown below never runs
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             self.up()
         except BaseException:
@@ -84,7 +89,11 @@ class Testbed:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.down()
+        try:
+            self.down()
+        finally:
+            if self._previous is not None:
+                signal.signal(signal.SIGTERM, self._previous)
 
     def up(self) -> None:
         a, b = self.ns
@@ -195,6 +204,25 @@ class Testbed:
         self._up = False
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def clean() -> dict:
+    """Take down what testbeds left behind (one killed with SIGKILL cannot clean up after itself)."""
+    left = leftovers()
+    for ns in left["namespaces"]:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in _ns_pids(ns):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while _ns_pids(ns) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        sh("ip", "netns", "del", ns, check=False)
+    return left
+
+
 def parse_scenario(text: str) -> list[tuple[str, float]]:
     """'1000mbit:20,50mbit:40' -> [('1000mbit', 20.0), ('50mbit', 40.0)]"""
     steps = []
@@ -216,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--scenario", help="rate changes while the job runs: RATE:SECONDS,RATE:SECONDS,...")
     run.add_argument("--cpus", type=float, nargs=2, default=(1, 1), metavar=("HEAD", "WORKER"))
     sub.add_parser("check", help="list namespaces and processes a testbed left behind (exit 1 if any)")
+    sub.add_parser("clean", help="stop and delete whatever a killed testbed left behind")
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)  # after --: arguments for `gearshift run`
     args = ap.parse_args(argv[:split])
@@ -224,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         left = leftovers()
         print(left)
         return 1 if left["namespaces"] else 0
+    if args.command == "clean":
+        print(f"removed: {clean()}")
+        return 0
     extra = args.rest
-    # SIGTERM ends the run like Ctrl-C, so teardown runs either way
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms) as tb:
         print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}",
               file=sys.stderr, flush=True)
