@@ -6,7 +6,9 @@ as static data (4), static hybrid (2 x 2, tensor-parallel inside a node), static
 the link) and auto (starts data, the policy decides), at each fixed link rate and in a scenario
 where the rate changes while the job runs (fast -> slow -> fast). Time-to-N-steps runs from the
 controller's `training` event to the last step (Ray start-up and model build excluded, equal
-for all); samples/s = N x global batch / that time.
+for all); samples/s = N x global batch / that time. Static tensor sends activations over the
+link on every layer and takes seconds a step when it is slow, so it trains `--tensor-steps`
+(20) steps and its time to N is extrapolated.
 
     sudo python bench/adaptive.py            # rates 1gbit and 40mbit, 200 steps, scenario
     sudo python bench/adaptive.py --quick    # 40mbit only, 60 steps, scenario: under 10 minutes
@@ -40,13 +42,17 @@ LAYOUTS = {
 BATCH = 32
 
 
-def run_one(tb: Testbed, layout: str, steps: int, tmp: pathlib.Path, scenario=None, rate: str | None = None) -> dict:
+def run_one(tb: Testbed, layout: str, steps: int, tmp: pathlib.Path, scenario=None, rate: str | None = None,
+            extra: list[str] = (), measure_steps: int | None = None) -> dict:
+    """One run; with `measure_steps` < steps only that many are trained and the time to `steps`
+    is extrapolated from their rate (tensor parallelism over a slow link takes seconds a step)."""
     run_dir = tmp / f"{layout}-{len(list(tmp.iterdir()))}"
+    trained = min(steps, measure_steps or steps)
     argv = ["run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(run_dir),
-            "--set", f"train.steps={steps}", "--set", f"train.global_batch_size={BATCH}",
+            "--set", f"train.steps={trained}", "--set", f"train.global_batch_size={BATCH}",
             "--set", "cluster.num_workers=4", "--set", "cluster.cpus_per_worker=0.5",
             "--set", "checkpoint.every=0", "--set", "cluster.placement=pack"]
-    for item in LAYOUTS[layout]:
+    for item in [*LAYOUTS[layout], *extra]:
         argv += ["--set", item]
     if rate is not None:
         tb.set_rate(rate)
@@ -57,7 +63,9 @@ def run_one(tb: Testbed, layout: str, steps: int, tmp: pathlib.Path, scenario=No
     start = next(r["time"] for r in records if r.get("event") == "state" and r.get("state") == "training")
     end = max(r["time"] for r in records if r["type"] == "step")
     switches = [f"{s['step']}:{s['to']['strategy']}" for s in records if s.get("event") == "switch"]
-    return {"seconds": end - start, "samples_per_s": steps * BATCH / (end - start), "switches": switches}
+    seconds = (end - start) * steps / trained
+    return {"seconds": seconds, "samples_per_s": steps * BATCH / seconds, "switches": switches,
+            "steps_trained": trained}
 
 
 def main() -> None:
@@ -66,10 +74,16 @@ def main() -> None:
     ap.add_argument("--rates", default=None, help="fixed link rates, comma-separated (tc units)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--scenario", default=None, help="RATE:SECONDS,... (default: fast, slow, fast)")
+    ap.add_argument("--tensor-steps", type=int, default=20,
+                    help="steps static tensor trains (its time to N steps is extrapolated): over a slow link "
+                         "it takes seconds per step")
     args = ap.parse_args()
     rates = (args.rates or ("40mbit" if args.quick else "1gbit,40mbit")).split(",")
     steps = args.steps or (60 if args.quick else 200)
-    scenario_text = args.scenario or ("1gbit:25,40mbit:35,1gbit:600" if args.quick else "1gbit:40,40mbit:80,1gbit:900")
+    # the clock starts with the driver, ~10 s of which go to starting workers and building the model
+    scenario_text = args.scenario or ("1gbit:15,40mbit:40,1gbit:900" if args.quick else "1gbit:25,40mbit:120,1gbit:900")
+    # a quick run is short: the policy judges smaller windows (a full run uses the defaults)
+    auto_extra = ["adapt.window=10", "adapt.cooldown=20"] if args.quick else []
     settings = [(f"fixed_{r}", r, None) for r in rates] + [("scenario", None, parse_scenario(scenario_text))]
     results: dict[str, dict[str, dict]] = {}
     print(f"GPT (examples/gpt.yaml), 4 workers on 2 nodes (network namespaces), {steps} steps, batch {BATCH}, "
@@ -79,10 +93,13 @@ def main() -> None:
         for name, rate, scenario in settings:
             results[name] = {}
             for layout in LAYOUTS:
-                r = run_one(tb, layout, steps, tmp, scenario, rate)
+                r = run_one(tb, layout, steps, tmp, scenario, rate, auto_extra if layout == "auto" else [],
+                            args.tensor_steps if layout == "tensor" else None)
                 results[name][layout] = r
+                measured = f"  (time for {steps} extrapolated from {r['steps_trained']})" \
+                    if r["steps_trained"] < steps else ""
                 print(f"  {name:<16}{layout:<8}{r['seconds']:>8.1f} s{r['samples_per_s']:>9.1f} samples/s  "
-                      f"{' '.join(r['switches'])}", flush=True)
+                      f"{' '.join(r['switches'])}{measured}", flush=True)
     figures = {}
     print(f"\n{'setting':<16}" + "".join(f"{k:>10}" for k in LAYOUTS) + f"{'auto/best':>11}{'auto/data':>11}")
     for name, per_layout in results.items():
