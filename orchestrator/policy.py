@@ -11,7 +11,9 @@ Rules, evaluated once per full window of steps on the current layout (after `set
   3. one rank computing much longer while the others wait on it -> Report("straggler"), no switch;
   4. mean comm-wait fraction above `threshold`, outside the cooldown -> Switch to the next
      candidate that is not blocked;
-  5. the network got better: on a layout the policy moved to and kept, the comm-wait fraction
+  5. (4 again) a reverted layout is not retried for `retry_after` steps, unless the wait has
+     since grown past 1.5x the wait that first sent the policy there: the network got worse;
+  6. the network got better: on a layout the policy moved to and kept, the comm-wait fraction
      fell below half of what it was when the layout was kept (and below `threshold`) -> Switch
      back to the previous candidate, judged like any switch. A steady network never triggers it.
 """
@@ -158,8 +160,12 @@ class Policy:
         self._since: int | None = None         # step the current layout took over; None: from the start
         self._trial: tuple[Layout, float] | None = None  # (layout before, samples/s before) while judging a switch
         self._blocked: dict[Layout, int] = {}  # reverted layout -> first step it may be tried again
+        # the comm-wait fraction that made the policy leave for a layout later reverted: a network
+        # that has since got much worse (1.5x that wait) lifts the block early
+        self._blocked_wait: dict[Layout, float] = {}
         self._reported: dict[tuple, int] = {}  # (kind, rank) -> step of the last report
         self._kept_wait: float | None = None  # comm-wait fraction when the current layout was judged and kept
+        self._trial_wait: float | None = None  # comm-wait fraction of the window that led to the switch on trial
 
     def observe(self, record: dict) -> Decision:
         step = record["step"]
@@ -187,6 +193,7 @@ class Policy:
         pending, self._pending = self._pending, None
         judged = isinstance(pending, Switch) and pending.to == to
         self._trial = (self.current, pending.evidence["samples_per_s"]) if judged else None
+        self._trial_wait = pending.evidence.get("comm_wait_frac") if judged else None
         self.current, self._since, self._window = to, step, []
         self._kept_wait = None
 
@@ -227,7 +234,7 @@ class Policy:
             return self._pending
         if cooling:
             return KEEP
-        to = self._next_candidate(step)
+        to = self._next_candidate(step, means["comm_wait_frac"])
         if to is None:
             return KEEP  # everything further is blocked or there is nothing further: stay put
         self._pending = Switch(to, {"reason": "comm_wait", **means, "threshold": c.threshold,
@@ -247,18 +254,19 @@ class Policy:
             return Keep({"reason": "kept", **evidence})
         # block the layout that did not help so the next slow window does not try it again at once
         self._blocked[self.current] = step + c.retry_after
+        self._blocked_wait[self.current] = self._trial_wait if self._trial_wait is not None else 1.0
         evidence["reason"] = (f"samples/s after {after:.4g} <= before {before:.4g} x (1 + {c.min_gain}); "
                               f"not retried before step {step + c.retry_after}")
         self._pending = Revert(before_layout, evidence)
         return self._pending
 
-    def _next_candidate(self, step: int) -> Layout | None:
+    def _next_candidate(self, step: int, wait: float = 0.0) -> Layout | None:
         if self.current in self.candidates:
             later = self.candidates[self.candidates.index(self.current) + 1:]
         else:  # a layout forced by hand: only larger tp groups lie further on
             later = [layout for layout in self.candidates if layout.tp > self.current.tp]
         for layout in later:
-            if self._blocked.get(layout, step) <= step:
+            if self._blocked.get(layout, step) <= step or wait > 1.5 * self._blocked_wait.get(layout, 1.0):
                 return layout
         return None
 

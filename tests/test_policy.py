@@ -295,3 +295,26 @@ def test_a_steady_network_never_steps_back():
     decisions = run(policy, 5000, shape)
     assert [(d.name, getattr(d, "to", None)) for _, d in decisions] == [("switch", HYB2)]
     assert policy.current == HYB2
+
+
+def test_a_reverted_layout_is_retried_early_when_the_network_gets_much_worse():
+    """Reverted on a fast link (hybrid slower there), hybrid is blocked for retry_after steps;
+    when the link slows so that data waits far longer than when it left, it is retried at once."""
+    rng = random.Random(5)
+    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+
+    def shape(lay, step):
+        slow = step >= 200
+        if lay == DATA4:
+            return {"wait": rng.uniform(0.75, 0.85) if slow else rng.uniform(0.25, 0.3),
+                    "step_time": rng.uniform(0.38, 0.42) if slow else rng.uniform(0.078, 0.082)}
+        return {"wait": rng.uniform(0.5, 0.6) if slow else rng.uniform(0.1, 0.12),
+                "step_time": rng.uniform(0.28, 0.3) if slow else rng.uniform(0.098, 0.102)}
+
+    decisions = run(policy, 1000, shape)
+    got = [(d.name, getattr(d, "to", None)) for _, d in decisions]
+    assert got[:3] == [("switch", HYB2), ("revert", DATA4), ("switch", HYB2)], got
+    retried = [s for s, d in decisions if d.name == "switch"][1]
+    reverted = next(s for s, d in decisions if d.name == "revert")
+    assert 200 < retried < reverted + AdaptConfig().retry_after, "retried only once the block ran out"
+    assert policy.current == HYB2
