@@ -81,9 +81,9 @@ def main() -> None:
     rates = (args.rates or ("40mbit" if args.quick else "1gbit,40mbit")).split(",")
     steps = args.steps or (60 if args.quick else 200)
     # the clock starts with the driver, ~10 s of which go to starting workers and building the model
-    scenario_text = args.scenario or ("1gbit:15,40mbit:40,1gbit:900" if args.quick else "1gbit:25,40mbit:120,1gbit:900")
-    # a quick run is short: the policy judges smaller windows (a full run uses the defaults)
-    auto_extra = ["adapt.window=10", "adapt.cooldown=20"] if args.quick else []
+    scenario_text = args.scenario or ("1gbit:15,40mbit:40,1gbit:900" if args.quick else "1gbit:15,40mbit:30,1gbit:900")
+    # runs of a few hundred steps: the policy judges windows of 10 steps (the default is 20)
+    auto_extra = ["adapt.window=10", "adapt.cooldown=20"]
     settings = [(f"fixed_{r}", r, None) for r in rates] + [("scenario", None, parse_scenario(scenario_text))]
     results: dict[str, dict[str, dict]] = {}
     print(f"GPT (examples/gpt.yaml), 4 workers on 2 nodes (network namespaces), {steps} steps, batch {BATCH}, "
