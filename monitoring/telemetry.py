@@ -23,22 +23,25 @@ class TelemetryError(Exception):
 
 
 class JsonlSink:
-    """Append-only; flushed on every event and every `flush_every` step records, so a reader
-    (or `gearshift watch`) sees progress while the run is live without a write per step."""
+    """Append-only; flushed on every event, and after `flush_every` step records or `flush_s`
+    seconds, whichever comes first, so a reader (or `gearshift watch`) sees progress while the
+    run is live without a write per step."""
 
-    def __init__(self, path: pathlib.Path, flush_every: int = 20):
+    def __init__(self, path: pathlib.Path, flush_every: int = 20, flush_s: float = 1.0):
         self.path = pathlib.Path(path)
         self._f = open(self.path, "a", encoding="utf-8")
         self._pending = 0
-        self.flush_every = flush_every
+        self.flush_every, self.flush_s = flush_every, flush_s
+        self._flushed = time.monotonic()
 
     def write(self, record: dict[str, Any]) -> None:
         record.setdefault("time", time.time())
         self._f.write(json.dumps(record, default=str) + "\n")
         self._pending += 1
-        if record.get("type") != "step" or self._pending >= self.flush_every:
+        now = time.monotonic()
+        if record.get("type") != "step" or self._pending >= self.flush_every or now - self._flushed >= self.flush_s:
             self._f.flush()
-            self._pending = 0
+            self._pending, self._flushed = 0, now
 
     def event(self, name: str, **fields: Any) -> None:
         self.write({"type": "event", "event": name, **fields})

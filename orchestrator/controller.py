@@ -6,8 +6,8 @@ writes checkpoints and the run's outputs, and tears everything down whatever hap
                   \\------------\\-> FAILED
 
 Training runs in chunks that end where a layout may change: at the forced schedule's steps,
-and every `adapt.window` steps under `strategy: auto`, where the policy's decisions are
-carried out on the same workers (`reshard`), all ranks at the same step boundary.
+and under `strategy: auto` at the steps where the policy may decide (`next_decision`): its
+decisions are carried out at once, on the same workers (`reshard`), all ranks at the same step boundary.
 
 The worker-group class is injected, so tests can drive the controller without Ray.
 """
@@ -376,8 +376,8 @@ class Controller:
             until = total
             if schedule:
                 until = min(until, schedule[0]["step"])
-            if self.policy is not None:
-                until = min(until, step + job.adapt.window)
+            if self.policy is not None:  # end the chunk where the policy may decide
+                until = min(until, self.policy.next_decision(step))
             pending = self._train_chunk(group, until)
             step = until
             if step >= total:

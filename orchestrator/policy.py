@@ -6,7 +6,8 @@ really happened (`switched`). Each decision carries the evidence that led to it.
 
 Rules, evaluated once per full window of steps on the current layout (after `settle`):
   1. after a switch, the first window judges it: throughput not better -> Revert, and the
-     layout is not retried for `retry_after` steps;
+     layout is not retried for `retry_after` steps. A trial that is clearly worse is cut short:
+     after `early_check` steps, samples/s below (1 - `early_loss`) x before reverts at once;
   2. time in data loading above `input_bound_frac` -> Report("input_bound"), no switch;
   3. one rank computing much longer while the others wait on it -> Report("straggler"), no switch;
   4. mean comm-wait fraction above `threshold`, outside the cooldown -> Switch to the next
@@ -39,6 +40,8 @@ class AdaptConfig:
     cooldown: int = 40             # steps after a switch/revert before the next switch (and between repeated reports)
     settle: int = 3                # steps ignored after a switch: the first steps on a new layout pay warm-up
     retry_after: int = 400         # steps a reverted layout is not tried again
+    early_check: int = 5           # steps into a trial (after settle) at which a clear loss reverts at once
+    early_loss: float = 0.2        # "clear": samples/s below (1 - early_loss) x before
     min_gain: float = 0.0          # a switch is kept when after > before * (1 + min_gain)
     straggler_ratio: float = 1.5   # slow rank's compute time / median of the others
     input_bound_frac: float = 0.3  # data time / step time
@@ -176,13 +179,29 @@ class Policy:
         if self._since is not None and step <= self._since + self.config.settle:
             return KEEP
         self._window.append(record)
-        if len(self._window) < self.config.window:
+        if self._early_look():
+            decision = self._early(self._window, step)
+            if decision is None:
+                return KEEP
+            self._window = []
+        elif len(self._window) < self.config.window:
             return KEEP
-        window, self._window = self._window, []
-        decision = self._decide(window, step)
+        else:
+            window, self._window = self._window, []
+            decision = self._decide(window, step)
         if not isinstance(decision, Keep) or decision.evidence:
             self.history.append({"step": step, **decision.to_dict()})
         return decision
+
+    def next_decision(self, step: int) -> int:
+        """The first step after `step` at which a decision may come, with every record up to
+        `step` observed: the controller ends its training chunks there, so that a decision is
+        carried out on the step it is made rather than steps later."""
+        c = self.config
+        need = (c.early_check if self._trial is not None and len(self._window) < c.early_check < c.window
+                else c.window) - len(self._window)
+        begin = step if self._since is None else max(step, self._since + c.settle)
+        return max(step + 1, begin + need)
 
     def switched(self, to: Layout, step: int) -> None:
         """The controller has carried out a switch (or revert, or a forced one) at `step`.
@@ -242,7 +261,21 @@ class Policy:
                                     "candidate": layout_dict(to)})
         return self._pending
 
-    def _judge(self, means: dict, step: int) -> Decision:
+    def _early_look(self) -> bool:
+        c = self.config
+        return self._trial is not None and len(self._window) == c.early_check < c.window
+
+    def _early(self, window: list[dict], step: int) -> Decision | None:
+        """A trial's first `early_check` steps: a clear loss is reverted now, anything else waits
+        for the full window."""
+        means = window_means(window)
+        if means["samples_per_s"] >= self._trial[1] * (1 - self.config.early_loss):
+            return None
+        decision = self._judge(means, step, early=True)
+        self.history.append({"step": step, **decision.to_dict()})
+        return decision
+
+    def _judge(self, means: dict, step: int, early: bool = False) -> Decision:
         before_layout, before = self._trial
         self._trial = None
         after, c = means["samples_per_s"], self.config
@@ -255,8 +288,14 @@ class Policy:
         # block the layout that did not help so the next slow window does not try it again at once
         self._blocked[self.current] = step + c.retry_after
         self._blocked_wait[self.current] = self._trial_wait if self._trial_wait is not None else 1.0
-        evidence["reason"] = (f"samples/s after {after:.4g} <= before {before:.4g} x (1 + {c.min_gain}); "
-                              f"not retried before step {step + c.retry_after}")
+        if early:
+            evidence["early_loss"] = c.early_loss
+            evidence["reason"] = (f"samples/s after {after:.4g} < before {before:.4g} x (1 - {c.early_loss}) "
+                                  f"in the first {means['steps'][1] - means['steps'][0] + 1} steps; "
+                                  f"not retried before step {step + c.retry_after}")
+        else:
+            evidence["reason"] = (f"samples/s after {after:.4g} <= before {before:.4g} x (1 + {c.min_gain}); "
+                                  f"not retried before step {step + c.retry_after}")
         self._pending = Revert(before_layout, evidence)
         return self._pending
 

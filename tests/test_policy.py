@@ -17,6 +17,7 @@ from orchestrator.policy import (
     Revert,
     Switch,
     candidate_layouts,
+    layout_dict,
 )
 from strategies.layout import Layout
 
@@ -318,3 +319,49 @@ def test_a_reverted_layout_is_retried_early_when_the_network_gets_much_worse():
     reverted = next(s for s, d in decisions if d.name == "revert")
     assert 200 < retried < reverted + AdaptConfig().retry_after, "retried only once the block ran out"
     assert policy.current == HYB2
+
+
+def test_a_clearly_worse_trial_is_cut_short():
+    cfg = AdaptConfig()
+    policy = Policy(cfg, candidate_layouts(4, [2, 2]), DATA4)
+    much_slower = lambda lay, s: {"wait": 0.4, "step_time": 0.1 if lay == DATA4 else 0.2}  # half the samples/s
+    (s1, switch), (s2, revert) = run(policy, 60, much_slower)[:2]
+    assert switch.to == HYB2 and revert.to == DATA4
+    assert s2 == s1 + 2 + cfg.settle + cfg.early_check  # not a full window of the slow layout
+    assert revert.evidence["early_loss"] == cfg.early_loss
+    assert revert.evidence["samples_per_s_after"] == pytest.approx(160)
+    assert "first 5 steps" in revert.evidence["reason"]
+    assert policy.state()["blocked"][0]["layout"] == layout_dict(HYB2)
+    assert [h["decision"] for h in policy.history[:2]] == ["switch", "revert"]
+
+
+def test_a_trial_just_below_the_bar_runs_its_full_window():
+    cfg = AdaptConfig()
+    policy = Policy(cfg, candidate_layouts(4, [2, 2]), DATA4)
+    a_bit_faster = lambda lay, s: {"wait": 0.4, "step_time": 0.1 if lay == DATA4 else 0.09}
+    decisions = run(policy, 200, a_bit_faster)
+    assert names(decisions) == ["switch"] and policy.current == HYB2
+    kept = [h for h in policy.history if h["decision"] == "keep"]
+    assert kept[0]["step"] == decisions[0][0] + 2 + cfg.settle + cfg.window
+
+
+def test_next_decision_is_where_the_policy_decides():
+    """Chunks ending at next_decision() carry every switch and revert out on the step it was made."""
+    cfg = AdaptConfig()
+    policy = Policy(cfg, candidate_layouts(4, [2, 2]), DATA4)
+    shape = lambda lay, s: {"wait": 0.4, "step_time": 0.1 if lay == DATA4 else 0.2}
+    step, made = 0, []
+    while step < 300:
+        until = policy.next_decision(step)
+        assert until > step
+        pending = None
+        for s in range(step + 1, until + 1):
+            d = policy.observe(record(s, policy.current, **shape(policy.current, s)))
+            if isinstance(d, (Switch, Revert)):
+                assert s == until, "a decision came before the chunk's end"
+                pending = d
+        step = until
+        if pending:
+            made.append((step, pending.name))
+            policy.switched(pending.to, step)
+    assert made[:2] == [(cfg.window, "switch"), (cfg.window + cfg.settle + cfg.early_check, "revert")]

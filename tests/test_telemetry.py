@@ -242,3 +242,25 @@ def test_workers_export_ray_metrics_to_rays_prometheus_endpoint(ray_cluster, tmp
     assert 0 < found[("ray_gearshift_step_time_seconds", "0")] < 5
     assert 0 <= found[("ray_gearshift_comm_wait_fraction", "1")] <= 1
     assert found[("ray_gearshift_device_utilization_percent", "0")] >= 0
+
+
+def test_the_sink_flushes_step_records_by_count_and_by_time(tmp_path, monkeypatch):
+    from monitoring import telemetry
+
+    now = [100.0]
+    monkeypatch.setattr(telemetry.time, "monotonic", lambda: now[0])
+    sink = telemetry.JsonlSink(tmp_path / "t.jsonl", flush_every=3, flush_s=1.0)
+    seen = lambda: (tmp_path / "t.jsonl").read_text().count("\n")
+    sink.write({"type": "step", "step": 1})
+    sink.write({"type": "step", "step": 2})
+    assert seen() == 0  # buffered
+    sink.write({"type": "step", "step": 3})
+    assert seen() == 3  # the third record flushes
+    sink.write({"type": "step", "step": 4})
+    assert seen() == 3
+    now[0] += 1.5  # a slow step: a reader still sees it within flush_s
+    sink.write({"type": "step", "step": 5})
+    assert seen() == 5
+    sink.event("switch", step=5)
+    assert seen() == 6  # events go out at once
+    sink.close()

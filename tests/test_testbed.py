@@ -3,6 +3,7 @@ success, after failure and after interruption. Needs root and iproute2 (CI runs 
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -27,8 +28,7 @@ def _can_make_namespaces() -> bool:
     return made
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _can_make_namespaces(),
-                                                   reason="needs root and network namespaces")]
+needs_root = pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and network namespaces")
 
 
 def namespaces(prefix: str) -> list[str]:
@@ -58,23 +58,32 @@ def assert_clean(tag_prefix: str, temp: str) -> None:
     assert veths() == []  # the veth pair goes with its namespaces
 
 
+@pytest.mark.slow
+@needs_root
 def test_up_runs_a_job_across_the_link_and_down_leaves_nothing(tmp_path):
-    from testbed import Testbed
+    from testbed import Testbed, parse_scenario
 
     with Testbed(rate="500mbit", tag=f"t{os.getpid()}") as tb:
         prefix, temp = f"gs-tb-{tb.tag}", str(tb.temp)
         assert sorted(namespaces(prefix)) == sorted(tb.ns)
         assert processes_using(temp), "no Ray processes in the namespaces"
-        done = tb.run_driver(["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(tmp_path / "run"),
-                              "--set", "train.steps=6", "--set", "checkpoint.every=0"], capture=True, timeout_s=300)
+        # the link changes when the run reaches step 20, read from its telemetry
+        done = tb.run_driver(["run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(tmp_path / "run"),
+                              "--set", "train.steps=60", "--set", "checkpoint.every=0"],
+                             parse_scenario("500mbit@0,100mbit@20"), capture=True, timeout_s=300)
         assert done.returncode == 0, done.stderr[-2000:]
-        import json
-
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert summary["nodes"] == sorted(tb.ips), "the two workers should sit on the two nodes"
+        assert [c[0] for c in tb.changes] == ["500mbit", "100mbit"]
+        assert 20 <= tb.changes[1][2] < 60, tb.changes
+        shaped = subprocess.run(["ip", "netns", "exec", tb.ns[0], "tc", "qdisc", "show", "dev", "gs0"],
+                                capture_output=True, text=True).stdout
+        assert "100Mbit" in shaped, shaped
     assert_clean(prefix, temp)
 
 
+@pytest.mark.slow
+@needs_root
 def test_a_failing_run_leaves_nothing(tmp_path):
     from testbed import Testbed
 
@@ -88,6 +97,8 @@ def test_a_failing_run_leaves_nothing(tmp_path):
     assert_clean(prefix, temp)
 
 
+@pytest.mark.slow
+@needs_root
 def test_ctrl_c_while_a_job_runs_leaves_nothing(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "bench/testbed/testbed.py"), "run", str(ROOT / "examples/gpt.yaml"), "--",
@@ -114,3 +125,36 @@ def test_ctrl_c_while_a_job_runs_leaves_nothing(tmp_path):
         marker = temp.split("gs-testbed-")[1].split("/")[0]
         assert processes_using("gs-testbed-" + marker) == []
     assert veths() == []
+
+
+def test_scenarios_parse_by_seconds_or_by_step():
+    from testbed import Phase, parse_scenario
+
+    assert parse_scenario("1gbit:20,50mbit:40") == [Phase("1gbit", seconds=20.0), Phase("50mbit", seconds=40.0)]
+    assert parse_scenario("1gbit@0,50mbit@60,1gbit@240") == [
+        Phase("1gbit", from_step=0), Phase("50mbit", from_step=60), Phase("1gbit", from_step=240)]
+    assert str(Phase("50mbit", from_step=60)) == "50mbit@60"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1gbit", "RATE:SECONDS"), ("1gbit:x", "RATE:SECONDS"), (":5", "RATE:SECONDS"), ("1gbit@-3", "RATE@STEP"),
+    ("1gbit:5,50mbit@10", "every part"), ("1gbit@50,50mbit@10", "must not decrease"),
+])
+def test_bad_scenarios_say_what_is_wrong(text, says):
+    from testbed import parse_scenario
+
+    with pytest.raises(SystemExit, match=says):
+        parse_scenario(text)
+
+
+def test_step_reader_follows_a_growing_file_and_skips_a_partial_line(tmp_path):
+    from testbed import _StepReader
+
+    path = tmp_path / "telemetry.jsonl"
+    reader = _StepReader(path)
+    assert reader.latest() == 0  # not there yet
+    path.write_text('{"type": "event", "event": "state"}\n{"type": "step", "step": 3}\n{"type": "st')
+    assert reader.latest() == 3
+    with path.open("a") as f:
+        f.write('ep", "step": 9}\n')
+    assert reader.latest() == 9

@@ -8,6 +8,7 @@ shaped veth (the slow link between nodes). The gearshift driver runs in the head
     sudo python bench/testbed/testbed.py run examples/gpt.yaml --rate 200mbit -- --set cluster.num_workers=4
         (arguments after -- go to `gearshift run`)
     sudo python bench/testbed/testbed.py run JOB.yaml --scenario 1000mbit:20,50mbit:40,1000mbit:20
+    sudo python bench/testbed/testbed.py run JOB.yaml --scenario 1gbit@0,50mbit@100,1gbit@300 -- --run-dir runs/x
     sudo python bench/testbed/testbed.py check      # what would be left behind (namespaces, veths, Ray)
     sudo python bench/testbed/testbed.py clean      # take down what a testbed killed with SIGKILL left
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import pathlib
 import shutil
@@ -160,21 +163,21 @@ class Testbed:
 
     # ------------------------------------------------------------------ run
 
-    def run_driver(self, argv: list[str], scenario: list[tuple[str, float]] | None = None,
+    def run_driver(self, argv: list[str], scenario: list[Phase] | None = None,
                    timeout_s: float = 3600, capture: bool = False) -> subprocess.CompletedProcess:
         """Run `python -m orchestrator.cli ARGV --address HEAD` in the head's namespace. With a
-        scenario [(rate, seconds), ...] the link's rate follows it while the driver runs."""
+        scenario the link's rate follows it while the driver runs: phases timed in seconds from
+        the driver's start, or starting at a training step, read from the run's telemetry.jsonl
+        (ARGV must then give --run-dir). `self.changes` lists (rate, seconds, step) as applied."""
         cmd = self._in(self.ns[0], sys.executable, "-m", "orchestrator.cli", *argv, "--address", self.address)
         stop = threading.Event()
         changer = None
+        self.changes: list[tuple[str, float, int | None]] = []
         if scenario:
-            def follow() -> None:
-                for rate, seconds in scenario:
-                    self.set_rate(rate)
-                    print(f"testbed: link at {rate} for {seconds:g} s", file=sys.stderr, flush=True)
-                    if stop.wait(seconds):
-                        return
-            changer = threading.Thread(target=follow, daemon=True)
+            run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else None
+            if any(p.from_step is not None for p in scenario) and run_dir is None:
+                raise ValueError("a scenario with RATE@STEP phases needs --run-dir in the driver's arguments")
+            changer = threading.Thread(target=self._follow, args=(scenario, stop, run_dir), daemon=True)
             changer.start()
         try:
             return subprocess.run(cmd, env=self.env(), cwd=ROOT, timeout=timeout_s, text=True,
@@ -183,6 +186,21 @@ class Testbed:
             stop.set()
             if changer is not None:
                 changer.join(timeout=10)
+
+    def _follow(self, scenario: list[Phase], stop: threading.Event, run_dir: str | None) -> None:
+        start = time.monotonic()
+        steps = _StepReader(pathlib.Path(run_dir) / "telemetry.jsonl") if run_dir else None
+        for i, phase in enumerate(scenario):
+            if phase.from_step is not None and i:  # wait for the run to reach the phase's step
+                while steps.latest() < phase.from_step:
+                    if stop.wait(0.1):
+                        return
+            self.set_rate(phase.rate)
+            step = steps.latest() if steps else None
+            self.changes.append((phase.rate, round(time.monotonic() - start, 2), step))
+            print(f"testbed: link at {phase.rate} ({phase}; now step {step})", file=sys.stderr, flush=True)
+            if phase.seconds is not None and stop.wait(phase.seconds):
+                return
 
     # ------------------------------------------------------------------ down
 
@@ -223,15 +241,59 @@ def clean() -> dict:
     return left
 
 
-def parse_scenario(text: str) -> list[tuple[str, float]]:
-    """'1000mbit:20,50mbit:40' -> [('1000mbit', 20.0), ('50mbit', 40.0)]"""
-    steps = []
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """The link at `rate` for `seconds`, or from training step `from_step` until the next phase."""
+    rate: str
+    seconds: float | None = None
+    from_step: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.rate}:{self.seconds:g}" if self.seconds is not None else f"{self.rate}@{self.from_step}"
+
+
+class _StepReader:
+    """The highest step in a run's telemetry.jsonl so far, read incrementally."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path, self.offset, self.step, self.rest = path, 0, 0, b""
+
+    def latest(self) -> int:
+        with contextlib.suppress(FileNotFoundError), self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = self.rest + f.read()
+            self.offset = f.tell()
+            lines = data.split(b"\n")
+            self.rest = lines.pop()  # a line still being written
+            for line in lines:
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if record.get("type") == "step":
+                        self.step = max(self.step, record["step"])
+        return self.step
+
+
+def parse_scenario(text: str) -> list[Phase]:
+    """'1gbit:20,50mbit:40' (seconds from the driver's start) or '1gbit@0,50mbit@60,1gbit@240'
+    (from that training step on); the two kinds do not mix."""
+    phases = []
     for part in text.split(","):
-        rate, _, seconds = part.partition(":")
-        if not rate or not seconds:
-            raise SystemExit(f"--scenario {text!r}: each part is RATE:SECONDS, e.g. 50mbit:30")
-        steps.append((rate, float(seconds)))
-    return steps
+        rate, sep, value = part.partition("@") if "@" in part else part.partition(":")
+        try:
+            phase = Phase(rate, seconds=float(value)) if sep == ":" else Phase(rate, from_step=int(value))
+        except ValueError:
+            phase = None
+        if not rate or phase is None or (phase.seconds or 0) < 0 or (phase.from_step or 0) < 0:
+            raise SystemExit(f"--scenario {text!r}: each part is RATE:SECONDS (e.g. 50mbit:30) "
+                             f"or RATE@STEP (e.g. 50mbit@100), not {part!r}")
+        phases.append(phase)
+    kinds = {p.seconds is None for p in phases}
+    if len(kinds) > 1:
+        raise SystemExit(f"--scenario {text!r}: use RATE:SECONDS for every part or RATE@STEP for every part")
+    starts = [p.from_step for p in phases if p.from_step is not None]
+    if starts != sorted(starts):
+        raise SystemExit(f"--scenario {text!r}: the steps must not decrease")
+    return phases
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("job")
     run.add_argument("--rate", default="200mbit", help="the link's rate (tc units: 50mbit, 1gbit, ...)")
     run.add_argument("--delay-ms", type=float, default=0.0, help="link delay (needs netem in the kernel)")
-    run.add_argument("--scenario", help="rate changes while the job runs: RATE:SECONDS,RATE:SECONDS,...")
+    run.add_argument("--scenario", help="rate changes while the job runs: RATE:SECONDS,... (seconds from the "
+                                        "driver's start) or RATE@STEP,... (from that step on; needs --run-dir)")
     run.add_argument("--cpus", type=float, nargs=2, default=(1, 1), metavar=("HEAD", "WORKER"))
     sub.add_parser("check", help="list namespaces and processes a testbed left behind (exit 1 if any)")
     sub.add_parser("clean", help="stop and delete whatever a killed testbed left behind")
@@ -257,10 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed: {clean()}")
         return 0
     extra = args.rest
+    scenario = parse_scenario(args.scenario) if args.scenario else None
+    if scenario and scenario[0].from_step is not None and "--run-dir" not in extra:
+        raise SystemExit(f"--scenario {args.scenario!r} changes the link at steps, which the testbed reads from "
+                         "the run's telemetry: give the run dir after --, e.g. -- --run-dir runs/mine")
     with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms) as tb:
         print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}",
               file=sys.stderr, flush=True)
-        scenario = parse_scenario(args.scenario) if args.scenario else None
         return tb.run_driver(["run", args.job, *extra], scenario).returncode
 
 
