@@ -73,7 +73,14 @@ EVENTS = {
     "decision": "an automatic decision with its evidence (`step`, `decision`: switch, revert, keep (a switch "
                 "that helped), straggler or input_bound; `to` for switch/revert; `evidence`: window means, "
                 "threshold, candidate, throughput before/after)",
-    "switch": "the layout changed (`step`, `from`, `to`, `seconds`, `reason`: schedule, switch or revert)",
+    "switch": "the layout changed (`step`, `from`, `to`, `seconds`, `reason`: schedule, switch, revert or tune)",
+    "tune_start": "a bucket_cap_mb tuning round begins (`step`, `mode`: search or grid, `space`, `pinned`, "
+                  "`layout`, `warmup_steps`, `trial_steps`, `max_trials`)",
+    "tune_trial": "one setting was timed (`step`, `setting`, `score` in samples/s, `steps` timed, `step_time`, "
+                  "`comm_wait_frac`)",
+    "tuned": "a tuning round ended (`step`, `started`, `mode`, `layout`, `best` trial, every one of its `trials`)",
+    "tune_abandoned": "a layout switch cut a tuning round short (`step`, `started`, `trials` so far)",
+    "bucket": "bucket_cap_mb changed on the running workers (`step`, `bucket_cap_mb`, `previous`, `seconds`)",
 }
 
 BY_TYPE = {"step": STEP, "sample": SAMPLE, "event": EVENT}

@@ -62,6 +62,19 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="stop watching a live run after S seconds without a new record")
 
+    tune = sub.add_parser("tune", help="time a short trial of each setting (bucket_cap_mb, strategy) and write "
+                                       "a job file with the best")
+    tune.add_argument("job", help="the job file (YAML)")
+    tune.add_argument("--param", action="append", default=[], metavar="NAME=V1,V2,...",
+                      help="values to try: bucket_cap_mb=1,5,10,25,50,100 (the default), strategy=data,hybrid, "
+                           "tp_size=2,4; repeatable, every combination is tried")
+    tune.add_argument("--warmup", type=int, default=5, metavar="N", help="steps discarded after each change (5)")
+    tune.add_argument("--steps", type=int, default=20, metavar="N", help="steps timed per setting (20)")
+    tune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    tune.add_argument("--address", help="join this Ray cluster (default: RAY_ADDRESS, else start one here)")
+    tune.add_argument("--run-dir", help="where the trials' telemetry goes (default as for run)")
+    tune.add_argument("--out", help="the tuned job file (default: JOB.tuned.yaml next to the job file)")
+
     report = sub.add_parser("report", help="plots (PNG) and a text summary of a run")
     report.add_argument("run_dir")
     report.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
@@ -98,6 +111,10 @@ def _dispatch(args) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "tune":
+            from orchestrator.tune import cmd_tune
+
+            return cmd_tune(args)
         if args.command in ("watch", "report"):
             from monitoring.telemetry import TelemetryError
 
@@ -176,7 +193,7 @@ def _resolve_run(args):
         if conflicts:
             raise JobError("--resume", str(run.path), "the job differs from the run it would continue in "
                            "fields that change the result: " + "; ".join(conflicts),
-                           "Only train.steps, train.log_every, train.activation_checkpointing, checkpoint.*, telemetry.*, inject.*, adapt.*, "
+                           "Only train.steps, train.log_every, train.activation_checkpointing, checkpoint.*, telemetry.*, inject.*, adapt.*, tune.*, "
                            "cluster.* and parallel.* may change on resume.")
         found = checkpoint.load_latest(run.checkpoints)
         resume = (found[0].name, found[1]) if found else None

@@ -29,6 +29,7 @@ from monitoring.telemetry import JsonlSink, LogEcho
 from orchestrator.errors import GearshiftError, WorkerFailed
 from orchestrator.job import Job
 from orchestrator.rundir import RunDir
+from orchestrator.tuner import Tuner
 from workers import checkpoint
 
 log = logging.getLogger("gearshift")
@@ -169,6 +170,36 @@ def _describe(decision) -> str:
     return head + (f" ({', '.join(parts[:6])})" if parts else "")
 
 
+def _setting_text(setting: dict) -> str:
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in setting.items())
+
+
+class TuneRound:
+    """One tuning round in progress: which trial, from which step its timed steps count, and
+    the step records that fall in them."""
+
+    def __init__(self, tuner: Tuner, step: int, layout):
+        self.tuner, self.started, self.layout = tuner, step, layout
+        self.first = self.trial_end = step
+        self.records: list[dict] = []
+
+    def begin(self, step: int, warmup: int, steps: int, setting: dict) -> None:
+        self.first, self.trial_end, self.setting, self.records = step + warmup + 1, step + warmup + steps, setting, []
+
+    def add(self, record: dict) -> None:
+        if self.first <= record["step"] <= self.trial_end:
+            self.records.append(record)
+
+    def score(self, global_batch: int) -> tuple[float, dict]:
+        """Samples/s over the timed steps (total samples / total time), and the evidence."""
+        rs = self.records
+        time = sum(r["step_time_max"] for r in rs)
+        waits = [r["comm_wait_frac_mean"] for r in rs if r.get("comm_wait_frac_mean") is not None]
+        return (len(rs) * global_batch / time if time > 0 else 0.0,
+                {"steps": [self.first, self.trial_end], "step_time": time / len(rs) if rs else None,
+                 "comm_wait_frac": sum(waits) / len(waits) if waits else None})
+
+
 class Controller:
     def __init__(self, job: Job, run: RunDir, group_factory: Callable[[Job], object],
                  resume: tuple[str, dict] | None = None, view: ProgressView | None = None):
@@ -188,6 +219,13 @@ class Controller:
         self.switches: list[dict] = []
         self.node_sizes: list[int] = [job.cluster.num_workers]
         self.policy = None
+        # bucket_cap_mb in force; with auto, tuning rounds set it (a round per layout, remembered)
+        self.bucket = job.tune.start if job.parallel.bucket_cap_mb == "auto" else job.parallel.bucket_cap_mb
+        self.tuning: TuneRound | None = None
+        self.tuned: dict = {}       # layout -> the bucket_cap_mb its round chose
+        self.tune_rounds: list[dict] = []
+        self._tune_wanted = False   # the policy kept a switch: tune the new layout at the chunk's end
+        self.tune_grid: dict | None = None  # `gearshift tune`: every setting of this space, then stop
 
     def _emit(self, record: dict) -> None:
         self.sink.write(record)
@@ -257,7 +295,7 @@ class Controller:
             summary.update(world_size=len(infos), backend=infos[0].get("backend"),
                            nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
                            resumed_from_step=start_step if self.resume else None, strategy_history=self.history,
-                           switches=self.switches)
+                           switches=self.switches, tuning=self.tune_rounds)
             self.node_sizes = self._node_sizes(infos)
 
             self._enter(State.TRAINING, from_step=start_step, steps_target=job.train.steps)
@@ -307,7 +345,7 @@ class Controller:
 
     def _history_entry(self, step: int, layout) -> dict:
         return {"step": step, "strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
-                "bucket_cap_mb": self.job.parallel.bucket_cap_mb}
+                "bucket_cap_mb": self.bucket}
 
     def _node_sizes(self, infos: list[dict]) -> list[int]:
         """Workers per node in rank order: simulated nodes (inject.nodes) when the job asks for them."""
@@ -326,8 +364,7 @@ class Controller:
 
     def _merger(self) -> StepMerger:
         job, layout = self.job, self.layout
-        context = {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
-                   "bucket_cap_mb": job.parallel.bucket_cap_mb}
+        context = {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp, "bucket_cap_mb": self.bucket}
         return StepMerger(job.cluster.num_workers, job.train.global_batch_size, context,
                           getattr(self, "tokens_per_sample", None))
 
@@ -370,25 +407,48 @@ class Controller:
         if resumed_layout is not None and resumed_layout != self.layout:
             self._switch(group, resumed_layout, step, "schedule (resume)")
         schedule = [e for e in job.adapt.schedule if e["step"] > start_step]
-        auto = job.parallel.strategy == "auto" and job.adapt.enabled
+        auto = job.parallel.strategy == "auto" and job.adapt.enabled and self.tune_grid is None
         self.policy = self._make_policy() if auto else None
+        self._train_start = start_step
+        if self.tune_grid is not None:
+            self._start_tuning(group, step, Tuner(self.tune_grid, mode="grid"), "grid")
+        else:
+            self._maybe_tune(group, step)
         while step < total:
             until = total
             if schedule:
                 until = min(until, schedule[0]["step"])
-            if self.policy is not None:  # end the chunk where the policy may decide
+            if self.tuning is not None:  # end the chunk where the trial ends
+                until = min(until, self.tuning.trial_end)
+            elif self.policy is not None:  # end the chunk where the policy may decide
                 until = min(until, self.policy.next_decision(step))
             pending = self._train_chunk(group, until)
             step = until
+            if self.tuning is not None and step >= self.tuning.trial_end:
+                self._tune_trial_done(group, step)
+                if self.tune_grid is not None and self.tuning is None:
+                    break  # `gearshift tune`: every setting has been tried
             if step >= total:
                 break
+            switched = False
+            if self.tuning is not None and (schedule and schedule[0]["step"] == step or pending is not None):
+                self._abandon_tuning(step)  # a new layout is coming: its own round follows
             if schedule and schedule[0]["step"] == step:
                 self._switch(group, self._scheduled_layout(step), step, "schedule")
                 schedule.pop(0)
+                switched = True
             elif pending is not None:
                 self._switch(group, pending.to, step, pending.name, pending.evidence)
+                switched = True
             if self.policy is not None and (pending is not None or self.switches and self.switches[-1]["step"] == step):
                 self.policy.switched(self.layout, step)
+            if switched and pending is not None and pending.name == "revert":
+                self._maybe_tune(group, step, only_remembered=True)  # back on a layout tuned before
+            elif switched and (pending is None or self.policy is None):
+                self._maybe_tune(group, step)  # a forced switch: nothing judges it, tune at once
+            elif self._tune_wanted:
+                self._maybe_tune(group, step)  # the policy kept its switch: tune the layout it kept
+            self._tune_wanted = False
 
     def _train_chunk(self, group, until: int):
         """Train to `until`; the first switch or revert the policy asks for on the way, if any."""
@@ -404,15 +464,122 @@ class Controller:
                 if self.view:
                     self.view.update(record["step"], record["loss"], self.stats.recent_rate(job.train.global_batch_size),
                                      self.stats.recent_comm_wait())
-                if self.policy is not None:
+                if self.tuning is not None:
+                    self.tuning.add(record)
+                elif self.policy is not None:
                     decision = self.policy.observe(record)
                     if decision.name != "keep" or decision.evidence:  # a kept switch is news too
                         self._decided(decision, record["step"])
                         if pending is None and decision.name in ("switch", "revert"):
                             pending = decision
+                        if decision.name == "keep":
+                            self._tune_wanted = True
             if "checkpoint" in report:
                 self._save_checkpoint(report["checkpoint"])
         return pending
+
+    # ------------------------------------------------------------------ bucket_cap_mb tuning
+
+    def _maybe_tune(self, group, step: int, only_remembered: bool = False) -> None:
+        """With bucket_cap_mb auto: a round on the layout now in force (none for a layout with no
+        data-parallel all-reduce), or the value a round on this layout chose before."""
+        job = self.job
+        if job.parallel.bucket_cap_mb != "auto" or self.layout.dp == 1 or step >= job.train.steps:
+            return
+        if self.layout in self.tuned:
+            self._apply_bucket(group, self.tuned[self.layout], step)
+            return
+        if only_remembered:
+            return
+        t = job.tune
+        tuner = Tuner({"bucket_cap_mb": t.bucket_values}, start={"bucket_cap_mb": self._nearest(self.bucket)},
+                      mode="search", max_trials=t.max_trials)
+        self._start_tuning(group, step, tuner, "search")
+
+    def _nearest(self, value: float) -> float:
+        return min(self.job.tune.bucket_values, key=lambda v: abs(v - value))
+
+    def _start_tuning(self, group, step: int, tuner: Tuner, mode: str) -> None:
+        self.tuning = TuneRound(tuner, step, self.layout)
+        self._event("tune_start", step=step, mode=mode, space=tuner.space, pinned=tuner.pinned,
+                    layout={"strategy": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp},
+                    warmup_steps=self.job.tune.warmup_steps, trial_steps=self.job.tune.trial_steps,
+                    max_trials=tuner.max_trials)
+        self._next_trial(group, step)
+
+    def _next_trial(self, group, step: int) -> None:
+        round_, t = self.tuning, self.job.tune
+        setting = round_.tuner.next()
+        if setting is None:
+            self._finish_tuning(group, step)
+            return
+        changed = self._apply_setting(group, setting, step)
+        # a changed setting warms up first, as do the run's first steps; a value already in
+        # force on warm workers is timed at once
+        warm = not changed and step != self._train_start
+        round_.begin(step, 0 if warm else t.warmup_steps, t.trial_steps, setting)
+
+    def _tune_trial_done(self, group, step: int) -> None:
+        round_ = self.tuning
+        score, evidence = round_.score(self.job.train.global_batch_size)
+        trial = round_.tuner.report(score, **evidence)
+        self._event("tune_trial", step=step, **trial.to_dict())
+        if self.view:
+            wait = evidence["comm_wait_frac"]
+            self.view.say(f"step {step}: tune trial {_setting_text(trial.setting)}: {score:,.1f} samples/s"
+                          + (f", comm wait {wait:.0%}" if wait is not None else ""))
+        self._next_trial(group, step)
+
+    def _finish_tuning(self, group, step: int) -> None:
+        round_, self.tuning = self.tuning, None
+        best = round_.tuner.best()
+        trials = [t.to_dict() for t in round_.tuner.trials]
+        entry = {"step": step, "started": round_.started, "mode": "grid" if self.tune_grid is not None else "search",
+                 "layout": {"strategy": round_.layout.kind, "dp": round_.layout.dp, "tp": round_.layout.tp},
+                 "best": best.to_dict() if best else None, "trials": trials}
+        self.tune_rounds.append(entry)
+        self._event("tuned", **entry)
+        if self.tune_grid is not None or best is None:
+            return
+        self.tuned[self.layout] = best.setting["bucket_cap_mb"]
+        if self.view:
+            self.view.say(f"step {step}: tuned bucket_cap_mb = {best.setting['bucket_cap_mb']:g} on "
+                          f"{_layout_text(self.layout)} ({best.score:,.1f} samples/s, {len(trials)} trials)")
+        self._apply_bucket(group, best.setting["bucket_cap_mb"], step)
+        if self.policy is not None:
+            self.policy.resume_at(step)
+
+    def _abandon_tuning(self, step: int) -> None:
+        round_, self.tuning = self.tuning, None
+        self._event("tune_abandoned", step=step, started=round_.started,
+                    trials=[t.to_dict() for t in round_.tuner.trials])
+
+    def _apply_setting(self, group, setting: dict, step: int) -> bool:
+        """Put a tuning setting in force: a layout (grid tuning) and a bucket size. True if it changed anything."""
+        from strategies.layout import Layout
+
+        layout = self.layout
+        if "strategy" in setting:
+            layout = Layout.for_workers(setting["strategy"], self.job.cluster.num_workers,
+                                        setting.get("tp_size", self.job.parallel.tp_size)
+                                        if setting["strategy"] != "data" else None)
+        bucket = setting.get("bucket_cap_mb", self.bucket)
+        if layout == self.layout and bucket == self.bucket:
+            return False
+        if layout != self.layout:
+            self._switch(group, layout, step, "tune", bucket=bucket)
+        else:
+            self._apply_bucket(group, bucket, step)
+        return True
+
+    def _apply_bucket(self, group, bucket: float, step: int) -> None:
+        if bucket == self.bucket:
+            return
+        results = group.call("reshard", self.layout.kind, self.layout.tp, bucket)
+        old, self.bucket = self.bucket, bucket
+        self.history.append(self._history_entry(step, self.layout))
+        self._event("bucket", step=step, bucket_cap_mb=bucket, previous=old,
+                    seconds=max(r["seconds"] for r in results))
 
     def _decided(self, decision, step: int) -> None:
         data = decision.to_dict()
@@ -421,13 +588,16 @@ class Controller:
         if self.view:
             self.view.say(f"step {step}: {_describe(decision)}")
 
-    def _switch(self, group, target, step: int, reason: str, evidence: dict | None = None) -> None:
+    def _switch(self, group, target, step: int, reason: str, evidence: dict | None = None,
+                bucket: float | None = None) -> None:
         """Carry out a layout change on the running workers, at step boundary `step`."""
         old = self.layout
         self._enter(State.SWITCHING, step=step, to={"strategy": target.kind, "dp": target.dp, "tp": target.tp})
-        results = group.call("reshard", target.kind, target.tp)
+        results = group.call("reshard", target.kind, target.tp, *([bucket] if bucket is not None else []))
         seconds = max(r["seconds"] for r in results)
         self.layout = target
+        if bucket is not None:
+            self.bucket = bucket
         record = {"step": step, "from": {"strategy": old.kind, "dp": old.dp, "tp": old.tp},
                   "to": {"strategy": target.kind, "dp": target.dp, "tp": target.tp}, "seconds": seconds,
                   "reason": reason}
@@ -445,5 +615,5 @@ class Controller:
         self._event("checkpoint", step=state["step"], path=str(path))
 
     def _figures(self, start_step: int, wall: float) -> dict:
-        return {"steps_done": self.stats.last["step"] if self.stats.last else start_step,
+        return {"steps_done": self.stats.last["step"] if self.stats.last else start_step, "bucket_cap_mb": self.bucket,
                 **self.stats.summary(self.job.train.global_batch_size), "wall_time_s": wall}

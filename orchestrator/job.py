@@ -234,13 +234,32 @@ def _tp_plan(v, path):
     return plan
 
 
+def _bucket(v, path):
+    if v == "auto":
+        return v
+    try:
+        return _float(0.0, 4096.0, lo_open=True)(v, path)
+    except JobError:
+        raise JobError(path, v, "must be a number of MB in (0, 4096], or 'auto' to tune it while training") from None
+
+
+def _bucket_values(v, path):
+    if not isinstance(v, list) or not v:
+        raise JobError(path, v, "must be a non-empty list of bucket sizes in MB, e.g. [1, 5, 10, 25, 50, 100]")
+    out = [_float(0.0, 4096.0, lo_open=True)(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    if len(set(out)) != len(out):
+        raise JobError(path, v, "must not repeat a value")
+    return sorted(out)
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
     strategy: str = _f("data", _choice("data", "tensor", "hybrid", "auto"),
                        "auto starts data parallel and lets the adaptive policy switch (see adapt)")
     tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size")
     tp_plan: dict = _f({}, _tp_plan, "module-name pattern -> colwise | rowwise, for models without a plan")
-    bucket_cap_mb: float = _f(25.0, _float(0.0, 4096.0, lo_open=True), "gradient bucket size")
+    bucket_cap_mb: float | str = _f(25.0, _bucket, "gradient bucket size in MB, or auto: tuned while training "
+                                                    "(see tune)")
     tp_across_nodes: bool = _f(False, _bool, "allow tensor-parallel groups that span nodes (slow: for comparisons)")
 
 
@@ -289,6 +308,17 @@ class AdaptSpec:
     schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K}, ...]")
 
 
+@dataclass(frozen=True)
+class TuneSpec:
+    """Online tuning of parallel.bucket_cap_mb (when it is auto): a climb over `bucket_values`."""
+
+    bucket_values: list = _f([1.0, 5.0, 10.0, 25.0, 50.0, 100.0], _bucket_values, "bucket sizes (MB) to choose from")
+    start: float = _f(25.0, _float(0.0, 4096.0, lo_open=True), "the value training starts with; one of bucket_values")
+    warmup_steps: int = _f(3, _int(0, 10000), "steps discarded after each change (the new buckets warm up)")
+    trial_steps: int = _f(10, _int(1, 100000), "steps timed per trial; the score is their samples/s")
+    max_trials: int = _f(6, _int(1, 1000), "trials per tuning round (one round at the start, one per layout)")
+
+
 def _link(v, path):
     if v is None:
         return None
@@ -327,6 +357,7 @@ class Job:
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     adapt: AdaptSpec = field(default_factory=AdaptSpec)
+    tune: TuneSpec = field(default_factory=TuneSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     telemetry: TelemetrySpec = field(default_factory=TelemetrySpec)
     inject: InjectSpec = field(default_factory=InjectSpec)
@@ -583,9 +614,16 @@ def _check_adapt(job: Job) -> None:
                 raise JobError(err.field_path, err.value, err.allowed, f"(needed by {where}) {err.hint}".strip()) from None
 
 
+def _check_tune(job: Job) -> None:
+    t = job.tune
+    if t.start not in t.bucket_values:
+        raise JobError("tune.start", t.start, f"must be one of tune.bucket_values {t.bucket_values}")
+
+
 def _check_sizes(job: Job) -> None:
     _check_layout(job)
     _check_adapt(job)
+    _check_tune(job)
     dp = job.dp_size
     if job.train.global_batch_size % dp:
         raise JobError("train.global_batch_size", job.train.global_batch_size,

@@ -5,8 +5,9 @@ order (`observe`) and carries out what it returns; it tells the policy when a sw
 really happened (`switched`). Each decision carries the evidence that led to it.
 
 Rules, evaluated once per full window of steps on the current layout (after `settle`):
-  1. after a switch, the first window judges it: throughput not better -> Revert, and the
-     layout is not retried for `retry_after` steps. A trial that is clearly worse is cut short:
+  1. after a switch, the first window judges it against the second half of the window that
+     led to it: throughput not better -> Revert, and the layout is not retried for
+     `retry_after` steps (doubled with each further revert of it). A trial that is clearly worse is cut short:
      after `early_check` steps, samples/s below (1 - `early_loss`) x before reverts at once;
   2. time in data loading above `input_bound_frac` -> Report("input_bound"), no switch;
   3. one rank computing much longer while the others wait on it -> Report("straggler"), no switch;
@@ -14,9 +15,12 @@ Rules, evaluated once per full window of steps on the current layout (after `set
      candidate that is not blocked;
   5. (4 again) a reverted layout is not retried for `retry_after` steps, unless the wait has
      since grown past 1.5x the wait that first sent the policy there: the network got worse;
-  6. the network got better: on a layout the policy moved to and kept, the comm-wait fraction
-     fell below half of what it was when the layout was kept (and below `threshold`) -> Switch
-     back to the previous candidate, judged like any switch. A steady network never triggers it.
+  6. the network got better: on a layout the policy moved to and kept, the comm wait in seconds
+     fell below half of what it was when the layout was kept -> Switch back to the previous
+     candidate, judged like any switch; once that is kept, the layout left is held back like a
+     reverted one (rule 5), so the policy does not go straight back to it. Seconds, not the
+     fraction: a layout whose own collectives (tensor parallelism inside a node) keep a high
+     fraction still shows a faster link as a shorter wait. A steady network never triggers it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import ClassVar
 from strategies.layout import Layout
 
 # null when telemetry is off: without them there is nothing to judge
-TIMING_FIELDS = ("comm_wait_frac_mean", "data_time_mean", "compute_time_mean")
+TIMING_FIELDS = ("comm_wait_frac_mean", "comm_wait_mean", "data_time_mean", "compute_time_mean")
 
 
 @dataclass(frozen=True)
@@ -114,17 +118,24 @@ def candidate_layouts(world: int, node_sizes: list[int],
     return out
 
 
-def window_means(window: list[dict]) -> dict:
-    time = sum(r["step_time_max"] for r in window)
+def _rate(window: list[dict]) -> float:
     # samples_per_s * step_time_max is the global batch: total samples / total wall time is
     # robust to a few outlier steps, where a mean of rates is not
-    samples = sum(r["samples_per_s"] * r["step_time_max"] for r in window)
+    time = sum(r["step_time_max"] for r in window)
+    return sum(r["samples_per_s"] * r["step_time_max"] for r in window) / time if time > 0 else 0.0
+
+
+def window_means(window: list[dict]) -> dict:
     mean_time = sum(r["step_time_mean"] for r in window)
     return {
         "steps": [window[0]["step"], window[-1]["step"]],
         "comm_wait_frac": fmean(r["comm_wait_frac_mean"] for r in window),
-        "step_time": time / len(window),
-        "samples_per_s": samples / time if time > 0 else 0.0,
+        "comm_wait_s": fmean(r["comm_wait_mean"] for r in window),
+        "step_time": sum(r["step_time_max"] for r in window) / len(window),
+        "samples_per_s": _rate(window),
+        # the window's second half: what a switch is judged against, the link as it is now (a
+        # window that straddles a change of the link would otherwise flatter the layout left)
+        "samples_per_s_recent": _rate(window[len(window) // 2:]),
         "data_frac": sum(r["data_time_mean"] for r in window) / mean_time if mean_time > 0 else 0.0,
     }
 
@@ -167,7 +178,10 @@ class Policy:
         # that has since got much worse (1.5x that wait) lifts the block early
         self._blocked_wait: dict[Layout, float] = {}
         self._reported: dict[tuple, int] = {}  # (kind, rank) -> step of the last report
-        self._kept_wait: float | None = None  # comm-wait fraction when the current layout was judged and kept
+        self._reverts: Counter = Counter()     # layout -> reverts since it was last kept
+        self._kept_wait: float | None = None  # comm wait (s per step) when the current layout was judged and kept
+        self._trial_back = False               # the switch on trial is a step back (rule 6)
+        self._rebase = False                   # measure _kept_wait again on the next window (resume_at)
         self._trial_wait: float | None = None  # comm-wait fraction of the window that led to the switch on trial
 
     def observe(self, record: dict) -> Decision:
@@ -211,10 +225,18 @@ class Policy:
         """
         pending, self._pending = self._pending, None
         judged = isinstance(pending, Switch) and pending.to == to
-        self._trial = (self.current, pending.evidence["samples_per_s"]) if judged else None
+        self._trial = (self.current, pending.evidence["samples_per_s_recent"]) if judged else None
         self._trial_wait = pending.evidence.get("comm_wait_frac") if judged else None
+        self._trial_back = judged and pending.evidence.get("reason") == "comm_wait_fell"
         self.current, self._since, self._window = to, step, []
-        self._kept_wait = None
+        self._kept_wait, self._rebase = None, False
+
+    def resume_at(self, step: int) -> None:
+        """Records up to `step` were not the policy's to judge (a tuning round changed
+        bucket_cap_mb under the current layout): count windows afresh from there, and measure
+        again the comm wait the layout was kept at, now with the new setting."""
+        self._window, self._since = [], step
+        self._rebase = self._kept_wait is not None
 
     def state(self) -> dict:
         return {
@@ -236,6 +258,9 @@ class Policy:
         c, means = self.config, window_means(window)
         if self._trial is not None:
             return self._judge(means, step)
+        if self._rebase:
+            self._rebase, self._kept_wait = False, means["comm_wait_s"]
+            return KEEP
         if means["data_frac"] > c.input_bound_frac:
             return self._report("input_bound", None, {**means, "input_bound_frac": c.input_bound_frac}, step)
         slow = find_straggler(window, c)
@@ -243,15 +268,13 @@ class Policy:
             return self._report("straggler", slow["rank"],
                                 {**means, **slow, "straggler_ratio": c.straggler_ratio}, step)
         cooling = self._since is not None and step < self._since + c.cooldown
-        if means["comm_wait_frac"] <= c.threshold:
-            back = None if cooling else self._previous_candidate(means, step)
-            if back is None:
-                return KEEP
+        back = None if cooling else self._previous_candidate(means, step)
+        if back is not None:
             self._pending = Switch(back, {"reason": "comm_wait_fell", **means, "threshold": c.threshold,
-                                          "comm_wait_frac_when_kept": self._kept_wait, "window": c.window,
+                                          "comm_wait_s_when_kept": self._kept_wait, "window": c.window,
                                           "from": layout_dict(self.current), "candidate": layout_dict(back)})
             return self._pending
-        if cooling:
+        if cooling or means["comm_wait_frac"] <= c.threshold:
             return KEEP
         to = self._next_candidate(step, means["comm_wait_frac"])
         if to is None:
@@ -271,9 +294,7 @@ class Policy:
         means = window_means(window)
         if means["samples_per_s"] >= self._trial[1] * (1 - self.config.early_loss):
             return None
-        decision = self._judge(means, step, early=True)
-        self.history.append({"step": step, **decision.to_dict()})
-        return decision
+        return self._judge(means, step, early=True)
 
     def _judge(self, means: dict, step: int, early: bool = False) -> Decision:
         before_layout, before = self._trial
@@ -283,19 +304,26 @@ class Policy:
                     "min_gain": c.min_gain, "from": layout_dict(before_layout),
                     "layout": layout_dict(self.current)}
         if after > before * (1 + c.min_gain):
-            self._kept_wait = means["comm_wait_frac"]
+            self._kept_wait = means["comm_wait_s"]
+            self._reverts[self.current] = 0
+            if self._trial_back:  # back where the network allows: hold the layout left back (rule 6)
+                self._blocked[before_layout] = step + c.retry_after
+                self._blocked_wait[before_layout] = means["comm_wait_frac"]
             return Keep({"reason": "kept", **evidence})
         # block the layout that did not help so the next slow window does not try it again at once
-        self._blocked[self.current] = step + c.retry_after
+        # each revert of the same layout doubles its block: a layout that keeps losing is explored ever less
+        self._reverts[self.current] += 1
+        block = c.retry_after * 2 ** (self._reverts[self.current] - 1)
+        self._blocked[self.current] = step + block
         self._blocked_wait[self.current] = self._trial_wait if self._trial_wait is not None else 1.0
         if early:
             evidence["early_loss"] = c.early_loss
             evidence["reason"] = (f"samples/s after {after:.4g} < before {before:.4g} x (1 - {c.early_loss}) "
                                   f"in the first {means['steps'][1] - means['steps'][0] + 1} steps; "
-                                  f"not retried before step {step + c.retry_after}")
+                                  f"not retried before step {step + block}")
         else:
             evidence["reason"] = (f"samples/s after {after:.4g} <= before {before:.4g} x (1 + {c.min_gain}); "
-                                  f"not retried before step {step + c.retry_after}")
+                                  f"not retried before step {step + block}")
         self._pending = Revert(before_layout, evidence)
         return self._pending
 
@@ -311,7 +339,7 @@ class Policy:
 
     def _previous_candidate(self, means: dict, step: int) -> Layout | None:
         """The layout before this one, once the wait that drove the move here has gone."""
-        if self._kept_wait is None or means["comm_wait_frac"] >= 0.5 * self._kept_wait:
+        if self._kept_wait is None or means["comm_wait_s"] >= 0.5 * self._kept_wait:
             return None
         if self.current not in self.candidates or self.candidates.index(self.current) == 0:
             return None

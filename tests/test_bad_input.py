@@ -95,6 +95,13 @@ CASES = [
     ("link-bad-rate", MLP, ["inject.nodes=2", "inject.link={mb_per_s: 0}"], ["inject.link.mb_per_s", "> 0.0"]),
     ("metrics-port-out-of-range", MLP, ["telemetry.metrics_port=70000"], ["telemetry.metrics_port", "70000", "between 0 and 65535"]),
     ("sample-period-too-short", MLP, ["telemetry.sample_period_s=0.05"], ["telemetry.sample_period_s", "0.05", "between 0.2"]),
+    ("bucket-word", MLP, ["parallel.bucket_cap_mb=big"], ["parallel.bucket_cap_mb", "'big'", "or 'auto'"]),
+    ("bucket-zero", MLP, ["parallel.bucket_cap_mb=0"], ["parallel.bucket_cap_mb", "0", "(0, 4096]"]),
+    ("tune-start-not-a-value", MLP, ["tune.bucket_values=[1, 5]", "tune.start=25"],
+     ["tune.start", "25", "one of tune.bucket_values [1.0, 5.0]"]),
+    ("tune-values-empty", MLP, ["tune.bucket_values=[]"], ["tune.bucket_values", "non-empty list"]),
+    ("tune-values-repeat", MLP, ["tune.bucket_values=[5, 5]"], ["tune.bucket_values", "must not repeat"]),
+    ("tune-trial-steps-zero", MLP, ["tune.trial_steps=0"], ["tune.trial_steps", "0"]),
 ]
 
 

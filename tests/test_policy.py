@@ -130,7 +130,7 @@ def test_switch_evidence_is_complete_and_json_ready():
 
 def test_reverts_when_the_switch_did_not_help_and_blocks_that_layout():
     policy = Policy(AdaptConfig(), candidate_layouts(4, [4]), DATA4)
-    slower = lambda lay, s: {"wait": 0.3, "step_time": 0.1 if lay == DATA4 else 0.125}
+    slower = lambda lay, s: {"wait": 0.3, "step_time": 0.1 if lay == DATA4 else 0.12}  # not a loss to cut short
     decisions = run(policy, 200, slower)
     assert names(decisions)[:2] == ["switch", "revert"]
     (s1, switch), (s2, revert) = decisions[:2]
@@ -138,7 +138,7 @@ def test_reverts_when_the_switch_did_not_help_and_blocks_that_layout():
     # the judging window is the first full window after settle on the new layout
     assert s2 == s1 + 2 + AdaptConfig().settle + AdaptConfig().window
     assert revert.evidence["samples_per_s_before"] == pytest.approx(320)
-    assert revert.evidence["samples_per_s_after"] == pytest.approx(256)
+    assert revert.evidence["samples_per_s_after"] == pytest.approx(32 / 0.12)
     assert "reason" in revert.evidence and revert.evidence["layout"]["tp"] == 2
     # the next try skips the blocked hybrid tp=2 and goes on to tensor
     assert decisions[2][1].name == "switch" and decisions[2][1].to == TENSOR4
@@ -183,7 +183,7 @@ def test_a_slow_rank_that_also_waits_is_no_straggler():
 
 
 def test_throughput_is_total_samples_over_total_time():
-    policy = Policy(AdaptConfig(), candidate_layouts(4, [2, 2]), DATA4)
+    policy = Policy(AdaptConfig(early_check=20), candidate_layouts(4, [2, 2]), DATA4)  # judged on full windows
     # hybrid is slower, but one step per window is absurdly fast: a mean of per-step rates
     # (dominated by that step) would call the switch a gain
     shape = lambda lay, s: {"wait": 0.3, "step_time": 0.1 if lay == DATA4 else (0.001 if s % 20 == 0 else 0.125)}
@@ -231,7 +231,7 @@ def test_never_oscillates_over_a_long_noisy_trace(seed, penalty):
         tries = [s for s, to in switches if to == layout]
         assert all(b - a > cfg.retry_after for a, b in itertools.pairwise(tries)), (layout, tries)
     if penalty > 1:
-        assert len(reverts) >= 10  # the trace really exercises revert and retry
+        assert len(reverts) >= 6  # the trace really exercises revert and retry (ever less often: back-off)
 
 
 def test_slow_network_for_data_only_switches_once_and_stays():
@@ -365,3 +365,44 @@ def test_next_decision_is_where_the_policy_decides():
             made.append((step, pending.name))
             policy.switched(pending.to, step)
     assert made[:2] == [(cfg.window, "switch"), (cfg.window + cfg.settle + cfg.early_check, "revert")]
+
+
+def test_fast_slow_fast_with_a_chatty_layout_ends_where_the_link_allows():
+    """Measured on the two-namespace testbed (GPT, 2 x 2 ranks): on a fast link data is faster,
+    though it waits 40 % of its step, and hybrid's own tensor-parallel collectives keep its wait
+    above the threshold too; on a slow one hybrid is faster. The policy tries hybrid once on the
+    fast link and cuts the trial short, takes it when the link slows, steps back to data when the
+    link recovers, and then leaves hybrid alone: no trial of it again while the link stays fast."""
+    rng = random.Random(7)
+    cfg = AdaptConfig(window=10, cooldown=20)
+    policy = Policy(cfg, candidate_layouts(4, [2, 2]), DATA4)
+    figures = {(DATA4, False): (0.40, 0.084), (DATA4, True): (0.90, 0.58),
+               (HYB2, False): (0.52, 0.155), (HYB2, True): (0.80, 0.486)}
+
+    def shape(lay, step):
+        wait, time = figures[(lay, 300 <= step < 700)]
+        return {"wait": wait * rng.uniform(0.95, 1.05), "step_time": time * rng.uniform(0.97, 1.03)}
+
+    decisions = run(policy, 1100, shape)  # hybrid is held back for retry_after (400) steps after the step back
+    got = [(d.name, d.to, d.evidence.get("reason", "")[:14]) for _, d in decisions]
+    assert got == [("switch", HYB2, "comm_wait"), ("revert", DATA4, "samples/s afte"),
+                   ("switch", HYB2, "comm_wait"), ("switch", DATA4, "comm_wait_fell")], got
+    steps = [s for s, _ in decisions]
+    assert steps[1] - steps[0] <= 2 + cfg.settle + cfg.early_check  # the fast-link trial is cut short
+    assert 300 < steps[2] <= 300 + 3 * cfg.window and 700 < steps[3] <= 700 + 3 * cfg.window
+    assert policy.current == DATA4
+    kept = [h for h in policy.history if h["decision"] == "keep"]
+    assert len(kept) == 2 and kept[-1]["evidence"]["layout"]["strategy"] == "data"
+
+
+def test_each_revert_of_a_layout_doubles_its_block():
+    cfg = AdaptConfig(window=10, cooldown=20)
+    policy = Policy(cfg, candidate_layouts(4, [2, 2]), DATA4)
+    shape = lambda lay, s: {"wait": 0.4, "step_time": 0.1 if lay == DATA4 else 0.2}
+    decisions = run(policy, 3500, shape)
+    reverts = [s for s, d in decisions if d.name == "revert"]
+    tries = [s for s, d in decisions if d.name == "switch"]
+    assert len(tries) == len(reverts) == 4
+    gaps = [t - r for r, t in zip(reverts, tries[1:])]
+    assert [g // cfg.retry_after for g in gaps] == [1, 2, 4], gaps  # 400, 800, 1600 steps (+ a window)
+    assert all(g < b * cfg.retry_after + 2 * cfg.window for g, b in zip(gaps, [1, 2, 4]))

@@ -104,6 +104,8 @@ class TrainWorker:
         self.batches = GlobalBatches(len(self.dataset), train["global_batch_size"], train["seed"])
         self.autocast_dtype = _DTYPES[train["precision"]]
         strategy = "data" if par["strategy"] == "auto" else par["strategy"]  # auto starts data parallel
+        # auto: tuned while training (the controller reshards with each trial's value)
+        self.bucket_cap_mb = job["tune"]["start"] if par["bucket_cap_mb"] == "auto" else par["bucket_cap_mb"]
         self._lay_out(Layout.for_workers(strategy, self.world, par.get("tp_size")))
         self.step = 0
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
@@ -122,7 +124,7 @@ class TrainWorker:
                                                                train.get("activation_checkpointing", False))
         model = model.to(self.device)
         plan = components.tp_plan(model, par.get("tp_plan"), returned_plan, layout.tp) if layout.kind != "data" else None
-        self.parallel = strategies.parallelize(model, layout, self.device, par["bucket_cap_mb"], plan)
+        self.parallel = strategies.parallelize(model, layout, self.device, self.bucket_cap_mb, plan)
         self.optimizer = components.build_optimizer(strategies.param_groups(self.parallel.model), job["optimizer"])
         # fp16 needs loss scaling; the parameters stay fp32 (autocast computes in fp16 from them),
         # so the optimizer always updates fp32 master weights. With shards, ranks see different
@@ -134,13 +136,15 @@ class TrainWorker:
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
         self._instrument()
 
-    def reshard(self, kind: str, tp: int) -> dict:
-        """Switch: move the live model and optimizer state to another layout, in memory, on the
-        same processes. Every rank gathers the full tensors (a collective), builds the new
-        layout and keeps its own shard; step, data position and random state carry over (the
-        data order and the per-step seeds are functions of the step). All ranks call it at the
-        same step boundary."""
+    def reshard(self, kind: str, tp: int, bucket_cap_mb: float | None = None) -> dict:
+        """Switch: move the live model and optimizer state to another layout (or the same one
+        with another `bucket_cap_mb`), in memory, on the same processes. Every rank gathers the
+        full tensors (a collective), builds the new layout and keeps its own shard; step, data
+        position and random state carry over (the data order and the per-step seeds are
+        functions of the step). All ranks call it at the same step boundary."""
         start = time.perf_counter()
+        if bucket_cap_mb is not None:
+            self.bucket_cap_mb = float(bucket_cap_mb)
         target = Layout.for_workers(kind, self.world, tp if kind != "data" else None)
         state = {"model": strategies.state.model_state(self.parallel.model),
                  "optimizer": strategies.state.optimizer_state(self.optimizer, self.parallel.model),
