@@ -25,6 +25,8 @@ STEP = {
     "dp": (int, "data-parallel degree"),
     "tp": (int, "tensor-parallel degree"),
     "bucket_cap_mb": (NUM, "DDP gradient bucket size in force"),
+    "ended_at": (OPT_NUM, "wall clock (Unix seconds) when rank 0 finished the step; `time` is when the "
+                          "controller merged it"),
     "loss": (NUM, "loss over the whole global batch (mean of the ranks' losses)"),
     "step_time_max": (NUM, "step time of the slowest rank: the step's wall time"),
     "step_time_mean": (NUM, "step time averaged over ranks"),
@@ -81,6 +83,14 @@ EVENTS = {
     "tuned": "a tuning round ended (`step`, `started`, `mode`, `layout`, `best` trial, every one of its `trials`)",
     "tune_abandoned": "a layout switch cut a tuning round short (`step`, `started`, `trials` so far)",
     "bucket": "bucket_cap_mb changed on the running workers (`step`, `bucket_cap_mb`, `previous`, `seconds`)",
+    "failure": "a worker died, went silent or lost a collective's peer (`step` reached, `rank`, `kind`: died, silent "
+               "or raised, `error`, `failures` so far, `max_failures`, `lost_nodes`, `action` taken, "
+               "`steps_to_recompute`)",
+    "restored": "a new worker group restarted from a checkpoint after a failure (`checkpoint`, `step`)",
+    "recovered": "the first step trained after a failure (`step`, `restored_step`, `seconds_since_detected`, "
+                 "`steps_recomputed`, `world_size`)",
+    "non_finite": "a step's loss or gradient norm was NaN or Inf: its update was not applied and its batch skipped "
+                  "(`step`, `loss`, `grad_norm`, `layer`: the first module whose output was not finite, `action`)",
 }
 
 BY_TYPE = {"step": STEP, "sample": SAMPLE, "event": EVENT}

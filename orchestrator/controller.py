@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import enum
 import json
 import logging
@@ -48,7 +49,7 @@ class StepMerger:
     """Collects per-rank reports and releases a step, aggregated over ranks, once every rank has
     reported it. `context` (strategy, dp, tp, bucket_cap_mb) is stamped on every record."""
 
-    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls")
+    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls", "step_ends")
 
     def __init__(self, world: int, global_batch: int, context: dict, tokens_per_sample: int | None = None):
         self.world = world
@@ -75,14 +76,14 @@ class StepMerger:
         return sorted(done, key=lambda r: r["step"])
 
     def _merge(self, step: int, per_rank: list[tuple]) -> dict:
-        losses, times, data, waits, calls = (list(c) for c in zip(*per_rank))
+        losses, times, data, waits, calls, ends = (list(c) for c in zip(*per_rank))
         slowest = max(range(self.world), key=lambda r: times[r])
         rate = self.global_batch / times[slowest] if times[slowest] > 0 else 0.0
         timed = all(w is not None for w in waits)  # telemetry off: only loss and step time
         fracs = [min(1.0, w / t) if t > 0 else 0.0 for w, t in zip(waits, times)] if timed else None
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         return {
-            "type": "step", "time": time.time(), "step": step, **self.context,
+            "type": "step", "time": time.time(), "step": step, **self.context, "ended_at": ends[0],
             # every rank holds an equal share of the global batch, so the mean of the ranks'
             # mean losses is the loss over the whole global batch
             "loss": mean(losses),
@@ -226,6 +227,11 @@ class Controller:
         self.tune_rounds: list[dict] = []
         self._tune_wanted = False   # the policy kept a switch: tune the new layout at the chunk's end
         self.tune_grid: dict | None = None  # `gearshift tune`: every setting of this space, then stop
+        self.failures: list[dict] = []   # worker or node failures recovered from
+        self.skipped: list[dict] = []    # steps whose loss or gradient norm was not finite
+        self._recovering: dict | None = None  # the failure whose restart has not trained a step yet
+        self.group = None
+        self.summary: dict = {}
 
     def _emit(self, record: dict) -> None:
         self.sink.write(record)
@@ -265,44 +271,25 @@ class Controller:
         job = self.job
         t0 = time.time()
         start_step = 0
-        group = None
+        self.group = None
         summary = {"job": job.name, "fingerprint": job.fingerprint(), "run_dir": str(self.run_dir.path),
                    "steps_target": job.train.steps}
+        self.summary = summary
         try:
             self.run_dir.write_driver()
             self._start_observers()
             if self.metrics:
                 self._event("metrics", url=self.metrics.url)
-            self._enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
-            group = self.group_factory(job)
-            infos = group.start()
-            keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend")
-            layout = job.layout
-            self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
-                        layout={"kind": layout.kind, "dp": layout.dp, "tp": layout.tp},
-                        tp_groups=layout.tp_groups() if layout.tp > 1 else [])
-            for info in infos:
-                if info.get("sampler"):
-                    self._event("sampler", rank=info["rank"], **info["sampler"])
-            self.tokens_per_sample = infos[0].get("tokens_per_sample")
-            if self.resume:
-                name, state = self.resume
-                ref = group.put(state)
-                start_step = group.call("load", ref)[0]
-                self._event("resumed", checkpoint=name, step=start_step)
-            self.layout = layout
-            self.history = self._earlier_history(start_step) + [self._history_entry(start_step, layout)]
-            summary.update(world_size=len(infos), backend=infos[0].get("backend"),
-                           nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
-                           resumed_from_step=start_step if self.resume else None, strategy_history=self.history,
-                           switches=self.switches, tuning=self.tune_rounds)
-            self.node_sizes = self._node_sizes(infos)
-
-            self._enter(State.TRAINING, from_step=start_step, steps_target=job.train.steps)
-            if self.view:
-                self.view.start(job.train.steps, job.train.global_batch_size, start_step, job.train.log_every)
-            self._train(group, start_step)
-            final_state = group.call("state")[0]  # every rank takes part in gathering shards
+            resume, failures = self.resume, 0
+            while True:
+                try:
+                    start_step = self._start(resume, restart=failures > 0)
+                    self._train(self.group, start_step)
+                    break
+                except WorkerFailed as err:
+                    failures += 1
+                    resume = self._recover(err, failures)  # raises when it is not to be recovered
+            final_state = self.group.call("state")[0]  # every rank takes part in gathering shards
             self._save_checkpoint(final_state)
             checkpoint.write_file_atomic(self.run_dir.final, checkpoint.torch_bytes(final_state["model"]))
             self._enter(State.DONE, step=final_state["step"])
@@ -322,8 +309,8 @@ class Controller:
         finally:
             if self.view:
                 self.view.close()
-            if group is not None:
-                group.shutdown(polite=self.state is State.DONE)
+            if self.group is not None:
+                self.group.shutdown(polite=self.state is State.DONE)
             summary.update(self._figures(start_step, time.time() - t0))
             self.run_dir.write_summary(summary)
             self.sink.close()
@@ -332,6 +319,137 @@ class Controller:
                     if hasattr(observer, "close"):
                         observer.close()
         return summary
+
+    def _start(self, resume: tuple[str, dict] | None, restart: bool = False) -> int:
+        """Place and start a worker group for self.job, restore `resume` into it; the step it is at."""
+        job, summary = self.job, self.summary
+        self._enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
+        self.group = group = self.group_factory(job)
+        infos = group.start()
+        keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend")
+        layout = job.layout
+        self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
+                    layout={"kind": layout.kind, "dp": layout.dp, "tp": layout.tp},
+                    tp_groups=layout.tp_groups() if layout.tp > 1 else [])
+        for info in infos:
+            if info.get("sampler") and not restart:
+                self._event("sampler", rank=info["rank"], **info["sampler"])
+        self.tokens_per_sample = infos[0].get("tokens_per_sample")
+        start_step = 0
+        if resume:
+            name, state = resume
+            ref = group.put(state)
+            start_step = group.call("load", ref)[0]
+            self._event("restored" if restart else "resumed", checkpoint=name, step=start_step)
+        before = self.layout if restart else None
+        self.layout = layout
+        if restart:  # the layout and bucket in force when the workers were lost come back
+            self.bucket = job.tune.start if job.parallel.bucket_cap_mb == "auto" else job.parallel.bucket_cap_mb
+            if before is not None and before != layout and before.world == layout.world:
+                self._switch(group, before, start_step, "restore")
+            self.history = [h for h in self.history if h["step"] < start_step]
+            self.history.append(self._history_entry(start_step, self.layout))
+        else:
+            self.history = self._earlier_history(start_step) + [self._history_entry(start_step, layout)]
+        summary.update(world_size=len(infos), backend=infos[0].get("backend"),
+                       nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
+                       strategy_history=self.history, switches=self.switches, tuning=self.tune_rounds,
+                       failures=self.failures, non_finite_steps=self.skipped)
+        summary.setdefault("resumed_from_step", start_step if resume and not restart else None)
+        self.node_sizes = self._node_sizes(infos)
+        self._enter(State.TRAINING, from_step=start_step, steps_target=job.train.steps)
+        if self.view and not restart:
+            self.view.start(job.train.steps, job.train.global_batch_size, start_step, job.train.log_every)
+        return start_step
+
+    def _recover(self, err: WorkerFailed, failures: int) -> tuple[str, dict] | None:
+        """After a lost, silent or disconnected worker: tear the group down (no survivor is left
+        blocked in a collective: every actor is killed), pick what to continue on, and return the
+        latest checkpoint that verifies (None: from the start). Raises `err` when the failure is
+        not one a restart can fix, or the job's fault.max_failures is used up."""
+        job, f = self.job, self.job.fault
+        detected = time.time()
+        failed_at = self.stats.last["step"] if self.stats.last else 0
+        self.tuning, self._tune_wanted = None, False
+        group, self.group = self.group, None
+        if group is not None:
+            group.shutdown(polite=False)
+        if not err.recoverable or (f.max_failures != -1 and failures > f.max_failures):
+            if err.recoverable:
+                self._event("failure", step=failed_at, rank=err.rank, kind=err.kind, error=err.reason,
+                            failures=failures, max_failures=f.max_failures, action="stop")
+            raise err
+        lost = self._lost_nodes(err)
+        found = checkpoint.load_latest(self.run_dir.checkpoints)
+        restore_step = found[1]["step"] if found else 0
+        # test-only faults fire once: the restarted workers must not hit them again
+        inject = dataclasses.replace(job.inject, nan_at_step=None, hang_at_step=None)
+        job = dataclasses.replace(job, inject=inject)
+        action = f"restart from step {restore_step}" + (f" ({found[0].name})" if found else " (no checkpoint yet)")
+        if lost:
+            job, how = self._after_node_loss(job, lost)
+            action += f"; {how}"
+        self.job = job
+        self._event("failure", step=failed_at, rank=err.rank, kind=err.kind, error=err.reason, failures=failures,
+                    max_failures=f.max_failures, lost_nodes=lost, action=action,
+                    steps_to_recompute=max(0, failed_at - restore_step))
+        self.failures.append({"step": failed_at, "detected": detected, "kind": err.kind, "rank": err.rank,
+                              "restored_step": restore_step, "lost_nodes": lost})
+        self._recovering = self.failures[-1]
+        if self.view:
+            self.view.say(f"step {failed_at}: {err} -> {action} (failure {failures} of "
+                          f"{'unlimited' if f.max_failures == -1 else f.max_failures})")
+        return (found[0].name, found[1]) if found else None
+
+    def _lost_nodes(self, err: WorkerFailed) -> list[str]:
+        """Nodes that held workers of the failed group and are gone (Ray's view, given a few
+        seconds to notice)."""
+        if err.kind != WorkerFailed.DIED or not self.summary.get("nodes"):
+            return []
+        try:
+            import ray
+
+            deadline = time.monotonic() + 10
+            while True:
+                alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+                gone = [ip for ip in self.summary["nodes"] if ip not in alive]
+                if gone or time.monotonic() > deadline or "node" not in (err.details or "").lower():
+                    return gone
+                time.sleep(0.5)
+        except Exception:  # no Ray (a test's fake group), or it cannot say: treat as a worker loss
+            return []
+
+    def _after_node_loss(self, job: Job, lost: list[str]) -> tuple[Job, str]:
+        """fault.on_node_loss: wait for a replacement (placement waits up to replacement_timeout_s),
+        or shrink to the workers that fit what is left."""
+        f = job.fault
+        if f.on_node_loss == "wait":
+            cluster = dataclasses.replace(job.cluster, placement_timeout_s=max(f.replacement_timeout_s, 1.0))
+            return (dataclasses.replace(job, cluster=cluster),
+                    f"node {', '.join(lost)} lost: waiting up to {f.replacement_timeout_s:g} s for a replacement "
+                    f"(fault.on_node_loss = wait)")
+        import ray
+
+        from orchestrator.worker_group import worker_bundle
+        from strategies.layout import Layout, LayoutError
+
+        free = ray.available_resources()
+        bundle = worker_bundle(job)
+        fit = min(int(free.get(k, 0) // v) for k, v in bundle.items() if v > 0)
+        batch, n = job.train.global_batch_size, min(fit, job.cluster.num_workers)
+        while n > 0 and batch % n:
+            n -= 1
+        if n < 1:
+            raise GearshiftError(f"node {', '.join(lost)} was lost and what is left cannot hold one worker of "
+                                 f"{bundle} (free: {free}); fault.on_node_loss = shrink has nothing to shrink to")
+        parallel = job.parallel
+        try:
+            Layout.for_workers(job.layout.kind, n, job.parallel.tp_size)
+        except LayoutError:  # a tensor-parallel size the fewer workers cannot hold: data parallel
+            parallel = dataclasses.replace(parallel, strategy="data", tp_size=None)
+        job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, num_workers=n), parallel=parallel)
+        return job, (f"node {', '.join(lost)} lost: continuing on {n} worker(s) (fault.on_node_loss = shrink; the "
+                     f"global batch stays {batch})")
 
     def _earlier_history(self, start_step: int) -> list[dict]:
         """A resumed run keeps the layouts its earlier legs used before the resume point."""
@@ -458,7 +576,17 @@ class Controller:
         for rank, report in group.train(until, job.checkpoint.every, last_step=job.train.steps):
             for sample in report.get("samples", ()):
                 self._emit({"type": "sample", **sample})
+            if rank == 0:  # every rank saw the same bad step (their gradient norms agree)
+                for bad in report.get("non_finite", ()):
+                    self.skipped.append(bad)
+                    self._event("non_finite", **bad, action="skipped the batch; the update was not applied")
+                    if self.view:
+                        self.view.say(f"step {bad['step']}: loss {bad['loss']:.4g}, gradient norm "
+                                      f"{bad['grad_norm']:.4g}: first non-finite output in {bad['layer']}; "
+                                      "update not applied, batch skipped (fault.on_nan = skip)")
             for record in merger.add(rank, report):
+                if self._recovering is not None:
+                    self._recovered(record)
                 self.stats.add(record)
                 self._emit(record)
                 if self.view:
@@ -580,6 +708,17 @@ class Controller:
         self.history.append(self._history_entry(step, self.layout))
         self._event("bucket", step=step, bucket_cap_mb=bucket, previous=old,
                     seconds=max(r["seconds"] for r in results))
+
+    def _recovered(self, record: dict) -> None:
+        f, self._recovering = self._recovering, None
+        f["seconds_to_training"] = time.time() - f["detected"]
+        f["steps_recomputed"] = max(0, f["step"] - f["restored_step"])
+        self._event("recovered", step=record["step"], restored_step=f["restored_step"],
+                    seconds_since_detected=f["seconds_to_training"], steps_recomputed=f["steps_recomputed"],
+                    world_size=self.job.cluster.num_workers)
+        if self.view:
+            self.view.say(f"step {record['step']}: training again {f['seconds_to_training']:.1f} s after the failure "
+                          f"was detected ({f['steps_recomputed']} step(s) to compute again)")
 
     def _decided(self, decision, step: int) -> None:
         data = decision.to_dict()

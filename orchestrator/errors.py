@@ -15,9 +15,30 @@ class WorkerFailed(GearshiftError):
     """A worker raised, died or stopped answering. `details` keeps the worker's traceback for the
     run's log; the message stays one paragraph."""
 
-    def __init__(self, rank: int | None, message: str, details: str = "", cause: BaseException | None = None):
+    # what went wrong: a process died, a worker stopped answering, or the code a worker ran raised
+    DIED, SILENT, RAISED = "died", "silent", "raised"
+
+    def __init__(self, rank: int | None, message: str, details: str = "", cause: BaseException | None = None,
+                 kind: str = RAISED):
         self.rank = rank
         self.details = details
         self.cause = cause
+        self.kind = kind
+        self.reason = message
         who = f"worker rank {rank}" if rank is not None else "the workers"
         super().__init__(f"Training failed in {who}: {message}")
+
+    @property
+    def recoverable(self) -> bool:
+        """A lost or silent worker, or a collective that timed out or lost its peer, is worth a
+        restart from the last checkpoint; an exception in the training code would only repeat."""
+        if self.kind in (self.DIED, self.SILENT):
+            return True
+        text = f"{type(self.cause).__name__}: {self.cause}" if self.cause is not None else self.details
+        return any(mark in text for mark in _COMM_FAILURES)
+
+
+# what a collective says when a peer is gone or too slow (gloo, NCCL, torch.distributed)
+_COMM_FAILURES = ("DistBackendError", "DistNetworkError", "DistStoreError", "Timed out", "timed out",
+                  "Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+                  "ProcessGroupGloo", "gloo")

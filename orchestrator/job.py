@@ -337,6 +337,19 @@ class TelemetrySpec:
     ray_metrics: bool = _f(True, _bool, "also export through ray.util.metrics (Ray's Prometheus endpoint)")
 
 
+def _opt_int(lo: int):
+    def check(v, path):
+        return None if v is None else _int(lo)(v, path)
+
+    return check
+
+
+def _str_any(v, path):
+    if not isinstance(v, str):
+        raise JobError(path, v, "must be a string")
+    return v
+
+
 @dataclass(frozen=True)
 class InjectSpec:
     """Test-only knobs that make a fast machine behave like a slow cluster."""
@@ -344,6 +357,33 @@ class InjectSpec:
     comm_delay_ms: float = _f(0.0, _float(0.0, 60000.0), "extra latency added to every timed collective")
     nodes: int = _f(1, _int(1, 4096), "group the workers into this many simulated nodes (consecutive ranks)")
     link: dict | None = _f(None, _link, "a simulated slow link between simulated nodes: {mb_per_s, latency_ms}")
+    # faults, for tests of recovery; each fires once per run (not again after a restart)
+    nan_at_step: int | None = _f(None, _opt_int(1), "make the output of module `nan_module` NaN in this step")
+    nan_module: str = _f("", _str_any, "module name (as in model.named_modules()) for nan_at_step; '' = the first "
+                                       "leaf module")
+    hang_at_step: int | None = _f(None, _opt_int(1), "rank `hang_rank` sleeps forever in this step")
+    hang_rank: int = _f(0, _int(0), "which rank hangs")
+
+
+def _max_failures(v, path):
+    if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        raise JobError(path, v, "must be an integer >= 0, or -1 for no limit")
+    return v
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """What happens when a worker, a node or a step goes wrong."""
+
+    max_failures: int = _f(3, _max_failures, "worker or node failures to recover from (restart from the latest "
+                                             "checkpoint); -1: no limit")
+    collective_timeout_s: float = _f(300.0, _float(1.0, 86400.0), "a collective or a worker silent this long is "
+                                                                 "a failure")
+    on_node_loss: str = _f("shrink", _choice("shrink", "wait"), "shrink: continue on the workers that still fit; "
+                                                              "wait: wait for a replacement node")
+    replacement_timeout_s: float = _f(600.0, _float(0.0, 86400.0), "on_node_loss wait: how long, then fail")
+    on_nan: str = _f("skip", _choice("skip", "stop"), "a step with a non-finite loss or gradient norm: skip its "
+                                                    "batch (the update is not applied) or stop the run")
 
 
 @dataclass(frozen=True)
@@ -358,6 +398,7 @@ class Job:
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     adapt: AdaptSpec = field(default_factory=AdaptSpec)
     tune: TuneSpec = field(default_factory=TuneSpec)
+    fault: FaultSpec = field(default_factory=FaultSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     telemetry: TelemetrySpec = field(default_factory=TelemetrySpec)
     inject: InjectSpec = field(default_factory=InjectSpec)

@@ -20,7 +20,7 @@ _RESUMABLE = {("name",), ("train", "steps"), ("train", "log_every"), ("checkpoin
               ("train", "activation_checkpointing")}
 # Whole sections that may change too: global batches do not depend on the worker count, and
 # checkpoints hold full tensors, so any layout continues what any other started.
-_RESUMABLE_SECTIONS = {"cluster", "parallel", "telemetry", "inject", "adapt", "tune"}
+_RESUMABLE_SECTIONS = {"cluster", "parallel", "telemetry", "inject", "adapt", "tune", "fault"}
 
 
 def runs_root(root: str | None = None) -> str:

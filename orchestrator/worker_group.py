@@ -22,7 +22,8 @@ log = logging.getLogger("gearshift")
 # How long one call into the workers may take before it counts as hung. Generous: the first
 # call into a fresh actor imports torch and builds the model.
 CALL_TIMEOUT_S = 300.0
-COLLECTIVE_TIMEOUT_S = 300.0
+CALL_MARGIN_S = 30.0   # a call that runs collectives may take the collective timeout plus this
+STALL_MARGIN_S = 5.0   # no step report for the collective timeout plus this: a worker is stuck
 
 
 class _QuietTokenNotice(logging.Filter):
@@ -88,7 +89,7 @@ def ray_session(address: str | None, num_cpus: int | None = None):
         ray.shutdown()
 
 
-def _bundle(job: Job) -> dict[str, float]:
+def worker_bundle(job: Job) -> dict[str, float]:
     bundle = {"CPU": job.cluster.cpus_per_worker}
     if job.cluster.gpus_per_worker:
         bundle["GPU"] = job.cluster.gpus_per_worker
@@ -97,7 +98,7 @@ def _bundle(job: Job) -> dict[str, float]:
 
 def _fits(job: Job, resources: dict[str, float]) -> str | None:
     """Why the cluster's total resources cannot hold the job, or None."""
-    need = {k: v * job.cluster.num_workers for k, v in _bundle(job).items()}
+    need = {k: v * job.cluster.num_workers for k, v in worker_bundle(job).items()}
     short = [f"{k} {need[k]:g} needed, {resources.get(k, 0):g} in the cluster" for k in need
              if resources.get(k, 0) + 1e-9 < need[k]]
     return "; ".join(short) or None
@@ -128,14 +129,14 @@ class RayWorkerGroup:
                 f"{short}. Use fewer workers (--set cluster.num_workers=N), lower cluster.cpus_per_worker, "
                 f"or join a bigger cluster with --address.")
         strategy = {"pack": "PACK", "spread": "SPREAD"}[job.cluster.placement]
-        self.pg = placement_group([_bundle(job)] * job.cluster.num_workers, strategy=strategy)
+        self.pg = placement_group([worker_bundle(job)] * job.cluster.num_workers, strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=job.cluster.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.pg)
             self.pg = None
             raise GearshiftError(
-                f"The cluster could not place {job.cluster.num_workers} workers of {_bundle(job)} "
+                f"The cluster could not place {job.cluster.num_workers} workers of {worker_bundle(job)} "
                 f"({job.cluster.placement}) within cluster.placement_timeout_s = {job.cluster.placement_timeout_s:g} s"
                 f"{': ' + short if short else ''}. Available now: {ray.available_resources()}.") from None
 
@@ -161,7 +162,7 @@ class RayWorkerGroup:
         master_addr = self.infos[0]["node_ip"]
         port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
         world = len(self.workers)
-        backends = self._get([w.setup.remote(r, world, master_addr, port, COLLECTIVE_TIMEOUT_S)
+        backends = self._get([w.setup.remote(r, world, master_addr, port, job.fault.collective_timeout_s)
                               for r, w in enumerate(self.workers)], "rendezvous")
         builds = self.call("build")
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
@@ -195,29 +196,41 @@ class RayWorkerGroup:
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerFailed(None, f"workers did not answer '{what}' within {timeout:g} s") from None
+            raise WorkerFailed(None, f"workers did not answer '{what}' within {timeout:g} s",
+                               kind=WorkerFailed.SILENT) from None
         except ray.exceptions.RayActorError as err:
             raise WorkerFailed(None, f"a worker process died during '{what}' (killed, crashed, out of memory "
-                                     "or its node was lost)", details=str(err)) from None
+                                     "or its node was lost)", details=str(err), kind=WorkerFailed.DIED) from None
         except ray.exceptions.RayError as err:  # a task error, or one whose exception could not be rebuilt
             raise _task_failure(err, None) from None
 
-    def call(self, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> list:
-        return self._get([getattr(w, method).remote(*args) for w in self.workers], method, timeout)
+    @property
+    def call_timeout_s(self) -> float:
+        """A call that runs collectives (build, reshard, state) ends within the collective timeout,
+        or with the collective's error; past that and a margin, the worker is silent."""
+        return self.job.fault.collective_timeout_s + CALL_MARGIN_S
 
-    def call_rank(self, rank: int, method: str, *args, timeout: float = CALL_TIMEOUT_S) -> Any:
-        return self._get([getattr(self.workers[rank], method).remote(*args)], method, timeout)[0]
+    def call(self, method: str, *args, timeout: float | None = None) -> list:
+        return self._get([getattr(w, method).remote(*args) for w in self.workers], method,
+                         timeout or max(self.call_timeout_s, CALL_TIMEOUT_S if method == "build" else 0))
+
+    def call_rank(self, rank: int, method: str, *args, timeout: float | None = None) -> Any:
+        return self._get([getattr(self.workers[rank], method).remote(*args)], method,
+                         timeout or self.call_timeout_s)[0]
 
     def put(self, value: Any) -> Any:
         import ray
 
         return ray.put(value)
 
-    def train(self, until_step: int, checkpoint_every: int, stall_timeout_s: float = CALL_TIMEOUT_S,
+    def train(self, until_step: int, checkpoint_every: int, stall_timeout_s: float | None = None,
               last_step: int | None = None) -> Iterator[tuple[int, dict]]:
-        """Stream (rank, report) pairs from every worker's step loop until all have finished."""
+        """Stream (rank, report) pairs from every worker's step loop until all have finished.
+        No report from any worker for `stall_timeout_s` (default: the collective timeout plus a
+        margin: a rank stuck in a step has its peers' collectives time out by then) is a failure."""
         import ray
 
+        stall_timeout_s = stall_timeout_s or self.job.fault.collective_timeout_s + STALL_MARGIN_S
         gens = {w.train.remote(until_step, checkpoint_every, 0.5, last_step): rank
                 for rank, w in enumerate(self.workers)}
         last_progress = time.monotonic()
@@ -225,7 +238,8 @@ class RayWorkerGroup:
             ready, _ = ray.wait(list(gens), num_returns=1, timeout=1.0)
             if not ready:
                 if time.monotonic() - last_progress > stall_timeout_s:
-                    raise WorkerFailed(None, f"no worker reported a step for {stall_timeout_s:g} s")
+                    raise WorkerFailed(None, f"no worker reported a step for {stall_timeout_s:g} s",
+                                       kind=WorkerFailed.SILENT)
                 continue
             last_progress = time.monotonic()
             for gen in ready:
@@ -238,11 +252,13 @@ class RayWorkerGroup:
                 try:
                     report = ray.get(ref, timeout=CALL_TIMEOUT_S)
                 except ray.exceptions.GetTimeoutError:
-                    raise WorkerFailed(rank, f"its report did not arrive within {CALL_TIMEOUT_S:g} s") from None
+                    raise WorkerFailed(rank, f"its report did not arrive within {CALL_TIMEOUT_S:g} s",
+                                       kind=WorkerFailed.SILENT) from None
                 except ray.exceptions.RayActorError as err:
                     info = self.infos[rank]
                     raise WorkerFailed(rank, f"its process (pid {info['pid']} on {info['node_ip']}) died: killed, "
-                                             "crashed, out of memory or its node was lost", details=str(err)) from None
+                                             "crashed, out of memory or its node was lost", details=str(err),
+                                       kind=WorkerFailed.DIED) from None
                 except ray.exceptions.RayError as err:
                     raise _task_failure(err, rank) from None
                 yield rank, report

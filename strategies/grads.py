@@ -20,6 +20,16 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_group=Non
     shards: a shard's squares are summed over its tp group, a replicated gradient counts once.
     `timer(nbytes)`, if given, is a context manager wrapped around the all-reduce (comm timing)."""
     params = list(params)
+    total = grad_norm(params, tp_group, timer)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in (p.grad for p in params if p.grad is not None):
+        _local(g).mul_(coef.to(_local(g).dtype))
+    return total
+
+
+def grad_norm(params: Iterable[torch.Tensor], tp_group=None, timer=None) -> torch.Tensor:
+    """The gradients' global 2-norm, the same on every rank of a tp group (see clip_grad_norm)."""
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     # every rank reaches the all-reduce below, even one without gradients, or the others would wait
     device = _local(grads[0]).device if grads else _local(params[0]).device if params else torch.device("cpu")
@@ -34,11 +44,7 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_group=Non
     if tp_group is not None:
         with timer(sharded.element_size()) if timer is not None else contextlib.nullcontext():
             dist.all_reduce(sharded, group=tp_group)
-    total = (sharded + replicated).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        _local(g).mul_(coef.to(_local(g).dtype))
-    return total
+    return (sharded + replicated).sqrt()
 
 
 class GradAverager:

@@ -43,6 +43,10 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
 
 
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm was NaN or Inf, and the job says to stop (fault.on_nan)."""
+
+
 class TrainWorker:
     def __init__(self, job: dict, search_paths: list[str], cpus: float = 1.0):
         self.job = job
@@ -57,6 +61,8 @@ class TrainWorker:
         self.gpu_ids: list[str] = []
         self.node_ip = "127.0.0.1"
         self.ray_metrics = None
+        self.non_finite: list[dict] = []  # skipped steps not yet reported
+        self._current = -1  # the step being computed (0-based), for the test-only fault injections
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -135,6 +141,24 @@ class TrainWorker:
         else:
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
         self._instrument()
+        self._inject_nan()
+
+    def _inject_nan(self) -> None:
+        """Test-only (inject.nan_at_step): that step, a module's output turns NaN."""
+        inject = self.job["inject"]
+        if not inject.get("nan_at_step"):
+            return
+        modules = dict(self.parallel.model.named_modules())
+        name = inject.get("nan_module") or next(n for n, m in modules.items() if n and not list(m.children()))
+        if name not in modules:
+            raise ValueError(f"inject.nan_module = {name!r} is not a module of the model; it has "
+                             f"{', '.join(n for n in modules if n)}")
+        at = inject["nan_at_step"] - 1
+
+        def poison(module, args, output):
+            return output * float("nan") if self._current == at else None
+
+        modules[name].register_forward_hook(poison)
 
     def reshard(self, kind: str, tp: int, bucket_cap_mb: float | None = None) -> dict:
         """Switch: move the live model and optimizer state to another layout (or the same one
@@ -243,6 +267,11 @@ class TrainWorker:
     def _one_step(self, step: int) -> tuple[torch.Tensor, tuple | None]:
         train = self.job["train"]
         layout = self.layout
+        self._current = step
+        inject = self.job["inject"]
+        if inject.get("hang_at_step") == step + 1 and inject.get("hang_rank") == self.rank:
+            while True:  # test-only: a rank stuck inside a step; the others block in its collectives
+                time.sleep(3600)
         # Seed before the batch is loaded: a dataset's random augmentation draws from it too.
         # One stream per data-parallel replica: the ranks of a tensor-parallel group hold one
         # replica between them, so they must draw the same dropout masks and augmentations.
@@ -265,17 +294,76 @@ class TrainWorker:
             clock.after_backward()
         if self.parallel.after_backward is not None:
             self.parallel.after_backward()
+        norm = None
         if train["grad_clip"]:
             self.scaler.unscale_(self.optimizer)
             params = self.parallel.model.parameters()
             if layout.kind == "data":
-                torch.nn.utils.clip_grad_norm_(params, train["grad_clip"])
+                norm = torch.nn.utils.clip_grad_norm_(params, train["grad_clip"])
             else:
-                strategies.grads.clip_grad_norm(params, train["grad_clip"], self.parallel.tp_group,
-                                                clock.tp_blocked if clock else None)
+                norm = strategies.grads.clip_grad_norm(params, train["grad_clip"], self.parallel.tp_group,
+                                                       clock.tp_blocked if clock else None)
+        if not self.scaler.is_enabled():  # fp16's scaler skips steps with inf gradients itself
+            if norm is None:
+                norm = self._grad_norm()
+            # the norm is the same on every rank (gradients are all-reduced, or their norm is), so
+            # every rank takes the same decision; a non-finite loss makes non-finite gradients
+            if not (torch.isfinite(norm) and torch.isfinite(loss)):
+                self._non_finite(step, x, loss, norm)
+                return loss.detach(), data_span
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss.detach(), data_span
+
+    def _grad_norm(self) -> torch.Tensor:
+        params = [p for p in self.parallel.model.parameters() if p.grad is not None]
+        if self.layout.kind == "data":
+            return torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        return strategies.grads.grad_norm(params, self.parallel.tp_group,
+                                          self.clock.tp_blocked if self.clock else None)
+
+    def _non_finite(self, step: int, x: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        """A step whose loss or gradient norm is NaN or Inf: its update is not applied (the state
+        stays as the last good step left it) and the batch is skipped, or the run stops."""
+        self.optimizer.zero_grad(set_to_none=True)
+        layer = self._first_non_finite_module(step, x)
+        found = {"step": step + 1, "loss": float(loss.detach()), "grad_norm": float(norm), "layer": layer}
+        if self.job["fault"]["on_nan"] == "stop":
+            raise NonFiniteStep(f"step {step + 1}: loss {found['loss']}, gradient norm {found['grad_norm']}; the "
+                                f"first non-finite output was {layer or 'not found in a forward pass'} "
+                                f"(fault.on_nan = stop)")
+        self.non_finite.append(found)
+
+    def _first_non_finite_module(self, step: int, x: torch.Tensor) -> str | None:
+        """Run the step's forward again with a hook on every module; the first (in call order)
+        whose output holds a NaN or Inf. Only after a bad step, so it costs nothing otherwise.
+        Every rank runs it (they all saw the same norm), so a sharded forward's collectives match."""
+        from torch.distributed.tensor import DTensor
+
+        model, found = self.parallel.model, []
+        names = {m: n for n, m in model.named_modules()}
+
+        def check(module, args, output):
+            if found:
+                return
+            for t in output if isinstance(output, (tuple, list)) else (output,):
+                if isinstance(t, DTensor):
+                    t = t.to_local()
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                    found.append(names.get(module) or type(module).__name__)
+                    return
+
+        hooks = [m.register_forward_hook(check) for m in model.modules() if m is not model]
+        try:
+            torch.default_generator.manual_seed(step_seed(self.job["train"]["seed"], step,
+                                                          self.layout.dp_rank(self.rank)))
+            with torch.no_grad(), torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                                 enabled=self.autocast_dtype is not None):
+                model(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        return found[0] if found else None
 
     def train(self, until_step: int, checkpoint_every: int = 0, flush_s: float = 0.5,
               last_step: int | None = None) -> Iterator[dict]:
@@ -285,7 +373,7 @@ class TrainWorker:
         state) and at the end. Losses stay on the device until a flush, so a step never waits
         on a device-to-host copy just to be reported.
         """
-        losses, times, spans = [], [], []
+        losses, times, ends, spans = [], [], [], []
         first = self.step
         clock = self.clock
         if clock:
@@ -300,6 +388,7 @@ class TrainWorker:
             self.step = step + 1
             now = time.perf_counter()
             times.append(now - t_prev)
+            ends.append(time.time())  # wall clock: steps line up across processes and tools
             t_prev = now
             if clock:
                 step_end = clock.mark()
@@ -310,7 +399,9 @@ class TrainWorker:
             ckpt = checkpoint_every and self.step % checkpoint_every == 0 and self.step < (last_step or until_step)
             if ckpt or now - last_flush >= flush_s or self.step == until_step:
                 report = {"rank": self.rank, "first_step": first, "losses": torch.stack(losses).float().tolist(),
-                          "step_times": times}
+                          "step_times": times, "step_ends": ends}
+                if self.non_finite:
+                    report["non_finite"], self.non_finite = self.non_finite, []
                 if clock:
                     self._add_timings(report, spans)
                 if ckpt:
@@ -318,7 +409,7 @@ class TrainWorker:
                     if state is not None:
                         report["checkpoint"] = state
                 yield report
-                losses, times, spans = [], [], []
+                losses, times, ends, spans = [], [], [], []
                 first = self.step
                 # the next step's time starts after the report left: a checkpoint's copy and
                 # serialisation is not training time (the controller times checkpoints itself)

@@ -1,0 +1,231 @@
+"""What gearshift costs next to the tools users would otherwise run: torchrun + DDP, Ray Train.
+
+The same model (the built-in GPT of examples/gpt.yaml), global batch, world size (2), backend
+(gloo on CPU), optimizer and batches, trained three ways, alternating, `--repeats` times:
+
+- gearshift: `gearshift run` (an embedded Ray, data parallel, telemetry on);
+- torchrun: `torchrun --nproc-per-node 2` running a plain DDP loop (this file, `--as ddp`);
+- Ray Train: `TorchTrainer` (Ray Train v2, RAY_TRAIN_V2_ENABLED=1) with the same loop
+  (`--as raytrain`; needs `pip install "ray[train]"`).
+
+The plain loop is what a user would write: DDP(model), AdamW, one thread per process like
+gearshift's workers, the batch of each step read from the same dataset. Each run is timed from
+the command's start (a subprocess, like a user's shell) to rank 0's end of each step
+(wall clock), and to the command's exit:
+
+- steady samples/s: (N - W) x batch / (end of step N - end of step W), W = `--warmup`;
+- first step: seconds from the command's start to the end of step 1;
+- wall: seconds from the command's start to its exit.
+
+    python bench/overhead.py            # 3 repeats of 300 steps
+    python bench/overhead.py --quick    # 1 repeat of 120 steps
+
+The last line is one JSON object with `ratio_gearshift_vs_torchrun` and
+`ratio_gearshift_vs_raytrain` (steady samples/s, higher is better for gearshift), and
+`first_step_gearshift_over_torchrun` / `first_step_raytrain_over_gearshift` (time ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+JOB = ROOT / "examples" / "gpt.yaml"
+WORLD = 2
+
+
+# ----------------------------------------------------------------------------- the plain loop
+
+def plain_loop(rank: int, world: int, steps: int, batch: int, out: str | None) -> None:
+    """DDP over gloo on the job's model and batches; rank 0 writes its step end times to `out`."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from orchestrator.job import load_job
+    from workers import components
+    from workers.data import GlobalBatches, load_batch
+
+    torch.set_num_threads(1)
+    job = load_job(JOB, [f"train.global_batch_size={batch}"])
+    spec = job.to_dict()
+    torch.manual_seed(job.train.seed)
+    model = components.build_model(spec["model"], [job.base_dir])
+    dataset = components.build_dataset(spec["data"], spec["model"], [job.base_dir])
+    loss_fn = components.build_loss(spec["loss"], [job.base_dir])
+    assert dist.is_initialized(), "torchrun or Ray Train sets up the process group"
+    ddp = DistributedDataParallel(model, bucket_cap_mb=job.parallel.bucket_cap_mb)
+    opt = components.build_optimizer(ddp.parameters(), spec["optimizer"])  # the job's AdamW, as gearshift builds it
+    order = GlobalBatches(len(dataset), batch, job.train.seed)
+    ends = []
+    for step in range(steps):
+        x, y = load_batch(dataset, order.shard(step, rank, world))
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        if job.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), job.train.grad_clip)
+        opt.step()
+        ends.append(time.time())
+    if rank == 0 and out:
+        pathlib.Path(out).write_text(json.dumps({"step_ends": ends, "loss": loss.item()}))
+
+
+def as_ddp(args) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        plain_loop(dist.get_rank(), dist.get_world_size(), args.steps, args.batch, args.out)
+    finally:
+        dist.destroy_process_group()
+
+
+def as_raytrain(args) -> None:
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
+    try:
+        def loop(config):
+            import ray.train
+            import torch.distributed as dist
+
+            ctx = ray.train.get_context()
+            assert dist.is_initialized()
+            plain_loop(ctx.get_world_rank(), ctx.get_world_size(), config["steps"], config["batch"],
+                       config["out"])
+
+        trainer = TorchTrainer(loop, train_loop_config={"steps": args.steps, "batch": args.batch, "out": args.out},
+                               scaling_config=ScalingConfig(num_workers=WORLD, use_gpu=False,
+                                                            resources_per_worker={"CPU": 1}),
+                               torch_config=TorchConfig(backend="gloo"),
+                               run_config=RunConfig(storage_path=args.storage, name="overhead"))
+        trainer.fit()
+    finally:
+        ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- the three runs
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timed(cmd: list[str], env: dict | None = None, timeout_s: float = 900) -> tuple[float, float, str]:
+    """(wall-clock start, seconds to exit, stderr tail) of a command, run like a user's shell would."""
+    start = time.time()
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        raise SystemExit(f"{cmd[:4]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return start, time.time() - start, done.stderr[-2000:]
+
+
+def figures(start: float, wall: float, ends: list[float], batch: int, warmup: int) -> dict:
+    n = len(ends)
+    return {"samples_per_s": (n - warmup) * batch / (ends[-1] - ends[warmup - 1]),
+            "first_step_s": ends[0] - start, "wall_s": wall, "steps": n}
+
+
+def run_gearshift(steps: int, batch: int, warmup: int, tmp: pathlib.Path) -> dict:
+    run_dir = tmp / f"gearshift-{time.monotonic_ns()}"
+    start, wall, _ = timed([sys.executable, "-m", "orchestrator.cli", "run", str(JOB), "--run-dir", str(run_dir),
+                            "--set", f"cluster.num_workers={WORLD}", "--set", f"train.steps={steps}",
+                            "--set", f"train.global_batch_size={batch}", "--set", "checkpoint.every=0",
+                            "--set", "parallel.strategy=data", "--set", "telemetry.enabled=true"])
+    records = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    ends = [r["ended_at"] for r in sorted((r for r in records if r["type"] == "step"), key=lambda r: r["step"])]
+    return figures(start, wall, ends, batch, warmup)
+
+
+def run_torchrun(steps: int, batch: int, warmup: int, tmp: pathlib.Path) -> dict:
+    out = tmp / f"ddp-{time.monotonic_ns()}.json"
+    start, wall, _ = timed([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
+                            f"--master-port={free_port()}", str(pathlib.Path(__file__)), "--as", "ddp",
+                            "--steps", str(steps), "--batch", str(batch), "--out", str(out)],
+                           env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    return figures(start, wall, json.loads(out.read_text())["step_ends"], batch, warmup)
+
+
+def run_raytrain(steps: int, batch: int, warmup: int, tmp: pathlib.Path) -> dict:
+    out = tmp / f"raytrain-{time.monotonic_ns()}.json"
+    start, wall, _ = timed([sys.executable, str(pathlib.Path(__file__)), "--as", "raytrain", "--steps", str(steps),
+                            "--batch", str(batch), "--out", str(out), "--storage", str(tmp / "raytrain-storage")],
+                           env={"RAY_TRAIN_V2_ENABLED": "1", "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
+    return figures(start, wall, json.loads(out.read_text())["step_ends"], batch, warmup)
+
+
+SYSTEMS = {"gearshift": run_gearshift, "torchrun": run_torchrun, "raytrain": run_raytrain}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one repeat of 120 steps")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=20, help="steps left out of the steady rate")
+    ap.add_argument("--skip", default="", help="systems to leave out, comma-separated (e.g. raytrain)")
+    ap.add_argument("--as", dest="role", choices=["ddp", "raytrain"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--storage", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "ddp":
+        return as_ddp(args)
+    if args.role == "raytrain":
+        return as_raytrain(args)
+    repeats = args.repeats or (1 if args.quick else 3)
+    steps = args.steps or (120 if args.quick else 300)
+    systems = [s for s in SYSTEMS if s not in args.skip.split(",")]
+    print(f"GPT (examples/gpt.yaml), {WORLD} workers, gloo on CPU, batch {args.batch}, {steps} steps "
+          f"(steady rate after {args.warmup}), {repeats} repeat(s), alternating; {platform.machine()} with "
+          f"{os.cpu_count()} cores", flush=True)
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory(prefix="gs-overhead-") as tmp:
+        tmp = pathlib.Path(tmp)
+        for r in range(repeats):
+            order = systems[r % len(systems):] + systems[:r % len(systems)]  # rotate who goes first
+            for name in order:
+                result = SYSTEMS[name](steps, args.batch, args.warmup, tmp)
+                runs[name].append(result)
+                print(f"  repeat {r + 1} {name:<10}{result['samples_per_s']:>9.1f} samples/s  first step "
+                      f"{result['first_step_s']:>5.2f} s  wall {result['wall_s']:>6.2f} s", flush=True)
+    med = {name: {k: statistics.median(x[k] for x in rs) for k in ("samples_per_s", "first_step_s", "wall_s")}
+           for name, rs in runs.items()}
+    print(f"\n{'':<12}{'samples/s':>11}{'first step s':>14}{'wall s':>9}   (medians)")
+    for name, m in med.items():
+        print(f"{name:<12}{m['samples_per_s']:>11.1f}{m['first_step_s']:>14.2f}{m['wall_s']:>9.2f}")
+    ratios = {}
+    g = med.get("gearshift")
+    if g and "torchrun" in med:
+        ratios["ratio_gearshift_vs_torchrun"] = g["samples_per_s"] / med["torchrun"]["samples_per_s"]
+        ratios["first_step_gearshift_over_torchrun"] = g["first_step_s"] / med["torchrun"]["first_step_s"]
+        ratios["wall_gearshift_over_torchrun"] = g["wall_s"] / med["torchrun"]["wall_s"]
+    if g and "raytrain" in med:
+        ratios["ratio_gearshift_vs_raytrain"] = g["samples_per_s"] / med["raytrain"]["samples_per_s"]
+        ratios["first_step_raytrain_over_gearshift"] = med["raytrain"]["first_step_s"] / g["first_step_s"]
+        ratios["wall_raytrain_over_gearshift"] = med["raytrain"]["wall_s"] / g["wall_s"]
+    for k, v in ratios.items():
+        print(f"{k:<40}{v:.3f}")
+    print(json.dumps({"bench": "overhead", "world": WORLD, "batch": args.batch, "steps": steps, "repeats": repeats,
+                      "medians": med, "runs": runs, **ratios}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Faults, for real: a worker SIGKILLed mid-run, a rank stuck in a step, a NaN, a checkpoint
+write killed halfway. The run recovers, and ends where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from orchestrator import cli
+from orchestrator.job import load_job
+from test_train_equivalence import MLP, max_diff, run_gearshift
+from workers import checkpoint, components
+from workers.data import GlobalBatches
+
+pytestmark = [pytest.mark.ray]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# 30 ms per collective: long enough a run to kill a worker in the middle of it
+SLOW = ["train.steps=60", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2"]
+LAYOUTS = {"data": ["cluster.num_workers=2"],
+           "hybrid": ["cluster.num_workers=4", "cluster.cpus_per_worker=1", "parallel.strategy=hybrid",
+                      "parallel.tp_size=2"]}
+
+
+def records(run_dir) -> list[dict]:
+    path = pathlib.Path(run_dir) / "telemetry.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def events(run_dir, name) -> list[dict]:
+    return [r for r in records(run_dir) if r["type"] == "event" and r["event"] == name]
+
+
+class Killer(threading.Thread):
+    """Waits for the run to pass `at_step`, then SIGKILLs the process of worker `rank`."""
+
+    def __init__(self, run_dir, rank: int, at_step: int):
+        super().__init__(daemon=True)
+        self.run_dir, self.rank, self.at_step = run_dir, rank, at_step
+        self.killed: tuple[int, float, int] | None = None  # (pid, time, last step seen)
+
+    def run(self):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            recs = records(self.run_dir)
+            steps = [r["step"] for r in recs if r["type"] == "step"]
+            started = [r for r in recs if r.get("event") == "state" and r.get("state") == "starting"]
+            if started and steps and max(steps) >= self.at_step:
+                pid = started[0]["workers"][self.rank]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                self.killed = (pid, time.time(), max(steps))
+                return
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("layout", ["data", "hybrid"])
+def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(ray_cluster, tmp_path, layout):
+    overrides = MLP[1] + LAYOUTS[layout] + SLOW
+    run_gearshift(MLP[0], overrides, tmp_path / "clean")
+
+    killer = Killer(tmp_path / "killed", rank=1, at_step=15)
+    killer.start()
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "killed")
+    killer.join(timeout=5)
+    assert killer.killed, "the worker was never killed"
+    assert summary["status"] == "done" and summary["steps_done"] == 60
+    [failure] = events(tmp_path / "killed", "failure")
+    assert failure["kind"] == "died" and failure["rank"] is not None
+    [restored] = events(tmp_path / "killed", "restored")
+    assert restored["step"] % 10 == 0 and restored["step"] <= killer.killed[2]
+    [recovered] = events(tmp_path / "killed", "recovered")
+    assert recovered["restored_step"] == restored["step"] and recovered["step"] == restored["step"] + 1
+    assert summary["failures"][0]["steps_recomputed"] == failure["steps_to_recompute"]
+    a = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
+    assert max_diff(a, b) <= 1e-6
+    seconds = recovered["time"] - killer.killed[1]
+    print(f"{layout}: killed pid {killer.killed[0]} at step {killer.killed[2]}; training again at step "
+          f"{recovered['step']} {seconds:.1f} s after the kill; {failure['steps_to_recompute']} step(s) recomputed")
+
+
+def test_failures_past_max_failures_end_the_run_with_what_happened(ray_cluster, tmp_path):
+    killer = Killer(tmp_path / "run", rank=0, at_step=5)
+    killer.start()
+    code = cli.main(["run", str(MLP[0]), "--run-dir", str(tmp_path / "run"),
+                     *[a for o in MLP[1] + LAYOUTS["data"] + SLOW + ["fault.max_failures=0"] for a in ("--set", o)]])
+    killer.join(timeout=5)
+    assert code == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "died" in summary["error"]
+    [failure] = events(tmp_path / "run", "failure")
+    assert failure["action"] == "stop" and failure["max_failures"] == 0
+
+
+def test_a_rank_stuck_in_a_step_is_detected_within_the_collective_timeout(ray_cluster, tmp_path):
+    base = MLP[1] + LAYOUTS["data"] + ["train.steps=12", "checkpoint.every=2", "fault.collective_timeout_s=5"]
+    run_gearshift(MLP[0], base, tmp_path / "clean")
+    summary = run_gearshift(MLP[0], base + ["inject.hang_at_step=5", "inject.hang_rank=1"], tmp_path / "stuck")
+    assert summary["status"] == "done" and summary["steps_done"] == 12
+    recs = records(tmp_path / "stuck")
+    [failure] = events(tmp_path / "stuck", "failure")
+    last_before = max(r["ended_at"] for r in recs if r["type"] == "step" and r["time"] < failure["time"])
+    detected_after = failure["time"] - last_before
+    assert detected_after <= 5 + 10, f"the stuck rank was noticed {detected_after:.1f} s after its last step"
+    assert failure["kind"] in ("silent", "raised")
+    a = torch.load(tmp_path / "stuck" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
+    assert max_diff(a, b) <= 1e-6
+    print(f"stuck rank: detected {detected_after:.1f} s after the last step (collective_timeout_s = 5)")
+
+
+def reference_skipping(job, skip_step: int) -> dict:
+    """Plain PyTorch on the same batches, with step `skip_step`'s update left out."""
+    spec, paths = job.to_dict(), [job.base_dir]
+    torch.manual_seed(job.train.seed)
+    model = components.build_model(spec["model"], paths)
+    dataset = components.build_dataset(spec["data"], spec["model"], paths)
+    loss_fn = components.build_loss(spec["loss"], paths)
+    opt = components.build_optimizer(model.parameters(), spec["optimizer"])
+    order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
+    for step in range(job.train.steps):
+        if step + 1 == skip_step:
+            continue
+        x, y = default_collate([dataset[i] for i in order.indices(step)])
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        if job.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip)
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("layout", ["data", "hybrid"])
+def test_a_nan_step_is_not_applied_and_its_batch_is_skipped(ray_cluster, tmp_path, layout):
+    overrides = MLP[1] + LAYOUTS[layout] + ["inject.nan_at_step=4"]
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 12
+    [bad] = events(tmp_path / "run", "non_finite")
+    assert bad["step"] == 4 and bad["layer"] and "skipped" in bad["action"]
+    assert bad["layer"] == dict(load_job(MLP[0]).to_dict())["model"].get("name") or bad["layer"]
+    losses = {r["step"]: r["loss"] for r in records(tmp_path / "run") if r["type"] == "step"}
+    assert losses[4] != losses[4] and all(v == v for s, v in losses.items() if s != 4)  # NaN only at step 4
+    assert summary["final_loss"] == summary["final_loss"]
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in final.values())
+    assert max_diff(final, reference_skipping(load_job(MLP[0], overrides), 4)) <= 1e-4
+
+
+def test_on_nan_stop_ends_the_run_naming_the_layer(ray_cluster, tmp_path, capsys):
+    code = cli.main(["run", str(MLP[0]), "--run-dir", str(tmp_path / "run"),
+                     *[a for o in MLP[1] + LAYOUTS["data"] + ["inject.nan_at_step=3", "fault.on_nan=stop"]
+                       for a in ("--set", o)]])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "step 3" in err and "first non-finite output was" in err and "fault.on_nan = stop" in err
+    assert not events(tmp_path / "run", "failure"), "an error in the step is not retried"
+
+
+WRITER = r"""
+import sys, time, pathlib
+sys.path.insert(0, sys.argv[2])
+import torch
+from workers import checkpoint
+root = pathlib.Path(sys.argv[1])
+state = lambda s: {"model": {"w": torch.full((256, 256), float(s))}, "step": s}
+checkpoint.save(root, 10, state(10), keep=5)
+real = checkpoint.os.fsync
+def slow(fd):
+    real(fd)
+    print("writing", flush=True)  # state.pt is on disk in the temp folder, the manifest is not
+    time.sleep(60)  # killed here, mid-write
+checkpoint.os.fsync = slow
+checkpoint.save(root, 20, state(20), keep=5)
+"""
+
+
+def test_a_checkpoint_write_killed_halfway_leaves_the_previous_one_in_use(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "ckpt"), str(ROOT)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = [p.name for p in (tmp_path / "ckpt").iterdir()]
+    assert any(name.startswith(".step_00000020.tmp") for name in left), left  # the half-written one is there
+    path, state = checkpoint.load_latest(tmp_path / "ckpt")
+    assert path.name == "step_00000010" and state["step"] == 10
+    assert float(state["model"]["w"][0, 0]) == 10.0
