@@ -49,7 +49,8 @@ class ProgressView:
                                + (f"{wait}  " if wait else "") + f"ETA {_eta(eta)}")
 
     def say(self, text: str) -> None:
-        self.console.print(text)
+        # plain text: messages carry paths and error texts ("[/path/file.cc:537]") that are not markup
+        self.console.print(text, markup=False, highlight=False)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -231,6 +231,7 @@ class Controller:
         self.skipped: list[dict] = []    # steps whose loss or gradient norm was not finite
         self._recovering: dict | None = None  # the failure whose restart has not trained a step yet
         self.group = None
+        self.infos: list[dict] = []
         self.summary: dict = {}
 
     def _emit(self, record: dict) -> None:
@@ -335,6 +336,7 @@ class Controller:
             if info.get("sampler") and not restart:
                 self._event("sampler", rank=info["rank"], **info["sampler"])
         self.tokens_per_sample = infos[0].get("tokens_per_sample")
+        self.infos = infos
         start_step = 0
         if resume:
             name, state = resume
@@ -372,14 +374,19 @@ class Controller:
         failed_at = self.stats.last["step"] if self.stats.last else 0
         self.tuning, self._tune_wanted = None, False
         group, self.group = self.group, None
+        dead: dict[int, str] = {}
         if group is not None:
+            if err.recoverable and hasattr(group, "dead_ranks"):
+                # the first error may come from a survivor ("connection reset"): who is really gone?
+                with contextlib.suppress(Exception):
+                    dead = group.dead_ranks()
             group.shutdown(polite=False)
         if not err.recoverable or (f.max_failures != -1 and failures > f.max_failures):
             if err.recoverable:
                 self._event("failure", step=failed_at, rank=err.rank, kind=err.kind, error=err.reason,
                             failures=failures, max_failures=f.max_failures, action="stop")
             raise err
-        lost = self._lost_nodes(err)
+        lost = self._lost_nodes(err, dead)
         found = checkpoint.load_latest(self.run_dir.checkpoints)
         restore_step = found[1]["step"] if found else 0
         # test-only faults fire once: the restarted workers must not hit them again
@@ -391,7 +398,7 @@ class Controller:
             action += f"; {how}"
         self.job = job
         self._event("failure", step=failed_at, rank=err.rank, kind=err.kind, error=err.reason, failures=failures,
-                    max_failures=f.max_failures, lost_nodes=lost, action=action,
+                    max_failures=f.max_failures, lost_nodes=lost, dead_ranks=sorted(dead), action=action,
                     steps_to_recompute=max(0, failed_at - restore_step))
         self.failures.append({"step": failed_at, "detected": detected, "kind": err.kind, "rank": err.rank,
                               "restored_step": restore_step, "lost_nodes": lost})
@@ -401,22 +408,26 @@ class Controller:
                           f"{'unlimited' if f.max_failures == -1 else f.max_failures})")
         return (found[0].name, found[1]) if found else None
 
-    def _lost_nodes(self, err: WorkerFailed) -> list[str]:
-        """Nodes that held workers of the failed group and are gone (Ray's view, given a few
-        seconds to notice)."""
-        if err.kind != WorkerFailed.DIED or not self.summary.get("nodes"):
+    def _lost_nodes(self, err: WorkerFailed, dead: dict[int, str]) -> list[str]:
+        """Nodes that held workers of the failed group and are gone, as Ray sees them. Ray marks a
+        node dead after its health checks fail, some seconds after its processes went: wait for
+        that a while when a worker's death is put down to its node, briefly otherwise."""
+        held = {i.get("node_id"): i.get("node_ip") for i in self.infos if i.get("node_id")}
+        if not held or (err.kind != WorkerFailed.DIED and not dead):
             return []
         try:
             import ray
 
-            deadline = time.monotonic() + 10
+            said = " ".join([err.details or "", *dead.values()]).lower()
+            patience = 30.0 if "node" in said else 3.0
+            deadline = time.monotonic() + patience
             while True:
-                alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-                gone = [ip for ip in self.summary["nodes"] if ip not in alive]
-                if gone or time.monotonic() > deadline or "node" not in (err.details or "").lower():
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                gone = [f"{ip} ({nid[:8]})" for nid, ip in held.items() if nid not in alive]
+                if gone or time.monotonic() > deadline:
                     return gone
                 time.sleep(0.5)
-        except Exception:  # no Ray (a test's fake group), or it cannot say: treat as a worker loss
+        except Exception:  # no Ray (a test's fake group), or it cannot say: treat it as a worker loss
             return []
 
     def _after_node_loss(self, job: Job, lost: list[str]) -> tuple[Job, str]:
@@ -433,9 +444,10 @@ class Controller:
         from orchestrator.worker_group import worker_bundle
         from strategies.layout import Layout, LayoutError
 
-        free = ray.available_resources()
+        # what the nodes still alive hold, worker by worker (our own group is gone, so its share counts)
         bundle = worker_bundle(job)
-        fit = min(int(free.get(k, 0) // v) for k, v in bundle.items() if v > 0)
+        free = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        fit = sum(min(int(r.get(k, 0) // v) for k, v in bundle.items() if v > 0) for r in free)
         batch, n = job.train.global_batch_size, min(fit, job.cluster.num_workers)
         while n > 0 and batch % n:
             n -= 1

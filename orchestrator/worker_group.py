@@ -263,6 +263,23 @@ class RayWorkerGroup:
                     raise _task_failure(err, rank) from None
                 yield rank, report
 
+    def dead_ranks(self, timeout_s: float = 3.0) -> dict[int, str]:
+        """Ranks whose actor is gone, with Ray's account of why. A live worker still blocked in
+        a collective does not answer in time either: that one counts as alive."""
+        import ray
+
+        refs = {w.node_info.remote(): rank for rank, w in enumerate(self.workers)}
+        ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        dead = {}
+        for ref, rank in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as err:
+                dead[rank] = str(err)
+            except Exception:  # not ready (busy, blocked) or another error: not known to be dead
+                pass
+        return dead
+
     # ---------------------------------------------------------------- stop
 
     def shutdown(self, polite: bool = True) -> None:

@@ -74,9 +74,10 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one
     assert killer.killed, "the worker was never killed"
     assert summary["status"] == "done" and summary["steps_done"] == 60
     [failure] = events(tmp_path / "killed", "failure")
-    assert failure["kind"] == "died" and failure["rank"] is not None
+    # the first to tell may be the killed rank's actor, or a peer whose collective lost it
+    assert failure["kind"] in ("died", "raised") and failure["dead_ranks"] == [1], failure
     [restored] = events(tmp_path / "killed", "restored")
-    assert restored["step"] % 10 == 0 and restored["step"] <= killer.killed[2]
+    assert restored["step"] % 10 == 0 and restored["step"] <= failure["step"]  # the newest checkpoint before it
     [recovered] = events(tmp_path / "killed", "recovered")
     assert recovered["restored_step"] == restored["step"] and recovered["step"] == restored["step"] + 1
     assert summary["failures"][0]["steps_recomputed"] == failure["steps_to_recompute"]
@@ -146,13 +147,16 @@ def test_a_nan_step_is_not_applied_and_its_batch_is_skipped(ray_cluster, tmp_pat
     assert summary["status"] == "done" and summary["steps_done"] == 12
     [bad] = events(tmp_path / "run", "non_finite")
     assert bad["step"] == 4 and bad["layer"] and "skipped" in bad["action"]
-    assert bad["layer"] == dict(load_job(MLP[0]).to_dict())["model"].get("name") or bad["layer"]
+    job = load_job(MLP[0], overrides)
+    model = components.build_model(job.to_dict()["model"], [job.base_dir])
+    first_leaf = next(n for n, m in model.named_modules() if n and not list(m.children()))
+    assert bad["layer"] == first_leaf  # where the NaN was injected (inject.nan_module defaults to it)
     losses = {r["step"]: r["loss"] for r in records(tmp_path / "run") if r["type"] == "step"}
     assert losses[4] != losses[4] and all(v == v for s, v in losses.items() if s != 4)  # NaN only at step 4
     assert summary["final_loss"] == summary["final_loss"]
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in final.values())
-    assert max_diff(final, reference_skipping(load_job(MLP[0], overrides), 4)) <= 1e-4
+    assert max_diff(final, reference_skipping(job, 4)) <= 1e-4
 
 
 def test_on_nan_stop_ends_the_run_naming_the_layer(ray_cluster, tmp_path, capsys):

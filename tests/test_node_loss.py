@@ -1,0 +1,119 @@
+"""Losing a node mid-run on a real two-node Ray cluster (ray.cluster_utils.Cluster): the job
+shrinks to what is left or waits for a replacement, as configured, and says which. Each case
+runs in its own process: a cluster of its own, apart from the test session's Ray."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from orchestrator.job import load_job
+from test_train_equivalence import MLP, max_diff, reference
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json, pathlib, sys, threading, time
+sys.path.insert(0, sys.argv[3])
+from ray.cluster_utils import Cluster
+import ray
+
+mode, run_dir, root = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3]
+fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                        "_system_config": fast})
+node = cluster.add_node(num_cpus=2)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, logging_level="WARNING")
+log, joined = [], []
+
+def chaos():
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        tel = run_dir / "telemetry.jsonl"
+        recs = [json.loads(l) for l in tel.read_text().splitlines()] if tel.exists() else []
+        if max((r["step"] for r in recs if r["type"] == "step"), default=0) >= 12:
+            break
+        time.sleep(0.05)
+    cluster.remove_node(node, allow_graceful=False)
+    log.append(("removed", time.time()))
+    if mode == "wait":  # a replacement joins, as an autoscaler's or an operator's node would
+        time.sleep(3)
+        import subprocess, shutil
+        joined.append(subprocess.Popen([shutil.which("ray") or "ray", "start", "--address", cluster.address,
+                                        "--num-cpus", "2", "--block", "--disable-usage-stats"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        log.append(("added", time.time()))
+
+threading.Thread(target=chaos, daemon=True).start()
+from orchestrator import cli
+overrides = json.loads(sys.argv[4])
+code = cli.main(["run", str(pathlib.Path(root) / "examples" / "mlp.yaml"), "--run-dir", str(run_dir),
+                 *[a for o in overrides for a in ("--set", o)]])
+(run_dir / "chaos.json").write_text(json.dumps(log))
+ray.shutdown()
+for proc in joined:  # stop the replacement node by the pid we started it with
+    proc.terminate()
+    proc.wait(timeout=60)
+cluster.shutdown()
+sys.exit(code)
+"""
+
+BASE = MLP[1] + ["train.steps=40", "checkpoint.every=5", "inject.comm_delay_ms=30", "cluster.num_workers=4",
+                 "cluster.cpus_per_worker=1", "cluster.placement=pack", "fault.max_failures=3"]
+
+
+def run(tmp_path, mode: str) -> pathlib.Path:
+    run_dir = tmp_path / mode
+    # its own session: whatever the cluster started goes with it, even if the test gives up
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(run_dir), str(ROOT),
+                             json.dumps(BASE + [f"fault.on_node_loss={mode}", "fault.replacement_timeout_s=120"])],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}:"
+                                                                              f"{os.environ.get('PATH', '')}"})
+    try:
+        _, err = proc.communicate(timeout=280)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, err[-4000:]
+    return run_dir
+
+
+def recorded(run_dir, name):
+    recs = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["type"] == "event" and r["event"] == name]
+
+
+@pytest.mark.parametrize("mode", ["shrink", "wait"])
+def test_a_lost_node_shrinks_the_job_or_waits_for_a_replacement(tmp_path, mode):
+    run_dir = run(tmp_path, mode)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["steps_done"] == 40
+    failures = recorded(run_dir, "failure")
+    assert failures and failures[0]["lost_nodes"], failures
+    action = failures[0]["action"]
+    [recovered] = recorded(run_dir, "recovered")[-1:]
+    if mode == "shrink":
+        assert "continuing on 2 worker(s)" in action and recovered["world_size"] == 2
+        assert summary["world_size"] == 2
+    else:
+        assert "waiting up to" in action and recovered["world_size"] == 4
+        assert summary["world_size"] == 4
+    # the same global batches, averaged over 2 or 4 ranks: the same model up to float rounding
+    final = torch.load(run_dir / "final.pt", weights_only=True)
+    ref, _ = reference(load_job(MLP[0], BASE))
+    assert max_diff(final, ref) <= 1e-4
+    chaos = dict(json.loads((run_dir / "chaos.json").read_text()))
+    print(f"{mode}: node removed; training again {recovered['time'] - chaos['removed']:.1f} s later on "
+          f"{recovered['world_size']} workers, {recovered['steps_recomputed']} step(s) recomputed")
