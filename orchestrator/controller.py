@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import json
 import logging
+import re
 import statistics
 import time
 import traceback
@@ -169,6 +170,10 @@ def _describe(decision) -> str:
     name = getattr(decision, "kind", None) or decision.name  # a report says what it found
     head = f"{name} -> {_layout_text(target)}" if target is not None else name
     return head + (f" ({', '.join(parts[:6])})" if parts else "")
+
+
+# how Ray says an actor went down with its node (a killed worker process reads "worker process has died")
+_NODE_DIED = re.compile(r"node (has )?died|node is dead|NODE_DIED|NodeDied", re.IGNORECASE)
 
 
 def _setting_text(setting: dict) -> str:
@@ -418,8 +423,8 @@ class Controller:
         try:
             import ray
 
-            said = " ".join([err.details or "", *dead.values()]).lower()
-            patience = 30.0 if "node" in said else 3.0
+            said = " ".join([err.details or "", *dead.values()])
+            patience = 30.0 if _NODE_DIED.search(said) else 2.0
             deadline = time.monotonic() + patience
             while True:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
