@@ -3,7 +3,9 @@
 The same model (the built-in GPT of examples/gpt.yaml), global batch, world size (2), backend
 (gloo on CPU), optimizer and batches, trained three ways, alternating, `--repeats` times:
 
-- gearshift: `gearshift run` (an embedded Ray, data parallel, telemetry on);
+- gearshift: `gearshift run` (it starts an embedded Ray; data parallel, telemetry on);
+- gearshift_joined: the same, joining a Ray head that is already up (`--address`), as on a
+  cluster: the time to first step without starting Ray;
 - torchrun: `torchrun --nproc-per-node 2` running a plain DDP loop (this file, `--as ddp`);
 - Ray Train: `TorchTrainer` (Ray Train v2, RAY_TRAIN_V2_ENABLED=1) with the same loop
   (`--as raytrain`; needs `pip install "ray[train]"`).
@@ -143,15 +145,50 @@ def figures(start: float, wall: float, ends: list[float], batch: int, warmup: in
             "first_step_s": ends[0] - start, "wall_s": wall, "steps": n}
 
 
-def run_gearshift(steps: int, batch: int, warmup: int, tmp: pathlib.Path) -> dict:
+def run_gearshift(steps: int, batch: int, warmup: int, tmp: pathlib.Path, address: str | None = None) -> dict:
     run_dir = tmp / f"gearshift-{time.monotonic_ns()}"
     start, wall, _ = timed([sys.executable, "-m", "orchestrator.cli", "run", str(JOB), "--run-dir", str(run_dir),
                             "--set", f"cluster.num_workers={WORLD}", "--set", f"train.steps={steps}",
                             "--set", f"train.global_batch_size={batch}", "--set", "checkpoint.every=0",
-                            "--set", "parallel.strategy=data", "--set", "telemetry.enabled=true"])
+                            "--set", "parallel.strategy=data", "--set", "telemetry.enabled=true",
+                            *(["--address", address] if address else [])],
+                           env={"RAY_AUTH_MODE": "token"} if address else None)
     records = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
     ends = [r["ended_at"] for r in sorted((r for r in records if r["type"] == "step"), key=lambda r: r["step"])]
     return figures(start, wall, ends, batch, warmup)
+
+
+class RunningRay:
+    """A Ray head kept up by a helper process (started and stopped by its pid), for gearshift
+    joining an existing cluster with --address, as on a real one: no Ray start in its time."""
+
+    SCRIPT = ("import ray, signal, sys; ray.init(address='local', num_cpus=int(sys.argv[1]), include_dashboard=False,"
+              " logging_level='WARNING'); print(ray.get_runtime_context().gcs_address, flush=True); "
+              "signal.sigwait({signal.SIGTERM, signal.SIGINT}); ray.shutdown()")
+
+    def __enter__(self) -> str:
+        self.proc = subprocess.Popen([sys.executable, "-c", self.SCRIPT, str(os.cpu_count())], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+                                     env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        self.address = self.proc.stdout.readline().strip()
+        if not self.address:
+            raise SystemExit("the helper Ray head did not start")
+        return self.address
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def run_gearshift_joined(steps: int, batch: int, warmup: int, tmp: pathlib.Path) -> dict:
+    # the head is up only for this run (its start is not timed): idle Ray processes must not
+    # take CPU from the other systems' runs on a 2-core machine
+    with RunningRay() as address:
+        return run_gearshift(steps, batch, warmup, tmp, address=address)
 
 
 def run_torchrun(steps: int, batch: int, warmup: int, tmp: pathlib.Path) -> dict:
@@ -171,7 +208,8 @@ def run_raytrain(steps: int, batch: int, warmup: int, tmp: pathlib.Path) -> dict
     return figures(start, wall, json.loads(out.read_text())["step_ends"], batch, warmup)
 
 
-SYSTEMS = {"gearshift": run_gearshift, "torchrun": run_torchrun, "raytrain": run_raytrain}
+SYSTEMS = {"gearshift": run_gearshift, "gearshift_joined": run_gearshift_joined, "torchrun": run_torchrun,
+           "raytrain": run_raytrain}
 
 
 def main() -> None:
@@ -217,6 +255,9 @@ def main() -> None:
         ratios["ratio_gearshift_vs_torchrun"] = g["samples_per_s"] / med["torchrun"]["samples_per_s"]
         ratios["first_step_gearshift_over_torchrun"] = g["first_step_s"] / med["torchrun"]["first_step_s"]
         ratios["wall_gearshift_over_torchrun"] = g["wall_s"] / med["torchrun"]["wall_s"]
+    if "gearshift_joined" in med and "torchrun" in med:
+        ratios["first_step_gearshift_joined_over_torchrun"] = (med["gearshift_joined"]["first_step_s"]
+                                                               / med["torchrun"]["first_step_s"])
     if g and "raytrain" in med:
         ratios["ratio_gearshift_vs_raytrain"] = g["samples_per_s"] / med["raytrain"]["samples_per_s"]
         ratios["first_step_raytrain_over_gearshift"] = med["raytrain"]["first_step_s"] / g["first_step_s"]

@@ -172,6 +172,20 @@ def _describe(decision) -> str:
     return head + (f" ({', '.join(parts[:6])})" if parts else "")
 
 
+def distinct_buckets(values: list[float], parameters: int | None, tp: int = 1) -> tuple[list[float], dict]:
+    """Bucket sizes that bucket a rank's gradients differently. Every size at or above the
+    gradients' size (fp32, this rank's tp shard) puts them all in one bucket: only the smallest
+    such is worth a trial. Returns (the values to try, {value left out: the one it equals})."""
+    values = sorted(values)
+    if not parameters:
+        return values, {}
+    grad_mb = parameters * 4 / max(1, tp) / 2**20
+    whole = [v for v in values if v >= grad_mb]
+    if len(whole) < 2:
+        return values, {}
+    return [v for v in values if v < grad_mb] + whole[:1], {v: whole[0] for v in whole[1:]}
+
+
 # how Ray says an actor went down with its node (a killed worker process reads "worker process has died")
 _NODE_DIED = re.compile(r"node (has )?died|node is dead|NODE_DIED|NodeDied", re.IGNORECASE)
 
@@ -636,17 +650,15 @@ class Controller:
             return
         if only_remembered:
             return
-        t = job.tune
-        tuner = Tuner({"bucket_cap_mb": t.bucket_values}, start={"bucket_cap_mb": self._nearest(self.bucket)},
-                      mode="search", max_trials=t.max_trials)
-        self._start_tuning(group, step, tuner, "search")
+        values, same = distinct_buckets(job.tune.bucket_values, self.summary.get("parameters"), self.layout.tp)
+        start = min(values, key=lambda v: abs(v - min(self.bucket, values[-1])))
+        tuner = Tuner({"bucket_cap_mb": values}, start={"bucket_cap_mb": start}, mode="search",
+                      max_trials=job.tune.max_trials)
+        self._start_tuning(group, step, tuner, "search", same_as=same)
 
-    def _nearest(self, value: float) -> float:
-        return min(self.job.tune.bucket_values, key=lambda v: abs(v - value))
-
-    def _start_tuning(self, group, step: int, tuner: Tuner, mode: str) -> None:
+    def _start_tuning(self, group, step: int, tuner: Tuner, mode: str, same_as: dict | None = None) -> None:
         self.tuning = TuneRound(tuner, step, self.layout)
-        self._event("tune_start", step=step, mode=mode, space=tuner.space, pinned=tuner.pinned,
+        self._event("tune_start", step=step, mode=mode, space=tuner.space, pinned=tuner.pinned, same_as=same_as or {},
                     layout={"strategy": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp},
                     warmup_steps=self.job.tune.warmup_steps, trial_steps=self.job.tune.trial_steps,
                     max_trials=tuner.max_trials)

@@ -133,6 +133,14 @@ def cmd_tune(args) -> int:
         raise GearshiftError(f"the trials ended before the last one was timed; see {run.path}/telemetry.jsonl")
     trials = controller.tune_rounds[-1]["trials"]
     print(table(trials, list(space)))
+    from orchestrator.controller import distinct_buckets
+
+    params = controller.summary.get("parameters")
+    _, same = distinct_buckets(space["bucket_cap_mb"], params, 1)
+    if same:
+        print(f"note: the gradients ({params * 4 / 2**20:.2f} MB in fp32) fit one bucket from "
+              f"{min(same.values()):g} MB on: {', '.join(f'{v:g}' for v in same)} MB are the same setting as "
+              f"{min(same.values()):g}, and their differences are run-to-run noise")
     best = max(trials, key=lambda t: t["score"])["setting"]
     winner = [f"parallel.{k}={v}" for k, v in best.items()]
     tuned = load_job(args.job, [*args.overrides, *winner])

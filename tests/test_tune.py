@@ -30,7 +30,9 @@ def test_online_tuning_changes_the_bucket_mid_run_and_ends_where_the_winner_alon
     assert summary["steps_done"] == 16 and summary["status"] == "done"
     [start] = events(tmp_path / "auto", "tune_start")
     trials = events(tmp_path / "auto", "tune_trial")
-    assert start["step"] == 0 and start["space"] == {"bucket_cap_mb": [0.05, 1.0, 25.0]}
+    # this GPT's gradients are under 1 MB: 25 MB buckets them as 1 MB does, and is not tried
+    assert start["step"] == 0 and start["space"] == {"bucket_cap_mb": [0.05, 1.0]}
+    assert start["same_as"] == {"25.0": 1.0}
     assert [t["setting"]["bucket_cap_mb"] for t in trials][:2] == [1.0, 0.05]  # the value in force, then a neighbour
     assert all(t["score"] > 0 and t["comm_wait_frac"] is not None for t in trials)
     changes = events(tmp_path / "auto", "bucket")
@@ -54,7 +56,7 @@ def test_online_tuning_changes_the_bucket_mid_run_and_ends_where_the_winner_alon
 
 
 def test_a_new_layout_gets_its_own_round_and_a_layout_without_data_parallelism_none(ray_cluster, tmp_path):
-    tune = ["parallel.bucket_cap_mb=auto", "tune.bucket_values=[1, 25]", "tune.start=25",
+    tune = ["parallel.bucket_cap_mb=auto", "tune.bucket_values=[0.001, 25]", "tune.start=25",
             "tune.warmup_steps=1", "tune.trial_steps=2", "tune.max_trials=2"]
     schedule = ("adapt.schedule=[{step: 8, strategy: hybrid, tp_size: 2}, {step: 16, strategy: tensor}, "
                 "{step: 18, strategy: data}]")
@@ -98,3 +100,14 @@ def test_bad_tune_arguments_are_refused_before_anything_starts(tmp_path, capsys,
     assert code == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_bucket_sizes_that_hold_every_gradient_are_one_setting():
+    from orchestrator.controller import distinct_buckets
+
+    # 437,504 fp32 parameters: 1.67 MB of gradients; 5 and up all make one bucket
+    assert distinct_buckets([1, 5, 10, 25, 50, 100], 437_504) == ([1, 5], {10: 5, 25: 5, 50: 5, 100: 5})
+    # a tp shard holds half: 0.83 MB, and 1 MB already holds it whole
+    assert distinct_buckets([1, 5, 10], 437_504, tp=2) == ([1], {5: 1, 10: 1})
+    assert distinct_buckets([1, 5], 100_000_000) == ([1, 5], {})  # 381 MB: every size splits it
+    assert distinct_buckets([1, 5], None) == ([1, 5], {})
