@@ -35,7 +35,10 @@ class JobError(ValueError):
     def message(self) -> str:
         where = f"{self.source}: " if self.source else ""
         shown = _show(self.value)
-        text = f"{where}{self.field_path} = {shown} is not valid: {self.allowed}."
+        # a key made of odd characters (a newline, a tab) is shown escaped: the message stays one line
+        field_path = self.field_path if self.field_path.isprintable() else \
+            self.field_path.encode("unicode_escape").decode("ascii")
+        text = f"{where}{field_path} = {shown} is not valid: {self.allowed}."
         if self.hint:
             text += f" {self.hint}"
         return text

@@ -37,7 +37,7 @@ def record(step, layout, *, step_time=0.1, wait=0.05, data=0.02, batch=32, telem
     mean = lambda xs: sum(xs) / len(xs)
     t = (lambda v: v) if telemetry else (lambda v: None)
     return {
-        "type": "step", "time": 1.7e9 + step, "step": step, "strategy": layout.kind,
+        "type": "step", "time": 1.7e9 + step, "ended_at": 1.7e9 + step, "step": step, "strategy": layout.kind,
         "dp": layout.dp, "tp": layout.tp, "bucket_cap_mb": 25, "loss": 1.0,
         "step_time_max": max(st), "step_time_mean": mean(st), "slowest_rank": 0,
         "data_time_mean": t(mean(dt)), "data_time_max": t(max(dt)),

@@ -32,7 +32,7 @@ def step_record(step, *, strategy="data", dp=2, tp=1, t=None, rng=None, tokens=1
     waits = [0.005 + 0.02 * rng.random() for _ in range(2)]
     sps = 64 / max(times)
     return {
-        "type": "step", "time": TRAIN_START + 0.1 * step if t is None else t, "step": step,
+        "type": "step", "time": TRAIN_START + 0.1 * step if t is None else t, "step": step, "ended_at": None,
         "strategy": strategy, "dp": dp, "tp": tp, "bucket_cap_mb": 25, "loss": 3.0 / (1 + step / 50),
         "step_time_max": max(times), "step_time_mean": sum(times) / 2, "slowest_rank": 1 if step % 3 else 0,
         "data_time_mean": 0.001, "data_time_max": 0.002, "compute_time_mean": 0.07,

@@ -39,7 +39,7 @@ def step(n: int, world: int = WORLD, loss: float | None = None, t: float | None 
     comm = [f * s for f, s in zip(frac, times)]
     data = [0.002] * world
     slowest = max(range(world), key=lambda r: times[r])
-    return {"type": "step", "time": T0 + 10 + n if t is None else t, "step": n, "strategy": "hybrid", "dp": 2,
+    return {"type": "step", "time": T0 + 10 + n if t is None else t, "step": n, "ended_at": T0 + 10 + n, "strategy": "hybrid", "dp": 2,
             "tp": 2, "bucket_cap_mb": 25.0, "loss": 2.0 / n if loss is None else loss,
             "step_time_max": times[slowest], "step_time_mean": sum(times) / world, "slowest_rank": slowest,
             "data_time_mean": 0.002, "data_time_max": 0.002,
