@@ -1,7 +1,6 @@
 """Hypothesis-made job files: whatever the file holds, gearshift answers with a Job or a JobError
 that names a field, never another exception, a traceback or a hang. The draws are derandomized
-(the same 500 every run, so CI is repeatable); run with HYPOTHESIS_SEED or without derandomize to
-look further."""
+(the same 500 every run, so CI is repeatable); set derandomize=False locally to look further."""
 
 from __future__ import annotations
 
