@@ -75,6 +75,15 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--run-dir", help="where the trials' telemetry goes (default as for run)")
     tune.add_argument("--out", help="the tuned job file (default: JOB.tuned.yaml next to the job file)")
 
+    plan = sub.add_parser("plan", help="predicted step time per layout and bucket size on given hardware")
+    plan.add_argument("job", help="the job file (YAML)")
+    plan.add_argument("--cluster", required=True, metavar="SPEC",
+                      help="a preset (h100-ib400, a100-ib200, v100-dgx2h) or a YAML file: {nodes, per_node, "
+                           "tflops, intra_gb_s, inter_gb_s, intra_latency_us, inter_latency_us} or {preset, nodes}")
+    plan.add_argument("--nodes", type=int, help="resize the cluster to this many nodes")
+    plan.add_argument("--global-batch", type=int, help="the global batch to plan for (default: the job's)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
     report = sub.add_parser("report", help="plots (PNG) and a text summary of a run")
     report.add_argument("run_dir")
     report.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
@@ -111,6 +120,10 @@ def _dispatch(args) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "plan":
+            from orchestrator.plan import cmd_plan
+
+            return cmd_plan(args)
         if args.command == "tune":
             from orchestrator.tune import cmd_tune
 
