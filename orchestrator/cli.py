@@ -84,6 +84,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch", type=int, help="the global batch to plan for (default: the job's)")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
+    sim = sub.add_parser("simulate", help="the adaptive policy on simulated hardware over a scenario, against "
+                                          "every static layout")
+    sim.add_argument("job", help="the job file (YAML)")
+    sim.add_argument("--cluster", required=True, metavar="SPEC", help="as for plan")
+    sim.add_argument("--scenario", required=True, metavar="FILE",
+                     help="YAML: {steps: N, inter_link: [{step: S, factor: F}, ...]}")
+    sim.add_argument("--nodes", type=int)
+    sim.add_argument("--global-batch", type=int)
+    sim.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
     report = sub.add_parser("report", help="plots (PNG) and a text summary of a run")
     report.add_argument("run_dir")
     report.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
@@ -120,6 +130,10 @@ def _dispatch(args) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "simulate":
+            from orchestrator.simulate import cmd_simulate
+
+            return cmd_simulate(args)
         if args.command == "plan":
             from orchestrator.plan import cmd_plan
 

@@ -1,0 +1,165 @@
+"""`gearshift simulate JOB.yaml --cluster SPEC --scenario FILE`: the adaptive policy at cluster
+scale, fed by the cost model.
+
+Each simulated step, the layout in force is priced by `costmodel.predict` on the hardware as the
+scenario has it at that step (the link between nodes scaled by a factor), turned into the step
+record the controller would merge, and given to the same `Policy` object the controller uses.
+A switch or revert it asks for is carried out at once and costs `switch_steps` steps of the layout
+left (measured: 1 to 2 steps, bench/switch.py). The run's simulated time is compared with every
+static layout's over the same scenario.
+
+Scenario file (YAML):
+
+    steps: 5000
+    inter_link:            # factor on the link between nodes, from a step on
+      - {step: 0, factor: 1.0}
+      - {step: 1000, factor: 0.25}
+      - {step: 3000, factor: 1.0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import yaml
+
+from orchestrator import costmodel
+from orchestrator.errors import UsageError
+from orchestrator.policy import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
+from strategies.layout import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    steps: int
+    factors: tuple[tuple[int, float], ...]  # (from step, factor on the inter-node link), sorted
+
+    def factor(self, step: int) -> float:
+        f = 1.0
+        for start, value in self.factors:
+            if step >= start:
+                f = value
+        return f
+
+    @staticmethod
+    def from_dict(d) -> Scenario:
+        if not isinstance(d, dict) or set(d) - {"steps", "inter_link"} or "steps" not in d:
+            raise ValueError("a scenario is {steps: N, inter_link: [{step: S, factor: F}, ...]}")
+        steps = d["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps = {steps!r} must be an integer >= 1")
+        out = []
+        for i, e in enumerate(d.get("inter_link") or []):
+            if not isinstance(e, dict) or set(e) != {"step", "factor"}:
+                raise ValueError(f"inter_link[{i}] = {e!r} must be {{step: S, factor: F}}")
+            if not isinstance(e["step"], int) or e["step"] < 0 or not isinstance(e["factor"], (int, float)) \
+                    or not e["factor"] > 0:
+                raise ValueError(f"inter_link[{i}]: step must be an integer >= 0 and factor a number > 0")
+            out.append((e["step"], float(e["factor"])))
+        return Scenario(steps, tuple(sorted(out)))
+
+
+def _at(hw: costmodel.Hardware, factor: float) -> costmodel.Hardware:
+    return dataclasses.replace(hw, inter=costmodel.Link(hw.inter.bandwidth * factor, hw.inter.latency))
+
+
+def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: int) -> dict:
+    """The merged step record the controller would emit for this prediction (every rank alike)."""
+    world = layout.dp * layout.tp
+    frac = pred.comm_wait_frac
+    compute = pred.step_s - pred.exposed_wait_s
+    return {
+        "type": "step", "step": step, "strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
+        "bucket_cap_mb": pred.bucket_cap_mb, "loss": 0.0,
+        "step_time_max": pred.step_s, "step_time_mean": pred.step_s, "slowest_rank": 0,
+        "data_time_mean": 0.0, "data_time_max": 0.0, "compute_time_mean": compute,
+        "comm_wait_mean": pred.exposed_wait_s, "comm_wait_max": pred.exposed_wait_s,
+        "comm_wait_frac_mean": frac, "comm_wait_frac_max": frac, "comm_calls": 0,
+        "samples_per_s": global_batch / pred.step_s, "tokens_per_s": None, "peak_mem_bytes": None,
+        "ranks": {"step_time": [pred.step_s] * world, "data_time": [0.0] * world, "compute_time": [compute] * world,
+                  "comm_wait": [pred.exposed_wait_s] * world, "comm_wait_frac": [frac] * world,
+                  "samples_per_s": [global_batch / layout.dp / pred.step_s] * world},
+    }
+
+
+def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: int, scenario: Scenario,
+             config: AdaptConfig = AdaptConfig(), bucket_cap_mb: float = 25.0, switch_steps: float = 2.0) -> dict:
+    world = hw.devices
+    candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes) if global_batch % c.dp == 0]
+    price = {}
+
+    def step_time(layout: Layout, factor: float) -> costmodel.Prediction:
+        key = (layout, factor)
+        if key not in price:
+            price[key] = costmodel.predict(model, _at(hw, factor), global_batch, layout.dp, layout.tp, bucket_cap_mb)
+        return price[key]
+
+    static = {c: sum(step_time(c, scenario.factor(s)).step_s for s in range(1, scenario.steps + 1))
+              for c in candidates}
+    policy = Policy(config, candidates, candidates[0])
+    layout, clock, decisions = candidates[0], 0.0, []
+    for step in range(1, scenario.steps + 1):
+        pred = step_time(layout, scenario.factor(step))
+        clock += pred.step_s
+        decision = policy.observe(record(step, layout, pred, global_batch))
+        if isinstance(decision, (Switch, Revert)):
+            clock += switch_steps * pred.step_s
+            decisions.append({"step": step, "decision": decision.name, "to": f"{decision.to.kind} "
+                              f"{decision.to.dp}x{decision.to.tp}", "comm_wait_frac": decision.evidence.get(
+                                  "comm_wait_frac")})
+            layout = decision.to
+            policy.switched(layout, step)
+        elif isinstance(decision, Report):
+            decisions.append({"step": step, "decision": decision.kind})
+    compute = sum(step_time(c, 1.0).compute_s for c in candidates[:1]) * scenario.steps
+    return {"seconds": clock, "decisions": decisions,
+            "static": {f"{c.kind} {c.dp}x{c.tp}": t for c, t in static.items()},
+            "best_static": min(static.values()), "data_static": static[candidates[0]],
+            "utilisation": compute / clock,
+            "utilisation_static": {f"{c.kind} {c.dp}x{c.tp}": compute / t for c, t in static.items()}}
+
+
+def load_scenario(text: str) -> Scenario:
+    path = pathlib.Path(text)
+    if not path.is_file():
+        raise UsageError(f"--scenario {text!r}: no such file")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UsageError(f"--scenario {text}: not valid YAML ({str(err).splitlines()[0]})") from None
+    try:
+        return Scenario.from_dict(doc)
+    except ValueError as err:
+        raise UsageError(f"--scenario {text}: {err}") from None
+
+
+def cmd_simulate(args) -> int:
+    from orchestrator.job import load_job
+    from orchestrator.plan import load_cluster
+
+    job = load_job(args.job, args.overrides)
+    hw = load_cluster(args.cluster)
+    if args.nodes is not None:
+        hw = costmodel.with_nodes(hw, args.nodes)
+    scenario = load_scenario(args.scenario)
+    batch = args.global_batch or job.train.global_batch_size
+    if batch % hw.devices:
+        raise UsageError(f"the global batch ({batch}) must divide over {hw.devices} devices for data parallel: "
+                         f"use --global-batch")
+    a = job.adapt
+    result = simulate(costmodel.shape_of_job(job), hw, batch, scenario,
+                      AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown),
+                      bucket_cap_mb=25.0 if job.parallel.bucket_cap_mb == "auto" else job.parallel.bucket_cap_mb)
+    print(f"{scenario.steps} steps on {hw.nodes} x {hw.per_node} devices; inter-node link factors "
+          f"{list(scenario.factors) or [(0, 1.0)]}")
+    for d in result["decisions"]:
+        print(f"  step {d['step']}: {d['decision']}" + (f" -> {d['to']}" if "to" in d else "")
+              + (f" (comm wait {d['comm_wait_frac']:.0%})" if d.get("comm_wait_frac") is not None else ""))
+    print(f"{'':<18}{'time s':>10}{'utilisation':>13}")
+    for name, t in sorted(result["static"].items(), key=lambda kv: kv[1]):
+        print(f"{'static ' + name:<18}{t:>10.1f}{result['utilisation_static'][name]:>13.1%}")
+    print(f"{'auto':<18}{result['seconds']:>10.1f}{result['utilisation']:>13.1%}")
+    print(f"auto / best static: {result['best_static'] / result['seconds']:.3f} (speed); "
+          f"auto / static data: {result['data_static'] / result['seconds']:.3f}")
+    return 0
