@@ -276,3 +276,54 @@ def hardware_from_spec(spec: dict | str) -> Hardware:
                     inter=Link(num("inter_gb_s", base.inter.bandwidth, GB),
                                num("inter_latency_us", base.inter.latency, 1e-6, -1e-30)),
                     name=spec.get("name") or base.name)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def steady(records: list[dict], skip: int = 10) -> list[dict]:
+    """The step records past the first `skip` (allocator warm-up, lazy init)."""
+    steps = sorted((r for r in records if r.get("type") == "step"), key=lambda r: r["step"])
+    return steps[skip:] if len(steps) > skip + 5 else steps
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return (xs[n // 2] + xs[(n - 1) // 2]) / 2 if xs else 0.0
+
+
+def calibrate(model: ModelShape, records: list[dict], global_batch: int, per_node: int, nodes: int = 1,
+              latency: float = 0.0) -> Hardware:
+    """Hardware figures fitted from a data-parallel run's own telemetry: the device rate from its
+    compute time per step, the link from its comm wait (gradients in one bucket, all exposed,
+    as for a model whose gradients fit one bucket; else a lower bound on the bandwidth)."""
+    rs = steady(records)
+    if not rs or rs[0].get("compute_time_mean") is None:
+        raise ValueError("calibration needs step records with telemetry (compute and comm-wait times)")
+    dp = rs[0]["dp"]
+    compute = _median([r["compute_time_mean"] for r in rs])
+    flops = model.flops_per_sample * global_batch / dp / compute
+    wait = _median([r["comm_wait_mean"] for r in rs])
+    grad = model.params * model.grad_bytes_per_param
+    hops = 2 * (dp - 1)
+    usable = max(wait - hops * latency, 1e-9)
+    bandwidth = hops / dp * grad / usable if dp > 1 else 1e12
+    link = Link(bandwidth, latency)
+    return Hardware(nodes=nodes, per_node=per_node, flops=flops, intra=link, inter=link, name="calibrated")
+
+
+def measured_step(records: list[dict]) -> float:
+    return _median([r["step_time_max"] for r in steady(records)])
+
+
+def calibrate_latency(model: ModelShape, hw: Hardware, records: list[dict], global_batch: int) -> Hardware:
+    """The per-hop latency of the link, fitted from a tensor-parallel run: what its step takes
+    beyond the bandwidth-only prediction, spread over its collectives' ring hops. On a CPU this
+    also absorbs the sharded layout's lost compute efficiency (smaller matrices)."""
+    rs = steady(records)
+    dp, tp = rs[0]["dp"], rs[0]["tp"]
+    zero = replace(hw, intra=Link(hw.intra.bandwidth, 0.0), inter=Link(hw.inter.bandwidth, 0.0))
+    extra = measured_step(records) - predict(model, zero, global_batch, dp, tp).step_s
+    hops = model.tp_boundaries * 2 * (tp - 1)
+    lat = max(0.0, extra / hops) if hops else 0.0
+    return replace(hw, intra=Link(hw.intra.bandwidth, lat), inter=Link(hw.inter.bandwidth, lat))
