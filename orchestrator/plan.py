@@ -11,33 +11,38 @@ from orchestrator import costmodel
 from orchestrator.errors import UsageError
 
 
-def load_cluster(text: str) -> costmodel.Hardware:
-    """A preset name, or a YAML file holding a spec (see costmodel.hardware_from_spec)."""
-    if text in costmodel.PRESETS:
-        spec = text
-    else:
-        path = pathlib.Path(text)
-        if not path.is_file():
-            raise UsageError(f"--cluster {text!r} is neither a preset ({', '.join(costmodel.PRESETS)}) nor a file")
-        try:
-            spec = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise UsageError(f"--cluster {text}: not valid YAML ({str(err).splitlines()[0]})") from None
+def read_yaml_arg(flag: str, text: str, what: str = "a file"):
+    """The YAML document in the file an option names; a clear error for a missing or broken one."""
+    path = pathlib.Path(text)
+    if not path.is_file():
+        raise UsageError(f"{flag} {text!r} is not {what}")
     try:
-        return costmodel.hardware_from_spec(spec)
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UsageError(f"{flag} {text}: not valid YAML ({str(err).splitlines()[0]})") from None
+
+
+def load_cluster(text: str, nodes: int | None = None) -> costmodel.Hardware:
+    """A preset name, or a YAML file holding a spec (see costmodel.hardware_from_spec); `nodes`
+    resizes it."""
+    spec = text if text in costmodel.PRESETS else read_yaml_arg(
+        "--cluster", text, f"a preset ({', '.join(costmodel.PRESETS)}) nor a file")
+    try:
+        hw = costmodel.hardware_from_spec(spec)
     except ValueError as err:
         raise UsageError(f"--cluster {text}: {err}") from None
+    if nodes is not None:
+        if nodes < 1:
+            raise UsageError(f"--nodes {nodes}: at least 1")
+        hw = costmodel.with_nodes(hw, nodes)
+    return hw
 
 
 def cmd_plan(args) -> int:
     from orchestrator.job import load_job
 
     job = load_job(args.job, args.overrides)
-    hw = load_cluster(args.cluster)
-    if args.nodes is not None:
-        if args.nodes < 1:
-            raise UsageError(f"--nodes {args.nodes}: at least 1")
-        hw = costmodel.with_nodes(hw, args.nodes)
+    hw = load_cluster(args.cluster, args.nodes)
     model = costmodel.shape_of_job(job)
     batch = args.global_batch or job.train.global_batch_size
     preds = costmodel.plan(model, hw, batch)

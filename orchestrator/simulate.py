@@ -20,9 +20,6 @@ Scenario file (YAML):
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-
-import yaml
 
 from orchestrator import costmodel
 from orchestrator.errors import UsageError
@@ -121,13 +118,9 @@ def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: 
 
 
 def load_scenario(text: str) -> Scenario:
-    path = pathlib.Path(text)
-    if not path.is_file():
-        raise UsageError(f"--scenario {text!r}: no such file")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise UsageError(f"--scenario {text}: not valid YAML ({str(err).splitlines()[0]})") from None
+    from orchestrator.plan import read_yaml_arg
+
+    doc = read_yaml_arg("--scenario", text)
     try:
         return Scenario.from_dict(doc)
     except ValueError as err:
@@ -139,9 +132,7 @@ def cmd_simulate(args) -> int:
     from orchestrator.plan import load_cluster
 
     job = load_job(args.job, args.overrides)
-    hw = load_cluster(args.cluster)
-    if args.nodes is not None:
-        hw = costmodel.with_nodes(hw, args.nodes)
+    hw = load_cluster(args.cluster, args.nodes)
     scenario = load_scenario(args.scenario)
     batch = args.global_batch or job.train.global_batch_size
     if batch % hw.devices:
