@@ -7,6 +7,7 @@ layout is then run and its median steady step time compared with the prediction.
 
     python bench/costmodel.py            # world 2 and 4 on loopback, 60 steps a run
     python bench/costmodel.py --quick    # world 2 only, 40 steps
+    sudo python bench/costmodel.py --testbed 1gbit,40mbit   # and on the shaped two-node testbed
 
 The last line is one JSON object whose `worst_rel_error` is the largest |predicted - measured| /
 measured over every layout that was not used for calibration.
@@ -42,9 +43,52 @@ def run(tmp: pathlib.Path, name: str, world: int, layout: list[str], steps: int)
     return [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
 
 
+def testbed_rows(model, loopback: costmodel.Hardware, rates: list[str], steps: int) -> list[dict]:
+    """On the two-namespace testbed (as root): per link rate, a data(4) run across the two nodes
+    fits the link between them; hybrid 2 x 2 (tp inside a node, on the loopback figures fitted
+    above) is then predicted and measured."""
+    sys.path.insert(0, str(ROOT / "bench" / "testbed"))
+    from testbed import Testbed
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gs-costmodel-tb-") as tmp, Testbed(rate=rates[0]) as tb:
+        tmp = pathlib.Path(tmp)
+
+        def on_testbed(name: str, sets: list[str]) -> list[dict]:
+            run_dir = tmp / name
+            argv = ["run", str(JOB), "--run-dir", str(run_dir)]
+            for item in ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "cluster.placement=pack",
+                         f"train.steps={steps}", f"train.global_batch_size={BATCH}", "checkpoint.every=0", *sets]:
+                argv += ["--set", item]
+            done = tb.run_driver(argv, capture=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
+            return [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+
+        for rate in rates:
+            tb.set_rate(rate)
+            data = on_testbed(f"data-{rate}", ["parallel.strategy=data"])
+            fitted = costmodel.calibrate(model, data, BATCH, per_node=2, nodes=2)
+            hw = costmodel.Hardware(nodes=2, per_node=2, flops=fitted.flops, intra=loopback.intra,
+                                    inter=costmodel.Link(fitted.inter.bandwidth, loopback.intra.latency))
+            rows.append({"world": 4, "layout": f"data 4x1 @{rate}", "calibration": True,
+                         "measured_ms": costmodel.measured_step(data) * 1e3,
+                         "predicted_ms": costmodel.predict(model, hw, BATCH, 4, 1).step_s * 1e3})
+            hybrid = on_testbed(f"hybrid-{rate}", ["parallel.strategy=hybrid", "parallel.tp_size=2"])
+            measured = costmodel.measured_step(hybrid)
+            pred = costmodel.predict(model, hw, BATCH, 2, 2).step_s
+            rows.append({"world": 4, "layout": f"hybrid 2x2 @{rate}", "calibration": False,
+                         "measured_ms": measured * 1e3, "predicted_ms": pred * 1e3,
+                         "rel_error": abs(pred - measured) / measured})
+            print(f"  testbed {rate}: link between nodes fitted at {hw.inter.bandwidth / 1e6:.1f} MB/s", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--testbed", default=None, metavar="RATES",
+                    help="also on the two-node testbed (root) at these link rates, e.g. 1gbit,40mbit")
     args = ap.parse_args()
     worlds = [2] if args.quick else [2, 4]
     steps = 40 if args.quick else 60
@@ -85,10 +129,15 @@ def main() -> None:
                              "predicted_ms": pred * 1e3, "rel_error": err, "calibration": False})
             print(f"  world {world}: fitted {hw.flops / 1e9:.1f} GFLOP/s per worker, link "
                   f"{hw.intra.bandwidth / 1e9:.2f} GB/s, {hw.intra.latency * 1e6:.0f} us a hop", flush=True)
-    print(f"\n{'world':>5}  {'layout':<14}{'measured ms':>12}{'predicted ms':>14}{'error':>8}")
+    if args.testbed:
+        loopback = hw if worlds[-1] == 4 else costmodel.replace(hw, per_node=4)
+        tb_rows = testbed_rows(model, loopback, args.testbed.split(","), steps)
+        rows += tb_rows
+        worst = max([worst] + [r["rel_error"] for r in tb_rows if not r["calibration"]])
+    print(f"\n{'world':>5}  {'layout':<20}{'measured ms':>12}{'predicted ms':>14}{'error':>8}")
     for r in rows:
         err = "(fit)" if r["calibration"] else f"{r['rel_error']:.1%}"
-        print(f"{r['world']:>5}  {r['layout']:<14}{r['measured_ms']:>12.1f}{r['predicted_ms']:>14.1f}{err:>8}")
+        print(f"{r['world']:>5}  {r['layout']:<20}{r['measured_ms']:>12.1f}{r['predicted_ms']:>14.1f}{err:>8}")
     print(json.dumps({"bench": "costmodel", "rows": rows, "worst_rel_error": worst}))
 
 
