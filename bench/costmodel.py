@@ -1,21 +1,30 @@
 """The cost model's predictions against measured step times on this machine.
 
-For each world size, a data-parallel run of the built-in GPT calibrates the model (device rate
-from its compute time, link bandwidth from its comm wait: orchestrator/costmodel.calibrate), and
-the first world's tensor-parallel run fits the per-hop latency (calibrate_latency); every other
-layout is then run and its median steady step time compared with the prediction.
+Calibration (orchestrator/costmodel.py) fits the figures from runs' own telemetry:
 
-    python bench/costmodel.py            # world 2 and 4 on loopback, 60 steps a run
-    python bench/costmodel.py --quick    # world 2 only, 40 steps
-    sudo python bench/costmodel.py --testbed 1gbit,40mbit   # and on the shaped two-node testbed
+- a data-parallel run fits the device rate (its compute time) and the link (its comm wait);
+- a tensor-parallel run fits the share of the compute that tensor parallelism leaves whole on
+  every rank, and the per-hop latency of the link (its comm wait beyond the bandwidth term).
+
+On loopback, world 2 runs data 2x1 and tensor 1x2 to calibrate; world 4 runs data 4x1 to refit
+the device rate and link (four workers share the two cores), and then tensor 1x4 and hybrid 2x2
+are predicted from those figures and measured. On the two-node testbed (root), per link rate,
+data 4x1 across the nodes fits the link between them; hybrid 2x2 (tp inside a node) and tensor
+1x4 (tp across the nodes) are predicted and measured.
+
+    python bench/costmodel.py            # loopback, world 2 and 4, 60 steps a run
+    python bench/costmodel.py --quick    # 30 steps a run
+    sudo python bench/costmodel.py --testbed 1gbit,100mbit   # and on the shaped two-node testbed
+    python bench/costmodel.py --keep DIR # keep every run's directory (telemetry.jsonl) under DIR
 
 The last line is one JSON object whose `worst_rel_error` is the largest |predicted - measured| /
-measured over every layout that was not used for calibration.
+measured over every row that was not used for calibration.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -33,112 +42,131 @@ JOB = ROOT / "examples" / "gpt.yaml"
 BATCH = 32
 
 
-def run(tmp: pathlib.Path, name: str, world: int, layout: list[str], steps: int) -> list[dict]:
-    run_dir = tmp / name
-    sets = [f"cluster.num_workers={world}", f"cluster.cpus_per_worker={2 / world:g}", f"train.steps={steps}",
-            f"train.global_batch_size={BATCH}", "checkpoint.every=0", *layout]
-    code = cli.main(["run", str(JOB), "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]])
-    if code != 0:
-        raise SystemExit(f"{name} failed ({code})")
+def common(world: int, steps: int) -> list[str]:
+    return [f"cluster.num_workers={world}", f"cluster.cpus_per_worker={2 / world:g}", f"train.steps={steps}",
+            f"train.global_batch_size={BATCH}", "checkpoint.every=0"]
+
+
+def run_local(out: pathlib.Path, name: str, world: int, sets: list[str], steps: int) -> list[dict]:
+    run_dir = out / name
+    argv = ["run", str(JOB), "--run-dir", str(run_dir)]
+    for s in [*common(world, steps), *sets]:
+        argv += ["--set", s]
+    if cli.main(argv) != 0:
+        raise SystemExit(f"{name} failed")
+    return records(run_dir)
+
+
+def records(run_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
 
 
-def testbed_rows(model, loopback: costmodel.Hardware, rates: list[str], steps: int) -> list[dict]:
-    """On the two-namespace testbed (as root): per link rate, a data(4) run across the two nodes
-    fits the link between them; hybrid 2 x 2 (tp inside a node, on the loopback figures fitted
-    above) is then predicted and measured."""
+def row(where: str, layout: str, recs: list[dict], pred: costmodel.Prediction, calibration: bool) -> dict:
+    rs = costmodel.steady(recs)
+    measured = costmodel.measured_step(recs)
+    r = {"where": where, "layout": layout, "calibration": calibration,
+         "measured_ms": measured * 1e3,
+         "measured_compute_ms": costmodel._median([x["compute_time_mean"] for x in rs]) * 1e3,
+         "measured_wait_ms": costmodel._median([x["comm_wait_mean"] for x in rs]) * 1e3,
+         "predicted_ms": pred.step_s * 1e3, "predicted_compute_ms": pred.compute_s * 1e3,
+         "predicted_wait_ms": pred.exposed_wait_s * 1e3}
+    r["rel_error"] = abs(pred.step_s - measured) / measured
+    return r
+
+
+def with_latency(hw: costmodel.Hardware, latency: float) -> costmodel.Hardware:
+    return costmodel.replace(hw, intra=costmodel.Link(hw.intra.bandwidth, latency),
+                             inter=costmodel.Link(hw.inter.bandwidth, latency))
+
+
+def loopback(out: pathlib.Path, model: costmodel.ModelShape, steps: int):
+    rows = []
+    # world 2: calibrate everything
+    data2 = run_local(out, "data2", 2, ["parallel.strategy=data"], steps)
+    hw2 = costmodel.calibrate(model, data2, BATCH, per_node=2)
+    tensor2 = run_local(out, "tensor2", 2, ["parallel.strategy=tensor"], steps)
+    model, hw2 = costmodel.calibrate_tensor(model, hw2, tensor2, BATCH)
+    rows.append(row("loopback", "data 2x1", data2, costmodel.predict(model, hw2, BATCH, 2, 1), True))
+    rows.append(row("loopback", "tensor 1x2", tensor2, costmodel.predict(model, hw2, BATCH, 1, 2), True))
+    print(f"  world 2: {hw2.flops / 1e9:.1f} GFLOP/s a worker, link {hw2.intra.bandwidth / 1e6:.0f} MB/s and "
+          f"{hw2.intra.latency * 1e6:.0f} us a hop, tensor parallelism leaves {model.tp_replicated:.0%} of the "
+          "compute whole", flush=True)
+    # world 4: the device rate and link refitted (four workers on two cores), the rest predicted
+    data4 = run_local(out, "data4", 4, ["parallel.strategy=data"], steps)
+    hw4 = costmodel.calibrate(model, data4, BATCH, per_node=4, latency=hw2.intra.latency)
+    rows.append(row("loopback", "data 4x1", data4, costmodel.predict(model, hw4, BATCH, 4, 1), True))
+    print(f"  world 4: {hw4.flops / 1e9:.1f} GFLOP/s a worker, link {hw4.intra.bandwidth / 1e6:.0f} MB/s", flush=True)
+    for name, dp, tp, sets in [("tensor", 1, 4, ["parallel.strategy=tensor"]),
+                               ("hybrid", 2, 2, ["parallel.strategy=hybrid", "parallel.tp_size=2"])]:
+        recs = run_local(out, f"{name}4", 4, sets, steps)
+        rows.append(row("loopback", f"{name} {dp}x{tp}", recs, costmodel.predict(model, hw4, BATCH, dp, tp), False))
+    return model, hw4, rows
+
+
+def testbed(out: pathlib.Path, model: costmodel.ModelShape, local: costmodel.Hardware, rates: list[str],
+            steps: int) -> list[dict]:
+    """Per link rate, on two namespaces of two workers each: data 4x1 fits the link between the
+    nodes; hybrid 2x2 and tensor 1x4 are predicted with it and the loopback figures inside a node."""
     sys.path.insert(0, str(ROOT / "bench" / "testbed"))
     from testbed import Testbed
 
     rows = []
-    with tempfile.TemporaryDirectory(prefix="gs-costmodel-tb-") as tmp, Testbed(rate=rates[0]) as tb:
-        tmp = pathlib.Path(tmp)
-
-        def on_testbed(name: str, sets: list[str]) -> list[dict]:
-            run_dir = tmp / name
+    with Testbed(rate=rates[0]) as tb:
+        def on_testbed(name: str, sets: list[str], n: int) -> list[dict]:
+            run_dir = out / name
             argv = ["run", str(JOB), "--run-dir", str(run_dir)]
-            for item in ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "cluster.placement=pack",
-                         f"train.steps={steps}", f"train.global_batch_size={BATCH}", "checkpoint.every=0", *sets]:
-                argv += ["--set", item]
+            for s in [*common(4, n), "cluster.placement=pack", *sets]:
+                argv += ["--set", s]
             done = tb.run_driver(argv, capture=True)
             if done.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
-            return [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+            return records(run_dir)
 
         for rate in rates:
             tb.set_rate(rate)
-            data = on_testbed(f"data-{rate}", ["parallel.strategy=data"])
-            fitted = costmodel.calibrate(model, data, BATCH, per_node=2, nodes=2)
-            hw = costmodel.Hardware(nodes=2, per_node=2, flops=fitted.flops, intra=loopback.intra,
-                                    inter=costmodel.Link(fitted.inter.bandwidth, loopback.intra.latency))
-            rows.append({"world": 4, "layout": f"data 4x1 @{rate}", "calibration": True,
-                         "measured_ms": costmodel.measured_step(data) * 1e3,
-                         "predicted_ms": costmodel.predict(model, hw, BATCH, 4, 1).step_s * 1e3})
-            hybrid = on_testbed(f"hybrid-{rate}", ["parallel.strategy=hybrid", "parallel.tp_size=2"])
-            measured = costmodel.measured_step(hybrid)
-            pred = costmodel.predict(model, hw, BATCH, 2, 2).step_s
-            rows.append({"world": 4, "layout": f"hybrid 2x2 @{rate}", "calibration": False,
-                         "measured_ms": measured * 1e3, "predicted_ms": pred * 1e3,
-                         "rel_error": abs(pred - measured) / measured})
-            print(f"  testbed {rate}: link between nodes fitted at {hw.inter.bandwidth / 1e6:.1f} MB/s", flush=True)
+            data = on_testbed(f"tb-data-{rate}", ["parallel.strategy=data"], steps)
+            fitted = costmodel.calibrate(model, data, BATCH, per_node=2, nodes=2, latency=local.intra.latency)
+            hw = costmodel.replace(local, nodes=2, per_node=2, flops=fitted.flops, inter=fitted.inter)
+            rows.append(row(f"testbed {rate}", "data 4x1", data, costmodel.predict(model, hw, BATCH, 4, 1), True))
+            print(f"  testbed {rate}: link between the nodes fitted at {hw.inter.bandwidth / 1e6:.1f} MB/s", flush=True)
+            hybrid = on_testbed(f"tb-hybrid-{rate}", ["parallel.strategy=hybrid", "parallel.tp_size=2"], steps)
+            rows.append(row(f"testbed {rate}", "hybrid 2x2", hybrid, costmodel.predict(model, hw, BATCH, 2, 2), False))
+            # tensor across the nodes crosses the slow link 8 times a step: fewer steps
+            tensor = on_testbed(f"tb-tensor-{rate}", ["parallel.strategy=tensor"], min(steps, 24))
+            rows.append(row(f"testbed {rate}", "tensor 1x4", tensor, costmodel.predict(model, hw, BATCH, 1, 4), False))
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="30 steps a run instead of 60")
     ap.add_argument("--testbed", default=None, metavar="RATES",
-                    help="also on the two-node testbed (root) at these link rates, e.g. 1gbit,40mbit")
+                    help="also on the two-node testbed (root) at these link rates, e.g. 1gbit,100mbit")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="keep every run's directory under DIR")
     args = ap.parse_args()
-    worlds = [2] if args.quick else [2, 4]
-    steps = 40 if args.quick else 60
+    steps = 30 if args.quick else 60
     model = costmodel.shape_of_job(load_job(JOB))
-    rows, worst = [], 0.0
-    print(f"GPT (examples/gpt.yaml, {model.params:,.0f} parameters), batch {BATCH}, loopback, {platform.machine()} "
-          f"with {os.cpu_count()} cores", flush=True)
-    with tempfile.TemporaryDirectory(prefix="gs-costmodel-") as tmp:
-        tmp = pathlib.Path(tmp)
-        latency_from = None
-        for world in worlds:
-            cal = run(tmp, f"data{world}", world, ["parallel.strategy=data"], steps)
-            hw = costmodel.calibrate(model, cal, BATCH, per_node=world)
-            layouts = [("tensor", 1, world, ["parallel.strategy=tensor"])]
-            if world == 4:
-                layouts.insert(0, ("hybrid", 2, 2, ["parallel.strategy=hybrid", "parallel.tp_size=2"]))
-            measured = costmodel.measured_step(cal)
-            pred = costmodel.predict(model, hw, BATCH, world, 1).step_s
-            rows.append({"world": world, "layout": f"data {world}x1", "measured_ms": measured * 1e3,
-                         "predicted_ms": pred * 1e3, "calibration": True})
-            if latency_from is None:  # the first tensor run fits the per-hop latency for all that follow
-                kind, dp, tp, sets = layouts.pop()
-                tensor = run(tmp, f"{kind}{world}", world, sets, steps)
-                hw = costmodel.calibrate_latency(model, hw, tensor, BATCH)
-                latency_from = hw.intra.latency
-                rows.append({"world": world, "layout": f"{kind} {dp}x{tp}", "calibration": True,
-                             "measured_ms": costmodel.measured_step(tensor) * 1e3,
-                             "predicted_ms": costmodel.predict(model, hw, BATCH, dp, tp).step_s * 1e3})
-            else:
-                hw = costmodel.replace(hw, intra=costmodel.Link(hw.intra.bandwidth, latency_from),
-                                       inter=costmodel.Link(hw.inter.bandwidth, latency_from))
-            for kind, dp, tp, sets in layouts:
-                measured = costmodel.measured_step(run(tmp, f"{kind}{world}", world, sets, steps))
-                pred = costmodel.predict(model, hw, BATCH, dp, tp).step_s
-                err = abs(pred - measured) / measured
-                worst = max(worst, err)
-                rows.append({"world": world, "layout": f"{kind} {dp}x{tp}", "measured_ms": measured * 1e3,
-                             "predicted_ms": pred * 1e3, "rel_error": err, "calibration": False})
-            print(f"  world {world}: fitted {hw.flops / 1e9:.1f} GFLOP/s per worker, link "
-                  f"{hw.intra.bandwidth / 1e9:.2f} GB/s, {hw.intra.latency * 1e6:.0f} us a hop", flush=True)
-    if args.testbed:
-        loopback = hw if worlds[-1] == 4 else costmodel.replace(hw, per_node=4)
-        tb_rows = testbed_rows(model, loopback, args.testbed.split(","), steps)
-        rows += tb_rows
-        worst = max([worst] + [r["rel_error"] for r in tb_rows if not r["calibration"]])
-    print(f"\n{'world':>5}  {'layout':<20}{'measured ms':>12}{'predicted ms':>14}{'error':>8}")
+    print(f"GPT (examples/gpt.yaml, {model.params:,.0f} parameters), batch {BATCH}, {platform.machine()} with "
+          f"{os.cpu_count()} cores", flush=True)
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            out = pathlib.Path(args.keep)
+            out.mkdir(parents=True, exist_ok=True)
+        else:
+            out = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gs-costmodel-")))
+        model, hw4, rows = loopback(out, model, steps)
+        if args.testbed:
+            rows += testbed(out, model, hw4, args.testbed.split(","), steps)
+    print(f"\n{'where':<17}{'layout':<12}{'measured ms':>12} {'(compute+wait)':<16}{'predicted ms':>12} "
+          f"{'(compute+wait)':<16}{'error':>7}")
     for r in rows:
         err = "(fit)" if r["calibration"] else f"{r['rel_error']:.1%}"
-        print(f"{r['world']:>5}  {r['layout']:<20}{r['measured_ms']:>12.1f}{r['predicted_ms']:>14.1f}{err:>8}")
-    print(json.dumps({"bench": "costmodel", "rows": rows, "worst_rel_error": worst}))
+        print(f"{r['where']:<17}{r['layout']:<12}{r['measured_ms']:>12.1f} "
+              f"{'(%.1f+%.1f)' % (r['measured_compute_ms'], r['measured_wait_ms']):<16}{r['predicted_ms']:>12.1f} "
+              f"{'(%.1f+%.1f)' % (r['predicted_compute_ms'], r['predicted_wait_ms']):<16}{err:>7}")
+    worst = max((r["rel_error"] for r in rows if not r["calibration"]), default=0.0)
+    print(json.dumps({"bench": "costmodel", "machine": f"{platform.machine()} {os.cpu_count()} cores",
+                      "rows": rows, "worst_rel_error": worst}))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 It predicts, for one training step of a layout dp x tp:
 
-- compute: the step's FLOPs over the devices, at the device's sustained rate;
+- compute: the step's FLOPs over the devices, at the device's sustained rate; the share of them
+  that tensor parallelism leaves whole on every rank of a group (`ModelShape.tp_replicated`) is
+  not divided by tp;
 - tensor-parallel comm: the activation all-reduces at every tensor-parallel boundary (two in the
   forward and two in the backward of each transformer layer, Megatron-style), which nothing
   overlaps: they are all exposed;
@@ -74,7 +76,13 @@ class ModelShape:
     boundary_bytes_per_sample: float = 0.0   # activations at one tp boundary, per sample
     tp_boundaries: int = 0                   # all-reduces per step under tp (4 per transformer layer)
     grad_bytes_per_param: float = 4.0        # gradient dtype (fp32 4, fp16/bf16 2)
+    tp_replicated: float = 0.0               # share of the compute that tensor parallelism does not
+                                             # split: norms, embeddings, residuals, per-op overhead
     name: str = ""
+
+    def __post_init__(self):
+        if not 0.0 <= self.tp_replicated <= 1.0:
+            raise ValueError(f"tp_replicated is a share of the compute, 0..1, not {self.tp_replicated}")
 
     @staticmethod
     def transformer(layers: int, hidden: int, seq: int, vocab: int, act_bytes: float = 2.0,
@@ -145,7 +153,7 @@ def predict(model: ModelShape, hw: Hardware, global_batch: int, dp: int, tp: int
     if global_batch % dp:
         raise ValueError(f"dp({dp}) must divide the global batch ({global_batch})")
     per_dp = global_batch / dp
-    compute = model.flops_per_sample * per_dp / tp / hw.flops
+    compute = model.flops_per_sample * per_dp * ((1 - model.tp_replicated) / tp + model.tp_replicated) / hw.flops
     backward = compute * backward_share
     tp_spans = tp > hw.per_node or hw.per_node % tp != 0
     # a tp group that leaves its node: every device of the node sends on its own ring
@@ -316,14 +324,26 @@ def measured_step(records: list[dict]) -> float:
     return _median([r["step_time_max"] for r in steady(records)])
 
 
-def calibrate_latency(model: ModelShape, hw: Hardware, records: list[dict], global_batch: int) -> Hardware:
-    """The per-hop latency of the link, fitted from a tensor-parallel run: what its step takes
-    beyond the bandwidth-only prediction, spread over its collectives' ring hops. On a CPU this
-    also absorbs the sharded layout's lost compute efficiency (smaller matrices)."""
+def calibrate_tensor(model: ModelShape, hw: Hardware, records: list[dict],
+                     global_batch: int) -> tuple[ModelShape, Hardware]:
+    """From a tensor-parallel run (dp = 1) on hardware already calibrated by a data run: the share
+    of the compute that the layout does not split (its measured compute against the data run's
+    rate), and the per-hop latency of the link (its measured comm wait beyond the bandwidth term,
+    spread over its collectives' ring hops; on a CPU this also takes in the ranks' skew at every
+    collective)."""
     rs = steady(records)
+    if not rs or rs[0].get("compute_time_mean") is None:
+        raise ValueError("calibration needs step records with telemetry (compute and comm-wait times)")
     dp, tp = rs[0]["dp"], rs[0]["tp"]
-    zero = replace(hw, intra=Link(hw.intra.bandwidth, 0.0), inter=Link(hw.inter.bandwidth, 0.0))
-    extra = measured_step(records) - predict(model, zero, global_batch, dp, tp).step_s
+    if dp != 1 or tp < 2:
+        raise ValueError(f"a tensor-parallel run (dp 1, tp >= 2) calibrates the sharded layouts, not dp {dp} tp {tp}")
+    whole = model.flops_per_sample * global_batch / hw.flops  # the batch on one device, unsplit
+    share = _median([r["compute_time_mean"] for r in rs]) / whole
+    replicated = min(1.0, max(0.0, (share - 1 / tp) / (1 - 1 / tp)))
+    zero = Link(hw.intra.bandwidth, 0.0)
+    bandwidth_only = model.tp_boundaries * allreduce_time(model.boundary_bytes_per_sample * global_batch, tp, zero)
     hops = model.tp_boundaries * 2 * (tp - 1)
-    lat = max(0.0, extra / hops) if hops else 0.0
-    return replace(hw, intra=Link(hw.intra.bandwidth, lat), inter=Link(hw.inter.bandwidth, lat))
+    wait = _median([r["comm_wait_mean"] for r in rs])
+    lat = max(0.0, (wait - bandwidth_only) / hops) if hops else 0.0
+    return (replace(model, tp_replicated=replicated),
+            replace(hw, intra=Link(hw.intra.bandwidth, lat), inter=Link(hw.inter.bandwidth, lat)))
