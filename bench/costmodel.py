@@ -132,7 +132,8 @@ def testbed(out: pathlib.Path, model: costmodel.ModelShape, local: costmodel.Har
             hybrid = on_testbed(f"tb-hybrid-{rate}", ["parallel.strategy=hybrid", "parallel.tp_size=2"], steps)
             rows.append(row(f"testbed {rate}", "hybrid 2x2", hybrid, costmodel.predict(model, hw, BATCH, 2, 2), False))
             # tensor across the nodes crosses the slow link 8 times a step: fewer steps
-            tensor = on_testbed(f"tb-tensor-{rate}", ["parallel.strategy=tensor"], min(steps, 24))
+            tensor = on_testbed(f"tb-tensor-{rate}", ["parallel.strategy=tensor", "parallel.tp_across_nodes=true"],
+                                min(steps, 24))
             rows.append(row(f"testbed {rate}", "tensor 1x4", tensor, costmodel.predict(model, hw, BATCH, 1, 4), False))
     return rows
 

@@ -49,6 +49,44 @@ def test_one_device_is_all_compute_and_small_buckets_pay_latency():
     assert predict(m, hw, 32, 2, 1).dp_comm_s < predict(m, hw, 32, 4, 1).dp_comm_s
 
 
+def test_replicated_compute_is_not_divided_by_tp():
+    hw = Hardware(nodes=1, per_node=4, flops=1e12, intra=Link(10e9), inter=Link(10e9))
+    m = ModelShape(params=1e6, flops_per_sample=1e9, tp_replicated=0.25)
+    # per rank: 32 samples x 1 GFLOP x (0.75 / 4 + 0.25) = 14 GFLOP at 1 TFLOP/s
+    assert predict(m, hw, 32, 1, 4).compute_s == pytest.approx(0.014)
+    assert predict(m, hw, 32, 4, 1).compute_s == pytest.approx(0.008)  # data parallel: all of it split
+    with pytest.raises(ValueError, match="tp_replicated"):
+        ModelShape(params=1, flops_per_sample=1, tp_replicated=1.5)
+
+
+def _records(pred, dp, tp, n=30):
+    """Step records as a run's telemetry.jsonl holds them, with the prediction's times."""
+    return [{"type": "step", "step": i, "dp": dp, "tp": tp, "compute_time_mean": pred.compute_s,
+             "comm_wait_mean": pred.exposed_wait_s, "step_time_max": pred.step_s} for i in range(1, n + 1)]
+
+
+def test_calibration_recovers_the_figures_a_run_was_made_with():
+    """Runs synthesised from known hardware: the data run gives back the device rate and link
+    bandwidth, the tensor run the replicated share and the per-hop latency."""
+    truth = Hardware(nodes=1, per_node=4, flops=3e10, intra=Link(2e8, 4e-4), inter=Link(2e8, 4e-4))
+    true_model = ModelShape.transformer(layers=2, hidden=128, seq=64, vocab=128, act_bytes=4, grad_bytes=4,
+                                        recompute=False)
+    true_model = costmodel.replace(true_model, tp_replicated=0.3)
+    start = costmodel.replace(true_model, tp_replicated=0.0)
+    data = _records(predict(true_model, truth, 32, 4, 1), 4, 1)
+    tensor = _records(predict(true_model, truth, 32, 1, 4), 1, 4)
+    hw = costmodel.calibrate(start, data, 32, per_node=4, latency=4e-4)
+    assert hw.flops == pytest.approx(3e10) and hw.intra.bandwidth == pytest.approx(2e8)
+    model, hw = costmodel.calibrate_tensor(start, hw, tensor, 32)
+    assert model.tp_replicated == pytest.approx(0.3) and hw.intra.latency == pytest.approx(4e-4)
+    # and so the layout in between is predicted as the truth has it
+    assert predict(model, hw, 32, 2, 2).step_s == pytest.approx(predict(true_model, truth, 32, 2, 2).step_s)
+    with pytest.raises(ValueError, match="tensor-parallel run"):
+        costmodel.calibrate_tensor(start, hw, data, 32)
+    with pytest.raises(ValueError, match="telemetry"):
+        costmodel.calibrate(start, [{"type": "step", "step": 1, "dp": 4, "tp": 1}], 32, per_node=4)
+
+
 def test_megatron_lm_weak_scaling_is_reproduced():
     """8.3B GPT (72 layers, hidden 3072, seq 1024, vocab 51200), tp 8 x dp 64 on 512 V100s with
     Megatron-LM's own hardware figures: 76 % weak-scaling efficiency against one GPU at 39 TFLOP/s
