@@ -16,6 +16,7 @@ data 4x1 across the nodes fits the link between them; hybrid 2x2 (tp inside a no
     python bench/costmodel.py --quick    # 30 steps a run
     sudo python bench/costmodel.py --testbed 1gbit,100mbit   # and on the shaped two-node testbed
     python bench/costmodel.py --keep DIR # keep every run's directory (telemetry.jsonl) under DIR
+    python bench/costmodel.py --replay DIR [--testbed RATES]   # the table again from kept runs
 
 The last line is one JSON object whose `worst_rel_error` is the largest |predicted - measured| /
 measured over every row that was not used for calibration.
@@ -47,8 +48,13 @@ def common(world: int, steps: int) -> list[str]:
             f"train.global_batch_size={BATCH}", "checkpoint.every=0"]
 
 
+REPLAY = False  # --replay: read the runs a --keep left instead of running them
+
+
 def run_local(out: pathlib.Path, name: str, world: int, sets: list[str], steps: int) -> list[dict]:
     run_dir = out / name
+    if REPLAY:
+        return records(run_dir)
     argv = ["run", str(JOB), "--run-dir", str(run_dir)]
     for s in [*common(world, steps), *sets]:
         argv += ["--set", s]
@@ -111,9 +117,11 @@ def testbed(out: pathlib.Path, model: costmodel.ModelShape, local: costmodel.Har
     from testbed import Testbed
 
     rows = []
-    with Testbed(rate=rates[0]) as tb:
+    with contextlib.nullcontext() if REPLAY else Testbed(rate=rates[0]) as tb:
         def on_testbed(name: str, sets: list[str], n: int) -> list[dict]:
             run_dir = out / name
+            if REPLAY:
+                return records(run_dir)
             argv = ["run", str(JOB), "--run-dir", str(run_dir)]
             for s in [*common(4, n), "cluster.placement=pack", *sets]:
                 argv += ["--set", s]
@@ -123,7 +131,8 @@ def testbed(out: pathlib.Path, model: costmodel.ModelShape, local: costmodel.Har
             return records(run_dir)
 
         for rate in rates:
-            tb.set_rate(rate)
+            if not REPLAY:
+                tb.set_rate(rate)
             data = on_testbed(f"tb-data-{rate}", ["parallel.strategy=data"], steps)
             fitted = costmodel.calibrate(model, data, BATCH, per_node=2, nodes=2, latency=local.intra.latency)
             hw = costmodel.replace(local, nodes=2, per_node=2, flops=fitted.flops, inter=fitted.inter)
@@ -144,7 +153,12 @@ def main() -> None:
     ap.add_argument("--testbed", default=None, metavar="RATES",
                     help="also on the two-node testbed (root) at these link rates, e.g. 1gbit,100mbit")
     ap.add_argument("--keep", default=None, metavar="DIR", help="keep every run's directory under DIR")
+    ap.add_argument("--replay", default=None, metavar="DIR",
+                    help="recompute the table from the runs a --keep DIR left (after a change to the model)")
     args = ap.parse_args()
+    global REPLAY
+    if args.replay:
+        REPLAY, args.keep = True, args.replay
     steps = 30 if args.quick else 60
     model = costmodel.shape_of_job(load_job(JOB))
     print(f"GPT (examples/gpt.yaml, {model.params:,.0f} parameters), batch {BATCH}, {platform.machine()} with "

@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                            "tflops, intra_gb_s, inter_gb_s, intra_latency_us, inter_latency_us} or {preset, nodes}")
     plan.add_argument("--nodes", type=int, help="resize the cluster to this many nodes")
     plan.add_argument("--global-batch", type=int, help="the global batch to plan for (default: the job's)")
+    plan.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR",
+                      help="take the device rate and link figures from a run of this model (its "
+                           "telemetry.jsonl): a data run, then optionally a tensor run on one node; repeatable")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     sim = sub.add_parser("simulate", help="the adaptive policy on simulated hardware over a scenario, against "
@@ -92,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="YAML: {steps: N, inter_link: [{step: S, factor: F}, ...]}")
     sim.add_argument("--nodes", type=int)
     sim.add_argument("--global-batch", type=int)
+    sim.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR", help="as for plan")
     sim.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     report = sub.add_parser("report", help="plots (PNG) and a text summary of a run")

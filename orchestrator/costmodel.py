@@ -6,8 +6,8 @@ It predicts, for one training step of a layout dp x tp:
   that tensor parallelism leaves whole on every rank of a group (`ModelShape.tp_replicated`) is
   not divided by tp;
 - tensor-parallel comm: the activation all-reduces at every tensor-parallel boundary (two in the
-  forward and two in the backward of each transformer layer, Megatron-style), which nothing
-  overlaps: they are all exposed;
+  forward and two in the backward of each transformer layer, Megatron-style; six a layer for the
+  built-in GPT, whose q, k and v are separate layers), which nothing overlaps: they are all exposed;
 - data-parallel comm: the gradient all-reduce in buckets of `bucket_cap_mb`. A bucket is ready
   when backward has produced its gradients (backward runs from the last layer to the first, at an
   even rate over the parameters); its all-reduce starts then, or when the one before it ends.
@@ -86,14 +86,18 @@ class ModelShape:
 
     @staticmethod
     def transformer(layers: int, hidden: int, seq: int, vocab: int, act_bytes: float = 2.0,
-                    grad_bytes: float = 2.0, recompute: bool = True, name: str = "") -> ModelShape:
+                    grad_bytes: float = 2.0, recompute: bool = True, tp_allreduces_per_layer: int = 4,
+                    name: str = "") -> ModelShape:
         """A GPT: parameters 12 l h^2 + V h; FLOPs per sample from Megatron-LM (arXiv 1909.08053,
-        appendix): 96 s l h^2 (1 + s/(6h) + V/(16 l h)) with recompute (72 without)."""
+        appendix): 96 s l h^2 (1 + s/(6h) + V/(16 l h)) with recompute (72 without). Under tensor
+        parallelism a layer all-reduces its activations `tp_allreduces_per_layer` times: 4 with
+        Megatron's fused q, k, v projection (2 forward, 2 backward), 6 when q, k and v are separate
+        column-parallel layers (each one's input gradient is all-reduced on its own)."""
         params = 12 * layers * hidden ** 2 + vocab * hidden
         per_sample = (96 if recompute else 72) * seq * layers * hidden ** 2 * (
             1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
         return ModelShape(params=params, flops_per_sample=per_sample, boundary_bytes_per_sample=seq * hidden * act_bytes,
-                          tp_boundaries=4 * layers, grad_bytes_per_param=grad_bytes, name=name)
+                          tp_boundaries=tp_allreduces_per_layer * layers, grad_bytes_per_param=grad_bytes, name=name)
 
 
 @dataclass(frozen=True)
@@ -156,9 +160,10 @@ def predict(model: ModelShape, hw: Hardware, global_batch: int, dp: int, tp: int
     compute = model.flops_per_sample * per_dp * ((1 - model.tp_replicated) / tp + model.tp_replicated) / hw.flops
     backward = compute * backward_share
     tp_spans = tp > hw.per_node or hw.per_node % tp != 0
-    # a tp group that leaves its node: every device of the node sends on its own ring
+    # a tp group that leaves its node: its ring crosses out of the node once, beside the rings of the
+    # node's other tp groups (one group per node once a group spans nodes)
     tp_comm = model.tp_boundaries * allreduce_time(model.boundary_bytes_per_sample * per_dp, tp,
-                                                     group_link(hw, tp_spans, hw.per_node)) if tp > 1 else 0.0
+                                                     group_link(hw, tp_spans, max(1, hw.per_node // tp))) if tp > 1 else 0.0
     # a dp group takes one rank from each tp group: it spans nodes once the model's replicas do,
     # and the node's NICs are shared by the dp groups with ranks on it (one per tp index)
     dp_spans = dp * tp > hw.per_node
@@ -233,8 +238,10 @@ def shape_of_job(job) -> ModelShape:
 
         defaults = {n: p.default for n, p in inspect.signature(gpt).parameters.items()}
         k = {**defaults, **(spec.get("kwargs") or {})}
+        # the built-in GPT's q, k and v are separate column-parallel layers (workers/models.py)
         m = ModelShape.transformer(k["n_layer"], k["n_embd"], k["block_size"], k["vocab_size"], act_bytes=act,
-                                   grad_bytes=grad_bytes, recompute=job.train.activation_checkpointing, name="gpt")
+                                   grad_bytes=grad_bytes, recompute=job.train.activation_checkpointing,
+                                   tp_allreduces_per_layer=6, name="gpt")
         return m
     from workers import components  # noqa: PLC0415
 
@@ -328,9 +335,9 @@ def calibrate_tensor(model: ModelShape, hw: Hardware, records: list[dict],
                      global_batch: int) -> tuple[ModelShape, Hardware]:
     """From a tensor-parallel run (dp = 1) on hardware already calibrated by a data run: the share
     of the compute that the layout does not split (its measured compute against the data run's
-    rate), and the per-hop latency of the link (its measured comm wait beyond the bandwidth term,
-    spread over its collectives' ring hops; on a CPU this also takes in the ranks' skew at every
-    collective)."""
+    rate), and the per-hop latency of the link inside a node (its measured comm wait beyond the
+    bandwidth term, spread over its collectives' ring hops; on a CPU this also takes in the ranks'
+    skew at every collective)."""
     rs = steady(records)
     if not rs or rs[0].get("compute_time_mean") is None:
         raise ValueError("calibration needs step records with telemetry (compute and comm-wait times)")
@@ -345,5 +352,48 @@ def calibrate_tensor(model: ModelShape, hw: Hardware, records: list[dict],
     hops = model.tp_boundaries * 2 * (tp - 1)
     wait = _median([r["comm_wait_mean"] for r in rs])
     lat = max(0.0, (wait - bandwidth_only) / hops) if hops else 0.0
-    return (replace(model, tp_replicated=replicated),
-            replace(hw, intra=Link(hw.intra.bandwidth, lat), inter=Link(hw.inter.bandwidth, lat)))
+    return replace(model, tp_replicated=replicated), replace(hw, intra=Link(hw.intra.bandwidth, lat))
+
+
+def nodes_of_run(records: list[dict]) -> int:
+    """How many nodes a run's workers were placed on (its `starting` event), 1 if it says not."""
+    for r in records:
+        if r.get("type") == "event" and r.get("event") == "state" and isinstance(r.get("workers"), list):
+            return max(1, len({w.get("node_id") or w.get("node_ip") for w in r["workers"]}))
+    return 1
+
+
+def fit_runs(model: ModelShape, hw: Hardware, runs: list[tuple[str, list[dict], int]]
+             ) -> tuple[ModelShape, Hardware, list[str]]:
+    """`hw` with the figures that runs of this model measured put in place of the spec's:
+    [(name, telemetry records, global batch)]. A data-parallel run gives the device rate and the
+    link it ran over (inside a node, or between nodes when it spanned them); a tensor-parallel run
+    on one node then gives the replicated share of the compute and the per-hop latency. Returns the
+    refitted model and hardware and a line per run saying what it gave."""
+    notes = []
+    order = sorted(runs, key=lambda r: (steady(r[1]) or [{"tp": 0}])[0].get("tp", 0))  # data runs first
+    for name, records, batch in order:
+        rs = steady(records)
+        if not rs:
+            raise ValueError(f"{name}: no step records to calibrate from")
+        dp, tp, nodes = rs[0]["dp"], rs[0]["tp"], nodes_of_run(records)
+        if tp == 1:
+            fitted = calibrate(model, records, batch, per_node=hw.per_node,
+                               latency=(hw.inter if nodes > 1 else hw.intra).latency)
+            hw = replace(hw, flops=fitted.flops)
+            said = f"{name}: data {dp}x1 on {nodes} node(s): {fitted.flops / 1e12:.3g} TFLOP/s a device"
+            if dp > 1 and nodes > 1:
+                hw = replace(hw, inter=Link(fitted.inter.bandwidth, hw.inter.latency))
+                said += f", {fitted.inter.bandwidth / GB:.3g} GB/s a node between nodes"
+            elif dp > 1:
+                hw = replace(hw, intra=Link(fitted.intra.bandwidth, hw.intra.latency))
+                said += f", {fitted.intra.bandwidth / GB:.3g} GB/s a device inside a node"
+        elif dp == 1 and nodes == 1:
+            model, hw = calibrate_tensor(model, hw, records, batch)
+            said = (f"{name}: tensor 1x{tp}: {model.tp_replicated:.0%} of the compute left whole, "
+                    f"{hw.intra.latency * 1e6:.3g} us a hop")
+        else:
+            said = f"{name}: a {dp}x{tp} layout" + (" across nodes" if nodes > 1 else "") + \
+                   " calibrates nothing (use a data run, and a tensor run on one node)"
+        notes.append(said)
+    return model, hw, notes

@@ -38,12 +38,52 @@ def load_cluster(text: str, nodes: int | None = None) -> costmodel.Hardware:
     return hw
 
 
+def calibrated(model: costmodel.ModelShape, hw: costmodel.Hardware, run_dirs: list[str]
+               ) -> tuple[costmodel.ModelShape, costmodel.Hardware]:
+    """The cluster's figures with what runs of the same model measured in their place
+    (costmodel.fit_runs); says what each run gave."""
+    if not run_dirs:
+        return model, hw
+    import json  # noqa: PLC0415
+
+    from orchestrator.job import JobError, load_job  # noqa: PLC0415
+
+    runs = []
+    for text in run_dirs:
+        run_dir = pathlib.Path(text)
+        telemetry, job_file = run_dir / "telemetry.jsonl", run_dir / "job.yaml"
+        if not telemetry.is_file() or not job_file.is_file():
+            raise UsageError(f"--calibrate {text}: not a run directory (it needs telemetry.jsonl and job.yaml)")
+        try:
+            job = load_job(job_file)
+        except JobError as err:
+            raise UsageError(f"--calibrate {text}: its job.yaml does not load ({err})") from None
+        theirs = costmodel.shape_of_job(job)
+        if abs(theirs.params - model.params) > 1e-6 * model.params or theirs.flops_per_sample != model.flops_per_sample:
+            raise UsageError(f"--calibrate {text}: that run trained a different model ({theirs.params:,.0f} "
+                             f"parameters; this job's has {model.params:,.0f}): calibrate from a run of this model")
+        records = []
+        for line in telemetry.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+        runs.append((text, records, job.train.global_batch_size))
+    try:
+        model, hw, notes = costmodel.fit_runs(model, hw, runs)
+    except (ValueError, KeyError) as err:
+        raise UsageError(f"--calibrate: {err}") from None
+    for note in notes:
+        print(f"calibrated from {note}")
+    return model, hw
+
+
 def cmd_plan(args) -> int:
     from orchestrator.job import load_job
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)
-    model = costmodel.shape_of_job(job)
+    model, hw = calibrated(costmodel.shape_of_job(job), hw, args.calibrate)
     batch = args.global_batch or job.train.global_batch_size
     preds = costmodel.plan(model, hw, batch)
     if not preds:

@@ -129,17 +129,18 @@ def load_scenario(text: str) -> Scenario:
 
 def cmd_simulate(args) -> int:
     from orchestrator.job import load_job
-    from orchestrator.plan import load_cluster
+    from orchestrator.plan import calibrated, load_cluster
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)
+    model, hw = calibrated(costmodel.shape_of_job(job), hw, args.calibrate)
     scenario = load_scenario(args.scenario)
     batch = args.global_batch or job.train.global_batch_size
     if batch % hw.devices:
         raise UsageError(f"the global batch ({batch}) must divide over {hw.devices} devices for data parallel: "
                          f"use --global-batch")
     a = job.adapt
-    result = simulate(costmodel.shape_of_job(job), hw, batch, scenario,
+    result = simulate(model, hw, batch, scenario,
                       AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown),
                       bucket_cap_mb=25.0 if job.parallel.bucket_cap_mb == "auto" else job.parallel.bucket_cap_mb)
     print(f"{scenario.steps} steps on {hw.nodes} x {hw.per_node} devices; inter-node link factors "

@@ -166,3 +166,46 @@ def test_bad_scenarios_are_refused(tmp_path, capsys, text, says):
                      str(path), "--global-batch", "1024"])
     assert code == 2
     assert says in capsys.readouterr().err
+
+
+def _run_dir(path, pred, dp, tp, nodes=1):
+    """A run directory as `gearshift run` leaves it: job.yaml and a telemetry.jsonl whose step
+    records carry the prediction's times."""
+    import json
+    import shutil
+
+    path.mkdir()
+    shutil.copy(ROOT / "examples" / "gpt.yaml", path / "job.yaml")
+    workers = [{"rank": r, "node_id": f"node{r * nodes // (dp * tp)}"} for r in range(dp * tp)]
+    lines = [{"type": "event", "event": "state", "state": "starting", "workers": workers}, *_records(pred, dp, tp)]
+    (path / "telemetry.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"type": "st')
+    return str(path)
+
+
+def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
+    from orchestrator.job import load_job
+
+    model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
+    truth = Hardware(nodes=1, per_node=2, flops=5e10, intra=Link(4e8, 5e-4), inter=Link(4e8, 5e-4))
+    sharded = costmodel.replace(model, tp_replicated=0.4)
+    data = _run_dir(tmp_path / "data", predict(model, truth, 32, 2, 1), 2, 1)
+    tensor = _run_dir(tmp_path / "tensor", predict(sharded, truth, 32, 1, 2), 1, 2)
+    spec = tmp_path / "box.yaml"
+    spec.write_text("{nodes: 1, per_node: 2, tflops: 100, intra_gb_s: 100, inter_gb_s: 100, intra_latency_us: 500}")
+    argv = ["plan", str(ROOT / "examples" / "gpt.yaml"), "--cluster", str(spec)]
+    assert cli.main([*argv, "--calibrate", tensor, "--calibrate", data]) == 0  # data runs are taken first
+    out = capsys.readouterr().out
+    assert "0.05 TFLOP/s a device, 0.4 GB/s a device inside a node" in out, out
+    assert "40% of the compute left whole, 500 us a hop" in out, out
+    want = predict(sharded, truth, 32, 1, 2)
+    assert f"{'tensor 1x2':<16}{1:>10g}{want.step_s * 1e3:>10.1f}" in out, out
+    # without the runs the spec's 100 TFLOP/s devices make the step far shorter
+    assert cli.main(argv) == 0 and "calibrated" not in capsys.readouterr().out
+    # a run of another model, or a directory that is no run, is refused with the reason
+    other = tmp_path / "other"
+    _run_dir(other, predict(model, truth, 32, 2, 1), 2, 1)
+    (other / "job.yaml").write_text((other / "job.yaml").read_text().replace("n_layer: 2", "n_layer: 3"))
+    assert cli.main([*argv, "--calibrate", str(other)]) == 2
+    assert "different model" in capsys.readouterr().err
+    assert cli.main([*argv, "--calibrate", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
