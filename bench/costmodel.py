@@ -3,8 +3,8 @@
 Calibration (orchestrator/costmodel.py) fits the figures from runs' own telemetry:
 
 - a data-parallel run fits the device rate (its compute time) and the link (its comm wait);
-- a tensor-parallel run fits the share of the compute that tensor parallelism leaves whole on
-  every rank, and the per-hop latency of the link (its comm wait beyond the bandwidth term).
+- a tensor-parallel run fits the work a sharded layout adds on every rank (its compute beyond its
+  FLOPs), and the per-hop latency of the link (its comm wait beyond the bandwidth term).
 
 On loopback, world 2 runs data 2x1 and tensor 1x2 to calibrate; world 4 runs data 4x1 to refit
 the device rate and link (four workers share the two cores), and then tensor 1x4 and hybrid 2x2
@@ -95,8 +95,8 @@ def loopback(out: pathlib.Path, model: costmodel.ModelShape, steps: int):
     rows.append(row("loopback", "data 2x1", data2, costmodel.predict(model, hw2, BATCH, 2, 1), True))
     rows.append(row("loopback", "tensor 1x2", tensor2, costmodel.predict(model, hw2, BATCH, 1, 2), True))
     print(f"  world 2: {hw2.flops / 1e9:.1f} GFLOP/s a worker, link {hw2.intra.bandwidth / 1e6:.0f} MB/s and "
-          f"{hw2.intra.latency * 1e6:.0f} us a hop, tensor parallelism leaves {model.tp_replicated:.0%} of the "
-          "compute whole", flush=True)
+          f"{hw2.intra.latency * 1e6:.0f} us a hop; a sharded layout adds "
+          f"{model.tp_overhead_flops / hw2.flops * 1e3:.1f} ms of work a step", flush=True)
     # world 4: the device rate and link refitted (four workers on two cores), the rest predicted
     data4 = run_local(out, "data4", 4, ["parallel.strategy=data"], steps)
     hw4 = costmodel.calibrate(model, data4, BATCH, per_node=4, latency=hw2.intra.latency)

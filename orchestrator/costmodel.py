@@ -3,8 +3,9 @@
 It predicts, for one training step of a layout dp x tp:
 
 - compute: the step's FLOPs over the devices, at the device's sustained rate; the share of them
-  that tensor parallelism leaves whole on every rank of a group (`ModelShape.tp_replicated`) is
-  not divided by tp;
+  that tensor parallelism leaves whole on every rank of a group (`ModelShape.tp_replicated`, a
+  replicated head) is not divided by tp, and a sharded layout adds a fixed amount of work a step
+  (`tp_overhead_flops`: op dispatch and resharding, fitted from a tensor run);
 - tensor-parallel comm: the activation all-reduces at every tensor-parallel boundary (two in the
   forward and two in the backward of each transformer layer, Megatron-style; six a layer for the
   built-in GPT, whose q, k and v are separate layers), which nothing overlaps: they are all exposed;
@@ -76,28 +77,35 @@ class ModelShape:
     boundary_bytes_per_sample: float = 0.0   # activations at one tp boundary, per sample
     tp_boundaries: int = 0                   # all-reduces per step under tp (4 per transformer layer)
     grad_bytes_per_param: float = 4.0        # gradient dtype (fp32 4, fp16/bf16 2)
-    tp_replicated: float = 0.0               # share of the compute that tensor parallelism does not
-                                             # split: norms, embeddings, residuals, per-op overhead
+    tp_replicated: float = 0.0               # share of the FLOPs that tensor parallelism does not
+                                             # split (a replicated output head)
+    tp_overhead_flops: float = 0.0           # work a sharded layout adds on each rank a step, as
+                                             # FLOPs at the device's rate (op dispatch, resharding)
     name: str = ""
 
     def __post_init__(self):
         if not 0.0 <= self.tp_replicated <= 1.0:
-            raise ValueError(f"tp_replicated is a share of the compute, 0..1, not {self.tp_replicated}")
+            raise ValueError(f"tp_replicated is a share of the FLOPs, 0..1, not {self.tp_replicated}")
+        if self.tp_overhead_flops < 0:
+            raise ValueError(f"tp_overhead_flops must be >= 0, not {self.tp_overhead_flops}")
 
     @staticmethod
     def transformer(layers: int, hidden: int, seq: int, vocab: int, act_bytes: float = 2.0,
                     grad_bytes: float = 2.0, recompute: bool = True, tp_allreduces_per_layer: int = 4,
-                    name: str = "") -> ModelShape:
+                    head_parallel: bool = True, name: str = "") -> ModelShape:
         """A GPT: parameters 12 l h^2 + V h; FLOPs per sample from Megatron-LM (arXiv 1909.08053,
         appendix): 96 s l h^2 (1 + s/(6h) + V/(16 l h)) with recompute (72 without). Under tensor
         parallelism a layer all-reduces its activations `tp_allreduces_per_layer` times: 4 with
         Megatron's fused q, k, v projection (2 forward, 2 backward), 6 when q, k and v are separate
-        column-parallel layers (each one's input gradient is all-reduced on its own)."""
+        column-parallel layers (each one's input gradient is all-reduced on its own). Megatron
+        splits the output head over the vocabulary; a replicated head (`head_parallel=False`) is
+        the FLOPs' V/(16 l h) term that tensor parallelism leaves whole."""
         params = 12 * layers * hidden ** 2 + vocab * hidden
-        per_sample = (96 if recompute else 72) * seq * layers * hidden ** 2 * (
-            1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+        head = vocab / (16 * layers * hidden)
+        per_sample = (96 if recompute else 72) * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + head)
         return ModelShape(params=params, flops_per_sample=per_sample, boundary_bytes_per_sample=seq * hidden * act_bytes,
-                          tp_boundaries=tp_allreduces_per_layer * layers, grad_bytes_per_param=grad_bytes, name=name)
+                          tp_boundaries=tp_allreduces_per_layer * layers, grad_bytes_per_param=grad_bytes,
+                          tp_replicated=0.0 if head_parallel else head / (1 + seq / (6 * hidden) + head), name=name)
 
 
 @dataclass(frozen=True)
@@ -157,7 +165,8 @@ def predict(model: ModelShape, hw: Hardware, global_batch: int, dp: int, tp: int
     if global_batch % dp:
         raise ValueError(f"dp({dp}) must divide the global batch ({global_batch})")
     per_dp = global_batch / dp
-    compute = model.flops_per_sample * per_dp * ((1 - model.tp_replicated) / tp + model.tp_replicated) / hw.flops
+    compute = (model.flops_per_sample * per_dp * ((1 - model.tp_replicated) / tp + model.tp_replicated)
+               + (model.tp_overhead_flops if tp > 1 else 0.0)) / hw.flops
     backward = compute * backward_share
     tp_spans = tp > hw.per_node or hw.per_node % tp != 0
     # a tp group that leaves its node: its ring crosses out of the node once, beside the rings of the
@@ -241,7 +250,7 @@ def shape_of_job(job) -> ModelShape:
         # the built-in GPT's q, k and v are separate column-parallel layers (workers/models.py)
         m = ModelShape.transformer(k["n_layer"], k["n_embd"], k["block_size"], k["vocab_size"], act_bytes=act,
                                    grad_bytes=grad_bytes, recompute=job.train.activation_checkpointing,
-                                   tp_allreduces_per_layer=6, name="gpt")
+                                   tp_allreduces_per_layer=6, head_parallel=False, name="gpt")
         return m
     from workers import components  # noqa: PLC0415
 
@@ -333,8 +342,8 @@ def measured_step(records: list[dict]) -> float:
 
 def calibrate_tensor(model: ModelShape, hw: Hardware, records: list[dict],
                      global_batch: int) -> tuple[ModelShape, Hardware]:
-    """From a tensor-parallel run (dp = 1) on hardware already calibrated by a data run: the share
-    of the compute that the layout does not split (its measured compute against the data run's
+    """From a tensor-parallel run (dp = 1) on hardware already calibrated by a data run: the work a
+    sharded layout adds on each rank (its measured compute beyond its FLOPs at the data run's
     rate), and the per-hop latency of the link inside a node (its measured comm wait beyond the
     bandwidth term, spread over its collectives' ring hops; on a CPU this also takes in the ranks'
     skew at every collective)."""
@@ -344,15 +353,14 @@ def calibrate_tensor(model: ModelShape, hw: Hardware, records: list[dict],
     dp, tp = rs[0]["dp"], rs[0]["tp"]
     if dp != 1 or tp < 2:
         raise ValueError(f"a tensor-parallel run (dp 1, tp >= 2) calibrates the sharded layouts, not dp {dp} tp {tp}")
-    whole = model.flops_per_sample * global_batch / hw.flops  # the batch on one device, unsplit
-    share = _median([r["compute_time_mean"] for r in rs]) / whole
-    replicated = min(1.0, max(0.0, (share - 1 / tp) / (1 - 1 / tp)))
+    flops = model.flops_per_sample * global_batch * ((1 - model.tp_replicated) / tp + model.tp_replicated)
+    overhead = max(0.0, _median([r["compute_time_mean"] for r in rs]) * hw.flops - flops)
     zero = Link(hw.intra.bandwidth, 0.0)
     bandwidth_only = model.tp_boundaries * allreduce_time(model.boundary_bytes_per_sample * global_batch, tp, zero)
     hops = model.tp_boundaries * 2 * (tp - 1)
     wait = _median([r["comm_wait_mean"] for r in rs])
     lat = max(0.0, (wait - bandwidth_only) / hops) if hops else 0.0
-    return replace(model, tp_replicated=replicated), replace(hw, intra=Link(hw.intra.bandwidth, lat))
+    return replace(model, tp_overhead_flops=overhead), replace(hw, intra=Link(hw.intra.bandwidth, lat))
 
 
 def nodes_of_run(records: list[dict]) -> int:
@@ -390,8 +398,8 @@ def fit_runs(model: ModelShape, hw: Hardware, runs: list[tuple[str, list[dict], 
                 said += f", {fitted.intra.bandwidth / GB:.3g} GB/s a device inside a node"
         elif dp == 1 and nodes == 1:
             model, hw = calibrate_tensor(model, hw, records, batch)
-            said = (f"{name}: tensor 1x{tp}: {model.tp_replicated:.0%} of the compute left whole, "
-                    f"{hw.intra.latency * 1e6:.3g} us a hop")
+            said = (f"{name}: tensor 1x{tp}: sharding adds {model.tp_overhead_flops / hw.flops * 1e3:.3g} ms of "
+                    f"work a step, {hw.intra.latency * 1e6:.3g} us a hop")
         else:
             said = f"{name}: a {dp}x{tp} layout" + (" across nodes" if nodes > 1 else "") + \
                    " calibrates nothing (use a data run, and a tensor run on one node)"

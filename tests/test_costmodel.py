@@ -49,14 +49,18 @@ def test_one_device_is_all_compute_and_small_buckets_pay_latency():
     assert predict(m, hw, 32, 2, 1).dp_comm_s < predict(m, hw, 32, 4, 1).dp_comm_s
 
 
-def test_replicated_compute_is_not_divided_by_tp():
+def test_replicated_compute_is_not_divided_by_tp_and_sharding_adds_its_overhead():
     hw = Hardware(nodes=1, per_node=4, flops=1e12, intra=Link(10e9), inter=Link(10e9))
-    m = ModelShape(params=1e6, flops_per_sample=1e9, tp_replicated=0.25)
-    # per rank: 32 samples x 1 GFLOP x (0.75 / 4 + 0.25) = 14 GFLOP at 1 TFLOP/s
-    assert predict(m, hw, 32, 1, 4).compute_s == pytest.approx(0.014)
+    m = ModelShape(params=1e6, flops_per_sample=1e9, tp_replicated=0.25, tp_overhead_flops=2e9)
+    # per rank: 32 samples x 1 GFLOP x (0.75 / 4 + 0.25) = 14 GFLOP, + 2 GFLOP, at 1 TFLOP/s
+    assert predict(m, hw, 32, 1, 4).compute_s == pytest.approx(0.016)
     assert predict(m, hw, 32, 4, 1).compute_s == pytest.approx(0.008)  # data parallel: all of it split
     with pytest.raises(ValueError, match="tp_replicated"):
         ModelShape(params=1, flops_per_sample=1, tp_replicated=1.5)
+    # a replicated head leaves its V / (16 l h) share of the FLOPs whole (1909.08053's formula)
+    gpt = ModelShape.transformer(layers=2, hidden=128, seq=64, vocab=128, head_parallel=False)
+    assert gpt.tp_replicated == pytest.approx((1 / 32) / (1 + 1 / 12 + 1 / 32))
+    assert ModelShape.transformer(layers=2, hidden=128, seq=64, vocab=128).tp_replicated == 0.0
 
 
 def _records(pred, dp, tp, n=30):
@@ -67,18 +71,18 @@ def _records(pred, dp, tp, n=30):
 
 def test_calibration_recovers_the_figures_a_run_was_made_with():
     """Runs synthesised from known hardware: the data run gives back the device rate and link
-    bandwidth, the tensor run the replicated share and the per-hop latency."""
+    bandwidth, the tensor run the work sharding adds and the per-hop latency."""
     truth = Hardware(nodes=1, per_node=4, flops=3e10, intra=Link(2e8, 4e-4), inter=Link(2e8, 4e-4))
     true_model = ModelShape.transformer(layers=2, hidden=128, seq=64, vocab=128, act_bytes=4, grad_bytes=4,
                                         recompute=False)
-    true_model = costmodel.replace(true_model, tp_replicated=0.3)
-    start = costmodel.replace(true_model, tp_replicated=0.0)
+    true_model = costmodel.replace(true_model, tp_replicated=0.1, tp_overhead_flops=4e8)
+    start = costmodel.replace(true_model, tp_overhead_flops=0.0)
     data = _records(predict(true_model, truth, 32, 4, 1), 4, 1)
     tensor = _records(predict(true_model, truth, 32, 1, 4), 1, 4)
     hw = costmodel.calibrate(start, data, 32, per_node=4, latency=4e-4)
     assert hw.flops == pytest.approx(3e10) and hw.intra.bandwidth == pytest.approx(2e8)
     model, hw = costmodel.calibrate_tensor(start, hw, tensor, 32)
-    assert model.tp_replicated == pytest.approx(0.3) and hw.intra.latency == pytest.approx(4e-4)
+    assert model.tp_overhead_flops == pytest.approx(4e8) and hw.intra.latency == pytest.approx(4e-4)
     # and so the layout in between is predicted as the truth has it
     assert predict(model, hw, 32, 2, 2).step_s == pytest.approx(predict(true_model, truth, 32, 2, 2).step_s)
     with pytest.raises(ValueError, match="tensor-parallel run"):
@@ -187,7 +191,7 @@ def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
 
     model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
     truth = Hardware(nodes=1, per_node=2, flops=5e10, intra=Link(4e8, 5e-4), inter=Link(4e8, 5e-4))
-    sharded = costmodel.replace(model, tp_replicated=0.4)
+    sharded = costmodel.replace(model, tp_overhead_flops=5e8)  # 10 ms of work at 50 GFLOP/s
     data = _run_dir(tmp_path / "data", predict(model, truth, 32, 2, 1), 2, 1)
     tensor = _run_dir(tmp_path / "tensor", predict(sharded, truth, 32, 1, 2), 1, 2)
     spec = tmp_path / "box.yaml"
@@ -196,7 +200,7 @@ def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
     assert cli.main([*argv, "--calibrate", tensor, "--calibrate", data]) == 0  # data runs are taken first
     out = capsys.readouterr().out
     assert "0.05 TFLOP/s a device, 0.4 GB/s a device inside a node" in out, out
-    assert "40% of the compute left whole, 500 us a hop" in out, out
+    assert "sharding adds 10 ms of work a step, 500 us a hop" in out, out
     want = predict(sharded, truth, 32, 1, 2)
     assert f"{'tensor 1x2':<16}{1:>10g}{want.step_s * 1e3:>10.1f}" in out, out
     # without the runs the spec's 100 TFLOP/s devices make the step far shorter
