@@ -12,8 +12,8 @@ are predicted from those figures and measured. On the two-node testbed (root), p
 data 4x1 across the nodes fits the link between them; hybrid 2x2 (tp inside a node) and tensor
 1x4 (tp across the nodes) are predicted and measured.
 
-    python bench/costmodel.py            # loopback, world 2 and 4, 60 steps a run
-    python bench/costmodel.py --quick    # 30 steps a run
+    python bench/costmodel.py            # loopback, world 2 and 4, each layout twice, 60 steps a run
+    python bench/costmodel.py --quick    # each layout once, 30 steps a run
     sudo python bench/costmodel.py --testbed 1gbit,100mbit   # and on the shaped two-node testbed
     python bench/costmodel.py --keep DIR # keep every run's directory (telemetry.jsonl) under DIR
     python bench/costmodel.py --replay DIR [--testbed RATES]   # the table again from kept runs
@@ -51,16 +51,24 @@ def common(world: int, steps: int) -> list[str]:
 REPLAY = False  # --replay: read the runs a --keep left instead of running them
 
 
+REPEAT = 1    # --repeat: runs of each layout, their steady steps pooled
+
+
+def run_dirs(out: pathlib.Path, name: str) -> list[pathlib.Path]:
+    return [out / (name if i == 0 else f"{name}-r{i + 1}") for i in range(REPEAT)]
+
+
 def run_local(out: pathlib.Path, name: str, world: int, sets: list[str], steps: int) -> list[dict]:
-    run_dir = out / name
-    if REPLAY:
-        return records(run_dir)
-    argv = ["run", str(JOB), "--run-dir", str(run_dir)]
-    for s in [*common(world, steps), *sets]:
-        argv += ["--set", s]
-    if cli.main(argv) != 0:
-        raise SystemExit(f"{name} failed")
-    return records(run_dir)
+    pooled = []
+    for run_dir in run_dirs(out, name):
+        if not REPLAY:
+            argv = ["run", str(JOB), "--run-dir", str(run_dir)]
+            for s in [*common(world, steps), *sets]:
+                argv += ["--set", s]
+            if cli.main(argv) != 0:
+                raise SystemExit(f"{run_dir.name} failed")
+        pooled += records(run_dir)
+    return pooled
 
 
 def records(run_dir: pathlib.Path) -> list[dict]:
@@ -72,8 +80,8 @@ def row(where: str, layout: str, recs: list[dict], pred: costmodel.Prediction, c
     measured = costmodel.measured_step(recs)
     r = {"where": where, "layout": layout, "calibration": calibration,
          "measured_ms": measured * 1e3,
-         "measured_compute_ms": costmodel._median([x["compute_time_mean"] for x in rs]) * 1e3,
-         "measured_wait_ms": costmodel._median([x["comm_wait_mean"] for x in rs]) * 1e3,
+         "measured_compute_ms": costmodel._median([costmodel.slowest_compute(x) for x in rs]) * 1e3,
+         "measured_wait_ms": costmodel._median([costmodel.transfer_wait(x) for x in rs]) * 1e3,
          "predicted_ms": pred.step_s * 1e3, "predicted_compute_ms": pred.compute_s * 1e3,
          "predicted_wait_ms": pred.exposed_wait_s * 1e3}
     r["rel_error"] = abs(pred.step_s - measured) / measured
@@ -119,16 +127,17 @@ def testbed(out: pathlib.Path, model: costmodel.ModelShape, local: costmodel.Har
     rows = []
     with contextlib.nullcontext() if REPLAY else Testbed(rate=rates[0]) as tb:
         def on_testbed(name: str, sets: list[str], n: int) -> list[dict]:
-            run_dir = out / name
-            if REPLAY:
-                return records(run_dir)
-            argv = ["run", str(JOB), "--run-dir", str(run_dir)]
-            for s in [*common(4, n), "cluster.placement=pack", *sets]:
-                argv += ["--set", s]
-            done = tb.run_driver(argv, capture=True)
-            if done.returncode != 0:
-                raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
-            return records(run_dir)
+            pooled = []
+            for run_dir in run_dirs(out, name):
+                if not REPLAY:
+                    argv = ["run", str(JOB), "--run-dir", str(run_dir)]
+                    for s in [*common(4, n), "cluster.placement=pack", *sets]:
+                        argv += ["--set", s]
+                    done = tb.run_driver(argv, capture=True)
+                    if done.returncode != 0:
+                        raise SystemExit(f"{run_dir.name} failed:\n{done.stderr[-2000:]}")
+                pooled += records(run_dir)
+            return pooled
 
         for rate in rates:
             if not REPLAY:
@@ -149,14 +158,19 @@ def testbed(out: pathlib.Path, model: costmodel.ModelShape, local: costmodel.Har
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="30 steps a run instead of 60")
+    ap.add_argument("--quick", action="store_true", help="each layout once, 30 steps a run instead of 60")
     ap.add_argument("--testbed", default=None, metavar="RATES",
                     help="also on the two-node testbed (root) at these link rates, e.g. 1gbit,100mbit")
     ap.add_argument("--keep", default=None, metavar="DIR", help="keep every run's directory under DIR")
     ap.add_argument("--replay", default=None, metavar="DIR",
                     help="recompute the table from the runs a --keep DIR left (after a change to the model)")
+    ap.add_argument("--repeat", type=int, default=2, metavar="N",
+                    help="runs of each layout, their steady steps pooled (default 2; 1 with --quick)")
     args = ap.parse_args()
-    global REPLAY
+    global REPLAY, REPEAT
+    REPEAT = 1 if args.quick else args.repeat
+    if REPEAT < 1:
+        raise SystemExit(f"--repeat {REPEAT}: at least 1")
     if args.replay:
         REPLAY, args.keep = True, args.replay
     steps = 30 if args.quick else 60

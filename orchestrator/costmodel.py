@@ -305,15 +305,32 @@ def hardware_from_spec(spec: dict | str) -> Hardware:
 # ----------------------------------------------------------------------------- calibration
 
 def steady(records: list[dict], skip: int = 10) -> list[dict]:
-    """The step records past the first `skip` (allocator warm-up, lazy init)."""
+    """The step records past a run's first `skip` steps (allocator warm-up, lazy init). Records of
+    several runs of the same layout may be pooled: each starts at step 1."""
     steps = sorted((r for r in records if r.get("type") == "step"), key=lambda r: r["step"])
-    return steps[skip:] if len(steps) > skip + 5 else steps
+    if not steps:
+        return []
+    kept = [r for r in steps if r["step"] >= steps[0]["step"] + skip]
+    return kept if len(kept) > 5 else steps
 
 
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     n = len(xs)
     return (xs[n // 2] + xs[(n - 1) // 2]) / 2 if xs else 0.0
+
+
+def slowest_compute(record: dict) -> float:
+    """The step's compute on its slowest rank: what the step waits for."""
+    ranks = (record.get("ranks") or {}).get("compute_time")
+    return max(ranks) if ranks else record["compute_time_mean"]
+
+
+def transfer_wait(record: dict) -> float:
+    """The comm wait of the rank that reached the collectives last: the transfers alone. The other
+    ranks' longer waits are the skew between ranks, already in the slowest rank's compute."""
+    ranks = (record.get("ranks") or {}).get("comm_wait")
+    return min(ranks) if ranks else record["comm_wait_mean"]
 
 
 def calibrate(model: ModelShape, records: list[dict], global_batch: int, per_node: int, nodes: int = 1,
@@ -325,9 +342,9 @@ def calibrate(model: ModelShape, records: list[dict], global_batch: int, per_nod
     if not rs or rs[0].get("compute_time_mean") is None:
         raise ValueError("calibration needs step records with telemetry (compute and comm-wait times)")
     dp = rs[0]["dp"]
-    compute = _median([r["compute_time_mean"] for r in rs])
+    compute = _median([slowest_compute(r) for r in rs])
     flops = model.flops_per_sample * global_batch / dp / compute
-    wait = _median([r["comm_wait_mean"] for r in rs])
+    wait = _median([transfer_wait(r) for r in rs])
     grad = model.params * model.grad_bytes_per_param
     hops = 2 * (dp - 1)
     usable = max(wait - hops * latency, 1e-9)
@@ -354,11 +371,11 @@ def calibrate_tensor(model: ModelShape, hw: Hardware, records: list[dict],
     if dp != 1 or tp < 2:
         raise ValueError(f"a tensor-parallel run (dp 1, tp >= 2) calibrates the sharded layouts, not dp {dp} tp {tp}")
     flops = model.flops_per_sample * global_batch * ((1 - model.tp_replicated) / tp + model.tp_replicated)
-    overhead = max(0.0, _median([r["compute_time_mean"] for r in rs]) * hw.flops - flops)
+    overhead = max(0.0, _median([slowest_compute(r) for r in rs]) * hw.flops - flops)
     zero = Link(hw.intra.bandwidth, 0.0)
     bandwidth_only = model.tp_boundaries * allreduce_time(model.boundary_bytes_per_sample * global_batch, tp, zero)
     hops = model.tp_boundaries * 2 * (tp - 1)
-    wait = _median([r["comm_wait_mean"] for r in rs])
+    wait = _median([transfer_wait(r) for r in rs])
     lat = max(0.0, (wait - bandwidth_only) / hops) if hops else 0.0
     return replace(model, tp_overhead_flops=overhead), replace(hw, intra=Link(hw.intra.bandwidth, lat))
 

@@ -186,6 +186,20 @@ def _run_dir(path, pred, dp, tp, nodes=1):
     return str(path)
 
 
+def test_calibration_reads_the_slowest_compute_and_the_last_arrivals_wait():
+    """A step waits for its slowest rank's compute; the rank that reaches a collective last waits
+    for the transfer alone, the others for it and the skew."""
+    rec = {"type": "step", "step": 1, "compute_time_mean": 0.15, "comm_wait_mean": 0.3,
+           "ranks": {"compute_time": [0.1, 0.2], "comm_wait": [0.5, 0.1]}}
+    assert costmodel.slowest_compute(rec) == 0.2 and costmodel.transfer_wait(rec) == 0.1
+    del rec["ranks"]
+    assert costmodel.slowest_compute(rec) == 0.15 and costmodel.transfer_wait(rec) == 0.3
+    # runs pooled: each run's first 10 steps are left out
+    runs = [{"type": "step", "step": i, "run": k} for k in range(2) for i in range(1, 21)]
+    kept = costmodel.steady(runs)
+    assert len(kept) == 22 and min(r["step"] for r in kept) == 11
+
+
 def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
     from orchestrator.job import load_job
 
