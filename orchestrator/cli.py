@@ -82,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                            "tflops, intra_gb_s, inter_gb_s, intra_latency_us, inter_latency_us} or {preset, nodes}")
     plan.add_argument("--nodes", type=int, help="resize the cluster to this many nodes")
     plan.add_argument("--global-batch", type=int, help="the global batch to plan for (default: the job's)")
+    plan.add_argument("--json", action="store_true", help="print every layout and bucket size as one JSON object")
     plan.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR",
                       help="take the device rate and link figures from a run of this model (its "
                            "telemetry.jsonl): a data run, then optionally a tensor run on one node; repeatable")

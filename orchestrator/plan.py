@@ -39,11 +39,11 @@ def load_cluster(text: str, nodes: int | None = None) -> costmodel.Hardware:
 
 
 def calibrated(model: costmodel.ModelShape, hw: costmodel.Hardware, run_dirs: list[str]
-               ) -> tuple[costmodel.ModelShape, costmodel.Hardware]:
+               ) -> tuple[costmodel.ModelShape, costmodel.Hardware, list[str]]:
     """The cluster's figures with what runs of the same model measured in their place
-    (costmodel.fit_runs); says what each run gave."""
+    (costmodel.fit_runs), and a line per run saying what it gave."""
     if not run_dirs:
-        return model, hw
+        return model, hw, []
     import json  # noqa: PLC0415
 
     from orchestrator.job import JobError, load_job  # noqa: PLC0415
@@ -73,9 +73,7 @@ def calibrated(model: costmodel.ModelShape, hw: costmodel.Hardware, run_dirs: li
         model, hw, notes = costmodel.fit_runs(model, hw, runs)
     except (ValueError, KeyError) as err:
         raise UsageError(f"--calibrate: {err}") from None
-    for note in notes:
-        print(f"calibrated from {note}")
-    return model, hw
+    return model, hw, [f"calibrated from {note}" for note in notes]
 
 
 def cmd_plan(args) -> int:
@@ -83,12 +81,28 @@ def cmd_plan(args) -> int:
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)
-    model, hw = calibrated(costmodel.shape_of_job(job), hw, args.calibrate)
+    model, hw, notes = calibrated(costmodel.shape_of_job(job), hw, args.calibrate)
     batch = args.global_batch or job.train.global_batch_size
     preds = costmodel.plan(model, hw, batch)
     if not preds:
         raise UsageError(f"no layout of {hw.devices} devices divides the global batch {batch}: use "
                          f"--global-batch with a multiple of {hw.devices}")
+    if args.json:
+        import json  # noqa: PLC0415
+
+        def kind(p):
+            return "data" if p.tp == 1 else "tensor" if p.dp == 1 else "hybrid"
+
+        print(json.dumps({"model": {"name": model.name, "params": model.params, "flops_per_sample": model.flops_per_sample,
+                                    "tp_overhead_flops": model.tp_overhead_flops},
+                          "cluster": {"name": hw.name, "nodes": hw.nodes, "per_node": hw.per_node, "flops": hw.flops,
+                                      "intra": vars(hw.intra), "inter": vars(hw.inter)},
+                          "global_batch": batch, "calibration": notes,
+                          "recommended": {"strategy": kind(preds[0]), **preds[0].to_dict()},
+                          "predictions": [{"strategy": kind(p), **p.to_dict()} for p in preds]}))
+        return 0
+    for note in notes:
+        print(note)
     best_per_layout: dict[tuple[int, int], costmodel.Prediction] = {}
     for p in preds:
         best_per_layout.setdefault((p.dp, p.tp), p)

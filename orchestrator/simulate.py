@@ -133,7 +133,9 @@ def cmd_simulate(args) -> int:
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)
-    model, hw = calibrated(costmodel.shape_of_job(job), hw, args.calibrate)
+    model, hw, notes = calibrated(costmodel.shape_of_job(job), hw, args.calibrate)
+    for note in notes:
+        print(note)
     scenario = load_scenario(args.scenario)
     batch = args.global_batch or job.train.global_batch_size
     if batch % hw.devices:

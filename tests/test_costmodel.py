@@ -217,6 +217,15 @@ def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
     assert "sharding adds 10 ms of work a step, 500 us a hop" in out, out
     want = predict(sharded, truth, 32, 1, 2)
     assert f"{'tensor 1x2':<16}{1:>10g}{want.step_s * 1e3:>10.1f}" in out, out
+    # the same as one JSON object, for scripts
+    assert cli.main([*argv, "--calibrate", data, "--calibrate", tensor, "--json"]) == 0
+    import json
+
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["calibration"]) == 2 and doc["cluster"]["flops"] == pytest.approx(5e10)
+    tensor_row = next(p for p in doc["predictions"] if (p["dp"], p["tp"]) == (1, 2))
+    assert tensor_row["step_s"] == pytest.approx(want.step_s) and tensor_row["strategy"] == "tensor"
+    assert doc["recommended"] == doc["predictions"][0]
     # without the runs the spec's 100 TFLOP/s devices make the step far shorter
     assert cli.main(argv) == 0 and "calibrated" not in capsys.readouterr().out
     # a run of another model, or a directory that is no run, is refused with the reason
