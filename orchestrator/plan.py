@@ -108,7 +108,7 @@ def cmd_plan(args) -> int:
         best_per_layout.setdefault((p.dp, p.tp), p)
     print(f"{model.name}: {model.params / 1e6:,.1f} M parameters, {model.flops_per_sample / 1e9:,.1f} GFLOP per "
           f"sample; global batch {batch}; {hw.name or 'cluster'}: {hw.nodes} x {hw.per_node} devices at "
-          f"{hw.flops / 1e12:g} TFLOP/s")
+          f"{hw.flops / 1e12:.3g} TFLOP/s")
     print(f"{'layout':<16}{'bucket MB':>10}{'step ms':>10}{'compute':>9}{'comm wait':>11}{'samples/s':>12}")
     for (dp, tp), p in sorted(best_per_layout.items(), key=lambda kv: kv[1].step_s):
         kind = "data" if tp == 1 else "tensor" if dp == 1 else "hybrid"
