@@ -2,9 +2,11 @@
 
 Calibration (orchestrator/costmodel.py) fits the figures from runs' own telemetry:
 
-- a data-parallel run fits the device rate (its compute time) and the link (its comm wait);
+- a data-parallel run fits the device rate (its slowest rank's compute time) and the link's
+  bandwidth (the comm wait of the rank that reached the all-reduce last);
 - a tensor-parallel run fits the work a sharded layout adds on every rank (its compute beyond its
-  FLOPs), and the per-hop latency of the link (its comm wait beyond the bandwidth term).
+  FLOPs), and the per-hop latency of the link (its comm wait beyond the bandwidth term); the two
+  are fitted together (costmodel.calibrate_pair) until bandwidth and latency agree with both.
 
 On loopback, world 2 runs data 2x1 and tensor 1x2 to calibrate; world 4 runs data 4x1 to refit
 the device rate and link (four workers share the two cores), and then tensor 1x4 and hybrid 2x2
@@ -72,7 +74,11 @@ def run_local(out: pathlib.Path, name: str, world: int, sets: list[str], steps: 
 
 
 def records(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    out = []
+    for line in (run_dir / "telemetry.jsonl").read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a crash
+            out.append(json.loads(line))
+    return out
 
 
 def row(where: str, layout: str, recs: list[dict], pred: costmodel.Prediction, calibration: bool) -> dict:
@@ -97,9 +103,8 @@ def loopback(out: pathlib.Path, model: costmodel.ModelShape, steps: int):
     rows = []
     # world 2: calibrate everything
     data2 = run_local(out, "data2", 2, ["parallel.strategy=data"], steps)
-    hw2 = costmodel.calibrate(model, data2, BATCH, per_node=2)
     tensor2 = run_local(out, "tensor2", 2, ["parallel.strategy=tensor"], steps)
-    model, hw2 = costmodel.calibrate_tensor(model, hw2, tensor2, BATCH)
+    model, hw2 = costmodel.calibrate_pair(model, data2, tensor2, BATCH, per_node=2)
     rows.append(row("loopback", "data 2x1", data2, costmodel.predict(model, hw2, BATCH, 2, 1), True))
     rows.append(row("loopback", "tensor 1x2", tensor2, costmodel.predict(model, hw2, BATCH, 1, 2), True))
     print(f"  world 2: {hw2.flops / 1e9:.1f} GFLOP/s a worker, link {hw2.intra.bandwidth / 1e6:.0f} MB/s and "

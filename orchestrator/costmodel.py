@@ -81,6 +81,9 @@ class ModelShape:
                                              # split (a replicated output head)
     tp_overhead_flops: float = 0.0           # work a sharded layout adds on each rank a step, as
                                              # FLOPs at the device's rate (op dispatch, resharding)
+    backward_share: float = 2 / 3            # of the compute: 2 of 3 units, 3 of 4 when backward
+                                             # recomputes the forward (activation checkpointing)
+    tp_divides: int = 0                      # tp must divide this (attention heads); 0: any tp
     name: str = ""
 
     def __post_init__(self):
@@ -92,20 +95,27 @@ class ModelShape:
     @staticmethod
     def transformer(layers: int, hidden: int, seq: int, vocab: int, act_bytes: float = 2.0,
                     grad_bytes: float = 2.0, recompute: bool = True, tp_allreduces_per_layer: int = 4,
-                    head_parallel: bool = True, name: str = "") -> ModelShape:
-        """A GPT: parameters 12 l h^2 + V h; FLOPs per sample from Megatron-LM (arXiv 1909.08053,
-        appendix): 96 s l h^2 (1 + s/(6h) + V/(16 l h)) with recompute (72 without). Under tensor
-        parallelism a layer all-reduces its activations `tp_allreduces_per_layer` times: 4 with
-        Megatron's fused q, k, v projection (2 forward, 2 backward), 6 when q, k and v are separate
-        column-parallel layers (each one's input gradient is all-reduced on its own). Megatron
-        splits the output head over the vocabulary; a replicated head (`head_parallel=False`) is
-        the FLOPs' V/(16 l h) term that tensor parallelism leaves whole."""
-        params = 12 * layers * hidden ** 2 + vocab * hidden
-        head = vocab / (16 * layers * hidden)
-        per_sample = (96 if recompute else 72) * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + head)
-        return ModelShape(params=params, flops_per_sample=per_sample, boundary_bytes_per_sample=seq * hidden * act_bytes,
+                    head_parallel: bool = True, ffn_mult: int = 4, heads: int = 0, params: float | None = None,
+                    name: str = "") -> ModelShape:
+        """A GPT of `layers` layers of width `hidden` over `seq` tokens. Parameters 12 l h^2 + V h
+        unless counted exactly (`params`). FLOPs per sample as Megatron-LM counts them (Narayanan
+        et al., arXiv 2104.04473, appendix): forward (8 + 4 m) s h^2 + 4 s^2 h a layer (m the
+        MLP's width multiple) and 2 s h V for the head, backward twice the forward, and with
+        recompute the layers' forward once more: 96 s l h^2 (1 + s/(6h) + V/(16 l h)) for m = 4
+        (72 s l h^2 (...) without recompute). Under tensor parallelism a layer all-reduces its
+        activations `tp_allreduces_per_layer` times: 4 with Megatron's fused q, k, v projection
+        (2 forward, 2 backward), 6 when q, k and v are separate column-parallel layers (each one's
+        input gradient is all-reduced on its own). Megatron splits the output head over the
+        vocabulary; a replicated head (`head_parallel=False`) is FLOPs tensor parallelism leaves
+        whole. Attention splits by whole heads: tp must divide `heads` (0: not checked)."""
+        layer = (8 + 4 * ffn_mult) * seq * hidden ** 2 + 4 * seq ** 2 * hidden
+        head = 2 * seq * hidden * vocab
+        per_sample = (4 if recompute else 3) * layers * layer + 3 * head
+        return ModelShape(params=params if params is not None else 12 * layers * hidden ** 2 + vocab * hidden,
+                          flops_per_sample=per_sample, boundary_bytes_per_sample=seq * hidden * act_bytes,
                           tp_boundaries=tp_allreduces_per_layer * layers, grad_bytes_per_param=grad_bytes,
-                          tp_replicated=0.0 if head_parallel else head / (1 + seq / (6 * hidden) + head), name=name)
+                          tp_replicated=0.0 if head_parallel else 3 * head / per_sample,
+                          backward_share=3 / 4 if recompute else 2 / 3, tp_divides=heads, name=name)
 
 
 @dataclass(frozen=True)
@@ -157,7 +167,7 @@ def group_link(hw: Hardware, span_nodes: bool, streams: int = 1) -> Link:
 
 
 def predict(model: ModelShape, hw: Hardware, global_batch: int, dp: int, tp: int,
-            bucket_cap_mb: float = 25.0, backward_share: float = 2 / 3) -> Prediction:
+            bucket_cap_mb: float = 25.0, backward_share: float | None = None) -> Prediction:
     """One step of a dp x tp layout on `hw`, ranks contiguous per node (tp groups inside a node
     when tp divides the node's devices)."""
     if dp * tp > hw.devices:
@@ -167,7 +177,7 @@ def predict(model: ModelShape, hw: Hardware, global_batch: int, dp: int, tp: int
     per_dp = global_batch / dp
     compute = (model.flops_per_sample * per_dp * ((1 - model.tp_replicated) / tp + model.tp_replicated)
                + (model.tp_overhead_flops if tp > 1 else 0.0)) / hw.flops
-    backward = compute * backward_share
+    backward = compute * (model.backward_share if backward_share is None else backward_share)
     tp_spans = tp > hw.per_node or hw.per_node % tp != 0
     # a tp group that leaves its node: its ring crosses out of the node once, beside the rings of the
     # node's other tp groups (one group per node once a group spans nodes)
@@ -187,14 +197,16 @@ def predict(model: ModelShape, hw: Hardware, global_batch: int, dp: int, tp: int
                       global_batch / step if step > 0 else 0.0)
 
 
-def layouts(hw: Hardware, global_batch: int, devices: int | None = None) -> list[tuple[int, int]]:
-    """(dp, tp) pairs over all devices: tp a power of two that divides a node (or spans whole
-    nodes), dp dividing the batch."""
+def layouts(hw: Hardware, global_batch: int, devices: int | None = None, model_divides: int = 0
+            ) -> list[tuple[int, int]]:
+    """(dp, tp) pairs over all devices: tp a power of two dividing the devices (inside a node, or
+    spanning whole nodes) and, for a model that splits by heads, its head count; dp dividing the
+    batch."""
     n = devices or hw.devices
     out = []
     tp = 1
     while tp <= n:
-        if n % tp == 0 and global_batch % (n // tp) == 0:
+        if n % tp == 0 and global_batch % (n // tp) == 0 and (not model_divides or model_divides % tp == 0):
             out.append((n // tp, tp))
         tp *= 2
     return out
@@ -203,8 +215,9 @@ def layouts(hw: Hardware, global_batch: int, devices: int | None = None) -> list
 def plan(model: ModelShape, hw: Hardware, global_batch: int,
          buckets_mb: tuple[float, ...] = (1, 5, 10, 25, 50, 100)) -> list[Prediction]:
     """Every layout at every bucket size, fastest first."""
-    preds = [predict(model, hw, global_batch, dp, tp, b) for dp, tp in layouts(hw, global_batch) for b in
-             (buckets_mb if dp > 1 else buckets_mb[:1])]
+    preds = [predict(model, hw, global_batch, dp, tp, b)
+             for dp, tp in layouts(hw, global_batch, model_divides=model.tp_divides)
+             for b in (buckets_mb if dp > 1 else buckets_mb[:1])]
     return sorted(preds, key=lambda p: p.step_s)
 
 
@@ -234,9 +247,10 @@ def with_nodes(hw: Hardware, nodes: int) -> Hardware:
 # ----------------------------------------------------------------------------- from a job and a spec
 
 def shape_of_job(job) -> ModelShape:
-    """The cost model's view of a job's model. The built-in GPT is described exactly; any other
-    model by its parameter count (built once, on CPU) at 6 FLOPs per parameter per sample, with
-    no tensor-parallel activations modelled."""
+    """The cost model's view of a job's model. The built-in GPT by its shape (its parameters
+    counted exactly, on the meta device; its FLOPs by Megatron-LM's count); any other model by its
+    parameter count (built once, on the meta device where it can be) at 6 FLOPs per parameter per
+    sample, with no tensor-parallel activations modelled."""
     spec = job.to_dict()["model"]
     grad_bytes = 4.0  # parameters and their gradients stay fp32 under autocast
     act = 2.0 if job.train.precision in ("bf16", "fp16") else 4.0
@@ -245,13 +259,19 @@ def shape_of_job(job) -> ModelShape:
 
         from workers.models import gpt  # noqa: PLC0415
 
+        import torch  # noqa: PLC0415
+
         defaults = {n: p.default for n, p in inspect.signature(gpt).parameters.items()}
         k = {**defaults, **(spec.get("kwargs") or {})}
-        # the built-in GPT's q, k and v are separate column-parallel layers (workers/models.py)
-        m = ModelShape.transformer(k["n_layer"], k["n_embd"], k["block_size"], k["vocab_size"], act_bytes=act,
-                                   grad_bytes=grad_bytes, recompute=job.train.activation_checkpointing,
-                                   tp_allreduces_per_layer=6, head_parallel=False, name="gpt")
-        return m
+        with torch.device("meta"):
+            params = sum(p.numel() for p in gpt(**k).parameters())
+        # the built-in GPT's q, k and v are separate column-parallel layers, its head is replicated
+        # (workers/models.py)
+        return ModelShape.transformer(k["n_layer"], k["n_embd"], k["block_size"], k["vocab_size"], act_bytes=act,
+                                      grad_bytes=grad_bytes,
+                                      recompute=bool(job.train.activation_checkpointing or k["activation_checkpointing"]),
+                                      tp_allreduces_per_layer=6, head_parallel=False, ffn_mult=k["ffn_mult"],
+                                      heads=k["n_head"], params=params, name="gpt")
     from workers import components  # noqa: PLC0415
 
     model = components.build_model(spec, [job.base_dir])
@@ -273,7 +293,7 @@ def hardware_from_spec(spec: dict | str) -> Hardware:
         raise ValueError(f"unknown cluster spec keys {sorted(unknown)}; allowed: preset, nodes, per_node, tflops, "
                          "intra_gb_s, inter_gb_s, intra_latency_us, inter_latency_us")
     if "preset" in spec:
-        if spec["preset"] not in PRESETS:
+        if not isinstance(spec["preset"], str) or spec["preset"] not in PRESETS:
             raise ValueError(f"preset {spec['preset']!r} is not one of {', '.join(PRESETS)}")
         base = PRESETS[spec["preset"]]
     else:
@@ -282,12 +302,12 @@ def hardware_from_spec(spec: dict | str) -> Hardware:
             raise ValueError(f"a cluster spec without a preset needs {sorted(missing)}")
         base = Hardware(1, 1, 1.0, Link(1.0), Link(1.0))
 
-    def num(key, default, scale=1.0, lo=0.0):
+    def num(key, default, scale=1.0, zero_ok=False):
         v = spec.get(key)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > lo:
-            raise ValueError(f"{key} = {v!r} must be a number > {lo:g}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 if zero_ok else v > 0):
+            raise ValueError(f"{key} = {v!r} must be a number {'>= 0' if zero_ok else '> 0'}")
         return v * scale
 
     nodes = num("nodes", base.nodes)
@@ -296,18 +316,20 @@ def hardware_from_spec(spec: dict | str) -> Hardware:
         raise ValueError(f"nodes ({nodes}) and per_node ({per_node}) must be whole numbers")
     return Hardware(nodes=int(nodes), per_node=int(per_node), flops=num("tflops", base.flops, 1e12),
                     intra=Link(num("intra_gb_s", base.intra.bandwidth, GB),
-                               num("intra_latency_us", base.intra.latency, 1e-6, -1e-30)),
+                               num("intra_latency_us", base.intra.latency, 1e-6, zero_ok=True)),
                     inter=Link(num("inter_gb_s", base.inter.bandwidth, GB),
-                               num("inter_latency_us", base.inter.latency, 1e-6, -1e-30)),
+                               num("inter_latency_us", base.inter.latency, 1e-6, zero_ok=True)),
                     name=spec.get("name") or base.name)
 
 
 # ----------------------------------------------------------------------------- calibration
 
 def steady(records: list[dict], skip: int = 10) -> list[dict]:
-    """The step records past a run's first `skip` steps (allocator warm-up, lazy init). Records of
-    several runs of the same layout may be pooled: each starts at step 1."""
-    steps = sorted((r for r in records if r.get("type") == "step"), key=lambda r: r["step"])
+    """The step records past a run's first `skip` steps (allocator warm-up, lazy init); all of
+    them if that would leave 5 or fewer. Records of several runs of the same layout may be pooled:
+    each starts at step 1."""
+    steps = sorted((r for r in records if r.get("type") == "step" and isinstance(r.get("step"), int)
+                    and not isinstance(r.get("step"), bool)), key=lambda r: r["step"])
     if not steps:
         return []
     kept = [r for r in steps if r["step"] >= steps[0]["step"] + skip]
@@ -318,6 +340,30 @@ def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     n = len(xs)
     return (xs[n // 2] + xs[(n - 1) // 2]) / 2 if xs else 0.0
+
+
+_NEEDED = ("dp", "tp", "step_time_max", "compute_time_mean", "comm_wait_mean")
+
+
+def run_steps(records: list[dict]) -> list[dict]:
+    """A run's steady step records, checked for what calibration reads: every timing present and
+    one layout throughout (a run that switched layouts calibrates nothing)."""
+    rs = steady(records)
+    if not rs:
+        raise ValueError("no step records")
+    for r in rs:
+        for key in _NEEDED:
+            v = r.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"step {r['step']}: {key} = {v!r}; calibration needs step records with "
+                                 "telemetry (compute and comm-wait times)")
+    seen = sorted({(r["dp"], r["tp"]) for r in rs})
+    if len(seen) > 1:
+        raise ValueError(f"the run changed layouts ({', '.join(f'{dp}x{tp}' for dp, tp in seen)}): calibrate "
+                         "from a run with a fixed strategy")
+    if _median([slowest_compute(r) for r in rs]) <= 0:
+        raise ValueError("the run's compute time is 0: no rate can be fitted from it")
+    return rs
 
 
 def slowest_compute(record: dict) -> float:
@@ -333,22 +379,48 @@ def transfer_wait(record: dict) -> float:
     return min(ranks) if ranks else record["comm_wait_mean"]
 
 
+def _solve(f, target: float, lo: float = 1e3, hi: float = 1e15) -> float:
+    """x in [lo, hi] with f(x) = target, for f falling as x grows (bisection in log space); the
+    bound nearest when the target is out of reach."""
+    if f(hi) >= target:
+        return hi
+    if f(lo) <= target:
+        return lo
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if f(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1 + 1e-9:
+            break
+    return math.sqrt(lo * hi)
+
+
 def calibrate(model: ModelShape, records: list[dict], global_batch: int, per_node: int, nodes: int = 1,
               latency: float = 0.0) -> Hardware:
     """Hardware figures fitted from a data-parallel run's own telemetry: the device rate from its
-    compute time per step, the link from its comm wait (gradients in one bucket, all exposed,
-    as for a model whose gradients fit one bucket; else a lower bound on the bandwidth)."""
-    rs = steady(records)
-    if not rs or rs[0].get("compute_time_mean") is None:
-        raise ValueError("calibration needs step records with telemetry (compute and comm-wait times)")
+    slowest rank's compute time, the link's bandwidth as the one with which `predict` gives the
+    run's measured comm wait (its buckets overlapping backward as they did in the run), at the
+    per-hop `latency` given. A link faster than the wait can show is set at 1e15 B/s."""
+    rs = run_steps(records)
     dp = rs[0]["dp"]
-    compute = _median([slowest_compute(r) for r in rs])
-    flops = model.flops_per_sample * global_batch / dp / compute
-    wait = _median([transfer_wait(r) for r in rs])
-    grad = model.params * model.grad_bytes_per_param
-    hops = 2 * (dp - 1)
-    usable = max(wait - hops * latency, 1e-9)
-    bandwidth = hops / dp * grad / usable if dp > 1 else 1e12
+    if rs[0]["tp"] != 1:
+        raise ValueError(f"a data-parallel run (tp 1) calibrates the device and link, not dp {dp} tp {rs[0]['tp']}")
+    flops = model.flops_per_sample * global_batch / dp / _median([slowest_compute(r) for r in rs])
+    bandwidth = 1e15
+    if dp > 1:
+        bucket = rs[0].get("bucket_cap_mb") or 25.0
+        wait = _median([transfer_wait(r) for r in rs])
+        per_node = min(per_node, dp)
+        nodes = max(nodes, math.ceil(dp / per_node))
+
+        def exposed(bw: float) -> float:
+            link = Link(bw, latency)
+            hw = Hardware(nodes=nodes, per_node=per_node, flops=flops, intra=link, inter=link)
+            return predict(model, hw, global_batch, dp, 1, bucket).exposed_wait_s
+
+        bandwidth = _solve(exposed, wait)
     link = Link(bandwidth, latency)
     return Hardware(nodes=nodes, per_node=per_node, flops=flops, intra=link, inter=link, name="calibrated")
 
@@ -363,21 +435,37 @@ def calibrate_tensor(model: ModelShape, hw: Hardware, records: list[dict],
     sharded layout adds on each rank (its measured compute beyond its FLOPs at the data run's
     rate), and the per-hop latency of the link inside a node (its measured comm wait beyond the
     bandwidth term, spread over its collectives' ring hops; on a CPU this also takes in the ranks'
-    skew at every collective)."""
-    rs = steady(records)
-    if not rs or rs[0].get("compute_time_mean") is None:
-        raise ValueError("calibration needs step records with telemetry (compute and comm-wait times)")
+    skew at every collective). A model whose tensor-parallel activations are not modelled keeps
+    the latency it had."""
+    rs = run_steps(records)
     dp, tp = rs[0]["dp"], rs[0]["tp"]
     if dp != 1 or tp < 2:
         raise ValueError(f"a tensor-parallel run (dp 1, tp >= 2) calibrates the sharded layouts, not dp {dp} tp {tp}")
     flops = model.flops_per_sample * global_batch * ((1 - model.tp_replicated) / tp + model.tp_replicated)
     overhead = max(0.0, _median([slowest_compute(r) for r in rs]) * hw.flops - flops)
+    model = replace(model, tp_overhead_flops=overhead)
+    hops = model.tp_boundaries * 2 * (tp - 1)
+    if not hops:
+        return model, hw
     zero = Link(hw.intra.bandwidth, 0.0)
     bandwidth_only = model.tp_boundaries * allreduce_time(model.boundary_bytes_per_sample * global_batch, tp, zero)
-    hops = model.tp_boundaries * 2 * (tp - 1)
     wait = _median([transfer_wait(r) for r in rs])
-    lat = max(0.0, (wait - bandwidth_only) / hops) if hops else 0.0
-    return replace(model, tp_overhead_flops=overhead), replace(hw, intra=Link(hw.intra.bandwidth, lat))
+    lat = max(0.0, (wait - bandwidth_only) / hops)
+    return model, replace(hw, intra=Link(hw.intra.bandwidth, lat))
+
+
+def calibrate_pair(model: ModelShape, data: list[dict], tensor: list[dict], global_batch: int, per_node: int,
+                   latency: float = 0.0, rounds: int = 200) -> tuple[ModelShape, Hardware]:
+    """A data run and a tensor run on the same node, fitted together: the bandwidth from the data
+    run at the latency the tensor run gives, and that latency at the data run's bandwidth, until
+    neither moves (the map is a contraction: each round shrinks the change)."""
+    for _ in range(rounds):
+        hw = calibrate(model, data, global_batch, per_node, latency=latency)
+        fitted, hw = calibrate_tensor(model, hw, tensor, global_batch)
+        if abs(hw.intra.latency - latency) <= 1e-6 * max(latency, 1e-9):
+            break
+        latency = hw.intra.latency
+    return fitted, replace(hw, inter=Link(hw.inter.bandwidth, hw.intra.latency))
 
 
 def nodes_of_run(records: list[dict]) -> int:
@@ -391,34 +479,59 @@ def nodes_of_run(records: list[dict]) -> int:
 def fit_runs(model: ModelShape, hw: Hardware, runs: list[tuple[str, list[dict], int]]
              ) -> tuple[ModelShape, Hardware, list[str]]:
     """`hw` with the figures that runs of this model measured put in place of the spec's:
-    [(name, telemetry records, global batch)]. A data-parallel run gives the device rate and the
-    link it ran over (inside a node, or between nodes when it spanned them); a tensor-parallel run
-    on one node then gives the replicated share of the compute and the per-hop latency. Returns the
-    refitted model and hardware and a line per run saying what it gave."""
+    [(name, telemetry records, global batch)]. A data-parallel run on one node gives the device
+    rate and the link inside a node; with a tensor-parallel run on one node beside it, the two are
+    fitted together (calibrate_pair) for the work sharding adds and the per-hop latency too. A
+    data-parallel run across nodes gives the link between them. Returns the refitted model and
+    hardware and a line per run saying what it gave; a run that cannot be used is a ValueError
+    naming it."""
+    checked = []
+    for name, records, batch in runs:
+        try:
+            rs = run_steps(records)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+        checked.append((name, records, batch, rs[0]["dp"], rs[0]["tp"], nodes_of_run(records)))
+    local = [c for c in checked if c[4] == 1 and c[3] > 1 and c[5] == 1]
+    tensor = [c for c in checked if c[3] == 1 and c[4] > 1 and c[5] == 1]
     notes = []
-    order = sorted(runs, key=lambda r: (steady(r[1]) or [{"tp": 0}])[0].get("tp", 0))  # data runs first
-    for name, records, batch in order:
-        rs = steady(records)
-        if not rs:
-            raise ValueError(f"{name}: no step records to calibrate from")
-        dp, tp, nodes = rs[0]["dp"], rs[0]["tp"], nodes_of_run(records)
-        if tp == 1:
-            fitted = calibrate(model, records, batch, per_node=hw.per_node,
-                               latency=(hw.inter if nodes > 1 else hw.intra).latency)
+    # the runs on one node first: a data run's rate is what the tensor run's work is measured by
+    for name, records, batch, dp, tp, nodes in sorted(checked, key=lambda c: (c[4] > 1, c[5] > 1)):
+        if tp == 1 and nodes == 1 and (dp == 1 or (local and name == local[0][0])):
+            if dp > 1 and tensor:
+                tname, trecords, tbatch = tensor[0][:3]
+                if tbatch != batch:
+                    raise ValueError(f"{tname}: its global batch ({tbatch}) differs from {name}'s ({batch}): "
+                                     "calibrate from runs of the same batch")
+                model, fitted = calibrate_pair(model, records, trecords, batch, per_node=dp,
+                                               latency=hw.intra.latency)
+            else:
+                fitted = calibrate(model, records, batch, per_node=dp, latency=hw.intra.latency)
             hw = replace(hw, flops=fitted.flops)
-            said = f"{name}: data {dp}x1 on {nodes} node(s): {fitted.flops / 1e12:.3g} TFLOP/s a device"
-            if dp > 1 and nodes > 1:
-                hw = replace(hw, inter=Link(fitted.inter.bandwidth, hw.inter.latency))
-                said += f", {fitted.inter.bandwidth / GB:.3g} GB/s a node between nodes"
-            elif dp > 1:
-                hw = replace(hw, intra=Link(fitted.intra.bandwidth, hw.intra.latency))
+            said = f"{name}: data {dp}x1 on one node: {fitted.flops / 1e12:.3g} TFLOP/s a device"
+            if dp > 1:
+                hw = replace(hw, intra=fitted.intra)
                 said += f", {fitted.intra.bandwidth / GB:.3g} GB/s a device inside a node"
-        elif dp == 1 and nodes == 1:
-            model, hw = calibrate_tensor(model, hw, records, batch)
+                if tensor:
+                    said += f" and {fitted.intra.latency * 1e6:.3g} us a hop (with {tensor[0][0]})"
+        elif tp == 1 and nodes > 1:
+            per_node = math.ceil(dp / nodes)
+            fitted = calibrate(model, records, batch, per_node=per_node, nodes=nodes, latency=hw.inter.latency)
+            hw = replace(hw, inter=Link(fitted.inter.bandwidth, hw.inter.latency))
+            if not local:
+                hw = replace(hw, flops=fitted.flops)
+            said = (f"{name}: data {dp}x1 across {nodes} nodes: {fitted.inter.bandwidth / GB:.3g} GB/s a node "
+                    "between nodes")
+        elif dp == 1 and tp > 1 and nodes == 1 and name == tensor[0][0]:
+            if not local:
+                raise ValueError(f"{name}: a tensor-parallel run is fitted beside a data-parallel run of the same "
+                                 "model on one node: give one too (--calibrate DATA_RUN --calibrate TENSOR_RUN)")
             said = (f"{name}: tensor 1x{tp}: sharding adds {model.tp_overhead_flops / hw.flops * 1e3:.3g} ms of "
-                    f"work a step, {hw.intra.latency * 1e6:.3g} us a hop")
+                    "work a step" + ("" if model.tp_boundaries else
+                                     " (this model's tensor-parallel activations are not modelled: no latency)"))
         else:
-            said = f"{name}: a {dp}x{tp} layout" + (" across nodes" if nodes > 1 else "") + \
-                   " calibrates nothing (use a data run, and a tensor run on one node)"
+            said = (f"{name}: {'data' if tp == 1 else 'tensor' if dp == 1 else 'hybrid'} {dp}x{tp}"
+                    + (" across nodes" if nodes > 1 else "") + ": not used (one data run and one tensor run on "
+                    "one node, and data runs across nodes, are)")
         notes.append(said)
     return model, hw, notes

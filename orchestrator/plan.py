@@ -38,9 +38,20 @@ def load_cluster(text: str, nodes: int | None = None) -> costmodel.Hardware:
     return hw
 
 
-def calibrated(model: costmodel.ModelShape, hw: costmodel.Hardware, run_dirs: list[str]
+def _differences(ours, theirs) -> list[str]:
+    """What of the model and its arithmetic differs between two jobs, as `field: ours vs theirs`."""
+    out = []
+    a, b = ours.to_dict(), theirs.to_dict()
+    for section, key in (("model", None), ("train", "activation_checkpointing"), ("train", "precision")):
+        x, y = (a[section], b[section]) if key is None else (a[section].get(key), b[section].get(key))
+        if x != y:
+            out.append(f"{section if key is None else f'{section}.{key}'}: {x!r} here, {y!r} in the run")
+    return out
+
+
+def calibrated(job, model: costmodel.ModelShape, hw: costmodel.Hardware, run_dirs: list[str]
                ) -> tuple[costmodel.ModelShape, costmodel.Hardware, list[str]]:
-    """The cluster's figures with what runs of the same model measured in their place
+    """The cluster's figures with what runs of the job's model measured in their place
     (costmodel.fit_runs), and a line per run saying what it gave."""
     if not run_dirs:
         return model, hw, []
@@ -55,25 +66,33 @@ def calibrated(model: costmodel.ModelShape, hw: costmodel.Hardware, run_dirs: li
         if not telemetry.is_file() or not job_file.is_file():
             raise UsageError(f"--calibrate {text}: not a run directory (it needs telemetry.jsonl and job.yaml)")
         try:
-            job = load_job(job_file)
+            theirs = load_job(job_file)
         except JobError as err:
             raise UsageError(f"--calibrate {text}: its job.yaml does not load ({err})") from None
-        theirs = costmodel.shape_of_job(job)
-        if abs(theirs.params - model.params) > 1e-6 * model.params or theirs.flops_per_sample != model.flops_per_sample:
-            raise UsageError(f"--calibrate {text}: that run trained a different model ({theirs.params:,.0f} "
-                             f"parameters; this job's has {model.params:,.0f}): calibrate from a run of this model")
+        differ = _differences(job, theirs)
+        if differ:
+            raise UsageError(f"--calibrate {text}: that run trained a different model or arithmetic "
+                             f"({'; '.join(differ)}): calibrate from runs of this job's model")
         records = []
         for line in telemetry.read_text().splitlines():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-        runs.append((text, records, job.train.global_batch_size))
+        runs.append((text, records, theirs.train.global_batch_size))
     try:
         model, hw, notes = costmodel.fit_runs(model, hw, runs)
-    except (ValueError, KeyError) as err:
+    except ValueError as err:
         raise UsageError(f"--calibrate: {err}") from None
     return model, hw, [f"calibrated from {note}" for note in notes]
+
+
+def global_batch(args, job) -> int:
+    if args.global_batch is None:
+        return job.train.global_batch_size
+    if args.global_batch < 1:
+        raise UsageError(f"--global-batch {args.global_batch}: at least 1")
+    return args.global_batch
 
 
 def cmd_plan(args) -> int:
@@ -81,8 +100,8 @@ def cmd_plan(args) -> int:
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)
-    model, hw, notes = calibrated(costmodel.shape_of_job(job), hw, args.calibrate)
-    batch = args.global_batch or job.train.global_batch_size
+    model, hw, notes = calibrated(job, costmodel.shape_of_job(job), hw, args.calibrate)
+    batch = global_batch(args, job)
     preds = costmodel.plan(model, hw, batch)
     if not preds:
         raise UsageError(f"no layout of {hw.devices} devices divides the global batch {batch}: use "
@@ -112,7 +131,8 @@ def cmd_plan(args) -> int:
     print(f"{'layout':<16}{'bucket MB':>10}{'step ms':>10}{'compute':>9}{'comm wait':>11}{'samples/s':>12}")
     for (dp, tp), p in sorted(best_per_layout.items(), key=lambda kv: kv[1].step_s):
         kind = "data" if tp == 1 else "tensor" if dp == 1 else "hybrid"
-        print(f"{kind + f' {dp}x{tp}':<16}{p.bucket_cap_mb:>10g}{p.step_s * 1e3:>10.1f}{p.compute_s * 1e3:>9.1f}"
+        bucket = f"{p.bucket_cap_mb:g}" if dp > 1 else "-"
+        print(f"{kind + f' {dp}x{tp}':<16}{bucket:>10}{p.step_s * 1e3:>10.1f}{p.compute_s * 1e3:>9.1f}"
               f"{p.comm_wait_frac:>11.1%}{p.samples_per_s:>12,.1f}")
     best = preds[0]
     kind = "data" if best.tp == 1 else "tensor" if best.dp == 1 else "hybrid"

@@ -50,7 +50,8 @@ class Scenario:
         for i, e in enumerate(d.get("inter_link") or []):
             if not isinstance(e, dict) or set(e) != {"step", "factor"}:
                 raise ValueError(f"inter_link[{i}] = {e!r} must be {{step: S, factor: F}}")
-            if not isinstance(e["step"], int) or e["step"] < 0 or not isinstance(e["factor"], (int, float)) \
+            if isinstance(e["step"], bool) or isinstance(e["factor"], bool) or not isinstance(e["step"], int) \
+                    or e["step"] < 0 or not isinstance(e["factor"], (int, float)) \
                     or not e["factor"] > 0:
                 raise ValueError(f"inter_link[{i}]: step must be an integer >= 0 and factor a number > 0")
             out.append((e["step"], float(e["factor"])))
@@ -83,7 +84,8 @@ def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: 
 def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: int, scenario: Scenario,
              config: AdaptConfig = AdaptConfig(), bucket_cap_mb: float = 25.0, switch_steps: float = 2.0) -> dict:
     world = hw.devices
-    candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes) if global_batch % c.dp == 0]
+    candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes) if global_batch % c.dp == 0
+                  and (not model.tp_divides or model.tp_divides % c.tp == 0)]
     price = {}
 
     def step_time(layout: Layout, factor: float) -> costmodel.Prediction:
@@ -129,15 +131,15 @@ def load_scenario(text: str) -> Scenario:
 
 def cmd_simulate(args) -> int:
     from orchestrator.job import load_job
-    from orchestrator.plan import calibrated, load_cluster
+    from orchestrator.plan import calibrated, global_batch, load_cluster
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)
-    model, hw, notes = calibrated(costmodel.shape_of_job(job), hw, args.calibrate)
+    model, hw, notes = calibrated(job, costmodel.shape_of_job(job), hw, args.calibrate)
     for note in notes:
         print(note)
     scenario = load_scenario(args.scenario)
-    batch = args.global_batch or job.train.global_batch_size
+    batch = global_batch(args, job)
     if batch % hw.devices:
         raise UsageError(f"the global batch ({batch}) must divide over {hw.devices} devices for data parallel: "
                          f"use --global-batch")

@@ -124,6 +124,8 @@ def test_plan_reads_a_cluster_file(tmp_path, capsys):
     ("nodes: 2\n", "needs"), ("preset: tpu\n", "not one of"), ("nodes: -1\nper_node: 1\ntflops: 1\nintra_gb_s: 1\n"
                                                              "inter_gb_s: 1\n", "must be a number > 0"),
     ("colour: red\n", "unknown cluster spec keys"), ("[1, 2", "not valid YAML"),
+    ("preset: [a100-ib200]\n", "not one of"), ("preset: a100-ib200\nnodes: 0\n", "nodes = 0 must be a number > 0"),
+    ("preset: a100-ib200\ninter_latency_us: -1\n", "inter_latency_us = -1 must be a number >= 0"),
 ])
 def test_bad_cluster_specs_say_what_is_wrong(tmp_path, capsys, text, says):
     spec = tmp_path / "cluster.yaml"
@@ -179,6 +181,7 @@ def test_the_documented_ethernet_example(capsys):
 
 
 @pytest.mark.parametrize("text, says", [("steps: 0\n", "steps = 0"), ("steps: 10\ninter_link: [{step: 1}]\n", "must be"),
+                                        ("steps: 10\ninter_link: [{step: true, factor: 1}]\n", "integer >= 0"),
                                         ("{{", "not valid YAML") ])
 def test_bad_scenarios_are_refused(tmp_path, capsys, text, says):
     path = tmp_path / "s.yaml"
@@ -226,14 +229,15 @@ def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
     data = _run_dir(tmp_path / "data", predict(model, truth, 32, 2, 1), 2, 1)
     tensor = _run_dir(tmp_path / "tensor", predict(sharded, truth, 32, 1, 2), 1, 2)
     spec = tmp_path / "box.yaml"
-    spec.write_text("{nodes: 1, per_node: 2, tflops: 100, intra_gb_s: 100, inter_gb_s: 100, intra_latency_us: 500}")
+    # the spec's latency is wrong (0): the data and tensor runs fitted together find the true one
+    spec.write_text("{nodes: 1, per_node: 2, tflops: 100, intra_gb_s: 100, inter_gb_s: 100}")
     argv = ["plan", str(ROOT / "examples" / "gpt.yaml"), "--cluster", str(spec)]
     assert cli.main([*argv, "--calibrate", tensor, "--calibrate", data]) == 0  # data runs are taken first
     out = capsys.readouterr().out
-    assert "0.05 TFLOP/s a device, 0.4 GB/s a device inside a node" in out, out
-    assert "sharding adds 10 ms of work a step, 500 us a hop" in out, out
+    assert "0.05 TFLOP/s a device, 0.4 GB/s a device inside a node and 500 us a hop" in out, out
+    assert "sharding adds 10 ms of work a step" in out, out
     want = predict(sharded, truth, 32, 1, 2)
-    assert f"{'tensor 1x2':<16}{1:>10g}{want.step_s * 1e3:>10.1f}" in out, out
+    assert f"{'tensor 1x2':<16}{'-':>10}{want.step_s * 1e3:>10.1f}" in out, out
     # the same as one JSON object, for scripts
     assert cli.main([*argv, "--calibrate", data, "--calibrate", tensor, "--json"]) == 0
     import json
@@ -253,3 +257,43 @@ def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
     assert "different model" in capsys.readouterr().err
     assert cli.main([*argv, "--calibrate", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_a_global_batch_below_one_is_refused(capsys):
+    for command in (["plan"], ["simulate", "--scenario", str(ROOT / "examples" / "scenario-link-drop.yaml")]):
+        argv = [command[0], str(ROOT / "examples" / "gpt.yaml"), "--cluster", "a100-ib200", *command[1:]]
+        assert cli.main([*argv, "--global-batch", "0"]) == 2
+        assert "--global-batch 0: at least 1" in capsys.readouterr().err
+
+
+def test_runs_that_cannot_calibrate_are_named_with_the_reason():
+    hw = Hardware(nodes=1, per_node=2, flops=5e10, intra=Link(4e8, 5e-4), inter=Link(4e8, 5e-4))
+    m = ModelShape.transformer(layers=2, hidden=128, seq=64, vocab=128, act_bytes=4, grad_bytes=4)
+    data = _records(predict(m, hw, 32, 2, 1), 2, 1)
+    tensor = _records(predict(m, hw, 32, 1, 2), 1, 2)
+
+    def refused(runs, says):
+        with pytest.raises(ValueError, match=says):
+            costmodel.fit_runs(m, hw, runs)
+
+    refused([("empty", [{"type": "event"}], 32)], "empty: no step records")
+    no_wait = [{k: v for k, v in r.items() if k != "comm_wait_mean"} for r in data]
+    refused([("bare", no_wait, 32)], "bare: step 11: comm_wait_mean = None; calibration needs")
+    refused([("auto", data[:15] + tensor[15:], 32)], r"auto: the run changed layouts \(1x2, 2x1\)")
+    refused([("t", tensor, 32)], "t: a tensor-parallel run is fitted beside a data-parallel run")
+    refused([("d", data, 32), ("t", tensor, 64)], "its global batch")
+    # a hybrid run is said not to be used; the data run still calibrates
+    hybrid = Hardware(nodes=1, per_node=4, flops=5e10, intra=Link(4e8), inter=Link(4e8))
+    _, fitted, notes = costmodel.fit_runs(m, hybrid, [("h", _records(predict(m, hybrid, 32, 2, 2), 2, 2), 32),
+                                                      ("d", data, 32)])
+    assert fitted.flops == pytest.approx(5e10) and any(n.startswith("h: hybrid 2x2: not used") for n in notes)
+
+
+def test_plan_lists_only_layouts_the_model_can_split_into():
+    # the built-in GPT splits attention by whole heads: 4 heads, so no tp of 8 or more
+    from orchestrator.job import load_job
+
+    model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
+    assert model.tp_divides == 4
+    tps = {p.tp for p in costmodel.plan(model, costmodel.PRESETS["a100-ib200"], 1024)}
+    assert tps == {1, 2, 4}
