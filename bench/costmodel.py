@@ -94,9 +94,8 @@ def row(where: str, layout: str, recs: list[dict], pred: costmodel.Prediction, c
     return r
 
 
-def with_latency(hw: costmodel.Hardware, latency: float) -> costmodel.Hardware:
-    return costmodel.replace(hw, intra=costmodel.Link(hw.intra.bandwidth, latency),
-                             inter=costmodel.Link(hw.inter.bandwidth, latency))
+def link_rate(bandwidth: float) -> str:
+    return "no bandwidth limit in the waits" if bandwidth >= 1e15 else f"{bandwidth / 1e6:.1f} MB/s"
 
 
 def loopback(out: pathlib.Path, model: costmodel.ModelShape, steps: int):
@@ -107,14 +106,14 @@ def loopback(out: pathlib.Path, model: costmodel.ModelShape, steps: int):
     model, hw2 = costmodel.calibrate_pair(model, data2, tensor2, BATCH, per_node=2)
     rows.append(row("loopback", "data 2x1", data2, costmodel.predict(model, hw2, BATCH, 2, 1), True))
     rows.append(row("loopback", "tensor 1x2", tensor2, costmodel.predict(model, hw2, BATCH, 1, 2), True))
-    print(f"  world 2: {hw2.flops / 1e9:.1f} GFLOP/s a worker, link {hw2.intra.bandwidth / 1e6:.0f} MB/s and "
+    print(f"  world 2: {hw2.flops / 1e9:.1f} GFLOP/s a worker, link {link_rate(hw2.intra.bandwidth)} and "
           f"{hw2.intra.latency * 1e6:.0f} us a hop; a sharded layout adds "
           f"{model.tp_overhead_flops / hw2.flops * 1e3:.1f} ms of work a step", flush=True)
     # world 4: the device rate and link refitted (four workers on two cores), the rest predicted
     data4 = run_local(out, "data4", 4, ["parallel.strategy=data"], steps)
     hw4 = costmodel.calibrate(model, data4, BATCH, per_node=4, latency=hw2.intra.latency)
     rows.append(row("loopback", "data 4x1", data4, costmodel.predict(model, hw4, BATCH, 4, 1), True))
-    print(f"  world 4: {hw4.flops / 1e9:.1f} GFLOP/s a worker, link {hw4.intra.bandwidth / 1e6:.0f} MB/s", flush=True)
+    print(f"  world 4: {hw4.flops / 1e9:.1f} GFLOP/s a worker, link {link_rate(hw4.intra.bandwidth)}", flush=True)
     for name, dp, tp, sets in [("tensor", 1, 4, ["parallel.strategy=tensor"]),
                                ("hybrid", 2, 2, ["parallel.strategy=hybrid", "parallel.tp_size=2"])]:
         recs = run_local(out, f"{name}4", 4, sets, steps)
@@ -151,7 +150,7 @@ def testbed(out: pathlib.Path, model: costmodel.ModelShape, local: costmodel.Har
             fitted = costmodel.calibrate(model, data, BATCH, per_node=2, nodes=2, latency=local.intra.latency)
             hw = costmodel.replace(local, nodes=2, per_node=2, flops=fitted.flops, inter=fitted.inter)
             rows.append(row(f"testbed {rate}", "data 4x1", data, costmodel.predict(model, hw, BATCH, 4, 1), True))
-            print(f"  testbed {rate}: link between the nodes fitted at {hw.inter.bandwidth / 1e6:.1f} MB/s", flush=True)
+            print(f"  testbed {rate}: link between the nodes fitted at {link_rate(hw.inter.bandwidth)}", flush=True)
             hybrid = on_testbed(f"tb-hybrid-{rate}", ["parallel.strategy=hybrid", "parallel.tp_size=2"], steps)
             rows.append(row(f"testbed {rate}", "hybrid 2x2", hybrid, costmodel.predict(model, hw, BATCH, 2, 2), False))
             # tensor across the nodes crosses the slow link 8 times a step: fewer steps

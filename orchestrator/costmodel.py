@@ -476,6 +476,10 @@ def nodes_of_run(records: list[dict]) -> int:
     return 1
 
 
+def _gb_s(bandwidth: float) -> str:
+    return "no bandwidth limit in the waits" if bandwidth >= 1e15 else f"{bandwidth / GB:.3g} GB/s"
+
+
 def fit_runs(model: ModelShape, hw: Hardware, runs: list[tuple[str, list[dict], int]]
              ) -> tuple[ModelShape, Hardware, list[str]]:
     """`hw` with the figures that runs of this model measured put in place of the spec's:
@@ -511,17 +515,18 @@ def fit_runs(model: ModelShape, hw: Hardware, runs: list[tuple[str, list[dict], 
             said = f"{name}: data {dp}x1 on one node: {fitted.flops / 1e12:.3g} TFLOP/s a device"
             if dp > 1:
                 hw = replace(hw, intra=fitted.intra)
-                said += f", {fitted.intra.bandwidth / GB:.3g} GB/s a device inside a node"
+                bw = fitted.intra.bandwidth
+                said += f"; the link inside a node: {_gb_s(bw)}" + (" a device" if bw < 1e15 else "")
                 if tensor:
-                    said += f" and {fitted.intra.latency * 1e6:.3g} us a hop (with {tensor[0][0]})"
+                    said += f", {fitted.intra.latency * 1e6:.4g} us a hop (fitted with {tensor[0][0]})"
         elif tp == 1 and nodes > 1:
             per_node = math.ceil(dp / nodes)
             fitted = calibrate(model, records, batch, per_node=per_node, nodes=nodes, latency=hw.inter.latency)
             hw = replace(hw, inter=Link(fitted.inter.bandwidth, hw.inter.latency))
             if not local:
                 hw = replace(hw, flops=fitted.flops)
-            said = (f"{name}: data {dp}x1 across {nodes} nodes: {fitted.inter.bandwidth / GB:.3g} GB/s a node "
-                    "between nodes")
+            said = (f"{name}: data {dp}x1 across {nodes} nodes: the link between nodes: {_gb_s(fitted.inter.bandwidth)}"
+                    + (" a node" if fitted.inter.bandwidth < 1e15 else ""))
         elif dp == 1 and tp > 1 and nodes == 1 and name == tensor[0][0]:
             if not local:
                 raise ValueError(f"{name}: a tensor-parallel run is fitted beside a data-parallel run of the same "

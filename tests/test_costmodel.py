@@ -234,7 +234,7 @@ def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
     argv = ["plan", str(ROOT / "examples" / "gpt.yaml"), "--cluster", str(spec)]
     assert cli.main([*argv, "--calibrate", tensor, "--calibrate", data]) == 0  # data runs are taken first
     out = capsys.readouterr().out
-    assert "0.05 TFLOP/s a device, 0.4 GB/s a device inside a node and 500 us a hop" in out, out
+    assert "0.05 TFLOP/s a device; the link inside a node: 0.4 GB/s a device, 500 us a hop (fitted with" in out, out
     assert "sharding adds 10 ms of work a step" in out, out
     want = predict(sharded, truth, 32, 1, 2)
     assert f"{'tensor 1x2':<16}{'-':>10}{want.step_s * 1e3:>10.1f}" in out, out
