@@ -351,6 +351,8 @@ def run_steps(records: list[dict]) -> list[dict]:
     rs = steady(records)
     if not rs:
         raise ValueError("no step records")
+    if len(rs) == len([r for r in records if r.get("type") == "step"]) and len(rs) <= 15:
+        raise ValueError(f"{len(rs)} steps; calibration needs more than 15 (it leaves out the first 10, warm-up)")
     for r in rs:
         for key in _NEEDED:
             v = r.get(key)

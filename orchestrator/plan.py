@@ -138,6 +138,7 @@ def cmd_plan(args) -> int:
     kind = "data" if best.tp == 1 else "tensor" if best.dp == 1 else "hybrid"
     print(f"recommended: strategy {kind}" + (f", tp_size {best.tp}" if best.tp > 1 else "")
           + (f", bucket_cap_mb {best.bucket_cap_mb:g}" if best.dp > 1 else "")
+          + (", tp_across_nodes true" if best.tp > hw.per_node or hw.per_node % best.tp else "")
           + f" ({best.step_s * 1e3:.1f} ms a step, comm wait {best.comm_wait_frac:.0%})")
     if model.tp_boundaries == 0:
         print("note: this model's tensor-parallel activations are not modelled (only the built-in GPT's are): "

@@ -89,7 +89,7 @@ def test_calibration_recovers_the_figures_a_run_was_made_with():
     with pytest.raises(ValueError, match="tensor-parallel run"):
         costmodel.calibrate_tensor(start, hw, data, 32)
     with pytest.raises(ValueError, match="telemetry"):
-        costmodel.calibrate(start, [{"type": "step", "step": 1, "dp": 4, "tp": 1}], 32, per_node=4)
+        costmodel.calibrate(start, [{"type": "step", "step": i, "dp": 4, "tp": 1} for i in range(1, 31)], 32, per_node=4)
 
 
 def test_megatron_lm_weak_scaling_is_reproduced():
@@ -277,6 +277,7 @@ def test_runs_that_cannot_calibrate_are_named_with_the_reason():
             costmodel.fit_runs(m, hw, runs)
 
     refused([("empty", [{"type": "event"}], 32)], "empty: no step records")
+    refused([("short", data[:12], 32)], "short: 12 steps; calibration needs more than 15")
     no_wait = [{k: v for k, v in r.items() if k != "comm_wait_mean"} for r in data]
     refused([("bare", no_wait, 32)], "bare: step 11: comm_wait_mean = None; calibration needs")
     refused([("auto", data[:15] + tensor[15:], 32)], r"auto: the run changed layouts \(1x2, 2x1\)")
