@@ -7,9 +7,17 @@ session and shuts it down at the end, so no Ray process outlives the suite.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 
 import pytest
+
+# Tests stop the processes they start with SIGINT, as Ctrl-C would. A suite launched in the
+# background by a non-interactive shell (`cmd &`, nohup) inherits SIGINT ignored, and an ignored
+# signal stays ignored across exec: every child would shrug it off. Handling it here gives the
+# children the default disposition again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Ray prints a warning per connection about token auth; tests read stderr, so keep it quiet.
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
