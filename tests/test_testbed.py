@@ -3,6 +3,7 @@ success, after failure and after interruption. Needs root and iproute2 (CI runs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -117,9 +118,15 @@ def test_ctrl_c_while_a_job_runs_leaves_nothing(tmp_path):
         os.kill(proc.pid, signal.SIGINT)  # Ctrl-C: the testbed process only, as a terminal would not
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # the test fails (the exception above); leave the machine as it was
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+            for ns in namespaces(prefix):
+                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+                for pid in pids.split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
     assert namespaces(prefix) == []
     for temp in temps:
         marker = temp.split("gs-testbed-")[1].split("/")[0]
