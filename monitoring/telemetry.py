@@ -63,7 +63,7 @@ class LogEcho:
 
         self.every_s = every_s
         self.stream = stream or sys.stdout
-        self._last = 0.0
+        self._last: float | None = None  # None: nothing printed yet (monotonic time may be near 0 after boot)
         self._samples: dict[int, dict] = {}
         self._step: dict | None = None
 
@@ -74,7 +74,7 @@ class LogEcho:
             return
         if kind == "step":
             self._step = record
-            if time.monotonic() - self._last < self.every_s:
+            if self._last is not None and time.monotonic() - self._last < self.every_s:
                 return
         # an event goes out after the step it follows, so a reader never sees "done" at step 90
         held = [*self._samples.values(), *([self._step] if self._step else [])]
