@@ -158,7 +158,7 @@ class RunStats:
 
 
 def _layout_text(layout) -> str:
-    return f"{layout.kind} dp={layout.dp} tp={layout.tp}"
+    return f"{layout.strategy} dp={layout.dp} tp={layout.tp}"
 
 
 def _describe(decision) -> str:
@@ -349,7 +349,7 @@ class Controller:
         keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend")
         layout = job.layout
         self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
-                    layout={"kind": layout.kind, "dp": layout.dp, "tp": layout.tp},
+                    layout=layout.to_dict(),
                     tp_groups=layout.tp_groups() if layout.tp > 1 else [])
         for info in infos:
             if info.get("sampler") and not restart:
@@ -475,7 +475,7 @@ class Controller:
                                  f"{bundle} (free: {free}); fault.on_node_loss = shrink has nothing to shrink to")
         parallel = job.parallel
         try:
-            Layout.for_workers(job.layout.kind, n, job.parallel.tp_size)
+            Layout.for_workers(job.layout.strategy, n, job.parallel.tp_size)
         except LayoutError:  # a tensor-parallel size the fewer workers cannot hold: data parallel
             parallel = dataclasses.replace(parallel, strategy="data", tp_size=None)
         job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, num_workers=n), parallel=parallel)
@@ -493,7 +493,7 @@ class Controller:
         return [h for h in old if h.get("step", 0) < start_step]
 
     def _history_entry(self, step: int, layout) -> dict:
-        return {"step": step, "strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
+        return {"step": step, **layout.to_dict(),
                 "bucket_cap_mb": self.bucket}
 
     def _node_sizes(self, infos: list[dict]) -> list[int]:
@@ -513,7 +513,7 @@ class Controller:
 
     def _merger(self) -> StepMerger:
         job, layout = self.job, self.layout
-        context = {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp, "bucket_cap_mb": self.bucket}
+        context = {**layout.to_dict(), "bucket_cap_mb": self.bucket}
         return StepMerger(job.cluster.num_workers, job.train.global_batch_size, context,
                           getattr(self, "tokens_per_sample", None))
 
@@ -544,7 +544,7 @@ class Controller:
 
         config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown)
         candidates = candidate_layouts(job.cluster.num_workers, self.node_sizes, tp_ok=shardable)
-        self._event("policy", candidates=[{"strategy": c.kind, "dp": c.dp, "tp": c.tp} for c in candidates],
+        self._event("policy", candidates=[c.to_dict() for c in candidates],
                     node_sizes=self.node_sizes, threshold=a.threshold, window=a.window, cooldown=a.cooldown)
         return Policy(config, candidates, self.layout)
 
@@ -659,7 +659,7 @@ class Controller:
     def _start_tuning(self, group, step: int, tuner: Tuner, mode: str, same_as: dict | None = None) -> None:
         self.tuning = TuneRound(tuner, step, self.layout)
         self._event("tune_start", step=step, mode=mode, space=tuner.space, pinned=tuner.pinned, same_as=same_as or {},
-                    layout={"strategy": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp},
+                    layout=self.layout.to_dict(),
                     warmup_steps=self.job.tune.warmup_steps, trial_steps=self.job.tune.trial_steps,
                     max_trials=tuner.max_trials)
         self._next_trial(group, step)
@@ -692,7 +692,7 @@ class Controller:
         best = round_.tuner.best()
         trials = [t.to_dict() for t in round_.tuner.trials]
         entry = {"step": step, "started": round_.started, "mode": "grid" if self.tune_grid is not None else "search",
-                 "layout": {"strategy": round_.layout.kind, "dp": round_.layout.dp, "tp": round_.layout.tp},
+                 "layout": round_.layout.to_dict(),
                  "best": best.to_dict() if best else None, "trials": trials}
         self.tune_rounds.append(entry)
         self._event("tuned", **entry)
@@ -732,7 +732,7 @@ class Controller:
     def _apply_bucket(self, group, bucket: float, step: int) -> None:
         if bucket == self.bucket:
             return
-        results = group.call("reshard", self.layout.kind, self.layout.tp, bucket)
+        results = group.call("reshard", self.layout.strategy, self.layout.tp, bucket)
         old, self.bucket = self.bucket, bucket
         self.history.append(self._history_entry(step, self.layout))
         self._event("bucket", step=step, bucket_cap_mb=bucket, previous=old,
@@ -760,14 +760,14 @@ class Controller:
                 bucket: float | None = None) -> None:
         """Carry out a layout change on the running workers, at step boundary `step`."""
         old = self.layout
-        self._enter(State.SWITCHING, step=step, to={"strategy": target.kind, "dp": target.dp, "tp": target.tp})
-        results = group.call("reshard", target.kind, target.tp, *([bucket] if bucket is not None else []))
+        self._enter(State.SWITCHING, step=step, to=target.to_dict())
+        results = group.call("reshard", target.strategy, target.tp, *([bucket] if bucket is not None else []))
         seconds = max(r["seconds"] for r in results)
         self.layout = target
         if bucket is not None:
             self.bucket = bucket
-        record = {"step": step, "from": {"strategy": old.kind, "dp": old.dp, "tp": old.tp},
-                  "to": {"strategy": target.kind, "dp": target.dp, "tp": target.tp}, "seconds": seconds,
+        record = {"step": step, "from": old.to_dict(),
+                  "to": target.to_dict(), "seconds": seconds,
                   "reason": reason}
         self.switches.append(record)
         self.history.append(self._history_entry(step, target))

@@ -51,10 +51,6 @@ class AdaptConfig:
     input_bound_frac: float = 0.3  # data time / step time
 
 
-def layout_dict(layout: Layout) -> dict:
-    return {"strategy": layout.kind, "dp": layout.dp, "tp": layout.tp}
-
-
 @dataclass(frozen=True)
 class Keep:
     evidence: dict = field(default_factory=dict)  # empty for "nothing to do"; set when a switch was judged and kept
@@ -71,7 +67,7 @@ class Switch:
     name: ClassVar[str] = "switch"
 
     def to_dict(self) -> dict:
-        return {"decision": self.name, "to": layout_dict(self.to), "evidence": self.evidence}
+        return {"decision": self.name, "to": self.to.to_dict(), "evidence": self.evidence}
 
 
 @dataclass(frozen=True)
@@ -81,7 +77,7 @@ class Revert:
     name: ClassVar[str] = "revert"
 
     def to_dict(self) -> dict:
-        return {"decision": self.name, "to": layout_dict(self.to), "evidence": self.evidence}
+        return {"decision": self.name, "to": self.to.to_dict(), "evidence": self.evidence}
 
 
 @dataclass(frozen=True)
@@ -240,18 +236,18 @@ class Policy:
 
     def state(self) -> dict:
         return {
-            "current": layout_dict(self.current),
+            "current": self.current.to_dict(),
             "pending": self._pending.to_dict() if self._pending else None,
             "since": self._since,
             "window_fill": len(self._window),
-            "trial": {"from": layout_dict(self._trial[0]), "samples_per_s_before": self._trial[1]}
+            "trial": {"from": self._trial[0].to_dict(), "samples_per_s_before": self._trial[1]}
             if self._trial else None,
-            "blocked": [{"layout": layout_dict(k), "until": v} for k, v in self._blocked.items()],
+            "blocked": [{"layout": k.to_dict(), "until": v} for k, v in self._blocked.items()],
             "history": list(self.history),
         }
 
     def _on_current(self, r: dict) -> bool:
-        same = (r["strategy"], r["dp"], r["tp"]) == (self.current.kind, self.current.dp, self.current.tp)
+        same = (r["strategy"], r["dp"], r["tp"]) == (self.current.strategy, self.current.dp, self.current.tp)
         return same and (self._since is None or r["step"] > self._since)
 
     def _decide(self, window: list[dict], step: int) -> Decision:
@@ -272,7 +268,7 @@ class Policy:
         if back is not None:
             self._pending = Switch(back, {"reason": "comm_wait_fell", **means, "threshold": c.threshold,
                                           "comm_wait_s_when_kept": self._kept_wait, "window": c.window,
-                                          "from": layout_dict(self.current), "candidate": layout_dict(back)})
+                                          "from": self.current.to_dict(), "candidate": back.to_dict()})
             return self._pending
         if cooling or means["comm_wait_frac"] <= c.threshold:
             return KEEP
@@ -280,8 +276,8 @@ class Policy:
         if to is None:
             return KEEP  # everything further is blocked or there is nothing further: stay put
         self._pending = Switch(to, {"reason": "comm_wait", **means, "threshold": c.threshold,
-                                    "window": c.window, "from": layout_dict(self.current),
-                                    "candidate": layout_dict(to)})
+                                    "window": c.window, "from": self.current.to_dict(),
+                                    "candidate": to.to_dict()})
         return self._pending
 
     def _early_look(self) -> bool:
@@ -301,8 +297,8 @@ class Policy:
         self._trial = None
         after, c = means["samples_per_s"], self.config
         evidence = {**means, "samples_per_s_before": before, "samples_per_s_after": after,
-                    "min_gain": c.min_gain, "from": layout_dict(before_layout),
-                    "layout": layout_dict(self.current)}
+                    "min_gain": c.min_gain, "from": before_layout.to_dict(),
+                    "layout": self.current.to_dict()}
         if after > before * (1 + c.min_gain):
             self._kept_wait = means["comm_wait_s"]
             self._reverts[self.current] = 0

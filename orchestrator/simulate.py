@@ -68,7 +68,7 @@ def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: 
     frac = pred.comm_wait_frac
     compute = pred.step_s - pred.exposed_wait_s
     return {
-        "type": "step", "step": step, "strategy": layout.kind, "dp": layout.dp, "tp": layout.tp,
+        "type": "step", "step": step, **layout.to_dict(),
         "bucket_cap_mb": pred.bucket_cap_mb, "loss": 0.0,
         "step_time_max": pred.step_s, "step_time_mean": pred.step_s, "slowest_rank": 0,
         "data_time_mean": 0.0, "data_time_max": 0.0, "compute_time_mean": compute,
@@ -104,7 +104,7 @@ def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: 
         decision = policy.observe(record(step, layout, pred, global_batch))
         if isinstance(decision, (Switch, Revert)):
             clock += switch_steps * pred.step_s
-            decisions.append({"step": step, "decision": decision.name, "to": f"{decision.to.kind} "
+            decisions.append({"step": step, "decision": decision.name, "to": f"{decision.to.strategy} "
                               f"{decision.to.dp}x{decision.to.tp}", "comm_wait_frac": decision.evidence.get(
                                   "comm_wait_frac")})
             layout = decision.to
@@ -113,10 +113,10 @@ def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: 
             decisions.append({"step": step, "decision": decision.kind})
     compute = sum(step_time(c, 1.0).compute_s for c in candidates[:1]) * scenario.steps
     return {"seconds": clock, "decisions": decisions,
-            "static": {f"{c.kind} {c.dp}x{c.tp}": t for c, t in static.items()},
+            "static": {f"{c.strategy} {c.dp}x{c.tp}": t for c, t in static.items()},
             "best_static": min(static.values()), "data_static": static[candidates[0]],
             "utilisation": compute / clock,
-            "utilisation_static": {f"{c.kind} {c.dp}x{c.tp}": compute / t for c, t in static.items()}}
+            "utilisation_static": {f"{c.strategy} {c.dp}x{c.tp}": compute / t for c, t in static.items()}}
 
 
 def load_scenario(text: str) -> Scenario:

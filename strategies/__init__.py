@@ -69,11 +69,11 @@ def parallelize(model: nn.Module, layout: Layout, device: torch.device, bucket_c
     """Lay `model` (already on `device`, same initial weights on every rank) out as `layout`
     over the default process group."""
     try:
-        apply = STRATEGIES[layout.kind]
+        apply = STRATEGIES[layout.strategy]
     except KeyError:
-        raise LayoutError(f"unknown strategy {layout.kind!r}; available: {', '.join(STRATEGIES)}") from None
+        raise LayoutError(f"unknown strategy {layout.strategy!r}; available: {', '.join(STRATEGIES)}") from None
     mesh = None
-    if layout.kind != "data":
+    if layout.strategy != "data":
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))

@@ -17,7 +17,6 @@ from orchestrator.policy import (
     Revert,
     Switch,
     candidate_layouts,
-    layout_dict,
 )
 from strategies.layout import Layout
 
@@ -37,7 +36,7 @@ def record(step, layout, *, step_time=0.1, wait=0.05, data=0.02, batch=32, telem
     mean = lambda xs: sum(xs) / len(xs)
     t = (lambda v: v) if telemetry else (lambda v: None)
     return {
-        "type": "step", "time": 1.7e9 + step, "ended_at": 1.7e9 + step, "step": step, "strategy": layout.kind,
+        "type": "step", "time": 1.7e9 + step, "ended_at": 1.7e9 + step, "step": step, "strategy": layout.strategy,
         "dp": layout.dp, "tp": layout.tp, "bucket_cap_mb": 25, "loss": 1.0,
         "step_time_max": max(st), "step_time_mean": mean(st), "slowest_rank": 0,
         "data_time_mean": t(mean(dt)), "data_time_max": t(max(dt)),
@@ -89,13 +88,13 @@ def test_candidates_ordered_node_local(world, nodes, expected):
 def test_no_tp_group_spans_nodes(nodes):
     node_of = [i for i, n in enumerate(nodes) for _ in range(n)]
     cands = candidate_layouts(sum(nodes), nodes)
-    assert cands[0].kind == "data"
+    assert cands[0].strategy == "data"
     assert [c.tp for c in cands] == sorted(c.tp for c in cands)
     for layout in cands:
         assert layout.world == sum(nodes)
         for group in layout.tp_groups():
             assert len({node_of[r] for r in group}) == 1, (nodes, layout)
-    assert any(c.kind == "tensor" for c in cands) == (len(nodes) == 1 and nodes[0] > 1)
+    assert any(c.strategy == "tensor" for c in cands) == (len(nodes) == 1 and nodes[0] > 1)
 
 
 def test_candidates_reject_a_placement_that_does_not_add_up():
@@ -331,7 +330,7 @@ def test_a_clearly_worse_trial_is_cut_short():
     assert revert.evidence["early_loss"] == cfg.early_loss
     assert revert.evidence["samples_per_s_after"] == pytest.approx(160)
     assert "first 5 steps" in revert.evidence["reason"]
-    assert policy.state()["blocked"][0]["layout"] == layout_dict(HYB2)
+    assert policy.state()["blocked"][0]["layout"] == HYB2.to_dict()
     assert [h["decision"] for h in policy.history[:2]] == ["switch", "revert"]
 
 

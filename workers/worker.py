@@ -116,7 +116,7 @@ class TrainWorker:
         self.step = 0
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
-                "layout": {"kind": self.layout.kind, "dp": self.layout.dp, "tp": self.layout.tp},
+                "layout": self.layout.to_dict(),
                 "tokens_per_sample": self._tokens_per_sample(), "sampler": self._start_sampler()}
 
     def _lay_out(self, layout: Layout) -> None:
@@ -129,14 +129,14 @@ class TrainWorker:
         model, returned_plan = components.build_model_and_plan(job["model"], self.search_paths,
                                                                train.get("activation_checkpointing", False))
         model = model.to(self.device)
-        plan = components.tp_plan(model, par.get("tp_plan"), returned_plan, layout.tp) if layout.kind != "data" else None
+        plan = components.tp_plan(model, par.get("tp_plan"), returned_plan, layout.tp) if layout.strategy != "data" else None
         self.parallel = strategies.parallelize(model, layout, self.device, self.bucket_cap_mb, plan)
         self.optimizer = components.build_optimizer(strategies.param_groups(self.parallel.model), job["optimizer"])
         # fp16 needs loss scaling; the parameters stay fp32 (autocast computes in fp16 from them),
         # so the optimizer always updates fp32 master weights. With shards, ranks see different
         # gradients, so whether any overflowed must be agreed over all ranks before stepping.
         fp16 = train["precision"] == "fp16"
-        if layout.kind != "data":
+        if layout.strategy != "data":
             self.scaler = strategies.grads.sharded_grad_scaler(self.device.type, fp16)
         else:
             self.scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
@@ -181,7 +181,7 @@ class TrainWorker:
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()
         return {"seconds": end - start, "gather_s": gathered - start, "rebuild_s": end - gathered,
-                "layout": {"kind": target.kind, "dp": target.dp, "tp": target.tp}, "step": self.step}
+                "layout": target.to_dict(), "step": self.step}
 
     def _tokens_per_sample(self) -> int | None:
         """Targets that are sequences of integer ids (a language model's next tokens) count as
@@ -209,10 +209,10 @@ class TrainWorker:
             self.clock.simulate_link(inject["link"]["mb_per_s"], inject["link"]["latency_ms"],
                                      tp_slow=len({node[r] for r in tp_group}) > 1,
                                      dp_slow=len({node[r] for r in dp_group}) > 1)
-        time_functional_collectives(self.clock if self.layout.kind != "data" else None)
+        time_functional_collectives(self.clock if self.layout.strategy != "data" else None)
         if self.clock is None:
             return
-        if self.layout.kind == "data":
+        if self.layout.strategy == "data":
             ddp = self.parallel.module
             ddp.register_comm_hook(ddp.process_group, self.clock.ddp_hook)
         elif isinstance(self.parallel.after_backward, strategies.grads.GradAverager):
@@ -246,7 +246,7 @@ class TrainWorker:
     def state(self) -> dict | None:
         """Full (unsharded) model, optimizer and scaler state on CPU, on rank 0; None elsewhere.
         With shards this is a collective: every rank must call it at the same step."""
-        if self.layout.kind == "data" and self.rank != 0:
+        if self.layout.strategy == "data" and self.rank != 0:
             return None
         model = strategies.state.model_state(self.parallel.model)
         optim = strategies.state.optimizer_state(self.optimizer, self.parallel.model)
@@ -298,7 +298,7 @@ class TrainWorker:
         if train["grad_clip"]:
             self.scaler.unscale_(self.optimizer)
             params = self.parallel.model.parameters()
-            if layout.kind == "data":
+            if layout.strategy == "data":
                 norm = torch.nn.utils.clip_grad_norm_(params, train["grad_clip"])
             else:
                 norm = strategies.grads.clip_grad_norm(params, train["grad_clip"], self.parallel.tp_group,
@@ -317,7 +317,7 @@ class TrainWorker:
 
     def _grad_norm(self) -> torch.Tensor:
         params = [p for p in self.parallel.model.parameters() if p.grad is not None]
-        if self.layout.kind == "data":
+        if self.layout.strategy == "data":
             return torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
         return strategies.grads.grad_norm(params, self.parallel.tp_group,
                                           self.clock.tp_blocked if self.clock else None)
