@@ -1,6 +1,6 @@
 """What a switch costs: the time to move the live GPT between two layouts, against one step.
 
-Four workers on plain gloo processes (workers.local_group, no Ray) train the built-in GPT and
+Four workers on plain gloo processes (bench/local_group.py, no Ray) train the built-in GPT and
 switch through every ordered pair of data(4), hybrid(2x2) and tensor(4), in a cycle that comes
 back where it started. Before each switch the current layout trains a few steps (their median
 step time is the yardstick); the switch time is the slowest rank's `reshard`: gathering the
@@ -43,7 +43,7 @@ def main() -> None:
     steps = args.steps or (4 if args.quick else 8)
 
     from orchestrator.job import job_from_dict
-    from workers.local_group import LocalGroup
+    from bench.local_group import LocalGroup
 
     job = job_from_dict({"model": {"name": "gpt", "kwargs": {"n_embd": args.n_embd, "n_layer": args.n_layer,
                                                              "n_head": 4, "block_size": 64}},
@@ -64,7 +64,8 @@ def main() -> None:
                 reports = group.call("train", step, 0, 1000.0)
                 times = [max(ts) for ts in zip(*[[t for r in rr for t in r["step_times"]] for rr in reports])]
                 step_s[here].append(statistics.median(times[1:]))  # the first step after a switch warms up
-                results = group.call("reshard", *LAYOUTS[there])
+                strategy, tp = LAYOUTS[there]
+                results = group.call("reshard", {"strategy": strategy, "tp": tp})
                 switch_s.setdefault((here, there), []).append(max(r["seconds"] for r in results))
     figures = {}
     print(f"{'from':<8}{'to':<8}{'switch ms':>11}{'step ms':>10}{'switch/step':>13}")

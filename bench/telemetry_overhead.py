@@ -1,6 +1,6 @@
 """What telemetry costs the step loop: steps/s with telemetry on and off, side by side.
 
-One group of plain gloo processes (workers.local_group, no Ray: nothing else competes for the
+One group of plain gloo processes (bench/local_group.py, no Ray: nothing else competes for the
 two cores) trains the job in alternating blocks with `telemetry.enabled` on (DDP comm hook or
 functional-collective timing, per-step data/comm marks, device sampling every second, reports
 with timings) and off (DDP's built-in all-reduce, no sampler): on, off, off, on, ... The
@@ -52,15 +52,17 @@ def job_for(spec: dict, workers: int, telemetry: bool, steps: int) -> dict:
 
 def set_telemetry(worker, enabled: bool) -> None:
     """Runs in each worker process: rebuild the model with telemetry on or off."""
-    worker.job["telemetry"]["enabled"] = enabled
-    if not enabled and worker.sampler is not None:
-        worker.sampler.stop()
-        worker.sampler = None
+    import dataclasses
+
+    worker.config = dataclasses.replace(worker.config, telemetry=enabled)
+    if worker.telemetry is not None:
+        worker.telemetry.stop()
+        worker.telemetry = None
     worker.build()
 
 
 def run_case(name: str, pairs: int, steps: int) -> dict:
-    from workers.local_group import LocalGroup
+    from bench.local_group import LocalGroup
 
     spec, workers = CASES[name]
     group = LocalGroup(job_for(spec, workers, True, steps), workers, [str(ROOT)])

@@ -9,9 +9,9 @@
   time each launch and each wait (the wait may come later, at the output's first use).
 - gradient averaging (hybrid) and the clipping norm's all-reduce: timed where they run.
 
-`inject.comm_delay_ms` (a test knob) adds that much latency to every timed collective, so the
-measurement can be checked against a known delay. Timing on the host costs two clock reads
-per collective; on CUDA, where the host runs ahead of the device, spans are CUDA events that
+The simulated network (`inject.*`, workers/simnet.py) delays collectives from inside these
+timed spans, so a known delay shows up as measured wait; the clock itself knows nothing of it.
+Timing on the host costs two clock reads per collective; on CUDA, where the host runs ahead of the device, spans are CUDA events that
 are resolved once per report, not per step.
 """
 
@@ -21,31 +21,15 @@ import contextlib
 import time
 
 import torch
-import torch.distributed as dist
 
 
 class CommClock:
-    def __init__(self, device: torch.device, delay_ms: float = 0.0):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.delay_s = delay_ms / 1000.0
         self.wait = 0.0  # seconds blocked in this step (host timing)
         self.calls = 0  # collectives timed in this step
         self._spans: list = []  # CUDA (start, end) event pairs of this step
         self._last_launch = None
-        self.link: tuple[float, float] | None = None  # simulated link: (bytes/s, latency s)
-        self.tp_slow = self.dp_slow = False  # whether this rank's tp / dp group spans simulated nodes
-
-    def simulate_link(self, mb_per_s: float, latency_ms: float, tp_slow: bool, dp_slow: bool) -> None:
-        """`inject.link`: a collective whose group spans simulated nodes takes bytes / B + L longer."""
-        self.link = (mb_per_s * 1e6, latency_ms / 1000.0)
-        self.tp_slow, self.dp_slow = tp_slow, dp_slow
-
-    def extra_delay(self, nbytes: int, slow: bool) -> float:
-        """Seconds the test knobs add to one collective of `nbytes` on a group (slow: spans nodes)."""
-        delay = self.delay_s
-        if slow and self.link is not None:
-            delay += nbytes / self.link[0] + self.link[1]
-        return delay
 
     # ------------------------------------------------------------ the step's bookkeeping
 
@@ -81,48 +65,28 @@ class CommClock:
         return wait
 
     @contextlib.contextmanager
-    def blocked(self, nbytes: int = 0, slow: bool = False):
+    def blocked(self):
         """Time a region that only waits on one collective (run synchronously on this thread)."""
         start = self.mark()
         try:
             yield
-            delay = self.extra_delay(nbytes, slow)
-            if delay:
-                time.sleep(delay)
         finally:
             self.add(start, self.mark())
             self.calls += 1
 
-    def dp_blocked(self, nbytes: int = 0):
-        return self.blocked(nbytes, self.dp_slow)
-
-    def tp_blocked(self, nbytes: int = 0):
-        return self.blocked(nbytes, self.tp_slow)
-
     # ------------------------------------------------------------ data parallel
 
-    def ddp_hook(self, process_group, bucket):
-        """A DDP comm hook: DDP's default all-reduce (scale by 1/world, then sum; multiplying by
-        the reciprocal as DDP does, so the result is bit for bit the same), with the last
-        bucket's launch marked: from there on backward computes nothing more."""
-        if bucket.is_last():
-            self._last_launch = self.mark()
-        self.calls += 1
-        group = process_group or dist.group.WORLD
-        tensor = bucket.buffer()
-        tensor.mul_(1.0 / dist.get_world_size(group))
-        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-        delay = self.extra_delay(tensor.numel() * tensor.element_size(), self.dp_slow)
+    def timed_ddp_hook(self, inner):
+        """A DDP comm hook around `inner` that marks the last bucket's launch: from there on
+        backward computes nothing more, so the rest until backward returns is comm wait."""
 
-        def done(f):
-            # the injected latency is part of the collective. On gloo this runs on the
-            # communication thread once the all-reduce completes; an NCCL future is complete
-            # at launch, so there it delays the launching thread
-            if delay:
-                time.sleep(delay)
-            return f.value()[0]
+        def hook(process_group, bucket):
+            if bucket.is_last():
+                self._last_launch = self.mark()
+            self.calls += 1
+            return inner(process_group, bucket)
 
-        return fut.then(done)
+        return hook
 
     def after_backward(self) -> None:
         """Called once backward returned: the wait since the last bucket's launch is comm wait."""
@@ -151,11 +115,6 @@ def _timed_launch(orig):
         try:
             start = clock.mark()
             out = orig(*args, **kwargs)
-            # DTensor's collectives here are those of the tensor-parallel mesh dimension
-            sent = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            delay = clock.extra_delay(sent.numel() * sent.element_size() if sent is not None else 0, clock.tp_slow)
-            if delay:
-                time.sleep(delay)
             clock.add(start, clock.mark())
             clock.calls += 1
         finally:
@@ -189,7 +148,8 @@ def time_functional_collectives(clock: CommClock | None) -> None:
     """Route the functional collectives that DTensor uses through `clock` (None: stop timing).
 
     The wrappers stay installed for the life of the process (one worker per process) and cost
-    one global read when no clock is active; DTensor looks the functions up on the module at
+    one global read when no clock is active; the simulated network's own wrappers are installed
+    first (workers/simnet.py), so these time the delay they add; DTensor looks the functions up on the module at
     each call, so wrapping the module attributes reaches every collective it issues."""
     global _ACTIVE
     import torch.distributed._functional_collectives as funcol

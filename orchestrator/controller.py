@@ -408,9 +408,6 @@ class Controller:
         lost = self._lost_nodes(err, dead)
         found = checkpoint.load_latest(self.run_dir.checkpoints)
         restore_step = found[1]["step"] if found else 0
-        # test-only faults fire once: the restarted workers must not hit them again
-        inject = dataclasses.replace(job.inject, nan_at_step=None, hang_at_step=None)
-        job = dataclasses.replace(job, inject=inject)
         action = f"restart from step {restore_step}" + (f" ({found[0].name})" if found else " (no checkpoint yet)")
         if lost:
             job, how = self._after_node_loss(job, lost)

@@ -255,9 +255,33 @@ def _bucket_values(v, path):
     return sorted(out)
 
 
+def _strategy(allow_auto: bool):
+    """A built-in layout by name (or auto), or "module:name" naming the user's own
+    strategies.Strategy (imported and checked with the other components)."""
+    from strategies import builtin_names
+
+    names = builtin_names() + (("auto",) if allow_auto else ())
+
+    def check(v, path):
+        if isinstance(v, str) and ":" in v:
+            try:
+                return _entrypoint(v, path)
+            except JobError:
+                raise JobError(path, v, 'must be one of ' + ", ".join(map(repr, names)) +
+                               ', or "module:name" naming your own strategies.Strategy') from None
+        try:
+            return _choice(*names)(v, path)
+        except JobError as err:
+            raise JobError(path, v, err.allowed + ', or "module:name" naming your own strategies.Strategy',
+                           err.hint) from None
+
+    check.choices = names
+    return check
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
-    strategy: str = _f("data", _choice("data", "tensor", "hybrid", "auto"),
+    strategy: str = _f("data", _strategy(allow_auto=True),
                        "auto starts data parallel and lets the adaptive policy switch (see adapt)")
     tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size")
     tp_plan: dict = _f({}, _tp_plan, "module-name pattern -> colwise | rowwise, for models without a plan")
@@ -297,7 +321,7 @@ def _schedule(v, path):
         if step <= last:
             raise JobError(f"{where}.step", step, f"must be later than the entry before it (step {last})")
         last = step
-        strategy = _choice("data", "tensor", "hybrid")(entry["strategy"], f"{where}.strategy")
+        strategy = _strategy(allow_auto=False)(entry["strategy"], f"{where}.strategy")
         out.append({"step": step, "strategy": strategy, "tp_size": _tp_size(entry.get("tp_size"), f"{where}.tp_size")})
     return out
 
@@ -340,32 +364,14 @@ class TelemetrySpec:
     ray_metrics: bool = _f(True, _bool, "also export through ray.util.metrics (Ray's Prometheus endpoint)")
 
 
-def _opt_int(lo: int):
-    def check(v, path):
-        return None if v is None else _int(lo)(v, path)
-
-    return check
-
-
-def _str_any(v, path):
-    if not isinstance(v, str):
-        raise JobError(path, v, "must be a string")
-    return v
-
-
 @dataclass(frozen=True)
 class InjectSpec:
-    """Test-only knobs that make a fast machine behave like a slow cluster."""
+    """A simulated network, for trying adaptive mode on one machine (workers/simnet.py): the
+    workers grouped into simulated nodes, a slow link between them, a delay on every collective."""
 
     comm_delay_ms: float = _f(0.0, _float(0.0, 60000.0), "extra latency added to every timed collective")
     nodes: int = _f(1, _int(1, 4096), "group the workers into this many simulated nodes (consecutive ranks)")
     link: dict | None = _f(None, _link, "a simulated slow link between simulated nodes: {mb_per_s, latency_ms}")
-    # faults, for tests of recovery; each fires once per run (not again after a restart)
-    nan_at_step: int | None = _f(None, _opt_int(1), "make the output of module `nan_module` NaN in this step")
-    nan_module: str = _f("", _str_any, "module name (as in model.named_modules()) for nan_at_step; '' = the first "
-                                       "leaf module")
-    hang_at_step: int | None = _f(None, _opt_int(1), "rank `hang_rank` sleeps forever in this step")
-    hang_rank: int = _f(0, _int(0), "which rank hangs")
 
 
 def _max_failures(v, path):
@@ -602,6 +608,17 @@ def _check_components(job: Job) -> None:
         components.check_builtin("loss", job.loss.name, job.loss.kwargs, components.LOSSES)
 
 
+def _resolve_strategy(job: Job, field_path: str, name: str):
+    """The registered strategy `name` ("auto" starts as data), importing a user's own
+    "module:name" from the job's folder; JobError when it cannot be found."""
+    import strategies
+
+    try:
+        return strategies.lookup("data" if name == "auto" else name, [job.base_dir])
+    except strategies.LayoutError as err:
+        raise JobError(field_path, name, str(err)) from None
+
+
 def _check_layout(job: Job) -> None:
     from strategies.layout import LayoutError
     from workers import components
@@ -610,6 +627,7 @@ def _check_layout(job: Job) -> None:
     if job.parallel.strategy == "auto" and job.parallel.tp_size is not None:
         raise JobError("parallel.tp_size", job.parallel.tp_size, "is chosen by the policy under strategy auto; "
                        "leave it unset (or pin layouts with adapt.schedule)")
+    _resolve_strategy(job, "parallel.strategy", job.parallel.strategy)
     try:
         layout = job.layout
     except LayoutError as err:
@@ -621,7 +639,7 @@ def _check_layout(job: Job) -> None:
     if job.parallel.tp_plan and job.parallel.strategy == "data" and not job.adapt.schedule:
         raise JobError("parallel.tp_plan", job.parallel.tp_plan, "only applies with tensor parallelism; "
                        "strategy data shards nothing")
-    if layout.strategy != "data":
+    if _resolve_strategy(job, "parallel.strategy", layout.strategy).needs_plan:
         try:
             components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
         except ComponentError as err:
@@ -644,6 +662,7 @@ def _check_adapt(job: Job) -> None:
         where = f"adapt.schedule[{i}]"
         if entry["step"] >= job.train.steps:
             raise JobError(f"{where}.step", entry["step"], f"must be before the last step (train.steps = {job.train.steps})")
+        _resolve_strategy(job, f"{where}.strategy", entry["strategy"])
         try:
             layout = Layout.for_workers(entry["strategy"], w, entry["tp_size"])
         except LayoutError as err:
@@ -651,7 +670,7 @@ def _check_adapt(job: Job) -> None:
         if job.train.global_batch_size % layout.dp:
             raise JobError(where, entry, f"dp({layout.dp}) must divide train.global_batch_size "
                                          f"({job.train.global_batch_size})")
-        if layout.strategy != "data":
+        if _resolve_strategy(job, f"{where}.strategy", layout.strategy).needs_plan:
             try:
                 components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
             except ComponentError as err:

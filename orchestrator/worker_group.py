@@ -119,7 +119,7 @@ class RayWorkerGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from workers.worker import TrainWorker
+        from workers.worker import TrainWorker, WorkerConfig
 
         job = self.job
         short = _fits(job, ray.cluster_resources())
@@ -147,7 +147,7 @@ class RayWorkerGroup:
                 num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 max_restarts=0, max_concurrency=1,
-            ).remote(job.to_dict(), search_paths, job.cluster.cpus_per_worker)
+            ).remote(WorkerConfig.from_job(job.to_dict(), search_paths), job.cluster.cpus_per_worker)
             for i in range(job.cluster.num_workers)
         ]
         self.workers = handles

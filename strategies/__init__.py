@@ -1,80 +1,95 @@
-"""How a model is laid out on the workers: `data`, `tensor` or `hybrid`, looked up by name.
+"""How a model is laid out on the workers, looked up by name in one registry.
 
-`parallelize(model, layout, device, ...)` returns a `Parallel`: the module to call, the model
-whose parameters the optimizer updates, and what to run after backward. Strategies import
+Every layout has one entry, `apply(model, mesh, layout, plan, options) -> Parallel`, and the
+`Parallel` it returns owns what differs between layouts (the wrapped model, gradient sync, the
+global norm and clipping, the fp16 scaler, full state, where comm timing attaches). Adding a
+layout is one new file plus one entry in `STRATEGIES`; a user's own layout is a `Strategy`
+object named in the job as "module:name" (or `register`ed in-process). Strategies import
 neither the orchestrator nor the workers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import contextlib
+import importlib
+import sys
+from typing import Iterable
 
 import torch
 from torch import nn
 
+from strategies import data, hybrid, tensor
+from strategies.base import GRID, MESHES, REPLICATE, SHARD, Options, Parallel, Strategy
 from strategies.layout import Layout, LayoutError
-from strategies.plan import PlanError
+from strategies.tp_plan import PlanError
 
-__all__ = ["Layout", "LayoutError", "Parallel", "PlanError", "STRATEGIES", "parallelize"]
+__all__ = ["GRID", "MESHES", "REPLICATE", "SHARD", "STRATEGIES", "Layout", "LayoutError", "Options", "Parallel",
+           "PlanError", "Strategy", "builtin_names", "lookup", "parallelize", "register"]
 
-
-@dataclass
-class Parallel:
-    module: nn.Module  # what forward is called on (a DDP wrapper for data)
-    model: nn.Module  # the model itself; its parameters may be DTensor shards
-    layout: Layout
-    mesh: object | None = None  # the (dp, tp) DeviceMesh, when the layout shards
-    after_backward: Callable[[], None] | None = None
-
-    @property
-    def tp_group(self):
-        return self.mesh["tp"].get_group() if self.mesh is not None and self.layout.tp > 1 else None
+STRATEGIES: dict[str, Strategy] = {
+    "data": Strategy("data", REPLICATE, data.apply, "DDP: whole replicas, gradients all-reduced in buckets"),
+    "tensor": Strategy("tensor", SHARD, tensor.apply, "Megatron-style column/row shards over every worker",
+                       needs_plan=True),
+    "hybrid": Strategy("hybrid", GRID, hybrid.apply, "tensor shards inside a group, data parallel across groups",
+                       needs_plan=True),
+}
+_BUILTIN = tuple(STRATEGIES)
 
 
-def _data(model, layout, device, bucket_cap_mb, plan, mesh):
-    from strategies import data
-
-    return Parallel(data.apply(model, device, bucket_cap_mb), model, layout)
+def builtin_names() -> tuple[str, ...]:
+    return _BUILTIN
 
 
-def _tensor(model, layout, device, bucket_cap_mb, plan, mesh):
-    from strategies import tensor
-
-    return Parallel(tensor.shard(model, mesh["tp"], plan), model, layout, mesh)
-
-
-def _hybrid(model, layout, device, bucket_cap_mb, plan, mesh):
-    from strategies import hybrid
-
-    model, average = hybrid.shard(model, mesh, plan, bucket_cap_mb)
-    return Parallel(model, model, layout, mesh, average)
+def register(strategy: Strategy, name: str | None = None) -> Strategy:
+    """Make `strategy` available under `name` (default: its own) in this process."""
+    STRATEGIES[name or strategy.name] = strategy
+    return strategy
 
 
-def param_groups(model: nn.Module) -> list[dict]:
-    """Parameters for the optimizer, tensor-parallel shards (DTensors) apart from plain tensors:
-    fused multi-tensor updates (the default on GPU) cannot mix the two in one call."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-    return [{"params": g} for g in groups if g]
-
-
-STRATEGIES: dict[str, Callable[..., Parallel]] = {"data": _data, "tensor": _tensor, "hybrid": _hybrid}
-
-
-def parallelize(model: nn.Module, layout: Layout, device: torch.device, bucket_cap_mb: float,
-                plan: dict[str, str] | None = None) -> Parallel:
-    """Lay `model` (already on `device`, same initial weights on every rank) out as `layout`
-    over the default process group."""
+@contextlib.contextmanager
+def _on_path(paths: Iterable[str]):
+    added = [p for p in paths if p and p not in sys.path]
+    sys.path[:0] = added
     try:
-        apply = STRATEGIES[layout.strategy]
-    except KeyError:
-        raise LayoutError(f"unknown strategy {layout.strategy!r}; available: {', '.join(STRATEGIES)}") from None
+        yield
+    finally:
+        for p in added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(p)
+
+
+def lookup(name: str, search_paths: Iterable[str] = ()) -> Strategy:
+    """The strategy called `name`: a registered one, or "module:attr" naming a `Strategy`
+    object (imported from `search_paths` first, then the Python path, and registered)."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    if ":" not in name:
+        raise LayoutError(f"unknown strategy {name!r}; available: {', '.join(STRATEGIES)}, or \"module:name\" "
+                          "naming your own strategies.Strategy")
+    module_name, attr = name.split(":", 1)
+    with _on_path(search_paths):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise LayoutError(f"strategy {name!r}: importing {module_name!r} failed: {err}") from None
+    found = getattr(module, attr, None)
+    if not isinstance(found, Strategy):
+        raise LayoutError(f"strategy {name!r}: {module_name}.{attr} is {type(found).__name__}, "
+                          "not a strategies.Strategy")
+    return register(found, name)
+
+
+def parallelize(model: nn.Module, layout: Layout, plan: dict[str, str] | None, options: Options) -> Parallel:
+    """Lay `model` (already on the device, the same initial weights on every rank) out as
+    `layout` over the default process group."""
+    strategy = lookup(layout.strategy)
     mesh = None
-    if layout.strategy != "data":
+    if strategy.mesh != REPLICATE:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-    return apply(model, layout, device, bucket_cap_mb, plan, mesh)
+        mesh = init_device_mesh(options.device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+    return strategy.apply(model, mesh, layout, plan, options)
+
+
+def default_options(device: str = "cpu", **kw) -> Options:
+    return Options(torch.device(device), **kw)

@@ -7,17 +7,40 @@ start early but pay more per-message latency, large ones overlap less).
 
 from __future__ import annotations
 
-import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from strategies.base import Options, Parallel
+from strategies.layout import Layout
 
-def apply(model: nn.Module, device: torch.device, bucket_cap_mb: float) -> DistributedDataParallel:
-    """Wrap `model` (already on `device`) for data parallelism over the default process group.
+
+def allreduce_hook(process_group, bucket):
+    """DDP's own default all-reduce as a comm hook (scale by 1/world, then sum; multiplying by
+    the reciprocal as DDP does, so the result is bit for bit the same), for wrappers to time
+    or delay."""
+    group = process_group or dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.mul_(1.0 / dist.get_world_size(group))
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+class DataParallel(Parallel):
+    def attach(self, comm) -> None:
+        super().attach(comm)
+        hook = comm.ddp_hook(allreduce_hook) if comm is not None else None
+        if hook is not None:  # DDP takes one hook for its life; a new layout builds a new DDP
+            self.module.register_comm_hook(self.module.process_group, hook)
+
+
+def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> DataParallel:
+    """Wrap `model` (already on the device) for data parallelism over the default process group.
 
     DDP broadcasts rank 0's parameters and buffers at construction, so every replica starts equal.
     """
+    device = options.device
     device_ids = [device.index] if device.type == "cuda" else None
     # gradient_as_bucket_view: gradients live in the all-reduce buckets, saving a copy per step
-    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
-                                   gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=options.bucket_cap_mb,
+                                  gradient_as_bucket_view=True)
+    return DataParallel(ddp, model, layout, options)

@@ -7,10 +7,24 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from strategies import tensor
+from strategies.base import Options
 from strategies.grads import GradAverager
+from strategies.layout import Layout
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str], bucket_cap_mb: float):
-    """Shard over mesh["tp"]; return the model and the hook that averages gradients over mesh["dp"]."""
+class HybridParallel(tensor.TensorParallel):
+    def __init__(self, model: nn.Module, layout: Layout, options: Options, mesh: DeviceMesh):
+        super().__init__(model, model, layout, options, mesh)
+        # DDP cannot wrap a model of DTensors: gradients are averaged over dp after backward
+        self.averager = GradAverager(list(model.parameters()), mesh["dp"].get_group(), options.bucket_cap_mb)
+        self.averager.timer = lambda nbytes: self.blocked(nbytes, "dp")
+
+    def after_backward(self) -> None:
+        self.averager()
+
+
+def apply(model: nn.Module, mesh: DeviceMesh, layout: Layout, plan: dict[str, str],
+          options: Options) -> HybridParallel:
+    """Shard over mesh["tp"]; gradients are averaged over mesh["dp"] after backward."""
     tensor.shard(model, mesh["tp"], plan)
-    return model, GradAverager(list(model.parameters()), mesh["dp"].get_group(), bucket_cap_mb)
+    return HybridParallel(model, layout, options, mesh)

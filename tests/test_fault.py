@@ -102,10 +102,23 @@ def test_failures_past_max_failures_end_the_run_with_what_happened(ray_cluster, 
     assert failure["action"] == "stop" and failure["max_failures"] == 0
 
 
+def faulty(tmp_path, entrypoint: str, **kwargs) -> tuple[pathlib.Path, list[str]]:
+    """The MLP job with its model built by a fault entry point of tests/fixtures/faults.py,
+    copied next to the job; the fault fires once per run (a marker under tmp_path)."""
+    import shutil
+
+    shutil.copy(ROOT / "tests/fixtures/faults.py", tmp_path / "faults.py")
+    job = tmp_path / "mlp.yaml"
+    shutil.copy(MLP[0], job)
+    model_kwargs = {**load_job(MLP[0]).model.kwargs, **kwargs, "marker": str(tmp_path / "fired")}
+    return job, [f"model={{entrypoint: 'faults:{entrypoint}', kwargs: {json.dumps(model_kwargs)}}}"]
+
+
 def test_a_rank_stuck_in_a_step_is_detected_within_the_collective_timeout(ray_cluster, tmp_path):
     base = MLP[1] + LAYOUTS["data"] + ["train.steps=12", "checkpoint.every=2", "fault.collective_timeout_s=5"]
     run_gearshift(MLP[0], base, tmp_path / "clean")
-    summary = run_gearshift(MLP[0], base + ["inject.hang_at_step=5", "inject.hang_rank=1"], tmp_path / "stuck")
+    job, hang = faulty(tmp_path, "hanging_mlp", hang_at_step=5, hang_rank=1)
+    summary = run_gearshift(job, base + hang, tmp_path / "stuck")
     assert summary["status"] == "done" and summary["steps_done"] == 12
     recs = records(tmp_path / "stuck")
     [failure] = events(tmp_path / "stuck", "failure")
@@ -142,15 +155,16 @@ def reference_skipping(job, skip_step: int) -> dict:
 
 @pytest.mark.parametrize("layout", ["data", "hybrid"])
 def test_a_nan_step_is_not_applied_and_its_batch_is_skipped(ray_cluster, tmp_path, layout):
-    overrides = MLP[1] + LAYOUTS[layout] + ["inject.nan_at_step=4"]
-    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    job_file, nan = faulty(tmp_path, "nan_mlp", nan_at_step=4)
+    summary = run_gearshift(job_file, MLP[1] + LAYOUTS[layout] + nan, tmp_path / "run")
+    overrides = MLP[1] + LAYOUTS[layout]  # the same job with the plain built-in model
     assert summary["status"] == "done" and summary["steps_done"] == 12
     [bad] = events(tmp_path / "run", "non_finite")
     assert bad["step"] == 4 and bad["layer"] and "skipped" in bad["action"]
     job = load_job(MLP[0], overrides)
     model = components.build_model(job.to_dict()["model"], [job.base_dir])
     first_leaf = next(n for n, m in model.named_modules() if n and not list(m.children()))
-    assert bad["layer"] == first_leaf  # where the NaN was injected (inject.nan_module defaults to it)
+    assert bad["layer"] == first_leaf  # where the NaN was injected (nan_module defaults to it)
     losses = {r["step"]: r["loss"] for r in records(tmp_path / "run") if r["type"] == "step"}
     assert losses[4] != losses[4] and all(v == v for s, v in losses.items() if s != 4)  # NaN only at step 4
     assert summary["final_loss"] == summary["final_loss"]
@@ -160,9 +174,9 @@ def test_a_nan_step_is_not_applied_and_its_batch_is_skipped(ray_cluster, tmp_pat
 
 
 def test_on_nan_stop_ends_the_run_naming_the_layer(ray_cluster, tmp_path, capsys):
-    code = cli.main(["run", str(MLP[0]), "--run-dir", str(tmp_path / "run"),
-                     *[a for o in MLP[1] + LAYOUTS["data"] + ["inject.nan_at_step=3", "fault.on_nan=stop"]
-                       for a in ("--set", o)]])
+    job_file, nan = faulty(tmp_path, "nan_mlp", nan_at_step=3)
+    code = cli.main(["run", str(job_file), "--run-dir", str(tmp_path / "run"),
+                     *[a for o in MLP[1] + LAYOUTS["data"] + nan + ["fault.on_nan=stop"] for a in ("--set", o)]])
     assert code == 1
     err = capsys.readouterr().err
     assert "step 3" in err and "first non-finite output was" in err and "fault.on_nan = stop" in err

@@ -12,14 +12,14 @@ import torch
 
 from conftest import free_port
 from orchestrator.job import load_job
-from workers.worker import TrainWorker
+from workers.worker import TrainWorker, WorkerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
 
 
 def train_on_gpu(job):
-    worker = TrainWorker(job.to_dict(), [job.base_dir])
+    worker = TrainWorker(WorkerConfig.from_job(job.to_dict(), [job.base_dir]))
     try:
         assert worker.setup(0, 1, "127.0.0.1", free_port(), 60) == "nccl"
         worker.build()
@@ -74,7 +74,7 @@ def test_gpu_telemetry_reads_nvml_and_times_with_cuda_events():
     job = load_job(ROOT / "examples/mlp.yaml", ["cluster.num_workers=1", "cluster.gpus_per_worker=1",
                                                 "train.steps=300", "telemetry.sample_period_s=0.2",
                                                 f"inject.comm_delay_ms={delay_ms}", "parallel.bucket_cap_mb=100"])
-    worker = TrainWorker(job.to_dict(), [job.base_dir])
+    worker = TrainWorker(WorkerConfig.from_job(job.to_dict(), [job.base_dir]))
     worker.gpu_ids = ["0"]  # what Ray would hand the worker; NVML counts physical devices
     try:
         worker.setup(0, 1, "127.0.0.1", free_port(), 60)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies.plan import PlanError, resolve
+from strategies.tp_plan import PlanError, resolve
 from workers.models import gpt, mlp
 
 

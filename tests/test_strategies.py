@@ -22,7 +22,10 @@ def process_group():
 
 @pytest.mark.parametrize("mb", [1.0, 7.5, 25.0])
 def test_bucket_cap_mb_reaches_ddp(process_group, mb):
-    ddp = data_strategy.apply(mlp(hidden=64), torch.device("cpu"), bucket_cap_mb=mb)
+    from strategies import Layout, Options
+
+    ddp = data_strategy.apply(mlp(hidden=64), None, Layout("data", 1, 1), None,
+                              Options(torch.device("cpu"), bucket_cap_mb=mb)).module
     assert ddp.bucket_bytes_cap == int(mb * 1024 * 1024)
     ddp(torch.randn(4, 784)).sum().backward()  # buckets work with gradients as bucket views
     assert all(p.grad is not None for p in ddp.parameters())
@@ -37,8 +40,9 @@ def test_param_groups_keep_shards_apart_for_fused_optimizers(process_group):
 
     torch.manual_seed(0)
     model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)
-    par = strategies.parallelize(model, Layout("tensor", 1, 1), torch.device("cpu"), 25.0, model.tp_plan(1))
-    groups = strategies.param_groups(par.model)
+    par = strategies.parallelize(model, Layout("tensor", 1, 1), model.tp_plan(1),
+                                 strategies.Options(torch.device("cpu")))
+    groups = par.param_groups()
     assert len(groups) == 2 and sum(len(g["params"]) for g in groups) == len(list(par.model.parameters()))
     opt = torch.optim.Adam(groups, lr=1e-3, foreach=True)
     par.module(torch.randint(0, 128, (2, 8))).sum().backward()

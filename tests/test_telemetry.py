@@ -13,7 +13,7 @@ import pytest
 from monitoring.schema import validate
 from orchestrator import cli
 from orchestrator.job import job_from_dict
-from workers.local_group import LocalGroup
+from bench.local_group import LocalGroup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WARMUP = 5  # the first steps build DDP's buckets and warm the allocator

@@ -230,7 +230,7 @@ def build_optimizer(params, spec: dict) -> torch.optim.Optimizer:
 
 def check_tp_plan(model_spec: dict, job_plan: dict | None, tp: int, search_paths: Iterable[str] = ()) -> None:
     """The plan that would shard this model over `tp` ranks, checked on a meta-device copy."""
-    from strategies.plan import PlanError, resolve
+    from strategies.tp_plan import PlanError, resolve
 
     try:
         with torch.device("meta"):

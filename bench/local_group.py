@@ -1,5 +1,5 @@
 """TrainWorkers in plain processes over gloo, without Ray: for benchmarks and tests that look at
-the step loop itself (its timing, its overhead) with nothing else on the machine's two cores.
+the step loop itself (not part of gearshift: its runs go through Ray's worker group) (its timing, its overhead) with nothing else on the machine's two cores.
 
 Each process holds one TrainWorker and answers calls sent over a pipe, like a tiny actor; a
 generator method (`train`) comes back as the list of what it yielded. Every wait is bounded,
@@ -15,9 +15,9 @@ from typing import Any
 
 
 def _serve(conn, job: dict, search_paths: list[str], rank: int, world: int, port: int, cpus: float) -> None:
-    from workers.worker import TrainWorker
+    from workers.worker import TrainWorker, WorkerConfig
 
-    worker = TrainWorker(job, search_paths, cpus)
+    worker = TrainWorker(WorkerConfig.from_job(job, search_paths), cpus)
     try:
         while True:
             msg = conn.recv()

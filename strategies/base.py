@@ -1,0 +1,120 @@
+"""What every layout hands the worker: a `Parallel` that owns everything that differs between
+layouts, so the step loop never asks which layout it runs.
+
+A layout is a `Strategy` in the registry (strategies/__init__.py): its name, how it uses the
+workers (`mesh`), and `apply(model, mesh, layout, plan, options) -> Parallel`. The base class
+below is right for a model whose parameters are whole on every rank; sharded layouts override
+what sharding changes (the norm, the scaler, gathering and loading full state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+
+from strategies import state
+from strategies.layout import Layout
+
+# How a strategy uses the workers, which decides the (dp, tp) a job's worker count gives it.
+REPLICATE = "replicate"  # every worker a replica: dp = workers, tp = 1
+SHARD = "shard"          # every worker one shard of one model: dp = 1, tp = workers
+GRID = "grid"            # dp replicas of tp shards: tp = parallel.tp_size, dp = workers / tp
+MESHES = (REPLICATE, SHARD, GRID)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the job says about laying out, besides the layout itself."""
+
+    device: torch.device
+    bucket_cap_mb: float = 25.0
+    fp16: bool = False  # fp16 autocast: gradients are loss-scaled
+
+
+class Comm(Protocol):
+    """Where communication is timed or slowed down (the worker's comm timing and the simulated
+    network). Each is optional; a layout calls what it has collectives for."""
+
+    def ddp_hook(self, default: Callable) -> Callable | None: ...  # wraps DDP's all-reduce hook
+
+    def blocked(self, nbytes: int, dim: str): ...  # a context around one blocking collective on `dim`
+
+    def functional(self, active: bool) -> None: ...  # DTensor's collectives on the tp dimension
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    mesh: str  # REPLICATE, SHARD or GRID
+    apply: Callable[..., "Parallel"]  # (model, mesh, layout, plan, options) -> Parallel
+    doc: str = ""
+    needs_plan: bool = False  # shards linear layers by a tensor-parallel plan
+
+    def __post_init__(self):
+        if self.mesh not in MESHES:
+            raise ValueError(f"strategy {self.name!r}: mesh {self.mesh!r} is not one of {', '.join(MESHES)}")
+
+
+class Parallel:
+    """A model laid out on the workers. `module` is what forward is called on (a wrapper, for
+    DDP), `model` the model itself (its parameters may be shards)."""
+
+    # True when full state exists only as pieces on several ranks: gathering it is a collective
+    # every rank must enter; otherwise rank 0 alone holds all of it.
+    gathers_collectively = False
+
+    def __init__(self, module: nn.Module, model: nn.Module, layout: Layout, options: Options, mesh=None):
+        self.module, self.model, self.layout, self.options, self.mesh = module, model, layout, options, mesh
+        self.comm: Comm | None = None
+
+    # ------------------------------------------------------------ the step
+
+    def param_groups(self) -> list[dict]:
+        return [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
+
+    def make_scaler(self):
+        """fp16 needs loss scaling; the parameters stay fp32 (autocast computes in fp16 from
+        them), so the optimizer always updates fp32 master weights."""
+        return torch.amp.GradScaler(self.options.device.type, enabled=self.options.fp16)
+
+    def after_backward(self) -> None:
+        """Gradient sync that does not happen inside backward (none for DDP or whole models)."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the gradients, the same on every rank."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def attach(self, comm: Comm | None) -> None:
+        """Route this layout's collectives through `comm` (timing, a simulated link), or stop."""
+        self.comm = comm
+
+    def blocked(self, nbytes: int, dim: str):
+        return self.comm.blocked(nbytes, dim) if self.comm is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------ full state
+
+    def full_state(self, optimizer: torch.optim.Optimizer, rank: int, everywhere: bool = False) -> dict | None:
+        """Model and optimizer state as full tensors: on rank 0 (None elsewhere), or on every
+        rank with `everywhere` (a switch, where every rank takes its part of it). With
+        `gathers_collectively`, every rank must call it at the same point."""
+        if not (everywhere or self.gathers_collectively or rank == 0):
+            return None
+        out = {"model": state.model_state(self.model), "optimizer": state.optimizer_state(optimizer, self.model)}
+        return out if everywhere or rank == 0 else None
+
+    def load_full_state(self, optimizer: torch.optim.Optimizer, full: dict) -> None:
+        """Take this rank's part of full tensors (any layout wrote them)."""
+        state.load_model_state(self.model, full["model"])
+        state.load_optimizer_state(optimizer, self.model, full["optimizer"])
+
+    def detach(self) -> None:
+        """Before the layout goes: stop routing collectives through this one's hooks."""
+        self.attach(None)

@@ -1,0 +1,41 @@
+"""The route a layout's collectives take on this worker: through the comm clock (timing, when
+telemetry is on) and the simulated network (delays, when the job asks for one). A `Parallel`
+calls these at its collectives without knowing which of the two is there."""
+
+from __future__ import annotations
+
+import contextlib
+
+from monitoring.comm import CommClock, time_functional_collectives
+from workers.simnet import SimulatedNetwork, delay_functional_collectives
+
+
+class CommRoute:
+    def __init__(self, clock: CommClock | None, net: SimulatedNetwork | None):
+        self.clock, self.net = clock, net
+
+    def ddp_hook(self, default):
+        """DDP's all-reduce, delayed, then timed; None when neither is wanted (DDP's own runs)."""
+        hook = default
+        if self.net is not None:
+            hook = self.net.ddp_hook(hook)
+        if self.clock is not None:
+            hook = self.clock.timed_ddp_hook(hook)
+        return hook if hook is not default else None
+
+    @contextlib.contextmanager
+    def blocked(self, nbytes: int, dim: str):
+        with self.clock.blocked() if self.clock is not None else contextlib.nullcontext():
+            with self.net.blocked(nbytes, dim) if self.net is not None else contextlib.nullcontext():
+                yield
+
+    def functional(self, active: bool) -> None:
+        # the delay wrappers go in first, so the timing wrappers (outside them) see the delay
+        delay_functional_collectives(self.net if active else None)
+        time_functional_collectives(self.clock if active else None)
+
+    @staticmethod
+    def off() -> None:
+        """No clock or delay on DTensor's collectives in this process (a worker shutting down)."""
+        delay_functional_collectives(None)
+        time_functional_collectives(None)

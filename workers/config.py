@@ -1,0 +1,54 @@
+"""What a worker is told about the job: one typed, frozen value, read from the resolved job
+(the mapping the run dir's `job.yaml` holds) in one place.
+
+The orchestrator validated every field before a worker started; this only picks what the
+step loop needs and names it. Component specs (model, data, loss, optimizer) stay mappings:
+they are what `workers.components` builds from, the same on the driver and the workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    model: Mapping[str, Any]
+    data: Mapping[str, Any]
+    loss: Mapping[str, Any]
+    optimizer: Mapping[str, Any]
+    seed: int
+    global_batch_size: int
+    precision: str  # fp32 | bf16 | fp16
+    grad_clip: float | None
+    activation_checkpointing: bool
+    strategy: str  # the layout training starts in (strategy auto starts data parallel)
+    tp_size: int | None
+    tp_plan: Mapping[str, str]
+    bucket_cap_mb: float  # the value training starts with (bucket_cap_mb auto: the tuner's start)
+    gpu: bool  # one GPU per worker; otherwise CPU and gloo
+    telemetry: bool
+    sample_period_s: float
+    ray_metrics: bool
+    on_nan: str  # skip | stop
+    comm_delay_ms: float = 0.0  # the simulated network (workers/simnet.py)
+    sim_nodes: int = 1
+    sim_link: Mapping[str, float] | None = None
+    search_paths: tuple[str, ...] = field(default=(".",))
+
+    @classmethod
+    def from_job(cls, job: Mapping[str, Any], search_paths=(".",)) -> "WorkerConfig":
+        train, par, tel, inject = job["train"], job["parallel"], job["telemetry"], job["inject"]
+        return cls(
+            name=job["name"], model=job["model"], data=job["data"], loss=job["loss"], optimizer=job["optimizer"],
+            seed=train["seed"], global_batch_size=train["global_batch_size"], precision=train["precision"],
+            grad_clip=train["grad_clip"], activation_checkpointing=train.get("activation_checkpointing", False),
+            strategy="data" if par["strategy"] == "auto" else par["strategy"], tp_size=par.get("tp_size"),
+            tp_plan=par.get("tp_plan") or {},
+            bucket_cap_mb=job["tune"]["start"] if par["bucket_cap_mb"] == "auto" else par["bucket_cap_mb"],
+            gpu=job["cluster"]["gpus_per_worker"] > 0, telemetry=tel["enabled"],
+            sample_period_s=tel["sample_period_s"], ray_metrics=tel["ray_metrics"], on_nan=job["fault"]["on_nan"],
+            comm_delay_ms=inject["comm_delay_ms"], sim_nodes=inject["nodes"], sim_link=inject.get("link"),
+            search_paths=tuple(search_paths))

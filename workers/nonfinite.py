@@ -1,0 +1,40 @@
+"""A step whose loss or gradient norm is NaN or Inf: find where it first went wrong."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm was NaN or Inf, and the job says to stop (fault.on_nan)."""
+
+
+def first_non_finite_module(model: nn.Module, forward) -> str | None:
+    """Run `forward()` (the step's forward again, same seed) with a hook on every module; the
+    first module (in call order) whose output holds a NaN or Inf. Only after a bad step, so it
+    costs nothing otherwise. Every rank runs it (they all saw the same norm), so a sharded
+    forward's collectives match."""
+    from torch.distributed.tensor import DTensor
+
+    found: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def check(module, args, output):
+        if found:
+            return
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                found.append(names.get(module) or type(module).__name__)
+                return
+
+    hooks = [m.register_forward_hook(check) for m in model.modules() if m is not model]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return found[0] if found else None

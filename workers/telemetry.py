@@ -1,0 +1,65 @@
+"""What a worker measures besides the step itself: device samples on a background thread,
+Ray metrics, peak memory, and turning a report's comm-clock spans into seconds."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from monitoring.comm import CommClock
+from workers.config import WorkerConfig
+
+
+class WorkerTelemetry:
+    def __init__(self, config: WorkerConfig, device: torch.device):
+        self.config, self.device = config, device
+        self.sampler = None  # the device-sampling thread
+        self.ray_metrics = None
+        self.rank, self.node_ip = 0, "127.0.0.1"
+
+    def start(self, rank: int, node_ip: str, gpu_ids: list[str]) -> dict | None:
+        """Start device sampling; what it reads and why, for the telemetry."""
+        cfg = self.config
+        self.rank, self.node_ip = rank, node_ip
+        if not cfg.telemetry or self.sampler is not None:
+            return None
+        from monitoring.devices import SamplerThread, make_sampler
+
+        sampler, reason = make_sampler(gpu_ids)
+        self.sampler = SamplerThread(sampler, cfg.sample_period_s)
+        self.sampler.start()
+        if cfg.ray_metrics:
+            from monitoring.metrics import RayMetrics
+
+            self.ray_metrics = RayMetrics.create(cfg.name, rank)
+        return {"source": sampler.source, "reason": reason}
+
+    def peak_memory(self) -> int | None:
+        """Peak memory since the last report: device memory on GPU; on CPU the process's peak
+        resident set (Linux reports ru_maxrss in KiB), which only grows."""
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return int(peak)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def add_timings(self, report: dict, spans: list, cuda: bool) -> None:
+        """Per-step data time, comm wait and collective count, device samples and peak memory.
+        On CUDA this is where the step's events are read, once per report, not per step."""
+        if cuda:  # device time, not the host's (which runs ahead of the device)
+            spans[-1][0][1].synchronize()  # every event of the report is on this stream, before it
+            report["step_times"] = [a.elapsed_time(b) / 1000.0 for (a, b), _, _ in spans]
+        report["data_times"] = [b - a if not cuda else a.elapsed_time(b) / 1000.0 for _, (a, b), _ in spans]
+        report["comm_waits"] = [CommClock.resolve(wait) for _, _, (wait, _) in spans]
+        report["comm_calls"] = [calls for _, _, (_, calls) in spans]
+        report["peak_mem_bytes"] = self.peak_memory()
+        if self.sampler is not None:
+            report["samples"] = [dict(s, rank=self.rank, node_ip=self.node_ip) for s in self.sampler.drain()]
+        if self.ray_metrics is not None:
+            self.ray_metrics.update(report)
+
+    def stop(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.sampler = None
