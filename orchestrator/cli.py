@@ -106,6 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="list submitted jobs, or show one")
     status.add_argument("job_id", nargs="?")
     status.add_argument("--address")
+
+    schema = sub.add_parser("schema", help="print the job file's JSON Schema, for editors (yaml-language-server)")
+    schema.add_argument("--output", metavar="FILE", help="write it to FILE (atomically) instead of stdout")
     return p
 
 
@@ -135,6 +138,10 @@ def _dispatch(args) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "schema":
+            from orchestrator.job_schema import cmd_schema
+
+            return cmd_schema(args)
         if args.command == "simulate":
             from orchestrator.simulate import cmd_simulate
 
