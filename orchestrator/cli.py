@@ -106,10 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="list submitted jobs, or show one")
     status.add_argument("job_id", nargs="?")
     status.add_argument("--address")
+    _add_schema_command(sub)
+    return p
 
+
+def _add_schema_command(sub) -> None:
     schema = sub.add_parser("schema", help="print the job file's JSON Schema, for editors (yaml-language-server)")
     schema.add_argument("--output", metavar="FILE", help="write it to FILE (atomically) instead of stdout")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,26 +164,7 @@ def _dispatch(args) -> int:
                 return cmd_watch(args) if args.command == "watch" else cmd_report(args)
             except TelemetryError as err:
                 raise UsageError(str(err)) from None
-        from orchestrator import jobs_api
-
-        try:
-            if args.command == "submit":
-                from orchestrator.job import load_job
-
-                job = load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
-                job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir,
-                                         pip=args.pip, python=args.python, job_name=job.name)
-                print(job_id)
-                print(f"Follow it with: gearshift logs {job_id} --follow", file=sys.stderr)
-            elif args.command == "logs":
-                jobs_api.logs(args.address, args.job_id, follow=args.follow)
-            elif args.command == "stop":
-                jobs_api.stop(args.address, args.job_id)
-            elif args.command == "status":
-                jobs_api.status(args.address, args.job_id)
-        except jobs_api.JobsApiError as err:
-            raise GearshiftError(str(err)) from None
-        return 0
+        return cmd_jobs(args)
     except (JobError, UsageError) as err:
         print(f"gearshift: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -197,6 +181,30 @@ def _dispatch(args) -> int:
         print(f"gearshift: unexpected {type(err).__name__}: {err}. This is a bug in gearshift; the traceback "
               f"is in {path}.", file=sys.stderr)
         return EXIT_FAILED
+
+
+def cmd_jobs(args) -> int:
+    """submit, logs, stop, status: the commands that talk to Ray's Job Submission API."""
+    from orchestrator import jobs_api
+
+    try:
+        if args.command == "submit":
+            from orchestrator.job import load_job
+
+            job = load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
+            job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir,
+                                     pip=args.pip, python=args.python, job_name=job.name)
+            print(job_id)
+            print(f"Follow it with: gearshift logs {job_id} --follow", file=sys.stderr)
+        elif args.command == "logs":
+            jobs_api.logs(args.address, args.job_id, follow=args.follow)
+        elif args.command == "stop":
+            jobs_api.stop(args.address, args.job_id)
+        elif args.command == "status":
+            jobs_api.status(args.address, args.job_id)
+    except jobs_api.JobsApiError as err:
+        raise GearshiftError(str(err)) from None
+    return 0
 
 
 def _resolve_run(args):
