@@ -24,7 +24,17 @@ EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gearshift", description="Distributed PyTorch training on Ray.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    # one helper per group of commands keeps each short; the order here is the order of --help
+    _add_run_commands(sub)
+    _add_watch_command(sub)
+    _add_planning_commands(sub)
+    _add_report_and_status(sub)
+    _add_schema_command(sub)
+    return p
 
+
+def _add_run_commands(sub) -> None:
+    """run, submit, and logs/stop for a submitted job."""
     run = sub.add_parser("run", help="train a job on a local (embedded) or existing Ray cluster")
     run.add_argument("job", nargs="?", help="the job file (YAML); optional with --resume RUN_DIR")
     run.add_argument("--address", help="join this Ray cluster (default: RAY_ADDRESS, else start one here)")
@@ -52,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--address")
         if name == "logs":
             cmd.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+
+
+def _add_watch_command(sub) -> None:
+    """watch: the live view of a run."""
     watch = sub.add_parser("watch", help="live view of a run: per-worker utilisation, comm wait, throughput")
     watch.add_argument("target", nargs="?", help="a run dir, or a submitted job's id (default: the newest run "
                                                  "under runs/)")
@@ -62,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="stop watching a live run after S seconds without a new record")
 
+
+def _add_planning_commands(sub) -> None:
+    """tune, plan, simulate: choosing settings before (or instead of) training."""
     tune = sub.add_parser("tune", help="time a short trial of each setting (bucket_cap_mb, strategy) and write "
                                        "a job file with the best")
     tune.add_argument("job", help="the job file (YAML)")
@@ -99,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR", help="as for plan")
     sim.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
+
+def _add_report_and_status(sub) -> None:
+    """report on a run; status of submitted jobs."""
     report = sub.add_parser("report", help="plots (PNG) and a text summary of a run")
     report.add_argument("run_dir")
     report.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
@@ -106,8 +126,6 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="list submitted jobs, or show one")
     status.add_argument("job_id", nargs="?")
     status.add_argument("--address")
-    _add_schema_command(sub)
-    return p
 
 
 def _add_schema_command(sub) -> None:
