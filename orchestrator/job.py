@@ -224,6 +224,7 @@ def _builtin(registry: str):
 
         return _nullable({"type": "string", "enum": list(getattr(components, registry))})
 
+    # a checker of its own: the fragment differs per registry, and _str_or_none is shared
     return _schema(names)(lambda v, path: _str_or_none(v, path))
 
 
