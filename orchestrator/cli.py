@@ -24,7 +24,17 @@ EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gearshift", description="Distributed PyTorch training on Ray.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    # one helper per group of commands keeps each short; the order here is the order of --help
+    _add_run_commands(sub)
+    _add_watch_command(sub)
+    _add_planning_commands(sub)
+    _add_report_and_status(sub)
+    _add_schema_command(sub)
+    return p
 
+
+def _add_run_commands(sub) -> None:
+    """run, submit, and logs/stop for a submitted job."""
     run = sub.add_parser("run", help="train a job on a local (embedded) or existing Ray cluster")
     run.add_argument("job", nargs="?", help="the job file (YAML); optional with --resume RUN_DIR")
     run.add_argument("--address", help="join this Ray cluster (default: RAY_ADDRESS, else start one here)")
@@ -52,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--address")
         if name == "logs":
             cmd.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+
+
+def _add_watch_command(sub) -> None:
+    """watch: the live view of a run."""
     watch = sub.add_parser("watch", help="live view of a run: per-worker utilisation, comm wait, throughput")
     watch.add_argument("target", nargs="?", help="a run dir, or a submitted job's id (default: the newest run "
                                                  "under runs/)")
@@ -62,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="stop watching a live run after S seconds without a new record")
 
+
+def _add_planning_commands(sub) -> None:
+    """tune, plan, simulate: choosing settings before (or instead of) training."""
     tune = sub.add_parser("tune", help="time a short trial of each setting (bucket_cap_mb, strategy) and write "
                                        "a job file with the best")
     tune.add_argument("job", help="the job file (YAML)")
@@ -99,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR", help="as for plan")
     sim.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
+
+def _add_report_and_status(sub) -> None:
+    """report on a run; status of submitted jobs."""
     report = sub.add_parser("report", help="plots (PNG) and a text summary of a run")
     report.add_argument("run_dir")
     report.add_argument("--out", help="where the PNGs go (default: RUN_DIR/report)")
@@ -106,7 +126,11 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="list submitted jobs, or show one")
     status.add_argument("job_id", nargs="?")
     status.add_argument("--address")
-    return p
+
+
+def _add_schema_command(sub) -> None:
+    schema = sub.add_parser("schema", help="print the job file's JSON Schema, for editors (yaml-language-server)")
+    schema.add_argument("--output", metavar="FILE", help="write it to FILE (atomically) instead of stdout")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +159,10 @@ def _dispatch(args) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "schema":
+            from orchestrator.job_schema import cmd_schema
+
+            return cmd_schema(args)
         if args.command == "simulate":
             from orchestrator.simulate import cmd_simulate
 
@@ -154,26 +182,7 @@ def _dispatch(args) -> int:
                 return cmd_watch(args) if args.command == "watch" else cmd_report(args)
             except TelemetryError as err:
                 raise UsageError(str(err)) from None
-        from orchestrator import jobs_api
-
-        try:
-            if args.command == "submit":
-                from orchestrator.job import load_job
-
-                job = load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
-                job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir,
-                                         pip=args.pip, python=args.python, job_name=job.name)
-                print(job_id)
-                print(f"Follow it with: gearshift logs {job_id} --follow", file=sys.stderr)
-            elif args.command == "logs":
-                jobs_api.logs(args.address, args.job_id, follow=args.follow)
-            elif args.command == "stop":
-                jobs_api.stop(args.address, args.job_id)
-            elif args.command == "status":
-                jobs_api.status(args.address, args.job_id)
-        except jobs_api.JobsApiError as err:
-            raise GearshiftError(str(err)) from None
-        return 0
+        return cmd_jobs(args)
     except (JobError, UsageError) as err:
         print(f"gearshift: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -190,6 +199,30 @@ def _dispatch(args) -> int:
         print(f"gearshift: unexpected {type(err).__name__}: {err}. This is a bug in gearshift; the traceback "
               f"is in {path}.", file=sys.stderr)
         return EXIT_FAILED
+
+
+def cmd_jobs(args) -> int:
+    """submit, logs, stop, status: the commands that talk to Ray's Job Submission API."""
+    from orchestrator import jobs_api
+
+    try:
+        if args.command == "submit":
+            from orchestrator.job import load_job
+
+            job = load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
+            job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir,
+                                     pip=args.pip, python=args.python, job_name=job.name)
+            print(job_id)
+            print(f"Follow it with: gearshift logs {job_id} --follow", file=sys.stderr)
+        elif args.command == "logs":
+            jobs_api.logs(args.address, args.job_id, follow=args.follow)
+        elif args.command == "stop":
+            jobs_api.stop(args.address, args.job_id)
+        elif args.command == "status":
+            jobs_api.status(args.address, args.job_id)
+    except jobs_api.JobsApiError as err:
+        raise GearshiftError(str(err)) from None
+    return 0
 
 
 def _resolve_run(args):

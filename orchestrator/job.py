@@ -57,9 +57,45 @@ def _show(value: Any) -> str:
 # ----------------------------------------------------------------------------- the schema
 # Each field carries its checker in metadata["check"]: (value, path) -> normalised value,
 # raising JobError. Defaults are plain values so a job file can be as short as `model: mlp`.
+# Each checker also carries `check.schema`, the JSON-Schema fragment of what it accepts, so that
+# `gearshift schema` (orchestrator/job_schema.py) is made from these same definitions and cannot
+# drift from them. The checkers stay the authority: the schema is what an editor can check as you
+# type, not the cross-field rules of check_job.
+
+
+def _schema(fragment):
+    """Attach `fragment` (a dict, or a function returning one for facts known only when the
+    schema is made, like the built-in registries) to the checker it decorates."""
+
+    def attach(check):
+        check.schema = fragment
+        return check
+
+    return attach
+
+
+def _number(kind: str, lo=None, hi=None, lo_open: bool = False) -> dict:
+    out = {"type": kind}
+    if lo is not None:
+        out["exclusiveMinimum" if lo_open else "minimum"] = lo
+    if hi is not None:
+        out["maximum"] = hi
+    return out
+
+
+def _nullable(fragment: dict) -> dict:
+    if "type" in fragment and not ({"enum", "const", "anyOf"} & set(fragment)):
+        types = fragment["type"] if isinstance(fragment["type"], list) else [fragment["type"]]
+        return {**fragment, "type": types + ["null"]}
+    return {"anyOf": [fragment, {"type": "null"}]}
+
+
+# module.path:function, ASCII identifiers (the checker also takes other Unicode identifiers)
+_ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 def _int(lo: int | None = None, hi: int | None = None):
+    @_schema(_number("integer", lo, hi))
     def check(v, path):
         if isinstance(v, bool) or not isinstance(v, int):
             raise JobError(path, v, f"must be an integer{_range_text(lo, hi)}")
@@ -70,6 +106,8 @@ def _int(lo: int | None = None, hi: int | None = None):
 
 
 def _float(lo: float | None = None, hi: float | None = None, lo_open: bool = False):
+    # the schema says number only: editors read YAML 1.2, where 1e-3 is a number already
+    @_schema(_number("number", lo, hi, lo_open))
     def check(v, path):
         # YAML 1.1 reads `1e-3` as a string; accept it as the number users meant.
         if isinstance(v, str):
@@ -101,6 +139,7 @@ def _in_range(v, path, lo, hi, noun, lo_open=False):
 
 
 def _choice(*allowed: str):
+    @_schema({"type": "string", "enum": list(allowed)})
     def check(v, path):
         if v not in allowed:
             close = difflib.get_close_matches(str(v), allowed, n=1)
@@ -111,18 +150,21 @@ def _choice(*allowed: str):
     return check
 
 
+@_schema({"type": "boolean"})
 def _bool(v, path):
     if not isinstance(v, bool):
         raise JobError(path, v, "must be true or false")
     return v
 
 
+@_schema({"type": ["string", "null"], "pattern": r"\S"})
 def _str_or_none(v, path):
     if v is not None and (not isinstance(v, str) or not v.strip()):
         raise JobError(path, v, "must be a non-empty string")
     return v
 
 
+@_schema({"type": ["string", "null"], "pattern": _ENTRYPOINT_PATTERN})
 def _entrypoint(v, path):
     if v is None:
         return v
@@ -134,6 +176,7 @@ def _entrypoint(v, path):
     return v
 
 
+@_schema({"type": ["object", "null"]})
 def _mapping(v, path):
     if v is None:
         return {}
@@ -142,16 +185,19 @@ def _mapping(v, path):
     return dict(v)
 
 
+@_schema({"type": "array", "items": _number("number", 0.0, 0.999999), "minItems": 2, "maxItems": 2})
 def _betas(v, path):
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise JobError(path, v, "must be a list of two numbers in [0, 1), for example [0.9, 0.999]")
     return tuple(_float(0.0, 0.999999)(b, f"{path}[{i}]") for i, b in enumerate(v))
 
 
+@_schema(_nullable(_number("number", 0.0)))
 def _grad_clip(v, path):
     return None if v is None else _float(0.0)(v, path) or None
 
 
+@_schema({"type": "number", "enum": [0, 1]})
 def _num_gpus(v, path):
     v = _float(0.0)(v, path)
     if v not in (0.0, 1.0):
@@ -160,6 +206,7 @@ def _num_gpus(v, path):
     return v
 
 
+@_schema({"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"})
 def _name(v, path):
     # the name becomes part of a directory name: keep it to one safe path component
     if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", v):
@@ -167,38 +214,58 @@ def _name(v, path):
     return v
 
 
-def _f(default, check, doc=""):
+def _builtin(registry: str):
+    """A built-in's name. Any non-empty string passes here; check_job then looks it up in
+    workers.components' `registry`, which the schema offers as its list (imported only when
+    the schema is made: the registries import torch)."""
+
+    def names():
+        from workers import components
+
+        return _nullable({"type": "string", "enum": list(getattr(components, registry))})
+
+    # a checker of its own: the fragment differs per registry, and _str_or_none is shared
+    return _schema(names)(lambda v, path: _str_or_none(v, path))
+
+
+def _f(default, check, doc="", schema_default=True):
+    # schema_default=False: the default depends on more than the field (name: the file's name)
+    metadata = {"check": check, "doc": doc, "schema_default": schema_default}
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
-    return field(default=default, metadata={"check": check, "doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _section(cls, doc: str):
+    return field(default_factory=cls, metadata={"doc": doc})
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str | None = _f(None, _str_or_none, "a built-in model: mlp, gpt")
+    name: str | None = _f(None, _builtin("MODELS"), "a built-in model: mlp, gpt")
     entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning an nn.Module')
     kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    name: str | None = _f(None, _str_or_none, "a built-in dataset; default: the one for the built-in model")
+    name: str | None = _f(None, _builtin("DATASETS"), "a built-in dataset; default: the one for the built-in model")
     entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning a map-style Dataset')
-    kwargs: dict = _f({}, _mapping)
+    kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    name: str | None = _f(None, _str_or_none, "cross_entropy or mse")
+    name: str | None = _f(None, _builtin("LOSSES"), "cross_entropy or mse")
     entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning loss_fn(output, target)')
-    kwargs: dict = _f({}, _mapping)
+    kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    name: str = _f("adamw", _choice("sgd", "adam", "adamw"))
-    lr: float = _f(1e-3, _float(0.0, lo_open=True))
-    weight_decay: float = _f(0.0, _float(0.0))
+    name: str = _f("adamw", _choice("sgd", "adam", "adamw"), "the torch.optim optimizer")
+    lr: float = _f(1e-3, _float(0.0, lo_open=True), "learning rate")
+    weight_decay: float = _f(0.0, _float(0.0), "decoupled for adamw, L2 for sgd and adam")
     momentum: float = _f(0.0, _float(0.0, 0.999999), "sgd only")
     nesterov: bool = _f(False, _bool, "sgd only")
     betas: tuple = _f((0.9, 0.999), _betas, "adam and adamw")
@@ -207,10 +274,10 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class TrainSpec:
-    steps: int = _f(100, _int(1))
-    global_batch_size: int = _f(64, _int(1))
-    seed: int = _f(0, _int(0, 2**31 - 1))
-    precision: str = _f("fp32", _choice("fp32", "bf16", "fp16"))
+    steps: int = _f(100, _int(1), "optimizer steps to train")
+    global_batch_size: int = _f(64, _int(1), "samples per optimizer step, over all data-parallel workers")
+    seed: int = _f(0, _int(0, 2**31 - 1), "seeds the model's initial weights, the data order and dropout")
+    precision: str = _f("fp32", _choice("fp32", "bf16", "fp16"), "bf16 and fp16 autocast; fp16 adds loss scaling")
     grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
     log_every: int = _f(10, _int(1), "steps between progress lines")
     activation_checkpointing: bool = _f(False, _bool, "recompute activations in backward (built-in models)")
@@ -218,17 +285,20 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    num_workers: int = _f(2, _int(1, 4096))
-    cpus_per_worker: float = _f(1.0, _float(0.0, lo_open=True))
-    gpus_per_worker: float = _f(0.0, _num_gpus)
-    placement: str = _f("pack", _choice("pack", "spread"))
+    num_workers: int = _f(2, _int(1, 4096), "worker actors, one per device")
+    cpus_per_worker: float = _f(1.0, _float(0.0, lo_open=True), "Ray CPUs reserved for each worker")
+    gpus_per_worker: float = _f(0.0, _num_gpus, "0: train on CPU; 1: one GPU per worker")
+    placement: str = _f("pack", _choice("pack", "spread"), "Ray placement group strategy: pack workers onto "
+                                                           "few nodes, or spread them")
     placement_timeout_s: float = _f(60.0, _float(0.0, lo_open=True), "fail when the cluster cannot fit the job by then")
 
 
+@_schema(_nullable(_number("integer", 1, 4096)))
 def _tp_size(v, path):
     return None if v is None else _int(1, 4096)(v, path)
 
 
+@_schema({"type": ["object", "null"], "additionalProperties": {"type": "string", "enum": ["colwise", "rowwise"]}})
 def _tp_plan(v, path):
     plan = _mapping(v, path)
     for pattern, style in plan.items():
@@ -237,6 +307,7 @@ def _tp_plan(v, path):
     return plan
 
 
+@_schema({"anyOf": [_number("number", 0.0, 4096.0, lo_open=True), {"type": "string", "const": "auto"}]})
 def _bucket(v, path):
     if v == "auto":
         return v
@@ -246,6 +317,8 @@ def _bucket(v, path):
         raise JobError(path, v, "must be a number of MB in (0, 4096], or 'auto' to tune it while training") from None
 
 
+@_schema({"type": "array", "items": _number("number", 0.0, 4096.0, lo_open=True), "minItems": 1,
+          "uniqueItems": True})
 def _bucket_values(v, path):
     if not isinstance(v, list) or not v:
         raise JobError(path, v, "must be a non-empty list of bucket sizes in MB, e.g. [1, 5, 10, 25, 50, 100]")
@@ -262,6 +335,8 @@ def _strategy(allow_auto: bool):
 
     names = builtin_names() + (("auto",) if allow_auto else ())
 
+    @_schema({"anyOf": [{"type": "string", "enum": list(names)},
+                        {"type": "string", "pattern": _ENTRYPOINT_PATTERN}]})
     def check(v, path):
         if isinstance(v, str) and ":" in v:
             try:
@@ -296,16 +371,23 @@ class CheckpointSpec:
     keep: int = _f(3, _int(1), "how many recent checkpoints to keep")
 
 
+@_schema(_nullable(_number("integer", 0, 65535)))
 def _port(v, path):
     return None if v is None else _int(0, 65535)(v, path)
 
 
+@_schema({"type": "string", "pattern": r"^[A-Za-z0-9.:_-]{1,253}$"})
 def _host(v, path):
     if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9.:_-]{1,253}", v):
         raise JobError(path, v, "must be a host name or IP address to bind, e.g. 127.0.0.1 or 0.0.0.0")
     return v
 
 
+# steps must also increase and come before train.steps: the checkers say so, a schema cannot
+@_schema({"type": ["array", "null"], "items": {
+    "type": "object", "required": ["step", "strategy"], "additionalProperties": False,
+    "properties": {"step": _number("integer", 1), "strategy": _strategy(allow_auto=False).schema,
+                   "tp_size": _tp_size.schema}}})
 def _schedule(v, path):
     if v is None:
         return []
@@ -346,6 +428,9 @@ class TuneSpec:
     max_trials: int = _f(6, _int(1, 1000), "trials per tuning round (one round at the start, one per layout)")
 
 
+@_schema(_nullable({"type": "object", "required": ["mb_per_s"], "additionalProperties": False,
+                    "properties": {"mb_per_s": _number("number", 0.0, lo_open=True),
+                                   "latency_ms": {**_number("number", 0.0, 60000.0), "default": 0.0}}}))
 def _link(v, path):
     if v is None:
         return None
@@ -374,6 +459,7 @@ class InjectSpec:
     link: dict | None = _f(None, _link, "a simulated slow link between simulated nodes: {mb_per_s, latency_ms}")
 
 
+@_schema(_number("integer", -1))
 def _max_failures(v, path):
     if isinstance(v, bool) or not isinstance(v, int) or v < -1:
         raise JobError(path, v, "must be an integer >= 0, or -1 for no limit")
@@ -397,20 +483,24 @@ class FaultSpec:
 
 @dataclass(frozen=True)
 class Job:
-    name: str = _f("job", _name)
-    model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    loss: LossSpec = field(default_factory=LossSpec)
-    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
-    train: TrainSpec = field(default_factory=TrainSpec)
-    cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    adapt: AdaptSpec = field(default_factory=AdaptSpec)
-    tune: TuneSpec = field(default_factory=TuneSpec)
-    fault: FaultSpec = field(default_factory=FaultSpec)
-    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
-    telemetry: TelemetrySpec = field(default_factory=TelemetrySpec)
-    inject: InjectSpec = field(default_factory=InjectSpec)
+    name: str = _f("job", _name, "names the run and its directory; default: the job file's name",
+                   schema_default=False)
+    model: ModelSpec = _section(ModelSpec, 'required: a built-in name (mlp, gpt), "module:function", or '
+                                           "{name | entrypoint, kwargs}")
+    data: DataSpec = _section(DataSpec, 'a built-in name, "module:function", or {name | entrypoint, kwargs}; '
+                                        "default: the built-in model's own data")
+    loss: LossSpec = _section(LossSpec, 'a built-in name, "module:function", or {name | entrypoint, kwargs}; '
+                                        "default: cross_entropy")
+    optimizer: OptimizerSpec = _section(OptimizerSpec, "sgd (momentum, nesterov), adam or adamw (betas, eps)")
+    train: TrainSpec = _section(TrainSpec, "how long, how big a batch, which seed and precision")
+    cluster: ClusterSpec = _section(ClusterSpec, "how many workers and what each takes from Ray")
+    parallel: ParallelSpec = _section(ParallelSpec, "the layout training starts with: data, tensor, hybrid, or auto")
+    adapt: AdaptSpec = _section(AdaptSpec, "when the layout changes while training: the policy, or a schedule")
+    tune: TuneSpec = _section(TuneSpec, "online tuning of parallel.bucket_cap_mb when it is auto")
+    fault: FaultSpec = _section(FaultSpec, "what happens when a worker, a node or a step goes wrong")
+    checkpoint: CheckpointSpec = _section(CheckpointSpec, "how often the training state is saved")
+    telemetry: TelemetrySpec = _section(TelemetrySpec, "per-step timing, device sampling and metrics endpoints")
+    inject: InjectSpec = _section(InjectSpec, "for tests: make a fast machine behave like a slow cluster")
     # Where the job file lies: entry-point modules next to it are importable. Not a YAML key.
     base_dir: str = field(default=".", metadata={"internal": True}, compare=False)
 
