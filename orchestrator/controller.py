@@ -729,7 +729,7 @@ class Controller:
     def _apply_bucket(self, group, bucket: float, step: int) -> None:
         if bucket == self.bucket:
             return
-        results = group.call("reshard", self.layout.strategy, self.layout.tp, bucket)
+        results = group.call("reshard", self.layout.to_dict(), bucket)
         old, self.bucket = self.bucket, bucket
         self.history.append(self._history_entry(step, self.layout))
         self._event("bucket", step=step, bucket_cap_mb=bucket, previous=old,
@@ -758,7 +758,7 @@ class Controller:
         """Carry out a layout change on the running workers, at step boundary `step`."""
         old = self.layout
         self._enter(State.SWITCHING, step=step, to=target.to_dict())
-        results = group.call("reshard", target.strategy, target.tp, *([bucket] if bucket is not None else []))
+        results = group.call("reshard", target.to_dict(), bucket)
         seconds = max(r["seconds"] for r in results)
         self.layout = target
         if bucket is not None:
