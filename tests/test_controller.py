@@ -10,10 +10,12 @@ import torch
 
 from monitoring.schema import validate
 from monitoring.telemetry import read
-from orchestrator.controller import Controller, StepMerger
+from orchestrator.controller import Controller
 from orchestrator.errors import WorkerFailed
 from orchestrator.job import load_job
+from orchestrator.reporting import StepMerger
 from orchestrator.rundir import RunDir
+from orchestrator.worker_group import WorkerGroup
 from workers import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,8 +43,9 @@ class FakeGroup:
     def call(self, method, *args):
         if method == "state":
             return [self.call_rank(0, "state"), None]
-        if method == "reshard":
-            self.reshards.append((self.step, *args))
+        if method == "reshard":  # reshard(layout dict, bucket_cap_mb or None), recorded as (step, strategy, tp[, bucket])
+            layout, bucket = args
+            self.reshards.append((self.step, layout["strategy"], layout["tp"], *([bucket] if bucket is not None else [])))
             return [{"seconds": 0.01 * (r + 1), "step": self.step} for r in range(2)]
         assert method == "load"
         self.loaded = args[0]
@@ -84,6 +87,15 @@ class FakeGroup:
                     yield rank, report
             if self.scrape_at is not None and self.step == self.scrape_at:
                 self.scraped = scrape(self.run)
+
+    def dead_ranks(self):
+        return {}
+
+    def alive_node_ids(self):  # no nodes known: a failure is a worker loss
+        return set()
+
+    def alive_node_resources(self):
+        return []
 
     def shutdown(self, polite=True):
         self.shut = "polite" if polite else "killed"

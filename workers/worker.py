@@ -160,13 +160,15 @@ class TrainWorker:
 
         modules[name].register_forward_hook(poison)
 
-    def reshard(self, kind: str, tp: int, bucket_cap_mb: float | None = None) -> dict:
+    def reshard(self, kind, tp=None, bucket_cap_mb: float | None = None) -> dict:
         """Switch: move the live model and optimizer state to another layout (or the same one
         with another `bucket_cap_mb`), in memory, on the same processes. Every rank gathers the
         full tensors (a collective), builds the new layout and keeps its own shard; step, data
         position and random state carry over (the data order and the per-step seeds are
         functions of the step). All ranks call it at the same step boundary."""
         start = time.perf_counter()
+        if isinstance(kind, dict):  # TEMPORARY shim until the worker's reshard(layout: dict, bucket) merges
+            bucket_cap_mb, kind, tp = tp, kind["strategy"], kind["tp"]
         if bucket_cap_mb is not None:
             self.bucket_cap_mb = float(bucket_cap_mb)
         target = Layout.for_workers(kind, self.world, tp if kind != "data" else None)
