@@ -160,7 +160,7 @@ class TrainWorker:
 
         modules[name].register_forward_hook(poison)
 
-    def reshard(self, kind, tp=None, bucket_cap_mb: float | None = None) -> dict:
+    def reshard(self, kind: str, tp: int, bucket_cap_mb: float | None = None) -> dict:
         """Switch: move the live model and optimizer state to another layout (or the same one
         with another `bucket_cap_mb`), in memory, on the same processes. Every rank gathers the
         full tensors (a collective), builds the new layout and keeps its own shard; step, data
