@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import enum
 import json
-import traceback
 import time
+import traceback
 from typing import Callable
 
 from monitoring.progress import ProgressView
@@ -35,7 +35,7 @@ from orchestrator.boundary import Boundary, Then, next_boundary
 from orchestrator.bucket_tuning import BucketTuning, initial_bucket
 from orchestrator.errors import GearshiftError, WorkerFailed
 from orchestrator.job import Job
-from orchestrator.policy import AdaptConfig, Policy, candidate_layouts
+from orchestrator.policy import AdaptConfig, Decision, Policy, candidate_layouts
 from orchestrator.recovery import Recovery
 from orchestrator.reporting import Reporter, StepMerger
 from orchestrator.rundir import RunDir
@@ -294,7 +294,7 @@ class Controller:
             until = min(until, self.policy.next_decision(step))
         return until
 
-    def _train_chunk(self, until: int):
+    def _train_chunk(self, until: int) -> tuple[Decision | None, bool]:
         """Train to `until`. Returns the first switch or revert the policy asked for on the way
         (None: none), and whether it kept a switch it had judged (its new layout may be tuned)."""
         job, report = self.job, self.report
