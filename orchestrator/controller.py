@@ -2,8 +2,11 @@
 writes checkpoints and the run's outputs, and tears everything down whatever happens.
 
     PLACING -> STARTING -> TRAINING <-> SWITCHING
-       ^                      |  \\-> DONE
-       \\---- RECOVERING <----/    (any state but DONE) -> FAILED
+       ^                      |     \\-> DONE
+       |                      v
+       \\------------- RECOVERING        (a worker lost in PLACING, STARTING or SWITCHING too)
+
+    any state -> FAILED                 (an error no restart fixes, fault.max_failures used up, Ctrl-C)
 
 `run()` is a loop over `_step()`, which carries out one state and returns the next. Training
 runs in chunks that end where something may change: at the forced schedule's steps, where a
@@ -216,6 +219,7 @@ class Controller:
         return State.TRAINING
 
     def _recover(self) -> State:
+        self.state = State.RECOVERING  # not announced: the failure event says it
         self._failures += 1
         stats = self.report.stats
         failed_at = stats.last["step"] if stats.last else 0
