@@ -274,7 +274,8 @@ class Controller:
             self.history = [h for h in self.history if h["step"] < start_step]
             self.history.append(self._history_entry(start_step, self.layout))
         else:
-            self.history = self._earlier_history(start_step) + [self._history_entry(start_step, layout)]
+            earlier = earlier_history(self.run_dir, start_step) if self.resume else []
+            self.history = earlier + [self._history_entry(start_step, layout)]
 
     def _begin_training(self, start_step: int) -> None:
         job = self.job
@@ -370,15 +371,16 @@ class Controller:
                                meta={"fingerprint": self.job.fingerprint()})
         self.report.event("checkpoint", step=state["step"], path=str(path))
 
-    def _earlier_history(self, start_step: int) -> list[dict]:
-        """A resumed run keeps the layouts its earlier legs used before the resume point."""
-        if not self.resume or not self.run_dir.summary.is_file():
-            return []
-        try:
-            old = json.loads(self.run_dir.summary.read_text()).get("strategy_history", [])
-        except ValueError:
-            return []
-        return [h for h in old if h.get("step", 0) < start_step]
+
+def earlier_history(run: RunDir, start_step: int) -> list[dict]:
+    """A resumed run keeps the layouts its earlier legs used before the resume point."""
+    if not run.summary.is_file():
+        return []
+    try:
+        old = json.loads(run.summary.read_text()).get("strategy_history", [])
+    except ValueError:
+        return []
+    return [h for h in old if h.get("step", 0) < start_step]
 
 
 def scheduled_layout(job: Job, step: int) -> Layout | None:
