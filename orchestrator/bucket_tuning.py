@@ -74,7 +74,10 @@ class BucketTuning:
 
     `grid` (from `gearshift tune`): time every setting of this space, then stop the run; None
     (a run): tune by search when the job's bucket_cap_mb is auto. The controller attaches itself
-    (`attach`): a trial that changes the layout is a switch, which is the controller's to make."""
+    (`attach`): a trial that changes the layout is a switch, which is the controller's to make.
+    Of the controller it reads `job`, `layout`, `group`, `report`, `summary` (the parameter
+    count) and `policy` (told to count afresh after a round), and calls `switch` and
+    `note_layout`."""
 
     def __init__(self, grid: dict[str, list] | None = None):
         self.grid = grid

@@ -257,6 +257,17 @@ def test_the_stand_in_group_is_a_worker_group(tmp_path):
     assert isinstance(factory(job), WorkerGroup)
 
 
+def test_the_controller_leaves_ray_to_the_worker_group():
+    import subprocess
+    import sys
+
+    code = ("import sys, orchestrator.controller, orchestrator.recovery, orchestrator.bucket_tuning; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_lost_worker_is_restarted_from_the_latest_checkpoint_without_ray(tmp_path):
     job = load_job(ROOT / "examples/mlp.yaml", ["train.steps=10", "checkpoint.every=2", "checkpoint.keep=10"])
     run = RunDir.create(job, str(tmp_path / "run"))
