@@ -247,8 +247,8 @@ class Reporter:
         self.event("switch", **record, **({"evidence": evidence} if evidence else {}))
         self.say(f"step {record['step']}: switched {old} -> {new} in {record['seconds']:.2f} s ({record['reason']})")
 
-    def figures(self, steps_done_else: int, bucket, wall: float) -> dict:
-        """The summary's figures; `steps_done_else`: the steps done when no step was trained."""
+    def figures(self, start_step: int, bucket: float, wall: float) -> dict:
+        """The summary's figures (a run that trained no step is done up to where it started)."""
         stats = self.stats
-        return {"steps_done": stats.last["step"] if stats.last else steps_done_else, "bucket_cap_mb": bucket,
+        return {"steps_done": stats.last["step"] if stats.last else start_step, "bucket_cap_mb": bucket,
                 **stats.summary(self.job.train.global_batch_size), "wall_time_s": wall}
