@@ -163,6 +163,29 @@ def markers(records) -> list[tuple[str, float, str]]:
 
 # ---------------------------------------------------------------- summary
 
+def _layout_runs(steps: list[dict]) -> list[dict]:
+    """Consecutive runs of one layout: [{strategy, dp, tp, first_step, last_step}]."""
+    runs: list[dict] = []
+    for r in steps:
+        key = (r.get("strategy"), r.get("dp"), r.get("tp"))
+        if runs and runs[-1]["key"] == key:
+            runs[-1]["last_step"] = r["step"]
+        else:
+            runs.append({"key": key, "first_step": r["step"], "last_step": r["step"]})
+    return [{"strategy": s["key"][0], "dp": s["key"][1], "tp": s["key"][2], "first_step": s["first_step"],
+             "last_step": s["last_step"]} for s in runs]
+
+
+def _utilisation_while_training(records, samples: list[dict]) -> dict[int, list[float]]:
+    """Device utilisation samples per rank, only those taken while training (not during start-up)."""
+    at, st = _anchors(records)
+    util = collections.defaultdict(list)
+    for r, s in zip(samples, time_to_step([r["time"] for r in samples], at, st, clamp=False)):
+        if isinstance(r.get("util_pct"), (int, float)) and not np.isnan(s):
+            util[r["rank"]].append(r["util_pct"])
+    return util
+
+
 def summarise(records, run_dir) -> dict:
     steps = _steps(records)
     n = len(steps)
@@ -173,26 +196,14 @@ def summarise(records, run_dir) -> dict:
     slow = collections.Counter(r["slowest_rank"] for r in steps if isinstance(r.get("slowest_rank"), int))
     slow_rank, slow_n = slow.most_common(1)[0] if slow else (None, 0)
 
-    strategies = []  # consecutive runs of one layout
-    for r in steps:
-        key = (r.get("strategy"), r.get("dp"), r.get("tp"))
-        if strategies and strategies[-1]["key"] == key:
-            strategies[-1]["last_step"] = r["step"]
-        else:
-            strategies.append({"key": key, "first_step": r["step"], "last_step": r["step"]})
-    strategies = [{"strategy": s["key"][0], "dp": s["key"][1], "tp": s["key"][2], "first_step": s["first_step"],
-                   "last_step": s["last_step"]} for s in strategies]
+    strategies = _layout_runs(steps)
 
     states = [r for r in _events(records, "state") if isinstance(r.get("state"), str)]
     final = states[-1]["state"] if states else None
     final_state = final if final in ("done", "failed") else "running or unknown"
 
     samples = [r for r in records if r.get("type") == "sample" and isinstance(r.get("rank"), int)]
-    at, st = _anchors(records)
-    util = collections.defaultdict(list)
-    for r, s in zip(samples, time_to_step([r["time"] for r in samples], at, st, clamp=False)):
-        if isinstance(r.get("util_pct"), (int, float)) and not np.isnan(s):  # while training only
-            util[r["rank"]].append(r["util_pct"])
+    util = _utilisation_while_training(records, samples)
     notes = []
     if len(all_steps) > n:
         notes.append(f"{len(all_steps) - n} step records were re-runs after a resume; the later run of each "

@@ -168,11 +168,11 @@ def _dispatch(args) -> int:
 
             return cmd_simulate(args)
         if args.command == "plan":
-            from orchestrator.plan import cmd_plan
+            from orchestrator.plan_command import cmd_plan
 
             return cmd_plan(args)
         if args.command == "tune":
-            from orchestrator.tune import cmd_tune
+            from orchestrator.tune_command import cmd_tune
 
             return cmd_tune(args)
         if args.command in ("watch", "report"):

@@ -120,7 +120,7 @@ def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: 
 
 
 def load_scenario(text: str) -> Scenario:
-    from orchestrator.plan import read_yaml_arg
+    from orchestrator.plan_command import read_yaml_arg
 
     doc = read_yaml_arg("--scenario", text)
     try:
@@ -131,7 +131,7 @@ def load_scenario(text: str) -> Scenario:
 
 def cmd_simulate(args) -> int:
     from orchestrator.job import load_job
-    from orchestrator.plan import calibrated, global_batch, load_cluster
+    from orchestrator.plan_command import calibrated, global_batch, load_cluster
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)

@@ -1,8 +1,9 @@
 """Starting Ray (or joining it), placing the workers, and talking to them.
 
-`RayWorkerGroup` is what the controller drives: one placement group with a bundle per worker,
-one TrainWorker actor per bundle, ranks ordered by node, and a gloo/nccl rendezvous on rank 0's
-node. The controller never touches Ray directly, so tests can hand it another group class.
+`WorkerGroup` is what the controller drives, and `RayWorkerGroup` the real one: one placement
+group with a bundle per worker, one TrainWorker actor per bundle, ranks ordered by node, and a
+gloo/nccl rendezvous on rank 0's node. The controller never touches Ray directly (its questions
+about nodes go through the group too), so tests can hand it another group class.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 from orchestrator.errors import GearshiftError, UsageError, WorkerFailed
 from orchestrator.job import Job
@@ -102,6 +103,40 @@ def _fits(job: Job, resources: dict[str, float]) -> str | None:
     short = [f"{k} {need[k]:g} needed, {resources.get(k, 0):g} in the cluster" for k in need
              if resources.get(k, 0) + 1e-9 < need[k]]
     return "; ".join(short) or None
+
+
+@runtime_checkable
+class WorkerGroup(Protocol):
+    """What the controller asks of a group of workers, one per rank. `call` runs a TrainWorker
+    method on every rank (the controller switches layouts with
+    `call("reshard", layout.to_dict(), bucket_cap_mb_or_None)`); `train` streams
+    (rank, report) pairs until every rank reached `until_step`. A failure anywhere is a
+    `WorkerFailed`."""
+
+    def start(self) -> list[dict]:
+        """Place and start the workers, build the model; one info dict per rank, in rank order."""
+
+    def call(self, method: str, *args) -> list:
+        """`method(*args)` on every rank; the results in rank order."""
+
+    def put(self, value: Any) -> Any:
+        """A reference to `value` that `call` can hand to every rank without copying it per rank."""
+
+    def train(self, until_step: int, checkpoint_every: int, last_step: int | None = None
+              ) -> Iterator[tuple[int, dict]]:
+        """Every rank's step loop to `until_step`, as (rank, report) pairs as they arrive."""
+
+    def dead_ranks(self) -> dict[int, str]:
+        """After a failure: the ranks whose worker is gone, with the reason given for each."""
+
+    def alive_node_ids(self) -> set[str]:
+        """The ids of the cluster's nodes that are alive now (none known: an empty set)."""
+
+    def alive_node_resources(self) -> list[dict[str, float]]:
+        """What each alive node holds in all (e.g. {"CPU": 8, "GPU": 4}), node by node."""
+
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop every worker and release what the group holds; never raises."""
 
 
 class RayWorkerGroup:
@@ -279,6 +314,20 @@ class RayWorkerGroup:
             except Exception:  # not ready (busy, blocked) or another error: not known to be dead
                 pass
         return dead
+
+    # ---------------------------------------------------------------- the cluster's nodes
+
+    def alive_node_ids(self) -> set[str]:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+    def alive_node_resources(self) -> list[dict[str, float]]:
+        """Each alive node's total resources, not what is free now: called after this group is
+        shut down, when its own share is free again."""
+        import ray
+
+        return [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
 
     # ---------------------------------------------------------------- stop
 

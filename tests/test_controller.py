@@ -10,10 +10,12 @@ import torch
 
 from monitoring.schema import validate
 from monitoring.telemetry import read
-from orchestrator.controller import Controller, StepMerger
+from orchestrator.controller import Controller
 from orchestrator.errors import WorkerFailed
 from orchestrator.job import load_job
+from orchestrator.reporting import StepMerger
 from orchestrator.rundir import RunDir
+from orchestrator.worker_group import WorkerGroup
 from workers import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,8 +43,9 @@ class FakeGroup:
     def call(self, method, *args):
         if method == "state":
             return [self.call_rank(0, "state"), None]
-        if method == "reshard":
-            self.reshards.append((self.step, *args))
+        if method == "reshard":  # reshard(layout dict, bucket_cap_mb or None), recorded as (step, strategy, tp[, bucket])
+            layout, bucket = args
+            self.reshards.append((self.step, layout["strategy"], layout["tp"], *([bucket] if bucket is not None else [])))
             return [{"seconds": 0.01 * (r + 1), "step": self.step} for r in range(2)]
         assert method == "load"
         self.loaded = args[0]
@@ -84,6 +87,15 @@ class FakeGroup:
                     yield rank, report
             if self.scrape_at is not None and self.step == self.scrape_at:
                 self.scraped = scrape(self.run)
+
+    def dead_ranks(self):
+        return {}
+
+    def alive_node_ids(self):  # no nodes known: a failure is a worker loss
+        return set()
+
+    def alive_node_resources(self):
+        return []
 
     def shutdown(self, polite=True):
         self.shut = "polite" if polite else "killed"
@@ -236,3 +248,135 @@ def test_a_resumed_run_continues_in_the_layout_its_schedule_had_in_force(tmp_pat
     summary = Controller(job, run, factory, resume=("step_00000005", state)).run()
     assert groups[0].reshards == [(5, "tensor", 2)]
     assert summary["strategy_history"][-1]["strategy"] == "tensor"
+
+
+# ---- the worker-group protocol, recovery and the injected policy, with the stand-in group
+
+def test_the_stand_in_group_is_a_worker_group(tmp_path):
+    job, run, factory, groups = make(tmp_path, ["train.steps=2"])
+    assert isinstance(factory(job), WorkerGroup)
+
+
+def test_the_controller_leaves_ray_to_the_worker_group():
+    import subprocess
+    import sys
+
+    code = ("import sys, orchestrator.controller, orchestrator.recovery, orchestrator.bucket_tuning; "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_lost_worker_is_restarted_from_the_latest_checkpoint_without_ray(tmp_path):
+    job = load_job(ROOT / "examples/mlp.yaml", ["train.steps=10", "checkpoint.every=2", "checkpoint.keep=10"])
+    run = RunDir.create(job, str(tmp_path / "run"))
+    groups = []
+
+    class DyingGroup(FakeGroup):
+        def train(self, until, every, last_step=None):
+            for item in super().train(until, every, last_step):
+                if len(groups) == 1 and self.step == 6:
+                    raise WorkerFailed(1, "its process died", kind=WorkerFailed.DIED)
+                yield item
+
+    def factory(j):
+        groups.append(DyingGroup(j, run=run))
+        return groups[-1]
+
+    summary = Controller(job, run, factory).run()
+    assert summary["status"] == "done" and summary["steps_done"] == 10 and len(groups) == 2
+    assert groups[0].shut == "killed" and groups[1].loaded["step"] == 4
+    # a group that knows of no nodes makes it a worker loss: no node lost, no shrink
+    [failure] = summary["failures"]
+    assert failure["lost_nodes"] == [] and failure["restored_step"] == 4
+    records = read(run.telemetry)
+    assert [p for r in records for p in validate(r)] == []
+    states = [r["state"] for r in records if r.get("event") == "state"]
+    assert states == ["placing", "starting", "training", "placing", "starting", "training", "done"]
+    assert [r["event"] for r in records if r.get("event") in ("failure", "restored", "recovered")] == [
+        "failure", "restored", "recovered"]
+    assert torch.load(run.final, weights_only=True)["w"].tolist() == [10.0, 10.0]
+
+
+def test_the_policy_is_passed_in_and_told_of_the_switch_it_asked_for(tmp_path):
+    from orchestrator.policy import KEEP, AdaptConfig, Switch
+    from strategies.layout import Layout
+
+    made = []
+
+    class AtStepFour:
+        config = AdaptConfig()
+
+        def __init__(self, job, layout, node_sizes):
+            self.candidates, self.told = [layout, Layout("tensor", 1, 2)], []
+            made.append(self)
+
+        def observe(self, record):
+            return Switch(self.candidates[1], {"why": "test"}) if record["step"] == 4 else KEEP
+
+        def next_decision(self, step):
+            return step + 1
+
+        def switched(self, to, step):
+            self.told.append((str(to), step))
+
+        def resume_at(self, step):
+            raise AssertionError("no tuning in this run")
+
+    job, run, factory, groups = make(tmp_path, ["train.steps=8", "parallel.strategy=auto"])
+    summary = Controller(job, run, factory, policy_factory=AtStepFour).run()
+    assert groups[0].reshards == [(4, "tensor", 2)]
+    assert made[0].told == [("tensor dp=1 tp=2", 4)]
+    assert [(s["step"], s["reason"]) for s in summary["switches"]] == [(4, "switch")]
+    [policy] = [r for r in read(run.telemetry) if r.get("event") == "policy"]
+    assert policy["candidates"][1] == {"strategy": "tensor", "dp": 1, "tp": 2}
+
+
+# ---- what happens at a step boundary
+
+def _layouts():
+    from strategies.layout import Layout
+
+    return Layout("data", 2, 1), Layout("tensor", 1, 2)
+
+
+def test_next_boundary_stops_when_the_steps_or_the_grid_are_done():
+    from orchestrator.boundary import next_boundary
+    from orchestrator.policy import Switch
+
+    data, tensor = _layouts()
+    assert next_boundary(10, 10, tensor, Switch(tensor, {})).stop
+    assert next_boundary(4, 10, None, None, tuning_over=True).stop
+    assert not next_boundary(4, 10, None, None).stop
+
+
+def test_next_boundary_puts_the_schedule_before_the_policy():
+    from orchestrator.boundary import Then, next_boundary
+    from orchestrator.policy import Revert, Switch
+
+    data, tensor = _layouts()
+    b = next_boundary(4, 10, tensor, Switch(data, {"x": 1}), judged=True, tuning=True)
+    assert (b.to, b.reason, b.evidence, b.scheduled) == (tensor, "schedule", None, True)
+    assert b.abandon_tuning and b.tell_policy and b.then is Then.NOTHING  # the dropped decision is judged first
+    # a revert in the same chunk still only brings back a remembered bucket size
+    assert next_boundary(4, 10, tensor, Revert(data, {}), judged=True).then is Then.REMEMBERED
+    # a forced switch with nothing to judge it is tuned at once; no policy, nothing to tell
+    b = next_boundary(4, 10, tensor, None)
+    assert b.then is Then.TUNE and not b.tell_policy and not b.abandon_tuning
+
+
+def test_next_boundary_carries_out_the_policy_and_tunes_what_it_kept():
+    from orchestrator.boundary import Then, next_boundary
+    from orchestrator.policy import Revert, Switch
+
+    data, tensor = _layouts()
+    b = next_boundary(4, 10, None, Switch(tensor, {"w": 0.3}), judged=True)
+    assert (b.to, b.reason, b.evidence, b.scheduled, b.then) == (tensor, "switch", {"w": 0.3}, False, Then.NOTHING)
+    assert b.tell_policy
+    b = next_boundary(4, 10, None, Revert(data, {}), judged=True, kept=True)
+    assert (b.to, b.reason, b.then) == (data, "revert", Then.REMEMBERED)
+    assert next_boundary(4, 10, None, Switch(tensor, {}), judged=True, kept=True).then is Then.TUNE
+    b = next_boundary(4, 10, None, None, judged=True, kept=True)
+    assert b.to is None and b.then is Then.TUNE and not b.tell_policy
+    assert next_boundary(4, 10, None, None, judged=True, tuning=True) == next_boundary(4, 10, None, None)

@@ -98,6 +98,7 @@ def _cell(v) -> str:
 
 def cmd_tune(args) -> int:
     from monitoring.progress import ProgressView
+    from orchestrator.bucket_tuning import BucketTuning, distinct_buckets
     from orchestrator.controller import Controller
     from orchestrator.job import dump_job, load_job
     from orchestrator.rundir import RunDir
@@ -126,15 +127,14 @@ def cmd_tune(args) -> int:
     view.say(f"gearshift tune: {job.name}: {n} setting(s) x ({args.warmup} warm-up + {args.steps} timed steps) on "
              f"{job.cluster.num_workers} worker(s); run dir {run.path}")
     with ray_session(address) as session:
-        controller = Controller(job, run, lambda j: RayWorkerGroup(j, embedded=session["embedded"]), view=view)
-        controller.tune_grid = space
+        tuning = BucketTuning(grid=space)  # every setting of the space, then the run stops
+        controller = Controller(job, run, lambda j: RayWorkerGroup(j, embedded=session["embedded"]), view=view,
+                                tuning=tuning)
         controller.run()
-    if not controller.tune_rounds:
+    if not tuning.rounds:
         raise GearshiftError(f"the trials ended before the last one was timed; see {run.path}/telemetry.jsonl")
-    trials = controller.tune_rounds[-1]["trials"]
+    trials = tuning.rounds[-1]["trials"]
     print(table(trials, list(space)))
-    from orchestrator.controller import distinct_buckets
-
     params = controller.summary.get("parameters")
     _, same = distinct_buckets(space["bucket_cap_mb"], params, 1)
     if same:

@@ -1,0 +1,254 @@
+"""What a run reports, and where it goes: step records merged over ranks (`StepMerger`), running
+figures for the summary (`RunStats`), and `Reporter`, which writes records and events to
+telemetry.jsonl and to the observers (the /metrics endpoint, the job log) and says the lines a
+person reads on the terminal.
+
+The controller decides; this module only writes down what was decided and measured, so that the
+wording of a record or a line lives in one place.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import statistics
+import time
+
+from monitoring.progress import ProgressView
+from monitoring.telemetry import JsonlSink, LogEcho
+from orchestrator.errors import GearshiftError
+from orchestrator.job import Job
+from orchestrator.rundir import RunDir
+
+log = logging.getLogger("gearshift")
+
+
+class StepMerger:
+    """Collects per-rank reports and releases a step, aggregated over ranks, once every rank has
+    reported it. `context` (strategy, dp, tp, bucket_cap_mb) is stamped on every record."""
+
+    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls", "step_ends")
+
+    def __init__(self, world: int, global_batch: int, context: dict, tokens_per_sample: int | None = None):
+        self.world = world
+        self.global_batch = global_batch
+        self.context = dict(context)
+        self.local_batch = global_batch / context.get("dp", world)
+        self.tokens_per_sample = tokens_per_sample
+        self.peak_mem: dict[int, int] = {}
+        self._pending: dict[int, dict[int, tuple]] = {}
+
+    def add(self, rank: int, report: dict) -> list[dict]:
+        if report.get("peak_mem_bytes") is not None:
+            self.peak_mem[rank] = report["peak_mem_bytes"]
+        n = len(report["losses"])
+        columns = [report.get(k) or [None] * n for k in self._PER_STEP]
+        done = []
+        for i, values in enumerate(zip(*columns, strict=True)):
+            step = report["first_step"] + i + 1  # steps are counted as completed optimizer steps
+            ranks = self._pending.setdefault(step, {})
+            ranks[rank] = values
+            if len(ranks) == self.world:
+                del self._pending[step]
+                done.append(self._merge(step, [ranks[r] for r in range(self.world)]))
+        return sorted(done, key=lambda r: r["step"])
+
+    def _merge(self, step: int, per_rank: list[tuple]) -> dict:
+        losses, times, data, waits, calls, ends = (list(c) for c in zip(*per_rank))
+        slowest = max(range(self.world), key=lambda r: times[r])
+        rate = self.global_batch / times[slowest] if times[slowest] > 0 else 0.0
+        timed = all(w is not None for w in waits)  # telemetry off: only loss and step time
+        fracs = [min(1.0, w / t) if t > 0 else 0.0 for w, t in zip(waits, times)] if timed else None
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        return {
+            "type": "step", "time": time.time(), "step": step, **self.context, "ended_at": ends[0],
+            # every rank holds an equal share of the global batch, so the mean of the ranks'
+            # mean losses is the loss over the whole global batch
+            "loss": mean(losses),
+            "step_time_max": times[slowest], "step_time_mean": mean(times), "slowest_rank": slowest,
+            "data_time_mean": mean(data) if timed else None, "data_time_max": max(data) if timed else None,
+            "compute_time_mean": mean([t - w - d for t, w, d in zip(times, waits, data)]) if timed else None,
+            "comm_wait_mean": mean(waits) if timed else None, "comm_wait_max": max(waits) if timed else None,
+            "comm_wait_frac_mean": mean(fracs) if timed else None, "comm_wait_frac_max": max(fracs) if timed else None,
+            "comm_calls": max(calls) if timed else 0,
+            "samples_per_s": rate,
+            "tokens_per_s": rate * self.tokens_per_sample if self.tokens_per_sample else None,
+            "peak_mem_bytes": max(self.peak_mem.values()) if self.peak_mem else None,
+            "ranks": {"step_time": times, "data_time": data if timed else None,
+                      "compute_time": [t - w - d for t, w, d in zip(times, waits, data)] if timed else None,
+                      "comm_wait": waits if timed else None, "comm_wait_frac": fracs,
+                      "samples_per_s": [self.local_batch / t if t > 0 else 0.0 for t in times]},
+        }
+
+
+class RunStats:
+    """Running figures of a run in constant memory, however many steps it has."""
+
+    WARMUP = 10  # the first steps pay for allocator warm-up and lazy init: not steady state
+
+    def __init__(self, window: int = 50):
+        self.first: dict | None = None
+        self.last: dict | None = None
+        self.recent: collections.deque = collections.deque(maxlen=window)
+        self.recent_wait: collections.deque = collections.deque(maxlen=20)
+        self.steady_steps = 0
+        self.steady_time = 0.0
+        self.steady_wait = 0.0  # comm wait (mean over ranks) summed over the steady steps
+        self.steady_mean_time = 0.0  # step time (mean over ranks), the same
+        self.timed = True
+
+    def add(self, record: dict) -> None:
+        self.first = self.first or record
+        self.last = record
+        self.recent.append(record["step_time_max"])
+        if record.get("comm_wait_frac_mean") is not None:
+            self.recent_wait.append(record["comm_wait_frac_mean"])
+        if record["step"] - self.first["step"] >= self.WARMUP:
+            self.steady_steps += 1
+            self.steady_time += record["step_time_max"]
+            self.steady_mean_time += record["step_time_mean"]
+            if record.get("comm_wait_mean") is None:
+                self.timed = False
+            else:
+                self.steady_wait += record["comm_wait_mean"]
+
+    def recent_rate(self, global_batch: int, window: int = 20) -> float:
+        times = list(self.recent)[-window:]
+        return len(times) * global_batch / sum(times) if times and sum(times) > 0 else 0.0
+
+    def recent_comm_wait(self) -> float | None:
+        return sum(self.recent_wait) / len(self.recent_wait) if self.recent_wait else None
+
+    def summary(self, global_batch: int) -> dict:
+        steps, time_s = self.steady_steps, self.steady_time
+        if not steps:  # a run shorter than the warm-up: report what there is
+            steps, time_s = len(self.recent), sum(self.recent)
+        return {
+            "final_loss": self.last["loss"] if self.last else None,
+            "first_loss": self.first["loss"] if self.first else None,
+            "samples_per_s": steps * global_batch / time_s if time_s > 0 else None,
+            "median_step_time_s": statistics.median(self.recent) if self.recent else None,
+            # the share of the steady-state step time spent waiting on collectives
+            "comm_wait_frac": self.steady_wait / self.steady_mean_time if self.timed and self.steady_steps
+            and self.steady_mean_time > 0 else None,
+        }
+
+
+def describe(decision) -> str:
+    """One line for the terminal: what the policy decided and on what evidence."""
+    ev = decision.evidence or {}
+    parts = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in ev.items()
+             if not isinstance(v, (dict, list))]
+    target = getattr(decision, "to", None)
+    name = getattr(decision, "kind", None) or decision.name  # a report says what it found
+    head = f"{name} -> {target}" if target is not None else name
+    return head + (f" ({', '.join(parts[:6])})" if parts else "")
+
+
+def setting_text(setting: dict) -> str:
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in setting.items())
+
+
+class Reporter:
+    """Where a run's records go: telemetry.jsonl first, then each observer (the /metrics endpoint,
+    the job log); and the terminal view, when there is one. Keeps the running figures."""
+
+    def __init__(self, job: Job, run: RunDir, view: ProgressView | None = None):
+        self.job = job  # its name, telemetry settings and global batch: none of them change mid-run
+        self.view = view
+        self.sink = JsonlSink(run.telemetry)
+        self.stats = RunStats()
+        self.observers: list = []
+        self.metrics = None
+        self.skipped: list[dict] = []  # steps whose loss or gradient norm was not finite
+
+    # ------------------------------------------------------------------ where records go
+
+    def emit(self, record: dict) -> None:
+        self.sink.write(record)
+        for observer in list(self.observers):
+            try:
+                observer.observe(record)
+            except Exception as err:  # a broken scrape endpoint or log pipe must not end the training
+                log.warning("telemetry to %s stopped: %s", type(observer).__name__, err)
+                self.observers.remove(observer)
+
+    def event(self, name: str, **fields) -> None:
+        self.emit({"type": "event", "event": name, **fields})
+
+    def say(self, text: str) -> None:
+        if self.view:
+            self.view.say(text)
+
+    def open(self) -> None:
+        """Start the observers the job asks for (a port in use is the user's to fix, before training)."""
+        tel = self.job.telemetry
+        if tel.metrics_port is not None:
+            from monitoring.metrics import MetricsEndpoint
+
+            try:
+                self.metrics = MetricsEndpoint(self.job.name, tel.metrics_host, tel.metrics_port)
+            except OSError as err:
+                raise GearshiftError(f"telemetry.metrics_port = {tel.metrics_port}: {err}. Choose another port, "
+                                     "or 0 for any free one.") from None
+            self.observers.append(self.metrics)
+            self.say(f"metrics: {self.metrics.url}")
+        if os.environ.get("GEARSHIFT_TELEMETRY_LOG") == "1":  # a submitted job: `watch JOB_ID` reads the log
+            self.observers.append(LogEcho())
+        if self.metrics:
+            self.event("metrics", url=self.metrics.url)
+
+    def start_view(self, start_step: int) -> None:
+        if self.view:
+            train = self.job.train
+            self.view.start(train.steps, train.global_batch_size, start_step, train.log_every)
+
+    def close_view(self) -> None:
+        if self.view:
+            self.view.close()
+
+    def close(self) -> None:
+        self.sink.close()
+        for observer in self.observers:
+            with contextlib.suppress(Exception):  # never hide how the run ended
+                if hasattr(observer, "close"):
+                    observer.close()
+
+    # ------------------------------------------------------------------ what happened
+
+    def step(self, record: dict) -> None:
+        """A merged step: into the running figures, the telemetry and the progress line."""
+        self.stats.add(record)
+        self.emit(record)
+        if self.view:
+            self.view.update(record["step"], record["loss"], self.stats.recent_rate(self.job.train.global_batch_size),
+                             self.stats.recent_comm_wait())
+
+    def samples(self, samples) -> None:
+        for sample in samples:
+            self.emit({"type": "sample", **sample})
+
+    def non_finite(self, bad: dict) -> None:
+        self.skipped.append(bad)
+        self.event("non_finite", **bad, action="skipped the batch; the update was not applied")
+        self.say(f"step {bad['step']}: loss {bad['loss']:.4g}, gradient norm {bad['grad_norm']:.4g}: first "
+                 f"non-finite output in {bad['layer']}; update not applied, batch skipped (fault.on_nan = skip)")
+
+    def decided(self, decision, step: int) -> None:
+        data = decision.to_dict()
+        name = data.get("kind") if decision.name == "report" else decision.name
+        self.event("decision", step=step, decision=name,
+                   **{k: v for k, v in data.items() if k not in ("name", "kind", "decision")})
+        self.say(f"step {step}: {describe(decision)}")
+
+    def switched(self, record: dict, evidence: dict | None, old, new) -> None:
+        self.event("switch", **record, **({"evidence": evidence} if evidence else {}))
+        self.say(f"step {record['step']}: switched {old} -> {new} in {record['seconds']:.2f} s ({record['reason']})")
+
+    def figures(self, start_step: int, bucket: float, wall: float) -> dict:
+        """The summary's figures (a run that trained no step is done up to where it started)."""
+        stats = self.stats
+        return {"steps_done": stats.last["step"] if stats.last else start_step, "bucket_cap_mb": bucket,
+                **stats.summary(self.job.train.global_batch_size), "wall_time_s": wall}
