@@ -98,66 +98,68 @@ class CommClock:
 # ---------------------------------------------------------------- tensor parallel
 
 _ACTIVE: CommClock | None = None
-# Some functional collectives call others (all_gather_tensor calls all_gather_single, which may
-# wait inside): only the outermost call is timed, or its time would count twice.
-_DEPTH = 0
-_LAUNCHES = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
-             "reduce_scatter_single", "all_to_all_single", "broadcast")
+LAUNCHES = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
+            "reduce_scatter_single", "all_to_all_single", "broadcast")
 
 
-def _timed_launch(orig):
-    def launch(*args, **kwargs):
-        global _DEPTH
-        clock = _ACTIVE
-        if clock is None or _DEPTH:
+def _outermost(orig, depth: list[int], active, around):
+    """`orig` run through `around(thing, orig, args, kwargs)` while `active()` returns a thing.
+    Some functional collectives call others (all_gather_tensor calls all_gather_single, which may
+    wait inside): only the outermost call of a family (`depth` is shared) goes through `around`,
+    or its time would count twice."""
+
+    def call(*args, **kwargs):
+        thing = active()
+        if thing is None or depth[0]:
             return orig(*args, **kwargs)
-        _DEPTH += 1
+        depth[0] += 1
         try:
-            start = clock.mark()
-            out = orig(*args, **kwargs)
-            clock.add(start, clock.mark())
-            clock.calls += 1
+            return around(thing, orig, args, kwargs)
         finally:
-            _DEPTH -= 1
-        return out
+            depth[0] -= 1
 
-    launch.__wrapped__ = orig
-    return launch
+    call.__wrapped__ = orig
+    return call
 
 
-def _timed_wait(orig):
-    def wait_tensor(tensor):
-        global _DEPTH
-        clock = _ACTIVE
-        if clock is None or _DEPTH:
-            return orig(tensor)
-        _DEPTH += 1
-        try:
-            start = clock.mark()
-            out = orig(tensor)
-            clock.add(start, clock.mark())
-        finally:
-            _DEPTH -= 1
-        return out
+def wrap_functional_collectives(flag: str, active, around_launch, around_wait=None) -> None:
+    """Wrap DTensor's functional collectives once per process (`flag` marks it done). DTensor
+    looks the functions up on the module at each call, so wrapping the module attributes
+    reaches every collective it issues; a wrapper costs one call of `active()` while inactive."""
+    import torch.distributed._functional_collectives as funcol
 
-    wait_tensor.__wrapped__ = orig
-    return wait_tensor
+    if getattr(funcol, flag, False):
+        return
+    depth = [0]
+    for name in LAUNCHES:
+        if hasattr(funcol, name):
+            setattr(funcol, name, _outermost(getattr(funcol, name), depth, active, around_launch))
+    if around_wait is not None:  # the wait may come later, at the output's first use
+        funcol.wait_tensor = _outermost(funcol.wait_tensor, depth, active, around_wait)
+    setattr(funcol, flag, True)
+
+
+def _time_launch(clock: CommClock, orig, args, kwargs):
+    start = clock.mark()
+    out = orig(*args, **kwargs)
+    clock.add(start, clock.mark())
+    clock.calls += 1
+    return out
+
+
+def _time_wait(clock: CommClock, orig, args, kwargs):
+    start = clock.mark()
+    out = orig(*args, **kwargs)
+    clock.add(start, clock.mark())
+    return out
 
 
 def time_functional_collectives(clock: CommClock | None) -> None:
     """Route the functional collectives that DTensor uses through `clock` (None: stop timing).
 
-    The wrappers stay installed for the life of the process (one worker per process) and cost
-    one global read when no clock is active; the simulated network's own wrappers are installed
-    first (workers/simnet.py), so these time the delay they add; DTensor looks the functions up on the module at
-    each call, so wrapping the module attributes reaches every collective it issues."""
+    The wrappers stay installed for the life of the process (one worker per process). The
+    simulated network's own wrappers are installed first (workers/simnet.py), so these time
+    the delay they add."""
     global _ACTIVE
-    import torch.distributed._functional_collectives as funcol
-
-    if not getattr(funcol, "_gearshift_timed", False):
-        for name in _LAUNCHES:
-            if hasattr(funcol, name):
-                setattr(funcol, name, _timed_launch(getattr(funcol, name)))
-        funcol.wait_tensor = _timed_wait(funcol.wait_tensor)
-        funcol._gearshift_timed = True
+    wrap_functional_collectives("_gearshift_timed", lambda: _ACTIVE, _time_launch, _time_wait)
     _ACTIVE = clock

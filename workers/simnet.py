@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from monitoring.comm import wrap_functional_collectives
 from strategies.layout import Layout
 
 
@@ -71,31 +72,16 @@ class SimulatedNetwork:
 # ---------------------------------------------------------------- DTensor's collectives
 
 _ACTIVE: SimulatedNetwork | None = None
-_LAUNCHES = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
-             "reduce_scatter_single", "all_to_all_single", "broadcast")
-_DEPTH = 0  # only the outermost of nested functional collectives is delayed
 
 
-def _delayed(orig):
-    def launch(*args, **kwargs):
-        global _DEPTH
-        net = _ACTIVE
-        if net is None or _DEPTH:
-            return orig(*args, **kwargs)
-        _DEPTH += 1
-        try:
-            out = orig(*args, **kwargs)
-            # DTensor's collectives here are those of the tensor-parallel mesh dimension
-            sent = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            delay = net.delay(sent.numel() * sent.element_size() if sent is not None else 0, "tp")
-            if delay:
-                time.sleep(delay)
-        finally:
-            _DEPTH -= 1
-        return out
-
-    launch.__wrapped__ = orig
-    return launch
+def _delay_launch(net: SimulatedNetwork, orig, args, kwargs):
+    out = orig(*args, **kwargs)
+    # DTensor's collectives here are those of the tensor-parallel mesh dimension
+    sent = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    delay = net.delay(sent.numel() * sent.element_size() if sent is not None else 0, "tp")
+    if delay:
+        time.sleep(delay)
+    return out
 
 
 def delay_functional_collectives(net: SimulatedNetwork | None) -> None:
@@ -105,11 +91,7 @@ def delay_functional_collectives(net: SimulatedNetwork | None) -> None:
     global _ACTIVE
     import torch.distributed._functional_collectives as funcol
 
-    if not getattr(funcol, "_gearshift_delayed", False):
-        if getattr(funcol, "_gearshift_timed", False):
-            raise RuntimeError("the simulated network must wrap the functional collectives before comm timing does")
-        for name in _LAUNCHES:
-            if hasattr(funcol, name):
-                setattr(funcol, name, _delayed(getattr(funcol, name)))
-        funcol._gearshift_delayed = True
+    if getattr(funcol, "_gearshift_timed", False) and not getattr(funcol, "_gearshift_delayed", False):
+        raise RuntimeError("the simulated network must wrap the functional collectives before comm timing does")
+    wrap_functional_collectives("_gearshift_delayed", lambda: _ACTIVE, _delay_launch)
     _ACTIVE = net
