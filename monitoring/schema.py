@@ -28,6 +28,7 @@ STEP = {
     "ended_at": (OPT_NUM, "wall clock (Unix seconds) when rank 0 finished the step; `time` is when the "
                           "controller merged it"),
     "loss": (NUM, "loss over the whole global batch (mean of the ranks' losses)"),
+    "lr": (OPT_NUM, "the learning rate of this step's update (optimizer.schedule)"),
     "step_time_max": (NUM, "step time of the slowest rank: the step's wall time"),
     "step_time_mean": (NUM, "step time averaged over ranks"),
     "slowest_rank": (int, "the rank with the longest step time"),

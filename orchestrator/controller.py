@@ -37,7 +37,7 @@ from monitoring.progress import ProgressView
 from orchestrator.boundary import Boundary, Then, next_boundary
 from orchestrator.bucket_tuning import BucketTuning, initial_bucket
 from orchestrator.errors import GearshiftError, WorkerFailed
-from orchestrator.job import Job
+from orchestrator.job import Job, accumulation
 from orchestrator.policy import AdaptConfig, Decision, Policy, candidate_layouts
 from orchestrator.recovery import Recovery
 from orchestrator.reporting import Reporter, StepMerger
@@ -67,6 +67,9 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int]) -> Policy:
     from workers.components import ComponentError
 
     def shardable(tp: int) -> bool:  # a model that cannot be split tp ways is not a candidate
+        dp = job.cluster.num_workers // tp  # nor a layout whose dp the micro-batches do not fit
+        if tp > 1 and accumulation(job.train.global_batch_size, job.train.micro_batch_size, dp) is None:
+            return False
         try:
             components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, tp, [job.base_dir])
             return True

@@ -192,6 +192,11 @@ def _betas(v, path):
     return tuple(_float(0.0, 0.999999)(b, f"{path}[{i}]") for i, b in enumerate(v))
 
 
+@_schema(_nullable(_number("integer", 1)))
+def _micro_batch(v, path):
+    return None if v is None else _int(1)(v, path)
+
+
 @_schema(_nullable(_number("number", 0.0)))
 def _grad_clip(v, path):
     return None if v is None else _float(0.0)(v, path) or None
@@ -248,10 +253,22 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class LoaderSpec:
+    """Batches read ahead by loader processes (a torch DataLoader over gearshift's own order, so
+    the batches are the same whatever the number of processes, and resume is exact)."""
+
+    workers: int = _f(0, _int(0, 64), "loader processes per worker reading batches ahead; 0 reads in the "
+                                      "step loop")
+    prefetch: int = _f(2, _int(1, 64), "batches each loader process keeps ready (with workers > 0)")
+    pin_memory: bool = _f(False, _bool, "page-locked batches for faster copies to a GPU (ignored on CPU)")
+
+
+@dataclass(frozen=True)
 class DataSpec:
     name: str | None = _f(None, _builtin("DATASETS"), "a built-in dataset; default: the one for the built-in model")
     entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning a map-style Dataset')
     kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
+    loader: LoaderSpec = _section(LoaderSpec, "reading batches ahead in loader processes")
 
 
 @dataclass(frozen=True)
@@ -259,6 +276,35 @@ class LossSpec:
     name: str | None = _f(None, _builtin("LOSSES"), "cross_entropy or mse")
     entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning loss_fn(output, target)')
     kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
+
+
+SCHEDULES = ("constant", "linear", "warmup_cosine")
+
+
+@_schema({"anyOf": [{"type": "string", "enum": list(SCHEDULES)}, {"type": "string", "pattern": _ENTRYPOINT_PATTERN}]})
+def _lr_schedule(v, path):
+    if isinstance(v, str) and ":" in v:
+        try:
+            return _entrypoint(v, path)
+        except JobError:
+            pass
+    try:
+        return _choice(*SCHEDULES)(v, path)
+    except JobError as err:
+        raise JobError(path, v, err.allowed + ', or "module:function" taking (step, total_steps, base_lr) '
+                       "and returning the learning rate", err.hint) from None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The learning rate of the s-th update (1-based) of a run of T = train.steps updates:
+    lr * s / W during the warm-up (s <= W), then constant, falling linearly (linear), or along a
+    half cosine (warmup_cosine) to min_lr_ratio * lr at s = T."""
+
+    name: str = _f("constant", _lr_schedule, 'constant, linear, warmup_cosine, or "module:function" taking '
+                                            "(step, total_steps, base_lr) and returning the learning rate")
+    warmup_steps: int = _f(0, _int(0), "updates with the learning rate rising linearly to optimizer.lr")
+    min_lr_ratio: float = _f(0.0, _float(0.0, 1.0), "linear and warmup_cosine end at min_lr_ratio x optimizer.lr")
 
 
 @dataclass(frozen=True)
@@ -270,12 +316,16 @@ class OptimizerSpec:
     nesterov: bool = _f(False, _bool, "sgd only")
     betas: tuple = _f((0.9, 0.999), _betas, "adam and adamw")
     eps: float = _f(1e-8, _float(0.0, lo_open=True), "adam and adamw")
+    schedule: ScheduleSpec = _section(ScheduleSpec, "the learning rate over the run: warm-up and decay")
 
 
 @dataclass(frozen=True)
 class TrainSpec:
     steps: int = _f(100, _int(1), "optimizer steps to train")
     global_batch_size: int = _f(64, _int(1), "samples per optimizer step, over all data-parallel workers")
+    micro_batch_size: int | None = _f(None, _micro_batch, "samples one worker computes at once; gradients "
+                                      "accumulate over global_batch_size / (micro_batch_size x dp) of them; "
+                                      "null: the whole share of the global batch at once")
     seed: int = _f(0, _int(0, 2**31 - 1), "seeds the model's initial weights, the data order and dropout")
     precision: str = _f("fp32", _choice("fp32", "bf16", "fp16"), "bf16 and fp16 autocast; fp16 adds loss scaling")
     grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
@@ -563,6 +613,8 @@ def _shorthand(cls, value):
     """`model: mlp`, `loss: cross_entropy` and `loss: "mod:fn"` are short for the mapping form."""
     if isinstance(value, str) and cls in (ModelSpec, DataSpec, LossSpec):
         return {"entrypoint": value} if ":" in value else {"name": value}
+    if isinstance(value, str) and cls is ScheduleSpec:  # `schedule: warmup_cosine`
+        return {"name": value}
     return value
 
 
@@ -783,11 +835,55 @@ def _check_sizes(job: Job) -> None:
                        f"must divide evenly across the data-parallel workers: "
                        f"{job.train.global_batch_size} % {dp} = {job.train.global_batch_size % dp}",
                        f"Use a multiple of {dp}, e.g. {dp * max(1, round(job.train.global_batch_size / dp))}.")
+    _check_micro_batch(job, [("parallel.strategy", job.layout)] + _scheduled_layouts(job))
+    _check_lr_schedule(job)
     if job.optimizer.name != "sgd" and (job.optimizer.momentum or job.optimizer.nesterov):
         raise JobError("optimizer.momentum", job.optimizer.momentum,
                        f"applies to sgd only; {job.optimizer.name} uses betas")
     if job.optimizer.nesterov and job.optimizer.momentum <= 0:
         raise JobError("optimizer.nesterov", True, "needs optimizer.momentum > 0")
+
+
+def _scheduled_layouts(job: Job) -> list:
+    from strategies.layout import Layout
+
+    return [(f"adapt.schedule[{i}]", Layout.for_workers(e["strategy"], job.cluster.num_workers, e["tp_size"]))
+            for i, e in enumerate(job.adapt.schedule)]
+
+
+def accumulation(global_batch: int, micro: int | None, dp: int) -> int | None:
+    """Micro-batches per update on each rank, or None when they do not divide the batch."""
+    if micro is None:
+        return 1
+    share, rest = divmod(global_batch, micro * dp)
+    return share if not rest and share >= 1 else None
+
+
+def _check_micro_batch(job: Job, layouts: list) -> None:
+    """Accumulation = global / (micro x dp) must be a whole number under every layout the run
+    may take (a switch changes dp and keeps the micro-batch)."""
+    g, b = job.train.global_batch_size, job.train.micro_batch_size
+    for where, layout in layouts:
+        if accumulation(g, b, layout.dp) is None:
+            raise JobError("train.micro_batch_size", b,
+                           f"global_batch_size({g}) must be a multiple of micro_batch_size({b}) x dp({layout.dp}) "
+                           f"= {b * layout.dp} under {where} = {layout}: {g} % {b * layout.dp} = {g % (b * layout.dp)}",
+                           "Accumulation steps = global_batch_size / (micro_batch_size x dp).")
+
+
+def _check_lr_schedule(job: Job) -> None:
+    sched, steps = job.optimizer.schedule, job.train.steps
+    if sched.warmup_steps and sched.warmup_steps >= steps:
+        raise JobError("optimizer.schedule.warmup_steps", sched.warmup_steps,
+                       f"must be shorter than the run (train.steps = {steps})")
+    if ":" in sched.name:
+        from workers import schedules
+        from workers.components import ComponentError
+
+        try:
+            schedules.check_user_schedule(sched.name, job.optimizer.lr, steps, [job.base_dir])
+        except ComponentError as err:
+            raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
 
 
 def dump_job(job: Job) -> str:

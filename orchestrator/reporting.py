@@ -29,7 +29,7 @@ class StepMerger:
     """Collects per-rank reports and releases a step, aggregated over ranks, once every rank has
     reported it. `context` (strategy, dp, tp, bucket_cap_mb) is stamped on every record."""
 
-    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls", "step_ends")
+    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls", "step_ends", "lrs")
 
     def __init__(self, world: int, global_batch: int, context: dict, tokens_per_sample: int | None = None):
         self.world = world
@@ -56,7 +56,7 @@ class StepMerger:
         return sorted(done, key=lambda r: r["step"])
 
     def _merge(self, step: int, per_rank: list[tuple]) -> dict:
-        losses, times, data, waits, calls, ends = (list(c) for c in zip(*per_rank))
+        losses, times, data, waits, calls, ends, lrs = (list(c) for c in zip(*per_rank))
         slowest = max(range(self.world), key=lambda r: times[r])
         rate = self.global_batch / times[slowest] if times[slowest] > 0 else 0.0
         timed = all(w is not None for w in waits)  # telemetry off: only loss and step time
@@ -66,7 +66,7 @@ class StepMerger:
             "type": "step", "time": time.time(), "step": step, **self.context, "ended_at": ends[0],
             # every rank holds an equal share of the global batch, so the mean of the ranks'
             # mean losses is the loss over the whole global batch
-            "loss": mean(losses),
+            "loss": mean(losses), "lr": lrs[0],  # every rank steps with the same learning rate
             "step_time_max": times[slowest], "step_time_mean": mean(times), "slowest_rank": slowest,
             "data_time_mean": mean(data) if timed else None, "data_time_max": max(data) if timed else None,
             "compute_time_mean": mean([t - w - d for t, w, d in zip(times, waits, data)]) if timed else None,
@@ -144,6 +144,8 @@ def describe(decision) -> str:
     target = getattr(decision, "to", None)
     name = getattr(decision, "kind", None) or decision.name  # a report says what it found
     head = f"{name} -> {target}" if target is not None else name
+    if name == "input_bound":  # the knob that helps: loader processes read the next batches during the step
+        head += ": raise data.loader.workers (and data.loader.prefetch) to read batches ahead"
     return head + (f" ({', '.join(parts[:6])})" if parts else "")
 
 

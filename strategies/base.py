@@ -81,6 +81,11 @@ class Parallel:
         them), so the optimizer always updates fp32 master weights."""
         return torch.amp.GradScaler(self.options.device.type, enabled=self.options.fp16)
 
+    def no_sync(self):
+        """Around the backward of a micro-batch that is not the step's last: gradients only
+        accumulate (nothing to skip unless the layout syncs inside backward)."""
+        return contextlib.nullcontext()
+
     def after_backward(self) -> None:
         """Gradient sync that does not happen inside backward (none for DDP or whole models)."""
 

@@ -26,6 +26,9 @@ def allreduce_hook(process_group, bucket):
 
 
 class DataParallel(Parallel):
+    def no_sync(self):
+        return self.module.no_sync()  # the all-reduce waits for the step's last micro-batch
+
     def attach(self, comm) -> None:
         super().attach(comm)
         hook = comm.ddp_hook(allreduce_hook) if comm is not None else None

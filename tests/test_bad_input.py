@@ -102,6 +102,20 @@ CASES = [
     ("tune-values-empty", MLP, ["tune.bucket_values=[]"], ["tune.bucket_values", "non-empty list"]),
     ("tune-values-repeat", MLP, ["tune.bucket_values=[5, 5]"], ["tune.bucket_values", "must not repeat"]),
     ("tune-trial-steps-zero", MLP, ["tune.trial_steps=0"], ["tune.trial_steps", "0"]),
+    ("accumulation-not-dividing", MLP, ["train.micro_batch_size=3"],
+     ["train.micro_batch_size", "3", "global_batch_size(8) must be a multiple of micro_batch_size(3) x dp(2) = 6",
+      "8 % 6 = 2"]),
+    ("accumulation-not-dividing-after-a-switch", MLP + "adapt: {schedule: [{step: 2, strategy: data}]}\n",
+     ["parallel.strategy=tensor", "train.micro_batch_size=4", "train.global_batch_size=12"],
+     ["train.micro_batch_size", "micro_batch_size(4) x dp(2) = 8", "adapt.schedule[0] = data dp=2 tp=1"]),
+    ("unknown-schedule", MLP, ["optimizer.schedule=warmup_cosin"],
+     ["optimizer.schedule.name", "'warmup_cosin'", "Did you mean 'warmup_cosine'"]),
+    ("warmup-longer-than-the-run", MLP, ["optimizer.schedule={name: linear, warmup_steps: 5}"],
+     ["optimizer.schedule.warmup_steps", "5", "shorter than the run (train.steps = 5)"]),
+    ("schedule-returns-nan", MLP, ["optimizer.schedule=user_model:bad_schedule"],
+     ["optimizer.schedule.name", "user_model:bad_schedule", "finite learning rate", "nan"]),
+    ("micro-batch-zero", MLP, ["train.micro_batch_size=0"], ["train.micro_batch_size", "0", ">= 1"]),
+    ("loader-workers-negative", MLP, ["data.loader={workers: -1}"], ["data.loader.workers", "-1"]),
 ]
 
 

@@ -90,15 +90,25 @@ def _job_fields(cls, prefix=""):
             yield from _job_fields(_section_class(f), f"{prefix}{f.name}.")
 
 
-def _schema_fields(node, prefix=""):
+def _sections(cls, prefix=""):
+    """The dotted names of the job's sections (dataclasses), at any depth."""
+    for f in dataclasses.fields(cls):
+        if _section_class(f):
+            yield prefix + f.name
+            yield from _sections(_section_class(f), f"{prefix}{f.name}.")
+
+
+def _schema_fields(node, prefix="", sections=None):
     """Every key the schema describes, dotted, with its description: the top level and its
-    sections (a mapping-valued field such as inject.link is one key, as in the dataclasses)."""
+    sections, at any depth (a mapping-valued field such as inject.link is one key, as in the
+    dataclasses)."""
+    sections = set(_sections(Job)) if sections is None else sections
     if "properties" not in node:  # a section with shorthand forms: the mapping form comes first
         node = node["anyOf"][0]
     for name, sub in node["properties"].items():
         yield prefix + name, sub.get("description", "")
-        if not prefix and ("properties" in sub or "properties" in sub.get("anyOf", [{}])[0]):
-            yield from _schema_fields(sub, f"{name}.")
+        if prefix + name in sections:
+            yield from _schema_fields(sub, f"{prefix}{name}.", sections)
 
 
 def test_every_job_field_is_in_the_schema_with_a_description():

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 
+_CONSTANT = {"name": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}
+_IN_LOOP = {"workers": 0, "prefetch": 2, "pin_memory": False}
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     name: str
@@ -37,6 +41,11 @@ class WorkerConfig:
     sim_nodes: int = 1
     sim_link: Mapping[str, float] | None = None
     search_paths: tuple[str, ...] = field(default=(".",))
+    micro_batch_size: int | None = None  # None: a rank's whole share of the global batch at once
+    lr: float = 1e-3
+    total_steps: int = 1  # T, for the learning-rate schedule
+    schedule: Mapping[str, Any] = field(default_factory=lambda: dict(_CONSTANT))
+    loader: Mapping[str, Any] = field(default_factory=lambda: dict(_IN_LOOP))
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",)) -> "WorkerConfig":
@@ -51,4 +60,7 @@ class WorkerConfig:
             gpu=job["cluster"]["gpus_per_worker"] > 0, telemetry=tel["enabled"],
             sample_period_s=tel["sample_period_s"], ray_metrics=tel["ray_metrics"], on_nan=job["fault"]["on_nan"],
             comm_delay_ms=inject["comm_delay_ms"], sim_nodes=inject["nodes"], sim_link=inject.get("link"),
-            search_paths=tuple(search_paths))
+            search_paths=tuple(search_paths), micro_batch_size=train.get("micro_batch_size"),
+            lr=job["optimizer"]["lr"], total_steps=train["steps"],
+            schedule=job["optimizer"].get("schedule") or dict(_CONSTANT),
+            loader=job["data"].get("loader") or dict(_IN_LOOP))

@@ -8,9 +8,11 @@ It receives a typed `WorkerConfig`. Whatever differs between layouts is the busi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+import sys
 import time
 from typing import Any, Iterator
 
@@ -20,10 +22,11 @@ import torch.distributed as dist
 import strategies
 from monitoring.comm import CommClock
 from strategies.layout import Layout
-from workers import components
+from workers import components, schedules
 from workers.comm import CommRoute
 from workers.config import WorkerConfig
-from workers.data import GlobalBatches, load_batch
+from workers.data import GlobalBatches
+from workers.loader import StepBatches, StepLoader, step_seed
 from workers.nonfinite import NonFiniteStep, first_non_finite_module
 from workers.simnet import SimulatedNetwork
 from workers.telemetry import WorkerTelemetry
@@ -43,11 +46,6 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """RNG state is a function of (seed, step, rank): a resumed run draws what the original drew."""
-    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
-
-
 class TrainWorker:
     def __init__(self, config: WorkerConfig, cpus: float = 1.0):
         self.config = config
@@ -60,6 +58,7 @@ class TrainWorker:
         self.gpu_ids: list[str] = []
         self.node_ip = "127.0.0.1"
         self.non_finite: list[dict] = []  # skipped steps not yet reported
+        self.loader: StepLoader | None = None
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -106,6 +105,7 @@ class TrainWorker:
         self.dataset = components.build_dataset(dict(cfg.data), dict(cfg.model), paths)
         self.batches = GlobalBatches(len(self.dataset), cfg.global_batch_size, cfg.seed)
         self.autocast_dtype = _DTYPES[cfg.precision]
+        self.lr_at = schedules.build(dict(cfg.schedule), cfg.lr, cfg.total_steps, paths)
         self.bucket_cap_mb = cfg.bucket_cap_mb
         strategies.lookup(cfg.strategy, paths)  # a user's own strategy is imported from the job's folder
         self._lay_out(Layout.for_workers(cfg.strategy, self.world, cfg.tp_size))
@@ -122,6 +122,10 @@ class TrainWorker:
         1-process run) and lay it out as `layout`, with its optimizer, scaler and comm route."""
         cfg = self.config
         self.layout = layout
+        self._close_loader()  # its slice of the batch belonged to the old layout's dp
+        # a switch that changes dp keeps the micro-batch: the accumulation count changes instead
+        share = cfg.global_batch_size // layout.dp
+        self.accumulation = share // cfg.micro_batch_size if cfg.micro_batch_size else 1
         torch.manual_seed(cfg.seed)
         model, returned_plan = components.build_model_and_plan(dict(cfg.model), cfg.search_paths,
                                                                cfg.activation_checkpointing)
@@ -199,17 +203,49 @@ class TrainWorker:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             return self.loss_fn(self.parallel.module(x), y)
 
-    def _one_step(self, step: int) -> tuple[torch.Tensor, tuple | None]:
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of global step `step` (every rank of a tensor-parallel group works
+        on its data-parallel replica's slice), from a loader started where the run is."""
+        if self.loader is None or self.loader.next_step != step:
+            self._close_loader()
+            cfg, lay = self.config, self.layout
+            if cfg.loader["workers"]:  # loader processes unpickle the user's dataset: its module must import
+                sys.path[:0] = [p for p in cfg.search_paths if p not in sys.path]
+            steps = StepBatches(self.dataset, self.batches, lay.dp_rank(self.rank), lay.dp, cfg.seed)
+            self.loader = StepLoader(steps, step, cfg.loader["workers"], cfg.loader["prefetch"],
+                                     cfg.loader["pin_memory"] and self.device.type == "cuda")
+        return self.loader.next()
+
+    def _close_loader(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches; the mean loss. Gradients
+        accumulate; data parallelism syncs them once, in the last micro-batch's backward."""
+        n = self.accumulation
+        if n == 1:
+            loss = self._forward_loss(x, y)
+            self.scaler.scale(loss).backward()
+            return loss.detach()
+        total = torch.zeros((), device=self.device)
+        for i, (xm, ym) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            with self.parallel.no_sync() if i < n - 1 else contextlib.nullcontext():
+                loss = self._forward_loss(xm, ym) / n  # equal micro-batches: the mean of means
+                self.scaler.scale(loss).backward()
+            total += loss.detach().float()
+        return total
+
+    def _one_step(self, step: int) -> tuple[torch.Tensor, tuple | None, float]:
         clip, clock = self.config.grad_clip, self.clock
-        self._seed(step)  # before the batch is loaded: a dataset's random augmentation draws from it too
         data_start = clock.mark() if clock else None
-        # every rank of a tensor-parallel group works on its data-parallel replica's slice
-        x, y = load_batch(self.dataset, self.batches.shard(step, self.layout.dp_rank(self.rank), self.layout.dp))
+        x, y = self._batch(step)  # seeded by the step before loading: augmentation draws the same anywhere
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         data_span = (data_start, clock.mark()) if clock else None
+        self._seed(step)  # dropout draws the same whichever process loaded the batch
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_loss(x, y)
-        self.scaler.scale(loss).backward()
+        loss = self._backward(x, y)
         if clock:
             clock.after_backward()
         self.parallel.after_backward()
@@ -217,16 +253,19 @@ class TrainWorker:
         if clip:
             self.scaler.unscale_(self.optimizer)
             norm = self.parallel.clip_grad_norm(clip)
+        lr = self.lr_at(step + 1)
         if not self.scaler.is_enabled():  # fp16's scaler skips steps with inf gradients itself
             norm = self.parallel.grad_norm() if norm is None else norm
             # the norm is the same on every rank (gradients are all-reduced, or their norm is), so
             # every rank takes the same decision; a non-finite loss makes non-finite gradients
             if not (torch.isfinite(norm) and torch.isfinite(loss)):
                 self._non_finite(step, x, loss, norm)
-                return loss.detach(), data_span
+                return loss, data_span, lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return loss.detach(), data_span
+        return loss, data_span, lr
 
     def _non_finite(self, step: int, x: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor) -> None:
         """A step whose loss or gradient norm is NaN or Inf: its update is not applied (the state
@@ -260,9 +299,9 @@ class TrainWorker:
             clock.take()  # nothing timed between steps belongs to the first one
         pending = _Pending(self.step, clock)
         while self.step < until_step:
-            loss, data_span = self._one_step(self.step)
+            loss, data_span, lr = self._one_step(self.step)
             self.step += 1
-            pending.add(loss, data_span)
+            pending.add(loss, data_span, lr)
             # the run's last step gets its own final save; a chunk's last step (before a possible
             # switch) is checkpointed like any other
             ckpt = checkpoint_every and self.step % checkpoint_every == 0 and self.step < (last_step or until_step)
@@ -274,7 +313,7 @@ class TrainWorker:
 
     def _report(self, pending: "_Pending", checkpoint: bool) -> dict:
         report = {"rank": self.rank, "first_step": pending.first, "losses": torch.stack(pending.losses).float().tolist(),
-                  "step_times": pending.times, "step_ends": pending.ends}
+                  "step_times": pending.times, "step_ends": pending.ends, "lrs": pending.lrs}
         if self.non_finite:
             report["non_finite"], self.non_finite = self.non_finite, []
         if self.clock:
@@ -286,6 +325,7 @@ class TrainWorker:
         return report
 
     def shutdown(self) -> None:
+        self._close_loader()
         if self.parallel is not None:
             self.parallel.detach()  # this worker's clock must not outlive it
         CommRoute.off()
@@ -303,13 +343,15 @@ class _Pending:
         self.losses: list[torch.Tensor] = []
         self.times: list[float] = []
         self.ends: list[float] = []
+        self.lrs: list[float] = []
         self.spans: list = []
         self.started = self.t_prev = time.perf_counter()
         self.step_start = clock.mark() if clock else None
 
-    def add(self, loss: torch.Tensor, data_span) -> None:
+    def add(self, loss: torch.Tensor, data_span, lr: float) -> None:
         now = time.perf_counter()
         self.losses.append(loss)
+        self.lrs.append(lr)
         self.times.append(now - self.t_prev)
         self.ends.append(time.time())  # wall clock: steps line up across processes and tools
         self.t_prev = now

@@ -1,0 +1,146 @@
+"""The training loop a real job needs: learning-rate schedules, gradient accumulation and a loader
+that reads ahead, each checked against plain single-process PyTorch on the same batches."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from orchestrator.job import load_job
+from test_train_equivalence import FIXTURES, MLP, max_diff, run_gearshift, step_losses
+from workers import components, schedules
+from workers.data import GlobalBatches
+
+
+def expected_lr(name: str, s: int, total: int, lr: float, warmup: int, m: float) -> float:
+    """The schedules as the job file documents them, written out independently of gearshift's."""
+    if s <= warmup:
+        return lr * s / warmup
+    if name == "constant":
+        return lr
+    frac = (s - warmup) / (total - warmup)
+    if name == "linear":
+        return lr * (1 - (1 - m) * frac)
+    return lr * (m + (1 - m) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@pytest.mark.parametrize("name", ["constant", "linear", "warmup_cosine"])
+def test_schedules_follow_their_formula(name):
+    total, lr, warmup, m = 50, 0.3, 7, 0.1
+    got = [schedules.builtin(name, s, total, lr, warmup, m) for s in range(1, total + 1)]
+    assert got == pytest.approx([expected_lr(name, s, total, lr, warmup, m) for s in range(1, total + 1)], rel=1e-12)
+    assert got[warmup - 1] == pytest.approx(lr)  # the warm-up ends at the full rate
+    if name != "constant":
+        assert got[-1] == pytest.approx(m * lr)  # and the decay at min_lr_ratio x lr
+
+
+def reference(job) -> tuple[dict, list[float], list[float]]:
+    """Plain PyTorch: the whole global batch at once (accumulation changes nothing in the math),
+    the learning rate of each update set by hand, clipping as torch does it."""
+    spec, paths = job.to_dict(), [job.base_dir]
+    torch.manual_seed(job.train.seed)
+    model = components.build_model(spec["model"], paths)
+    dataset = components.build_dataset(spec["data"], spec["model"], paths)
+    loss_fn = components.build_loss(spec["loss"], paths)
+    o, sched = job.optimizer, job.optimizer.schedule
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
+    losses, lrs = [], []
+    for step in range(job.train.steps):
+        x, y = default_collate([dataset[i] for i in order.indices(step)])
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip)
+        lr = expected_lr(sched.name, step + 1, job.train.steps, o.lr, sched.warmup_steps, sched.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        losses.append(loss.item())
+        lrs.append(lr)
+    return model.state_dict(), losses, lrs
+
+
+LOOP = MLP[1] + ["train.steps=10", "train.global_batch_size=32", "train.grad_clip=0.5", "optimizer.lr=0.002",
+                 "optimizer.schedule={name: warmup_cosine, warmup_steps: 3, min_lr_ratio: 0.1}"]
+LAYOUTS = {
+    "data": ["cluster.num_workers=2", "train.micro_batch_size=4"],  # 32 / (4 x 2): 4 micro-batches
+    "tensor": ["cluster.num_workers=2", "parallel.strategy=tensor", "train.micro_batch_size=8"],  # 4
+    "hybrid": ["cluster.num_workers=4", "parallel.strategy=hybrid", "parallel.tp_size=2",
+               "train.micro_batch_size=8"],  # 32 / (8 x 2): 2
+    # dp 4 -> 2 -> 1 -> 4 at the same micro-batch: 2, then 4, then 8, then 2 micro-batches a step
+    "switching": ["cluster.num_workers=4", "train.micro_batch_size=4",
+                  "adapt.schedule=[{step: 3, strategy: hybrid, tp_size: 2}, {step: 5, strategy: tensor}, "
+                  "{step: 8, strategy: data}]"],
+}
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_schedule_accumulation_and_clipping_match_plain_pytorch(ray_cluster, tmp_path, layout):
+    overrides = LOOP + LAYOUTS[layout]
+    job = load_job(MLP[0], overrides)
+    ref_state, ref_losses, ref_lrs = reference(job)
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert summary["status"] == "done"
+    tol = 1e-5 if layout == "data" else 1e-4
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, ref_state) <= tol
+    losses = step_losses(tmp_path / "run")
+    assert max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses)) <= tol
+    steps = [r for r in records(tmp_path / "run") if r["type"] == "step"]
+    assert [r["lr"] for r in steps] == pytest.approx(ref_lrs, rel=1e-9)
+    if layout == "switching":
+        assert [s["to"]["dp"] for s in summary["switches"]] == [2, 1, 4]
+    if layout == "data":  # the first 3 micro-batches skip the all-reduce: 1-2 buckets a step, not 4+
+        assert all(r["comm_calls"] <= 2 for r in steps), [r["comm_calls"] for r in steps]
+
+
+@pytest.mark.ray
+def test_a_resume_landing_mid_schedule_ends_where_the_uninterrupted_run_ends(ray_cluster, tmp_path):
+    base = LOOP + LAYOUTS["data"] + ["checkpoint.every=4", "checkpoint.keep=5"]
+    run_gearshift(MLP[0], base, tmp_path / "whole")
+    cut = tmp_path / "cut"
+    run_gearshift(MLP[0], base, cut)
+    for path in (cut / "checkpoints").iterdir():  # stopped after step 4: inside the decay
+        if path.name != "step_00000004":
+            shutil.rmtree(path)
+    (cut / "final.pt").unlink()
+    summary = run_gearshift(MLP[0], base, cut, "--resume")
+    assert summary["resumed_from_step"] == 4
+    a = torch.load(cut / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "whole" / "final.pt", weights_only=True)
+    assert max_diff(a, b) == 0.0
+    second_leg = [r["lr"] for r in records(cut) if r["type"] == "step"][-6:]
+    assert second_leg == [r["lr"] for r in records(tmp_path / "whole") if r["type"] == "step"][-6:]
+
+
+@pytest.mark.ray
+def test_a_users_schedule_function_sets_each_update(ray_cluster, tmp_path):
+    shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
+    shutil.copy(MLP[0], tmp_path / "mlp.yaml")
+    run_gearshift(tmp_path / "mlp.yaml", MLP[1] + ["train.steps=6", "optimizer.lr=0.02",
+                                                   "optimizer.schedule=user_model:half_then_quarter"], tmp_path / "run")
+    assert [r["lr"] for r in records(tmp_path / "run") if r["type"] == "step"] == [0.01] * 3 + [0.005] * 3
+
+
+@pytest.mark.ray
+def test_loader_processes_read_the_same_batches(ray_cluster, tmp_path):
+    """The loader reads ahead in 2 processes and gives the very batches the step loop reads
+    itself: the runs end bit for bit equal."""
+    base = MLP[1] + ["train.steps=8", "cluster.num_workers=2"]
+    run_gearshift(MLP[0], base, tmp_path / "inline")
+    run_gearshift(MLP[0], base + ["data.loader={workers: 2, prefetch: 2}"], tmp_path / "ahead")
+    a = torch.load(tmp_path / "inline" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "ahead" / "final.pt", weights_only=True)
+    assert max_diff(a, b) == 0.0
+    assert step_losses(tmp_path / "inline") == step_losses(tmp_path / "ahead")

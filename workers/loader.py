@@ -1,0 +1,76 @@
+"""This rank's batches, step by step, read in the step loop or ahead by loader processes.
+
+The order is gearshift's own (`GlobalBatches`: the samples of global step s, and this rank's
+slice of them), so the batches are the same for any number of loader processes, and a loader
+started at step s after a resume, a switch or a recovery reads exactly what an uninterrupted
+run would. Loader processes are a torch DataLoader whose "samples" are step numbers: each
+process loads whole steps, and the DataLoader hands them over in step order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from workers.data import GlobalBatches, load_batch
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """RNG state is a function of (seed, step, rank): a resumed run draws what the original drew."""
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
+
+
+class StepBatches(Dataset):
+    """Item s: this rank's (inputs, targets) of global step s. The step's seed is set first, so
+    a dataset's random augmentation draws the same numbers in any process."""
+
+    def __init__(self, dataset, batches: GlobalBatches, dp_rank: int, dp: int, seed: int):
+        self.dataset, self.batches, self.dp_rank, self.dp, self.seed = dataset, batches, dp_rank, dp, seed
+
+    def __len__(self) -> int:  # steps go on for as long as the run asks
+        return 2**62
+
+    def __getitem__(self, step: int):
+        # one stream per data-parallel replica, as the step loop seeds it (torch.manual_seed
+        # costs ~70 us a call on CPU: the generator is seeded directly)
+        torch.default_generator.manual_seed(step_seed(self.seed, step, self.dp_rank))
+        return load_batch(self.dataset, self.batches.shard(step, self.dp_rank, self.dp))
+
+
+class _From(Sampler):
+    def __init__(self, start: int):
+        self.start = start
+
+    def __iter__(self):
+        return itertools.count(self.start)
+
+
+class StepLoader:
+    """Batches from `start` on: (step, inputs, targets), in step order."""
+
+    def __init__(self, steps: StepBatches, start: int, workers: int, prefetch: int, pin_memory: bool):
+        self.next_step = start
+        if workers == 0:
+            self._it: Iterator = (steps[s] for s in itertools.count(start))
+            self._loader = None
+        else:
+            # batch_size=None: each item is already a batch; the order of steps is kept
+            self._loader = DataLoader(steps, batch_size=None, sampler=_From(start), num_workers=workers,
+                                      prefetch_factor=prefetch, pin_memory=pin_memory,
+                                      multiprocessing_context="spawn", persistent_workers=False)
+            self._it = iter(self._loader)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = next(self._it)
+        self.next_step += 1
+        return x, y
+
+    def close(self) -> None:
+        """Stop the loader processes (they would otherwise read ahead forever)."""
+        it, self._it = self._it, iter(())
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
