@@ -69,7 +69,7 @@ def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: 
     compute = pred.step_s - pred.exposed_wait_s
     return {
         "type": "step", "step": step, **layout.to_dict(),
-        "bucket_cap_mb": pred.bucket_cap_mb, "loss": 0.0,
+        "bucket_cap_mb": pred.bucket_cap_mb, "loss": 0.0, "lr": None,
         "step_time_max": pred.step_s, "step_time_mean": pred.step_s, "slowest_rank": 0,
         "data_time_mean": 0.0, "data_time_max": 0.0, "compute_time_mean": compute,
         "comm_wait_mean": pred.exposed_wait_s, "comm_wait_max": pred.exposed_wait_s,

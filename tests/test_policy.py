@@ -37,7 +37,7 @@ def record(step, layout, *, step_time=0.1, wait=0.05, data=0.02, batch=32, telem
     t = (lambda v: v) if telemetry else (lambda v: None)
     return {
         "type": "step", "time": 1.7e9 + step, "ended_at": 1.7e9 + step, "step": step, "strategy": layout.strategy,
-        "dp": layout.dp, "tp": layout.tp, "bucket_cap_mb": 25, "loss": 1.0,
+        "dp": layout.dp, "tp": layout.tp, "bucket_cap_mb": 25, "loss": 1.0, "lr": 1e-3,
         "step_time_max": max(st), "step_time_mean": mean(st), "slowest_rank": 0,
         "data_time_mean": t(mean(dt)), "data_time_max": t(max(dt)),
         "compute_time_mean": t(mean(ct)), "comm_wait_mean": t(mean(cw)), "comm_wait_max": t(max(cw)),

@@ -33,7 +33,7 @@ def step_record(step, *, strategy="data", dp=2, tp=1, t=None, rng=None, tokens=1
     sps = 64 / max(times)
     return {
         "type": "step", "time": TRAIN_START + 0.1 * step if t is None else t, "step": step, "ended_at": None,
-        "strategy": strategy, "dp": dp, "tp": tp, "bucket_cap_mb": 25, "loss": 3.0 / (1 + step / 50),
+        "strategy": strategy, "dp": dp, "tp": tp, "bucket_cap_mb": 25, "loss": 3.0 / (1 + step / 50), "lr": 1e-3,
         "step_time_max": max(times), "step_time_mean": sum(times) / 2, "slowest_rank": 1 if step % 3 else 0,
         "data_time_mean": 0.001, "data_time_max": 0.002, "compute_time_mean": 0.07,
         "comm_wait_mean": sum(waits) / 2, "comm_wait_max": max(waits),

@@ -40,7 +40,7 @@ def step(n: int, world: int = WORLD, loss: float | None = None, t: float | None 
     data = [0.002] * world
     slowest = max(range(world), key=lambda r: times[r])
     return {"type": "step", "time": T0 + 10 + n if t is None else t, "step": n, "ended_at": T0 + 10 + n, "strategy": "hybrid", "dp": 2,
-            "tp": 2, "bucket_cap_mb": 25.0, "loss": 2.0 / n if loss is None else loss,
+            "tp": 2, "bucket_cap_mb": 25.0, "loss": 2.0 / n if loss is None else loss, "lr": 1e-3,
             "step_time_max": times[slowest], "step_time_mean": sum(times) / world, "slowest_rank": slowest,
             "data_time_mean": 0.002, "data_time_max": 0.002,
             "compute_time_mean": sum(s - c - d for s, c, d in zip(times, comm, data)) / world,
