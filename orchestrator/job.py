@@ -192,6 +192,47 @@ def _betas(v, path):
     return tuple(_float(0.0, 0.999999)(b, f"{path}[{i}]") for i, b in enumerate(v))
 
 
+_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@_schema({"anyOf": [{"type": "string", "enum": list(_PRECISIONS)}, {
+    "type": "object", "additionalProperties": False, "required": ["dtype"],
+    "properties": {"dtype": {"type": "string", "enum": ["bf16", "fp16"]},
+                   "fp32_warmup_steps": _number("integer", 0),
+                   "keep_fp32": {"type": "array", "items": {"type": "string", "minLength": 1}}}}]})
+def _precision(v, path):
+    """fp32 | bf16 | fp16, or phases: {dtype, fp32_warmup_steps, keep_fp32: [module patterns]}."""
+    if not isinstance(v, dict):
+        return _choice(*_PRECISIONS)(v, path)
+    unknown = set(v) - {"dtype", "fp32_warmup_steps", "keep_fp32"}
+    if unknown or "dtype" not in v:
+        raise JobError(path, v, "must be fp32, bf16 or fp16, or {dtype: bf16 | fp16, fp32_warmup_steps: N, "
+                                "keep_fp32: [module patterns]}" + (f" (unknown key {sorted(unknown)[0]!r})"
+                                                                    if unknown else " (dtype is required)"))
+    keep = v.get("keep_fp32") or []
+    if not isinstance(keep, list) or not all(isinstance(k, str) and k.strip() for k in keep):
+        raise JobError(f"{path}.keep_fp32", keep, "must be a list of module-name patterns, e.g. ['embed*', '*.ln*']")
+    return {"dtype": _choice("bf16", "fp16")(v["dtype"], f"{path}.dtype"),
+            "fp32_warmup_steps": _int(0)(v.get("fp32_warmup_steps", 0), f"{path}.fp32_warmup_steps"),
+            "keep_fp32": list(keep)}
+
+
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@_schema({"anyOf": [{"type": "boolean"}, {
+    "type": "object", "additionalProperties": False,
+    "properties": {"mode": {"type": "string", "enum": list(_COMPILE_MODES)}, "fullgraph": {"type": "boolean"}}}]})
+def _compile(v, path):
+    """false, true (mode default) or {mode, fullgraph}; normalised to false or the mapping."""
+    if isinstance(v, bool):
+        return {"mode": "default", "fullgraph": False} if v else False
+    if not isinstance(v, dict) or set(v) - {"mode", "fullgraph"}:
+        raise JobError(path, v, "must be true, false, or {mode: " + " | ".join(_COMPILE_MODES) + ", fullgraph: bool}")
+    return {"mode": _choice(*_COMPILE_MODES)(v.get("mode", "default"), f"{path}.mode"),
+            "fullgraph": _bool(v.get("fullgraph", False), f"{path}.fullgraph")}
+
+
 @_schema(_nullable(_number("integer", 1)))
 def _micro_batch(v, path):
     return None if v is None else _int(1)(v, path)
@@ -327,10 +368,13 @@ class TrainSpec:
                                       "accumulate over global_batch_size / (micro_batch_size x dp) of them; "
                                       "null: the whole share of the global batch at once")
     seed: int = _f(0, _int(0, 2**31 - 1), "seeds the model's initial weights, the data order and dropout")
-    precision: str = _f("fp32", _choice("fp32", "bf16", "fp16"), "bf16 and fp16 autocast; fp16 adds loss scaling")
+    precision: str | dict = _f("fp32", _precision, "fp32, bf16 or fp16 (autocast; fp16 adds loss scaling), or "
+                               "phases: {dtype: bf16 | fp16, fp32_warmup_steps: N, keep_fp32: [module patterns]}")
     grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
     log_every: int = _f(10, _int(1), "steps between progress lines")
     activation_checkpointing: bool = _f(False, _bool, "recompute activations in backward (built-in models)")
+    compile: bool | dict = _f(False, _compile, "torch.compile the model under its layout: true, or {mode, "
+                                               "fullgraph}; compiled again after a switch")
 
 
 @dataclass(frozen=True)
@@ -837,6 +881,7 @@ def _check_sizes(job: Job) -> None:
                        f"Use a multiple of {dp}, e.g. {dp * max(1, round(job.train.global_batch_size / dp))}.")
     _check_micro_batch(job, [("parallel.strategy", job.layout)] + _scheduled_layouts(job))
     _check_lr_schedule(job)
+    _check_keep_fp32(job)
     if job.optimizer.name != "sgd" and (job.optimizer.momentum or job.optimizer.nesterov):
         raise JobError("optimizer.momentum", job.optimizer.momentum,
                        f"applies to sgd only; {job.optimizer.name} uses betas")
@@ -884,6 +929,20 @@ def _check_lr_schedule(job: Job) -> None:
             schedules.check_user_schedule(sched.name, job.optimizer.lr, steps, [job.base_dir])
         except ComponentError as err:
             raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+
+
+def _check_keep_fp32(job: Job) -> None:
+    """Each keep_fp32 pattern must name a module of the model, as a tp plan's patterns must."""
+    p = job.train.precision
+    if not isinstance(p, dict) or not p["keep_fp32"]:
+        return
+    from workers import precision
+    from workers.components import ComponentError
+
+    try:
+        precision.check_patterns(job.to_dict()["model"], p["keep_fp32"], [job.base_dir])
+    except ComponentError as err:
+        raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
 
 
 def dump_job(job: Job) -> str:

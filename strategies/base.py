@@ -97,6 +97,13 @@ class Parallel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
+    def compile(self, options: dict) -> None:
+        """torch.compile what forward runs on (the DDP wrapper too: its graph breaks at bucket
+        boundaries, so the all-reduces still overlap backward). A layout that torch cannot
+        compile overrides this with a clear error."""
+        self.module = torch.compile(self.module, mode=options.get("mode", "default"),
+                                    fullgraph=bool(options.get("fullgraph", False)))
+
     def attach(self, comm: Comm | None) -> None:
         """Route this layout's collectives through `comm` (timing, a simulated link), or stop."""
         self.comm = comm

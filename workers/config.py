@@ -46,13 +46,16 @@ class WorkerConfig:
     total_steps: int = 1  # T, for the learning-rate schedule
     schedule: Mapping[str, Any] = field(default_factory=lambda: dict(_CONSTANT))
     loader: Mapping[str, Any] = field(default_factory=lambda: dict(_IN_LOOP))
+    fp32_warmup_steps: int = 0  # precision phases: updates before autocast starts
+    keep_fp32: tuple[str, ...] = ()  # module patterns that compute in fp32 under autocast
+    compile: Mapping[str, Any] | None = None  # torch.compile options, or None
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",)) -> "WorkerConfig":
         train, par, tel, inject = job["train"], job["parallel"], job["telemetry"], job["inject"]
         return cls(
             name=job["name"], model=job["model"], data=job["data"], loss=job["loss"], optimizer=job["optimizer"],
-            seed=train["seed"], global_batch_size=train["global_batch_size"], precision=train["precision"],
+            seed=train["seed"], global_batch_size=train["global_batch_size"], precision=_dtype(train["precision"]),
             grad_clip=train["grad_clip"], activation_checkpointing=train.get("activation_checkpointing", False),
             strategy="data" if par["strategy"] == "auto" else par["strategy"], tp_size=par.get("tp_size"),
             tp_plan=par.get("tp_plan") or {},
@@ -63,4 +66,17 @@ class WorkerConfig:
             search_paths=tuple(search_paths), micro_batch_size=train.get("micro_batch_size"),
             lr=job["optimizer"]["lr"], total_steps=train["steps"],
             schedule=job["optimizer"].get("schedule") or dict(_CONSTANT),
-            loader=job["data"].get("loader") or dict(_IN_LOOP))
+            loader=job["data"].get("loader") or dict(_IN_LOOP),
+            fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
+            compile=train.get("compile") or None)
+
+
+def _dtype(precision) -> str:
+    """fp32, bf16 or fp16, whether the job gave the name or the phases."""
+    return precision["dtype"] if isinstance(precision, Mapping) else precision
+
+
+def _phases(precision) -> tuple[int, tuple[str, ...]]:
+    if isinstance(precision, Mapping):
+        return precision.get("fp32_warmup_steps", 0), tuple(precision.get("keep_fp32") or ())
+    return 0, ()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import strategies
 from monitoring.comm import CommClock
 from strategies.layout import Layout
-from workers import components, schedules
+from workers import components, precision, schedules
 from workers.comm import CommRoute
 from workers.config import WorkerConfig
 from workers.data import GlobalBatches
@@ -130,6 +130,7 @@ class TrainWorker:
         model, returned_plan = components.build_model_and_plan(dict(cfg.model), cfg.search_paths,
                                                                cfg.activation_checkpointing)
         model = model.to(self.device)
+        precision.keep_fp32(model, cfg.keep_fp32, self.device.type)
         plan = None
         if strategies.lookup(layout.strategy).needs_plan:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
@@ -140,6 +141,8 @@ class TrainWorker:
         self.clock = CommClock(self.device) if cfg.telemetry else None
         net = SimulatedNetwork.for_rank(cfg.comm_delay_ms, cfg.sim_nodes, cfg.sim_link, layout, self.rank)
         self.parallel.attach(CommRoute(self.clock, net) if self.clock or net else None)
+        if cfg.compile:  # compiled afresh with every layout: a switch recompiles
+            self.parallel.compile(dict(cfg.compile))
 
     def reshard(self, layout: dict, bucket_cap_mb: float | None = None) -> dict:
         """Switch: move the live model and optimizer state to another layout (or the same one
@@ -199,8 +202,13 @@ class TrainWorker:
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index].manual_seed(seed)
 
+    def _autocast(self):
+        """Autocast to the job's dtype, after the fp32 warm-up steps (precision phases)."""
+        on = self.autocast_dtype is not None and self.step >= self.config.fp32_warmup_steps
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=on)
+
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+        with self._autocast():
             return self.loss_fn(self.parallel.module(x), y)
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,8 +282,7 @@ class TrainWorker:
 
         def forward():
             self._seed(step)
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                                enabled=self.autocast_dtype is not None):
+            with self._autocast():
                 self.parallel.model(x)
 
         layer = first_non_finite_module(self.parallel.model, forward)

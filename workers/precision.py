@@ -1,0 +1,57 @@
+"""Mixed-precision phases: the first `fp32_warmup_steps` updates in fp32, then autocast to bf16
+or fp16, with the modules named by `keep_fp32` (embeddings, norms: where reduced precision hurts
+most) computing in fp32 throughout."""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from workers.components import ComponentError, build_model_and_plan
+
+
+def matching(model: nn.Module, patterns: Iterable[str]) -> dict[str, list[str]]:
+    """pattern -> the module names it matches (shell-style, `*` matches across dots)."""
+    names = [n for n, _ in model.named_modules() if n]
+    return {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for p in patterns}
+
+
+def check_patterns(model_spec: dict, patterns: list[str], search_paths: Iterable[str] = ()) -> None:
+    """Every pattern matches a module of the model (built on the meta device: no memory)."""
+    try:
+        with torch.device("meta"):
+            model, _ = build_model_and_plan(model_spec, search_paths)
+    except ComponentError:
+        raise
+    except Exception:  # a model that cannot be built on the meta device: build it for real
+        model, _ = build_model_and_plan(model_spec, search_paths)
+    for pattern, names in matching(model, patterns).items():
+        if not names:
+            some = [n for n, _ in model.named_modules() if n][:20]
+            raise ComponentError("train.precision.keep_fp32", pattern, "matches no module of the model; modules are: "
+                                 + ", ".join(some) + (" ..." if len(some) == 20 else ""))
+
+
+def keep_fp32(model: nn.Module, patterns: Iterable[str], device_type: str) -> list[str]:
+    """Make the matching modules compute in fp32 under autocast (their floating inputs are cast
+    up; integer inputs such as token ids pass as they are). Returns the names kept."""
+    kept = sorted({n for names in matching(model, patterns).values() for n in names})
+    modules = dict(model.named_modules())
+    for name in kept:
+        module = modules[name]
+        module.forward = _in_fp32(module.forward, device_type)
+    return kept
+
+
+def _in_fp32(forward, device_type: str):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        with torch.autocast(device_type, enabled=False):
+            return forward(*(up(a) for a in args), **{k: up(v) for k, v in kwargs.items()})
+
+    return run
