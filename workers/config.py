@@ -37,6 +37,7 @@ class WorkerConfig:
     sim_nodes: int = 1
     sim_link: Mapping[str, float] | None = None
     search_paths: tuple[str, ...] = field(default=(".",))
+    eval_data: Mapping[str, Any] | None = None  # held-out data (eval.data) when eval.every > 0
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",)) -> "WorkerConfig":
@@ -51,4 +52,9 @@ class WorkerConfig:
             gpu=job["cluster"]["gpus_per_worker"] > 0, telemetry=tel["enabled"],
             sample_period_s=tel["sample_period_s"], ray_metrics=tel["ray_metrics"], on_nan=job["fault"]["on_nan"],
             comm_delay_ms=inject["comm_delay_ms"], sim_nodes=inject["nodes"], sim_link=inject.get("link"),
-            search_paths=tuple(search_paths))
+            search_paths=tuple(search_paths), eval_data=_eval_data(job))
+
+
+def _eval_data(job: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    ev = job.get("eval") or {}  # a run dir written before eval existed has no eval section
+    return ev.get("data") if ev.get("every") else None

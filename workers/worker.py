@@ -105,6 +105,8 @@ class TrainWorker:
         self.loss_fn = components.build_loss(dict(cfg.loss), paths)
         self.dataset = components.build_dataset(dict(cfg.data), dict(cfg.model), paths)
         self.batches = GlobalBatches(len(self.dataset), cfg.global_batch_size, cfg.seed)
+        self.eval_dataset = components.build_dataset(dict(cfg.eval_data), dict(cfg.model), paths) \
+            if cfg.eval_data else None
         self.autocast_dtype = _DTYPES[cfg.precision]
         self.bucket_cap_mb = cfg.bucket_cap_mb
         strategies.lookup(cfg.strategy, paths)  # a user's own strategy is imported from the job's folder
@@ -227,6 +229,49 @@ class TrainWorker:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss.detach(), data_span
+
+    # ---------------------------------------------------------------- evaluation
+
+    def evaluate(self, max_batches: int | None = None) -> dict:
+        """Mean loss over the held-out data (eval.data) under the layout in force. All ranks call it
+        at the same step boundary.
+
+        Batch b is samples [b*G, (b+1)*G) of the eval dataset in order (G = the global batch; the
+        last one may be short), each data-parallel replica taking its contiguous slice, as in
+        training. The ranks of a tensor-parallel group compute the same slice, so the
+        (sum of losses, samples) all-reduced over the whole world counts each slice tp times in
+        numerator and denominator alike: the ratio is the mean over the data. Every rank runs one
+        forward per batch (also on an empty slice) so the layout's collectives stay in step.
+        """
+        if self.eval_dataset is None:
+            raise RuntimeError("evaluate: this job has no eval.data (eval.every is 0)")
+        n, g = len(self.eval_dataset), self.config.global_batch_size
+        total = -(-n // g) if max_batches is None else min(max_batches, -(-n // g))
+        dp_rank, dp = self.layout.dp_rank(self.rank), self.layout.dp
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        module = self.parallel.module
+        module.eval()  # dropout off; batch-norm statistics used, not updated
+        try:
+            with torch.no_grad():
+                for b in range(total):
+                    lo, hi = b * g, min((b + 1) * g, n)
+                    mine = list(range(lo + (hi - lo) * dp_rank // dp, lo + (hi - lo) * (dp_rank + 1) // dp))
+                    x, y = load_batch(self.eval_dataset, mine or [lo])  # an empty slice still runs a forward
+                    x, y = x.to(self.device), y.to(self.device)
+                    if not mine:
+                        x, y = x[:0], y[:0]
+                    loss = self._forward_loss(x, y)  # the training forward and loss, with its autocast
+                    if mine:  # a loss that is a mean over its batch, weighted by the batch's samples
+                        sums[0] += loss.detach().double() * len(mine)
+                        sums[1] += len(mine)
+        finally:
+            module.train()
+        dist.all_reduce(sums)
+        loss_sum, count = sums.tolist()
+        target = self.eval_dataset[0][1]
+        tokens = isinstance(target, torch.Tensor) and target.dim() >= 1 and not target.is_floating_point()
+        return {"loss": loss_sum / count, "samples": int(round(count / (self.world // dp))), "batches": total,
+                "token_targets": tokens}
 
     def _non_finite(self, step: int, x: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor) -> None:
         """A step whose loss or gradient norm is NaN or Inf: its update is not applied (the state
