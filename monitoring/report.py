@@ -75,7 +75,7 @@ def _load(run_dir: pathlib.Path) -> list[dict]:
         raw = telemetry.read(path)
     except (OSError, UnicodeDecodeError) as err:
         raise TelemetryError(f"cannot read {path}: {err}. Is it a gearshift telemetry file?") from None
-    records = [r for r in raw if isinstance(r, dict) and r.get("type") in ("step", "sample", "event")
+    records = [r for r in raw if isinstance(r, dict) and r.get("type") in ("step", "sample", "eval", "event")
                and isinstance(r.get("time"), (int, float)) and not isinstance(r.get("time"), bool)]
     if not records:
         raise TelemetryError(f"{path} holds no telemetry records yet: the run has not written anything "
