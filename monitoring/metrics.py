@@ -20,6 +20,8 @@ RUN_GAUGES = {
     "gearshift_tokens_per_second": ("samples per second x tokens per sample (sequence models)", ()),
     "gearshift_comm_wait_fraction_mean": ("comm wait / step time, mean over ranks", ()),
     "gearshift_bucket_cap_mb": ("DDP gradient bucket size in force", ()),
+    "gearshift_eval_loss": ("mean loss over the held-out data (eval.data) at the last evaluation", ()),
+    "gearshift_eval_step": ("the step of the last evaluation", ()),
     "gearshift_strategy_info": ("the layout in force (value 1)", ("strategy", "dp", "tp")),
 }
 RANK_GAUGES = {
@@ -70,6 +72,9 @@ class MetricsEndpoint:
         kind = record.get("type")
         if kind == "step":
             self._step(record)
+        elif kind == "eval":
+            self.gauges["gearshift_eval_loss"].labels(self.job).set(record["loss"])
+            self.gauges["gearshift_eval_step"].labels(self.job).set(record["step"])
         elif kind == "sample":
             source = record.get("source", "")
             for field, name in _SAMPLE_FIELDS.items():

@@ -52,7 +52,7 @@ def make_report(run_dir, out_dir=None) -> Report:
     try:
         out.mkdir(parents=True, exist_ok=True)
         paths = [p for p in (_plot_throughput(steps, marks, out), _plot_comm_wait(steps, marks, out),
-                             _plot_utilisation(records, marks, out), _plot_loss(steps, marks, out)) if p]
+                             _plot_utilisation(records, marks, out), _plot_loss(steps, marks, out, _evals(records))) if p]
         text = format_summary(summary)
         (out / "report.txt").write_text(text + "\n", encoding="utf-8")
     except OSError as err:
@@ -75,7 +75,7 @@ def _load(run_dir: pathlib.Path) -> list[dict]:
         raw = telemetry.read(path)
     except (OSError, UnicodeDecodeError) as err:
         raise TelemetryError(f"cannot read {path}: {err}. Is it a gearshift telemetry file?") from None
-    records = [r for r in raw if isinstance(r, dict) and r.get("type") in ("step", "sample", "event")
+    records = [r for r in raw if isinstance(r, dict) and r.get("type") in ("step", "sample", "eval", "event")
                and isinstance(r.get("time"), (int, float)) and not isinstance(r.get("time"), bool)]
     if not records:
         raise TelemetryError(f"{path} holds no telemetry records yet: the run has not written anything "
@@ -104,6 +104,13 @@ def _steps(records) -> list[dict]:
     re-runs the steps after its checkpoint; the later record of a step is the one that counts."""
     by_step = {r["step"]: r for r in records if r.get("type") == "step" and isinstance(r.get("step"), int)
                and not isinstance(r.get("step"), bool)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _evals(records) -> list[dict]:
+    """Eval records by step, the later of any step evaluated twice (a restart repeats it)."""
+    by_step = {r["step"]: r for r in records if r.get("type") == "eval" and isinstance(r.get("step"), int)
+               and isinstance(r.get("loss"), (int, float))}
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -228,6 +235,7 @@ def summarise(records, run_dir) -> dict:
         "slowest_rank": slow_rank, "slowest_rank_steps": slow_n,
         "strategies": strategies,
         "checkpoints": len(_events(records, "checkpoint")),
+        "evals": [{"step": r["step"], "loss": r["loss"]} for r in _evals(records)],
         "decisions": len(_events(records, "decision")),
         "switches": len(_events(records, "switch")),
         "final_state": final_state,
@@ -275,6 +283,10 @@ def format_summary(s: dict) -> str:
         f"{x['strategy']}" + (f" (dp={x['dp']} tp={x['tp']})" if x["dp"] is not None else "")
         + f" steps {x['first_step']}..{x['last_step']}" for x in s["strategies"] if x["strategy"] is not None)
         or "not recorded"))
+    if s.get("evals"):
+        last, best = s["evals"][-1], min(s["evals"], key=lambda e: e["loss"])
+        rows.append(("eval loss", f"{last['loss']:.4g} at step {last['step']} (best {best['loss']:.4g} at step "
+                                  f"{best['step']}; {_plural(len(s['evals']), 'evaluation')})"))
     rows.append(("events", f"{_plural(s['checkpoints'], 'checkpoint')}, {_plural(s['decisions'], 'decision')}, "
                            f"{_plural(s['switches'], 'switch').replace('switchs', 'switches')}"))
     final = s["final_state"]
@@ -409,10 +421,14 @@ def _plot_utilisation(records, marks, out):
     return _finish(fig, ax, marks, out / "utilisation.png")
 
 
-def _plot_loss(steps, marks, out):
+def _plot_loss(steps, marks, out, evals=()):
     loss = _col(steps, "loss")
     fig, ax = _figure("Loss", "loss (global batch)")
     _series(ax, _col(steps, "step"), loss, "loss", "tab:blue")
+    if evals:  # held-out loss at its few steps: points joined, on the same axis as the training loss
+        ev = np.array([r["loss"] for r in evals], float)
+        ax.plot([r["step"] for r in evals], ev, "o-", color="tab:orange", label="eval loss (held-out)")
+        loss = np.concatenate([loss, ev])
     finite = loss[np.isfinite(loss)]
     if finite.size and finite.min() > 0 and finite.max() / finite.min() > 100:  # decades of decline
         ax.set_yscale("log")

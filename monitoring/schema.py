@@ -15,7 +15,7 @@ OPT_NUM = (int, float, type(None))
 
 # name -> (allowed types, meaning). Every field listed is present in every record of its type.
 COMMON = {
-    "type": (str, "'step', 'sample' or 'event'"),
+    "type": (str, "'step', 'sample', 'eval' or 'event'"),
     "time": (NUM, "wall-clock time the record was made (Unix seconds)"),
 }
 
@@ -62,6 +62,20 @@ SAMPLE = {
     "host_cpu_pct": (OPT_NUM, "whole-host CPU use, percent (psutil); null for nvml"),
 }
 
+EVAL = {
+    "step": (int, "the step boundary evaluated at: the model after that many optimizer steps"),
+    "loss": (NUM, "mean loss over the held-out samples (eval.data), the training loss function, under "
+                  "the layout in force and the run's precision"),
+    "perplexity": (OPT_NUM, "exp(loss) when the targets are token ids (a language model); else null"),
+    "samples": (int, "held-out samples evaluated (eval.batches batches of train.global_batch_size, the last "
+                     "possibly short)"),
+    "batches": (int, "eval batches evaluated"),
+    "seconds": (NUM, "wall time of the evaluation, as the controller saw it"),
+    "strategy": (str, "the layout evaluated under: data, tensor or hybrid"),
+    "dp": (int, "data-parallel degree (the held-out batches are split over the dp ranks)"),
+    "tp": (int, "tensor-parallel degree"),
+}
+
 EVENT = {
     "event": (str, "what happened; see EVENTS"),
 }
@@ -70,6 +84,8 @@ EVENTS = {
              "`error` when failed; `workers`, `layout` and `tp_groups` when starting)",
     "resumed": "training continues from a checkpoint (`checkpoint`, `step`)",
     "checkpoint": "a checkpoint was written (`step`, `path`)",
+    "best": "checkpoint.keep_best: the checkpoint of `step` has the lowest eval loss so far (`eval_loss`, "
+            "`path`); checkpoints/best.json names it and pruning keeps it",
     "sampler": "which device sampler a worker uses (`rank`, `source`, `reason` when it fell back to psutil)",
     "metrics": "the /metrics endpoint is serving (`url`)",
     "policy": "the adaptive policy's set-up (`candidates` in order, `node_sizes`, `threshold`, `window`, `cooldown`)",
@@ -94,7 +110,7 @@ EVENTS = {
                   "(`step`, `loss`, `grad_norm`, `layer`: the first module whose output was not finite, `action`)",
 }
 
-BY_TYPE = {"step": STEP, "sample": SAMPLE, "event": EVENT}
+BY_TYPE = {"step": STEP, "sample": SAMPLE, "eval": EVAL, "event": EVENT}
 
 
 def validate(record: Any) -> list[str]:

@@ -40,6 +40,7 @@ _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\
 class WatchState:
     def __init__(self) -> None:
         self.step: dict | None = None
+        self.eval: dict | None = None  # the latest eval record
         self.recent: collections.deque = collections.deque(maxlen=WINDOW)  # the last step records
         self.samples: dict[int, dict] = {}
         self.state: str | None = None
@@ -67,6 +68,8 @@ class WatchState:
             self.recent.append(record)
         elif kind == "sample" and isinstance(record.get("rank"), int):
             self.samples[record["rank"]] = record
+        elif kind == "eval" and isinstance(record.get("step"), int):
+            self.eval = record
         elif kind == "event":
             name = record.get("event")
             if name == "state":
@@ -179,6 +182,8 @@ def _header(state: WatchState) -> Group:
     figures = [] if step else [Text("no steps yet", "dim")]
     if step:
         figures.append(f"loss {_num(step.get('loss'), '.4f')}")
+        if state.eval:
+            figures.append(f"eval loss {_num(state.eval.get('loss'), '.4f')} @ step {state.eval['step']}")
         times = [r.get("step_time_max") for r in state.recent if isinstance(r.get("step_time_max"), (int, float))]
         rates = [(r.get("samples_per_s"), r.get("step_time_max")) for r in state.recent]
         rates = [(s, t) for s, t in rates if isinstance(s, (int, float)) and isinstance(t, (int, float))]

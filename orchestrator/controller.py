@@ -11,7 +11,8 @@ writes checkpoints and the run's outputs, and tears everything down whatever hap
 `run()` is a loop over `_step()`, which carries out one state and returns the next. Training
 runs in chunks that end where something may change: at the forced schedule's steps, where a
 bucket-tuning trial ends, and under `strategy: auto` where the policy may decide
-(`next_decision`). At each chunk's end `next_boundary` (orchestrator/boundary.py) says what
+(`next_decision`), and at each eval step (eval.every; orchestrator/evaluation.py evaluates
+there, on all ranks, before anything else happens at that boundary). At each chunk's end `next_boundary` (orchestrator/boundary.py) says what
 happens there, and the controller carries it out, on the same workers (`reshard`), all ranks
 at the same step boundary. A worker failure in any state but RECOVERING goes to RECOVERING
 (orchestrator/recovery.py), which restarts from a checkpoint or gives up.
@@ -37,6 +38,7 @@ from monitoring.progress import ProgressView
 from orchestrator.boundary import Boundary, Then, next_boundary
 from orchestrator.bucket_tuning import BucketTuning, initial_bucket
 from orchestrator.errors import GearshiftError, WorkerFailed
+from orchestrator.evaluation import Evaluation
 from orchestrator.job import Job, accumulation
 from orchestrator.policy import AdaptConfig, Decision, Policy, candidate_layouts
 from orchestrator.recovery import Recovery
@@ -94,6 +96,7 @@ class Controller:
         self.recovery = Recovery(self.report, run.checkpoints)
         self.tuning = tuning or BucketTuning()
         self.tuning.attach(self)
+        self.evals = Evaluation(job, self.report, run.checkpoints, self._save_checkpoint)
         self.state = State.PLACING
         self.layout = job.layout  # the layout in force now
         self.history: list[dict] = []
@@ -195,6 +198,7 @@ class Controller:
         until = self._chunk_end(self.step)
         decision, kept = self._train_chunk(until)
         self.step = until
+        self.evals.after_chunk(self.group, until, self.job.train.steps, self.layout)
         tuning_over = self.tuning.chunk_done(until)
         due = self._schedule and self._schedule[0]["step"] == until
         boundary = next_boundary(until, self.job.train.steps, scheduled_layout(self.job, until) if due else None,
@@ -238,6 +242,7 @@ class Controller:
         """DONE: the final checkpoint and final.pt. A worker lost here is not recovered from."""
         final_state = self.group.call("state")[0]  # every rank takes part in gathering shards
         self._save_checkpoint(final_state)
+        self.evals.at_end(self.group, final_state["step"], self.layout)  # after the save: the best may be this one
         checkpoint.write_file_atomic(self.run_dir.final, checkpoint.torch_bytes(final_state["model"]))
         self._enter(State.DONE, step=final_state["step"])
         self.summary["status"] = "done"
@@ -258,7 +263,7 @@ class Controller:
         self.report.close_view()
         if self.group is not None:
             self.group.shutdown(polite=self.state is State.DONE)
-        self.summary.update(self.report.figures(self.start_step, self.tuning.bucket, wall))
+        self.summary.update(self.report.figures(self.start_step, self.tuning.bucket, wall), **self.evals.figures())
         self.run_dir.write_summary(self.summary)
         self.report.close()
 
@@ -293,7 +298,7 @@ class Controller:
         self.tuning.begin(start_step)
 
     def _chunk_end(self, step: int) -> int:
-        until = self.job.train.steps
+        until = self.evals.chunk_end(step, self.job.train.steps)  # evaluation runs where a chunk ends
         if self._schedule:
             until = min(until, self._schedule[0]["step"])
         if self.tuning.active:  # end the chunk where the trial ends

@@ -463,6 +463,8 @@ class ParallelSpec:
 class CheckpointSpec:
     every: int = _f(0, _int(0), "steps between checkpoints; 0 keeps only the final state")
     keep: int = _f(3, _int(1), "how many recent checkpoints to keep")
+    keep_best: bool = _f(False, _bool, "also keep the checkpoint with the lowest eval loss (needs eval.every > 0); "
+                                       "checkpoints/best.json names it")
 
 
 @_schema(_nullable(_number("integer", 0, 65535)))
@@ -575,6 +577,45 @@ class FaultSpec:
                                                     "batch (the update is not applied) or stop the run")
 
 
+_DATA_FORMS = 'a built-in name, "module:function", or {name | entrypoint, kwargs}'
+
+
+@_schema(_nullable({"anyOf": [
+    {"type": "string", "pattern": r"\S"},
+    {"type": "object", "additionalProperties": False,
+     "properties": {"name": _nullable({"type": "string"}), "entrypoint": _entrypoint.schema,
+                    "kwargs": _mapping.schema}}]}))
+def _eval_data(v, path):
+    """The same forms as the top-level data, normalised to {name, entrypoint, kwargs}. One field
+    rather than a nested section: eval.data is a value of eval, as inject.link is of inject."""
+    if v is None:
+        return None
+    if not isinstance(v, (str, dict)):
+        raise JobError(path, v, f"must be {_DATA_FORMS}")
+    spec = _build(DataSpec, _shorthand(DataSpec, v), path)
+    return dataclasses.asdict(spec)
+
+
+@_schema(_nullable(_number("integer", 1)))
+def _eval_batches(v, path):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise JobError(path, v, "must be an integer >= 1 (evaluate the first that many batches of eval.data), "
+                                "or null (all of it)")
+    return v
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Held-out loss while training: at every `every`-th step and at the end, the mean loss over
+    eval.data under the layout in force, in batches of train.global_batch_size, in order."""
+
+    every: int = _f(0, _int(0), "steps between evaluations (and one at the end); 0: no evaluation")
+    data: dict | None = _f(None, _eval_data, f"the held-out data: {_DATA_FORMS}; required when every > 0")
+    batches: int | None = _f(None, _eval_batches, "evaluate the first K batches of eval.data; null: all of it")
+
+
 @dataclass(frozen=True)
 class Job:
     name: str = _f("job", _name, "names the run and its directory; default: the job file's name",
@@ -593,6 +634,7 @@ class Job:
     tune: TuneSpec = _section(TuneSpec, "online tuning of parallel.bucket_cap_mb when it is auto")
     fault: FaultSpec = _section(FaultSpec, "what happens when a worker, a node or a step goes wrong")
     checkpoint: CheckpointSpec = _section(CheckpointSpec, "how often the training state is saved")
+    eval: EvalSpec = _section(EvalSpec, "held-out loss while training: every N steps and at the end")
     telemetry: TelemetrySpec = _section(TelemetrySpec, "per-step timing, device sampling and metrics endpoints")
     inject: InjectSpec = _section(InjectSpec, "for tests: make a fast machine behave like a slow cluster")
     # Where the job file lies: entry-point modules next to it are importable. Not a YAML key.
@@ -788,10 +830,56 @@ def _check_components(job: Job) -> None:
         spec = job.to_dict()
         components.check_builtin_fit(spec["model"], spec["data"])
 
+    _check_eval(job, components)
+
     if job.loss.entrypoint:
         components.check_entrypoint("loss.entrypoint", job.loss.entrypoint, search_paths, job.loss.kwargs)
     elif job.loss.name:
         components.check_builtin("loss", job.loss.name, job.loss.kwargs, components.LOSSES)
+
+
+def _check_eval(job: Job, components) -> None:
+    """Eval data is checked as data is (it must load and fit the model), before anything starts."""
+    ev, spec = job.eval, job.eval.data
+    if job.checkpoint.keep_best and ev.every == 0:
+        raise JobError("checkpoint.keep_best", True, "needs eval.every > 0: the best checkpoint is the one "
+                       "with the lowest eval loss")
+    if ev.every == 0:
+        return
+    if spec is None:
+        raise JobError("eval.data", None, f"is required when eval.every > 0 ({ev.every}): {_DATA_FORMS}",
+                       "Use held-out data, not the training data: for the built-ins, the same name with "
+                       "another seed, e.g. {name: synthetic_digits, kwargs: {seed: 99, size: 1024}}.")
+    if spec["name"] and spec["entrypoint"]:
+        raise JobError("eval.data", {"name": spec["name"], "entrypoint": spec["entrypoint"]},
+                       "give either name (a built-in) or entrypoint (your own), not both")
+    if not spec["name"] and not spec["entrypoint"]:
+        raise JobError("eval.data", spec, f"names no data: give {_DATA_FORMS}")
+    with _renamed("data", "eval.data"):
+        if spec["entrypoint"]:
+            components.check_entrypoint("data.entrypoint", spec["entrypoint"], [job.base_dir], spec["kwargs"])
+        else:
+            components.check_builtin("data", spec["name"], spec["kwargs"], components.DATASETS)
+            if job.model.name:
+                components.check_builtin_fit(job.to_dict()["model"], spec)
+
+
+class _renamed:
+    """components' checks name the `data` section; for eval data the field is `eval.data`."""
+
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        from workers.components import ComponentError
+
+        if isinstance(err, ComponentError) and (err.field_path + ".").startswith(self.old + "."):
+            raise ComponentError(self.new + err.field_path[len(self.old):], err.value, err.allowed,
+                                 err.hint) from None
+        return False
 
 
 def _resolve_strategy(job: Job, field_path: str, name: str):

@@ -249,6 +249,12 @@ class Reporter:
         self.event("switch", **record, **({"evidence": evidence} if evidence else {}))
         self.say(f"step {record['step']}: switched {old} -> {new} in {record['seconds']:.2f} s ({record['reason']})")
 
+    def evaluated(self, record: dict) -> None:
+        self.emit(record)
+        ppl = f", perplexity {record['perplexity']:.4g}" if record.get("perplexity") is not None else ""
+        self.say(f"step {record['step']}: eval loss {record['loss']:.4f}{ppl} over {record['samples']} held-out "
+                 f"samples ({record['seconds']:.2f} s)")
+
     def figures(self, start_step: int, bucket: float, wall: float) -> dict:
         """The summary's figures (a run that trained no step is done up to where it started)."""
         stats = self.stats

@@ -17,10 +17,12 @@ from workers import checkpoint
 # Keys that may differ between a run and its resume: they change how long or how often,
 # not what the trajectory is.
 _RESUMABLE = {("name",), ("train", "steps"), ("train", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep"),
+              ("checkpoint", "keep_best"),
               ("train", "activation_checkpointing")}
 # Whole sections that may change too: global batches do not depend on the worker count, and
 # checkpoints hold full tensors, so any layout continues what any other started.
-_RESUMABLE_SECTIONS = {"cluster", "parallel", "telemetry", "inject", "adapt", "tune", "fault"}
+# Evaluation reads the model and changes nothing in it: it may change on resume too.
+_RESUMABLE_SECTIONS = {"cluster", "parallel", "telemetry", "inject", "adapt", "tune", "fault", "eval"}
 
 
 def runs_root(root: str | None = None) -> str:

@@ -116,6 +116,18 @@ CASES = [
      ["optimizer.schedule.name", "user_model:bad_schedule", "finite learning rate", "nan"]),
     ("micro-batch-zero", MLP, ["train.micro_batch_size=0"], ["train.micro_batch_size", "0", ">= 1"]),
     ("loader-workers-negative", MLP, ["data.loader={workers: -1}"], ["data.loader.workers", "-1"]),
+    # eval data that fails to load is refused as data is, naming eval.data
+    ("eval-data-bad-entrypoint", MLP, ["eval.every=2", "eval.data=user_model:no_such_data"],
+     ["eval.data.entrypoint", "'user_model:no_such_data'", "has no callable"]),
+    ("eval-data-missing-module", MLP, ["eval.every=2", "eval.data=not_a_module:load"],
+     ["eval.data.entrypoint", "'not_a_module:load'", "was not found"]),
+    ("eval-data-bad-name", MLP, ["eval.every=2", "eval.data=mnist"],
+     ["eval.data.name", "'mnist'", "one of 'synthetic_digits', 'chars'"]),
+    ("eval-data-does-not-fit", MLP, ["eval.every=2", "eval.data=chars"], ["eval.data", "'chars'", "do not fit"]),
+    ("eval-data-missing", MLP, ["eval.every=2"], ["eval.data", "is required when eval.every > 0"]),
+    ("eval-batches-zero", MLP, ["eval.every=2", "eval.data=synthetic_digits", "eval.batches=0"],
+     ["eval.batches", "= 0", ">= 1", "or null"]),
+    ("keep-best-without-eval", MLP, ["checkpoint.keep_best=true"], ["checkpoint.keep_best", "eval.every > 0"]),
 ]
 
 

@@ -5,6 +5,10 @@ temporary folder, every file fsynced, then the folder renamed into place (rename
 POSIX), so a crash mid-write leaves a `.tmp-*` folder that loading ignores, never a half file
 under a real name. The manifest records each file's size and sha256; loading verifies them and
 falls back to the previous checkpoint when one does not verify.
+
+`checkpoints/best.json` (written atomically; only with checkpoint.keep_best) names the checkpoint
+with the lowest eval loss: `{"step", "path", "eval_loss"}`. Pruning never deletes the checkpoint
+it names, so the best survives besides the newest `keep`.
 """
 
 from __future__ import annotations
@@ -94,11 +98,38 @@ def save(root: pathlib.Path, step: int, state: dict, keep: int, meta: dict | Non
 
 
 def _prune(root: pathlib.Path, keep: int) -> None:
+    marked = best(root)
     for path in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+        if marked is None or path.name != marked["path"]:
+            shutil.rmtree(path, ignore_errors=True)
     for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
         if stale.stat().st_mtime < time.time() - 60:
             shutil.rmtree(stale, ignore_errors=True)
+
+
+BEST = "best.json"
+
+
+def best(root: pathlib.Path) -> dict | None:
+    """What best.json says ({"step", "path", "eval_loss"}), or None when there is none (or it is unreadable:
+    then nothing is protected from pruning, which only costs the old best)."""
+    try:
+        marked = json.loads((pathlib.Path(root) / BEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return marked if isinstance(marked, dict) and isinstance(marked.get("path"), str) else None
+
+
+def mark_best(root: pathlib.Path, step: int, eval_loss: float, keep: int) -> pathlib.Path:
+    """Name the checkpoint of `step` (it must exist) as the best, then prune: the old best goes
+    unless it is among the newest `keep`."""
+    root = pathlib.Path(root)
+    path = root / f"step_{step:08d}"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no checkpoint at step {step} to mark as the best")
+    write_file_atomic(root / BEST, json.dumps({"step": step, "path": path.name, "eval_loss": eval_loss}).encode())
+    _prune(root, keep)
+    return path
 
 
 def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:

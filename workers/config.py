@@ -49,6 +49,7 @@ class WorkerConfig:
     fp32_warmup_steps: int = 0  # precision phases: updates before autocast starts
     keep_fp32: tuple[str, ...] = ()  # module patterns that compute in fp32 under autocast
     compile: Mapping[str, Any] | None = None  # torch.compile options, or None
+    eval_data: Mapping[str, Any] | None = None  # held-out data (eval.data) when eval.every > 0
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",)) -> "WorkerConfig":
@@ -68,7 +69,7 @@ class WorkerConfig:
             schedule=job["optimizer"].get("schedule") or dict(_CONSTANT),
             loader=job["data"].get("loader") or dict(_IN_LOOP),
             fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
-            compile=train.get("compile") or None)
+            compile=train.get("compile") or None, eval_data=_eval_data(job))
 
 
 def _dtype(precision) -> str:
@@ -80,3 +81,8 @@ def _phases(precision) -> tuple[int, tuple[str, ...]]:
     if isinstance(precision, Mapping):
         return precision.get("fp32_warmup_steps", 0), tuple(precision.get("keep_fp32") or ())
     return 0, ()
+
+
+def _eval_data(job: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    ev = job.get("eval") or {}  # a run dir written before eval existed has no eval section
+    return ev.get("data") if ev.get("every") else None

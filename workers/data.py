@@ -128,3 +128,12 @@ def load_batch(dataset, indices: list[int]):
     if get_batch is not None:
         return get_batch(indices)
     return default_collate([dataset[i] for i in indices])
+
+
+def tokens_per_sample(dataset) -> int | None:
+    """Targets that are sequences of integer ids (a language model's next tokens) count as
+    tokens; other targets (a class, a regression value) do not."""
+    target = dataset[0][1]
+    if isinstance(target, torch.Tensor) and target.dim() >= 1 and not target.is_floating_point():
+        return int(target.numel())
+    return None

@@ -25,7 +25,8 @@ from strategies.layout import Layout
 from workers import components, precision, schedules
 from workers.comm import CommRoute
 from workers.config import WorkerConfig
-from workers.data import GlobalBatches
+from workers.data import GlobalBatches, tokens_per_sample
+from workers.evaluation import held_out_loss
 from workers.loader import StepBatches, StepLoader, step_seed
 from workers.nonfinite import NonFiniteStep, first_non_finite_module
 from workers.simnet import SimulatedNetwork
@@ -104,6 +105,8 @@ class TrainWorker:
         self.loss_fn = components.build_loss(dict(cfg.loss), paths)
         self.dataset = components.build_dataset(dict(cfg.data), dict(cfg.model), paths)
         self.batches = GlobalBatches(len(self.dataset), cfg.global_batch_size, cfg.seed)
+        self.eval_dataset = components.build_dataset(dict(cfg.eval_data), dict(cfg.model), paths) \
+            if cfg.eval_data else None
         self.autocast_dtype = _DTYPES[cfg.precision]
         self.lr_at = schedules.build(dict(cfg.schedule), cfg.lr, cfg.total_steps, paths)
         self.bucket_cap_mb = cfg.bucket_cap_mb
@@ -114,7 +117,7 @@ class TrainWorker:
             self.telemetry = WorkerTelemetry(cfg, self.device)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
-                "layout": self.layout.to_dict(), "tokens_per_sample": self._tokens_per_sample(),
+                "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
     def _lay_out(self, layout: Layout) -> None:
@@ -167,14 +170,6 @@ class TrainWorker:
         end = time.perf_counter()
         return {"seconds": end - start, "gather_s": gathered - start, "rebuild_s": end - gathered,
                 "layout": target.to_dict(), "step": self.step}
-
-    def _tokens_per_sample(self) -> int | None:
-        """Targets that are sequences of integer ids (a language model's next tokens) count as
-        tokens; other targets (a class, a regression value) do not."""
-        target = self.dataset[0][1]
-        if isinstance(target, torch.Tensor) and target.dim() >= 1 and not target.is_floating_point():
-            return int(target.numel())
-        return None
 
     def state(self) -> dict | None:
         """Full (unsharded) model, optimizer and scaler state on CPU, on rank 0; None elsewhere.
@@ -274,6 +269,16 @@ class TrainWorker:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return loss, data_span, lr
+
+    # ---------------------------------------------------------------- evaluation
+
+    def evaluate(self, max_batches: int | None = None) -> dict:
+        """Mean loss over the held-out data (eval.data) under the layout in force; all ranks call
+        it at the same step boundary (workers/evaluation.py says how the data is split)."""
+        if self.eval_dataset is None:
+            raise RuntimeError("evaluate: this job has no eval.data (eval.every is 0)")
+        return held_out_loss(self.eval_dataset, self._forward_loss, self.parallel.module, self.device,
+                             self.config.global_batch_size, self.layout, self.rank, self.world, max_batches)
 
     def _non_finite(self, step: int, x: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor) -> None:
         """A step whose loss or gradient norm is NaN or Inf: its update is not applied (the state

@@ -1,0 +1,45 @@
+"""Evaluation: the mean loss over held-out data under the layout in force."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from workers.data import load_batch, tokens_per_sample
+
+
+def held_out_loss(dataset, forward_loss, module, device, global_batch: int, layout, rank: int, world: int,
+                  max_batches: int | None = None) -> dict:
+    """Mean loss over `dataset`; every rank calls it at the same step boundary.
+
+    Batch b is samples [b*G, (b+1)*G) of the eval dataset in order (G = the global batch; the
+    last one may be short), each data-parallel replica taking its contiguous slice, as in
+    training. The ranks of a tensor-parallel group compute the same slice, so the
+    (sum of losses, samples) all-reduced over the whole world counts each slice tp times in
+    numerator and denominator alike: the ratio is the mean over the data. Every rank runs one
+    forward per batch (also on an empty slice) so the layout's collectives stay in step.
+    """
+    n, g = len(dataset), global_batch
+    total = -(-n // g) if max_batches is None else min(max_batches, -(-n // g))
+    dp_rank, dp = layout.dp_rank(rank), layout.dp
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    module.eval()  # dropout off; batch-norm statistics used, not updated
+    try:
+        with torch.no_grad():
+            for b in range(total):
+                lo, hi = b * g, min((b + 1) * g, n)
+                mine = list(range(lo + (hi - lo) * dp_rank // dp, lo + (hi - lo) * (dp_rank + 1) // dp))
+                x, y = load_batch(dataset, mine or [lo])  # an empty slice still runs a forward
+                x, y = x.to(device), y.to(device)
+                if not mine:
+                    x, y = x[:0], y[:0]
+                loss = forward_loss(x, y)  # the training forward and loss, with its autocast
+                if mine:  # a loss that is a mean over its batch, weighted by the batch's samples
+                    sums[0] += loss.detach().double() * len(mine)
+                    sums[1] += len(mine)
+    finally:
+        module.train()
+    dist.all_reduce(sums)
+    loss_sum, count = sums.tolist()
+    return {"loss": loss_sum / count, "samples": int(round(count / (world // dp))), "batches": total,
+            "token_targets": tokens_per_sample(dataset) is not None}
