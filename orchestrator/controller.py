@@ -165,7 +165,7 @@ class Controller:
     def _start(self) -> State:
         """Restore the checkpoint into the started workers, and the layout and bucket in force."""
         job, infos, restart = self.job, self.infos, self._restart
-        keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend")
+        keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend", "compiled")
         self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
                     layout=job.layout.to_dict(), tp_groups=job.layout.tp_groups() if job.layout.tp > 1 else [])
         for info in infos:

@@ -116,6 +116,11 @@ CASES = [
      ["optimizer.schedule.name", "user_model:bad_schedule", "finite learning rate", "nan"]),
     ("micro-batch-zero", MLP, ["train.micro_batch_size=0"], ["train.micro_batch_size", "0", ">= 1"]),
     ("loader-workers-negative", MLP, ["data.loader={workers: -1}"], ["data.loader.workers", "-1"]),
+    ("keep-fp32-matches-nothing", MLP, ["train.precision={dtype: bf16, keep_fp32: [embedding*]}"],
+     ["train.precision.keep_fp32", "'embedding*'", "matches no module", "hidden.0"]),
+    ("precision-phases-without-dtype", MLP, ["train.precision={fp32_warmup_steps: 3}"],
+     ["train.precision", "dtype is required"]),
+    ("compile-bad-mode", MLP, ["train.compile={mode: fastest}"], ["train.compile.mode", "'fastest'", "max-autotune"]),
     # eval data that fails to load is refused as data is, naming eval.data
     ("eval-data-bad-entrypoint", MLP, ["eval.every=2", "eval.data=user_model:no_such_data"],
      ["eval.data.entrypoint", "'user_model:no_such_data'", "has no callable"]),

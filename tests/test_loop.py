@@ -144,3 +144,57 @@ def test_loader_processes_read_the_same_batches(ray_cluster, tmp_path):
     b = torch.load(tmp_path / "ahead" / "final.pt", weights_only=True)
     assert max_diff(a, b) == 0.0
     assert step_losses(tmp_path / "inline") == step_losses(tmp_path / "ahead")
+
+
+# ---------------------------------------------------------------- precision phases and compile
+
+
+def test_keep_fp32_modules_compute_in_fp32_under_autocast():
+    from workers.models import gpt
+    from workers.precision import keep_fp32
+
+    torch.manual_seed(0)
+    model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)
+    kept = keep_fp32(model, ["*ln*", "tok_emb"], "cpu")
+    assert set(kept) == {n for n, _ in model.named_modules() if "ln" in n} | {"tok_emb"}
+    dtypes = {}
+    for name, module in model.named_modules():
+        if name in ("tok_emb", "blocks.0.ln1", "blocks.0.attn.q"):
+            module.register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 128, (2, 8)))
+    assert dtypes == {"tok_emb": torch.float32, "blocks.0.ln1": torch.float32, "blocks.0.attn.q": torch.bfloat16}
+
+
+@pytest.mark.ray
+def test_fp32_warmup_covering_every_step_equals_fp32(ray_cluster, tmp_path):
+    from test_train_equivalence import reference as plain
+
+    overrides = MLP[1] + ["train.steps=6", "train.precision={dtype: bf16, fp32_warmup_steps: 6, keep_fp32: [hidden.0]}"]
+    ref_state, _ = plain(load_job(MLP[0], overrides))
+    run_gearshift(MLP[0], overrides, tmp_path / "all-fp32")
+    final = torch.load(tmp_path / "all-fp32" / "final.pt", weights_only=True)
+    assert max_diff(final, ref_state) <= 1e-5
+    # the same phases with the warm-up over after 3 steps: bf16 from step 4 on changes the numbers
+    run_gearshift(MLP[0], MLP[1] + ["train.steps=6", "train.precision={dtype: bf16, fp32_warmup_steps: 3}"],
+                  tmp_path / "bf16-after-3")
+    later = torch.load(tmp_path / "bf16-after-3" / "final.pt", weights_only=True)
+    assert 1e-6 < max_diff(later, ref_state) < 0.03
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("layout", [[], ["parallel.strategy=tensor"],
+                                    ["adapt.schedule=[{step: 2, strategy: tensor}]"]],  # compiled again
+                         ids=["data", "tensor", "switch"])
+def test_compile_stays_within_1e_4_of_eager(ray_cluster, tmp_path, layout):
+    from test_train_equivalence import reference as plain
+
+    overrides = MLP[1] + ["train.steps=4", "train.compile=true", *layout]
+    ref_state, ref_losses = plain(load_job(MLP[0], overrides))
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert summary["status"] == "done"
+    [starting] = [r for r in records(tmp_path / "run") if r.get("event") == "state" and r["state"] == "starting"]
+    assert all(w["compiled"] for w in starting["workers"])  # torch.compile's wrapper is what forward runs
+    assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref_state) <= 1e-4
+    losses = step_losses(tmp_path / "run")
+    assert max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses)) <= 1e-4

@@ -118,6 +118,7 @@ class TrainWorker:
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
+                "compiled": self.parallel.module is not self.parallel.model and hasattr(self.parallel.module, "_orig_mod"),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
     def _lay_out(self, layout: Layout) -> None:
