@@ -198,3 +198,25 @@ def test_compile_stays_within_1e_4_of_eager(ray_cluster, tmp_path, layout):
     assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref_state) <= 1e-4
     losses = step_losses(tmp_path / "run")
     assert max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses)) <= 1e-4
+
+
+@pytest.mark.ray
+def test_a_killed_worker_mid_schedule_with_accumulation_ends_where_an_uninterrupted_run_ends(ray_cluster, tmp_path):
+    """The learning rate, accumulation and the loader's position all come back after a worker
+    is SIGKILLed mid-run and the group restarts from the last checkpoint."""
+    from test_fault import SLOW, Killer, events
+
+    overrides = MLP[1] + SLOW + ["cluster.num_workers=2", "train.micro_batch_size=8", "train.global_batch_size=32",
+                                 "optimizer.schedule={name: warmup_cosine, warmup_steps: 10, min_lr_ratio: 0.1}",
+                                 "data.loader={workers: 1, prefetch: 2}"]
+    run_gearshift(MLP[0], overrides, tmp_path / "clean")
+    killer = Killer(tmp_path / "killed", rank=1, at_step=15)
+    killer.start()
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "killed")
+    killer.join(timeout=5)
+    assert killer.killed and summary["status"] == "done" and len(events(tmp_path / "killed", "restored")) == 1
+    a = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
+    assert max_diff(a, b) <= 1e-6
+    lrs = lambda run: {r["step"]: r["lr"] for r in records(run) if r["type"] == "step"}  # noqa: E731
+    assert lrs(tmp_path / "killed") == lrs(tmp_path / "clean")
