@@ -228,17 +228,23 @@ def build_optimizer(params, spec: dict) -> torch.optim.Optimizer:
     return cls(params, lr=lr, betas=tuple(spec["betas"]), eps=spec["eps"], weight_decay=wd)
 
 
+def model_for_checks(model_spec: dict, search_paths: Iterable[str] = ()) -> tuple[nn.Module, dict | None]:
+    """The model (and the plan its entry point returned) on the meta device, which takes no
+    memory; built for real when the meta device cannot hold it."""
+    try:
+        with torch.device("meta"):
+            return build_model_and_plan(model_spec, search_paths)
+    except ComponentError:
+        raise
+    except Exception:
+        return build_model_and_plan(model_spec, search_paths)
+
+
 def check_tp_plan(model_spec: dict, job_plan: dict | None, tp: int, search_paths: Iterable[str] = ()) -> None:
     """The plan that would shard this model over `tp` ranks, checked on a meta-device copy."""
     from strategies.tp_plan import PlanError, resolve
 
-    try:
-        with torch.device("meta"):
-            model, returned = build_model_and_plan(model_spec, search_paths)
-    except ComponentError:
-        raise
-    except Exception:  # a model that cannot be built on the meta device: build it for real
-        model, returned = build_model_and_plan(model_spec, search_paths)
+    model, returned = model_for_checks(model_spec, search_paths)
     plan = tp_plan(model, job_plan, returned, tp)
     try:
         resolve(model, plan or {}, tp)

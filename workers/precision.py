@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from workers.components import ComponentError, build_model_and_plan
+from workers.components import ComponentError, model_for_checks
 
 
 def matching(model: nn.Module, patterns: Iterable[str]) -> dict[str, list[str]]:
@@ -22,13 +22,7 @@ def matching(model: nn.Module, patterns: Iterable[str]) -> dict[str, list[str]]:
 
 def check_patterns(model_spec: dict, patterns: list[str], search_paths: Iterable[str] = ()) -> None:
     """Every pattern matches a module of the model (built on the meta device: no memory)."""
-    try:
-        with torch.device("meta"):
-            model, _ = build_model_and_plan(model_spec, search_paths)
-    except ComponentError:
-        raise
-    except Exception:  # a model that cannot be built on the meta device: build it for real
-        model, _ = build_model_and_plan(model_spec, search_paths)
+    model, _ = model_for_checks(model_spec, search_paths)
     for pattern, names in matching(model, patterns).items():
         if not names:
             some = [n for n, _ in model.named_modules() if n][:20]
