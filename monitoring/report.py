@@ -236,6 +236,7 @@ def summarise(records, run_dir) -> dict:
         "strategies": strategies,
         "checkpoints": len(_events(records, "checkpoint")),
         "evals": [{"step": r["step"], "loss": r["loss"]} for r in _evals(records)],
+        "profiles": _profiles(records),
         "decisions": len(_events(records, "decision")),
         "switches": len(_events(records, "switch")),
         "final_state": final_state,
@@ -245,6 +246,14 @@ def summarise(records, run_dir) -> dict:
         "util_pct_mean_by_rank": {rank: float(np.mean(v)) for rank, v in sorted(util.items())},
         "notes": notes,
     }
+
+
+def _profiles(records) -> list[dict]:
+    """train.profile's files, one entry per rank (a resumed run that profiled again: the latest)."""
+    by_rank = {r["rank"]: r for r in _events(records, "profile")
+               if isinstance(r.get("rank"), int) and r.get("trace") and r.get("table")}
+    return [{"rank": k, "trace": r["trace"], "table": r["table"], "steps": r.get("steps")}
+            for k, r in sorted(by_rank.items())]
 
 
 def _duration(s: float) -> str:
@@ -301,7 +310,20 @@ def format_summary(s: dict) -> str:
         util = ", ".join(f"rank {r} {u:.0f} %" for r, u in s["util_pct_mean_by_rank"].items()) or "no readings"
         rows.append(("devices", f"{s['device_source']}; mean {what} while training: {util}"))
     rows += [("note", n) for n in s["notes"]]
-    return "\n".join(f"{k:<13}{v}" for k, v in rows)
+    return "\n".join(f"{k:<13}{v}" for k, v in rows) + _profile_section(s.get("profiles") or [])
+
+
+def _profile_section(profiles: list[dict]) -> str:
+    """The files train.profile wrote: a trace per rank for chrome://tracing or ui.perfetto.dev, and
+    its table of the top operators and modules."""
+    if not profiles:
+        return ""
+    steps = profiles[0]["steps"]
+    lines = ["", "", "Profile" + (f" (updates {steps[0]}..{steps[1]})" if steps else "") +
+             ": open a trace in ui.perfetto.dev or chrome://tracing"]
+    for p in profiles:
+        lines += [f"  rank {p['rank']:<4} trace {p['trace']}", f"  {'':<9} table {p['table']}"]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- plots

@@ -106,6 +106,9 @@ EVENTS = {
     "restored": "a new worker group restarted from a checkpoint after a failure (`checkpoint`, `step`)",
     "recovered": "the first step trained after a failure (`step`, `restored_step`, `seconds_since_detected`, "
                  "`steps_recomputed`, `world_size`)",
+    "profile": "train.profile's window ended on a rank and its files were written under RUN_DIR/profile/ (`rank`, "
+               "`trace`: the Chrome/Perfetto trace, `table`: top operators and modules by time and memory, `steps`: "
+               "[first, last] profiled update, 1-based)",
     "non_finite": "a step's loss or gradient norm was NaN or Inf: its update was not applied and its batch skipped "
                   "(`step`, `loss`, `grad_norm`, `layer`: the first module whose output was not finite, `action`)",
 }

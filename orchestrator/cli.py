@@ -258,7 +258,7 @@ def _resolve_run(args):
         if conflicts:
             raise JobError("--resume", str(run.path), "the job differs from the run it would continue in "
                            "fields that change the result: " + "; ".join(conflicts),
-                           "Only train.steps, train.log_every, train.activation_checkpointing, checkpoint.*, eval.*, telemetry.*, inject.*, adapt.*, tune.*, "
+                           "Only train.steps, train.log_every, train.activation_checkpointing, train.profile, checkpoint.*, eval.*, telemetry.*, inject.*, adapt.*, tune.*, "
                            "cluster.* and parallel.* may change on resume.")
         found = checkpoint.load_latest(run.checkpoints)
         resume = (found[0].name, found[1]) if found else None

@@ -331,6 +331,8 @@ class Controller:
                         if pending is None and decision.name in ("switch", "revert"):
                             pending = decision
                         kept = kept or decision.name == "keep"
+            if "profile" in batch:  # train.profile's window ended on this rank
+                report.profiled(rank, batch["profile"])
             if "checkpoint" in batch:
                 self._save_checkpoint(batch["checkpoint"])
         return pending, kept

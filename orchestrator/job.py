@@ -233,6 +233,22 @@ def _compile(v, path):
             "fullgraph": _bool(v.get("fullgraph", False), f"{path}.fullgraph")}
 
 
+@_schema(_nullable({"type": "object", "additionalProperties": False, "required": ["start_step", "steps"],
+                    "properties": {"start_step": _number("integer", 1), "steps": _number("integer", 1)}}))
+def _profile(v, path):
+    """null (no profiling) or {start_step: S, steps: K}: updates S..S+K-1 (1-based) under
+    torch.profiler. A mapping rather than a section: its absence, not a default window, means off."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) != {"start_step", "steps"}:
+        extra = sorted(set(v) - {"start_step", "steps"}) if isinstance(v, dict) else []
+        missing = sorted({"start_step", "steps"} - set(v)) if isinstance(v, dict) else []
+        why = f" (unknown key {extra[0]!r})" if extra else f" ({missing[0]} is required)" if missing else ""
+        raise JobError(path, v, "must be null (no profiling) or {start_step: S, steps: K}: profile the K updates "
+                                "from the S-th (1-based)" + why)
+    return {"start_step": _int(1)(v["start_step"], f"{path}.start_step"), "steps": _int(1)(v["steps"], f"{path}.steps")}
+
+
 @_schema(_nullable(_number("integer", 1)))
 def _micro_batch(v, path):
     return None if v is None else _int(1)(v, path)
@@ -375,6 +391,9 @@ class TrainSpec:
     activation_checkpointing: bool = _f(False, _bool, "recompute activations in backward (built-in models)")
     compile: bool | dict = _f(False, _compile, "torch.compile the model under its layout: true, or {mode, "
                                                "fullgraph}; compiled again after a switch")
+    profile: dict | None = _f(None, _profile, "record updates start_step..start_step+steps-1 (1-based) with "
+                              "torch.profiler on every rank: {start_step: S, steps: K}; null: no profiling. "
+                              "Traces and tables land in RUN_DIR/profile/")
 
 
 @dataclass(frozen=True)
@@ -970,6 +989,7 @@ def _check_sizes(job: Job) -> None:
     _check_micro_batch(job, [("parallel.strategy", job.layout)] + _scheduled_layouts(job))
     _check_lr_schedule(job)
     _check_keep_fp32(job)
+    _check_profile(job)
     if job.optimizer.name != "sgd" and (job.optimizer.momentum or job.optimizer.nesterov):
         raise JobError("optimizer.momentum", job.optimizer.momentum,
                        f"applies to sgd only; {job.optimizer.name} uses betas")
@@ -1017,6 +1037,16 @@ def _check_lr_schedule(job: Job) -> None:
             schedules.check_user_schedule(sched.name, job.optimizer.lr, steps, [job.base_dir])
         except ComponentError as err:
             raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+
+
+def _check_profile(job: Job) -> None:
+    """A window that runs past the last update would never finish: no trace would be written."""
+    p, steps = job.train.profile, job.train.steps
+    if p and p["start_step"] + p["steps"] - 1 > steps:
+        raise JobError("train.profile", p, f"must end by the last update: start_step + steps - 1 = "
+                       f"{p['start_step'] + p['steps'] - 1} > train.steps = {steps}",
+                       f"With steps: {p['steps']}, start_step may be at most {steps - p['steps'] + 1}." if
+                       p["steps"] <= steps else f"At most train.steps = {steps} updates can be profiled.")
 
 
 def _check_keep_fp32(job: Job) -> None:

@@ -21,6 +21,7 @@ from monitoring.telemetry import JsonlSink, LogEcho
 from orchestrator.errors import GearshiftError
 from orchestrator.job import Job
 from orchestrator.rundir import RunDir
+from workers import checkpoint
 
 log = logging.getLogger("gearshift")
 
@@ -165,6 +166,7 @@ class Reporter:
         self.observers: list = []
         self.metrics = None
         self.skipped: list[dict] = []  # steps whose loss or gradient norm was not finite
+        self.profile_dir = run.profile
 
     # ------------------------------------------------------------------ where records go
 
@@ -248,6 +250,16 @@ class Reporter:
     def switched(self, record: dict, evidence: dict | None, old, new) -> None:
         self.event("switch", **record, **({"evidence": evidence} if evidence else {}))
         self.say(f"step {record['step']}: switched {old} -> {new} in {record['seconds']:.2f} s ({record['reason']})")
+
+    def profiled(self, rank: int, profile: dict) -> None:
+        """train.profile: a rank's trace and tables came back in its report (the worker may be on
+        another machine); written whole or not at all, then announced."""
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        trace, table = self.profile_dir / f"rank{rank}.trace.json", self.profile_dir / f"rank{rank}.txt"
+        checkpoint.write_file_atomic(trace, profile["trace"].encode("utf-8"))
+        checkpoint.write_file_atomic(table, profile["table"].encode("utf-8"))
+        self.event("profile", rank=rank, trace=str(trace), table=str(table), steps=list(profile["steps"]))
+        self.say(f"profile: rank {rank}, updates {profile['steps'][0]}..{profile['steps'][1]} -> {trace}")
 
     def evaluated(self, record: dict) -> None:
         self.emit(record)

@@ -19,6 +19,8 @@ from workers import checkpoint
 _RESUMABLE = {("name",), ("train", "steps"), ("train", "log_every"), ("checkpoint", "every"), ("checkpoint", "keep"),
               ("checkpoint", "keep_best"),
               ("train", "activation_checkpointing")}
+# Keys whose whole subtree may differ: profiling watches steps and changes nothing in them.
+_RESUMABLE_PREFIXES = {("train", "profile")}
 # Whole sections that may change too: global batches do not depend on the worker count, and
 # checkpoints hold full tensors, so any layout continues what any other started.
 # Evaluation reads the model and changes nothing in it: it may change on resume too.
@@ -39,6 +41,7 @@ class RunDir:
     telemetry = property(lambda self: self.path / "telemetry.jsonl")
     summary = property(lambda self: self.path / "summary.json")
     final = property(lambda self: self.path / "final.pt")
+    profile = property(lambda self: self.path / "profile")  # train.profile's traces and tables, per rank
     log = property(lambda self: self.path / "gearshift.log")
     meta = property(lambda self: self.path / "run.json")  # what job.yaml cannot say: where the job came from
     driver = property(lambda self: self.path / "driver.json")  # which process is running it now
@@ -126,7 +129,8 @@ def resume_conflicts(saved: Job, new: Job) -> list[str]:
     """Fields where `new` would change the trajectory of the run it resumes."""
     a, b = _flatten(saved.to_dict()), _flatten(new.to_dict())
     return [".".join(k) + f": {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
-            if k not in _RESUMABLE and k[0] not in _RESUMABLE_SECTIONS and a.get(k) != b.get(k)]
+            if k not in _RESUMABLE and k[0] not in _RESUMABLE_SECTIONS and k[:2] not in _RESUMABLE_PREFIXES
+            and a.get(k) != b.get(k)]
 
 
 def find_resumable(job: Job, root: str | None = None) -> RunDir | None:

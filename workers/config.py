@@ -50,6 +50,7 @@ class WorkerConfig:
     keep_fp32: tuple[str, ...] = ()  # module patterns that compute in fp32 under autocast
     compile: Mapping[str, Any] | None = None  # torch.compile options, or None
     eval_data: Mapping[str, Any] | None = None  # held-out data (eval.data) when eval.every > 0
+    profile: tuple[int, int] | None = None  # train.profile: (start_step 1-based, steps), or None
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",)) -> "WorkerConfig":
@@ -69,7 +70,7 @@ class WorkerConfig:
             schedule=job["optimizer"].get("schedule") or dict(_CONSTANT),
             loader=job["data"].get("loader") or dict(_IN_LOOP),
             fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
-            compile=train.get("compile") or None, eval_data=_eval_data(job))
+            compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train))
 
 
 def _dtype(precision) -> str:
@@ -86,3 +87,8 @@ def _phases(precision) -> tuple[int, tuple[str, ...]]:
 def _eval_data(job: Mapping[str, Any]) -> Mapping[str, Any] | None:
     ev = job.get("eval") or {}  # a run dir written before eval existed has no eval section
     return ev.get("data") if ev.get("every") else None
+
+
+def _profile(train: Mapping[str, Any]) -> tuple[int, int] | None:
+    p = train.get("profile")  # a run dir written before profiling existed has no train.profile
+    return (p["start_step"], p["steps"]) if p else None

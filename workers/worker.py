@@ -29,6 +29,7 @@ from workers.data import GlobalBatches, tokens_per_sample
 from workers.evaluation import held_out_loss
 from workers.loader import StepBatches, StepLoader, step_seed
 from workers.nonfinite import NonFiniteStep, first_non_finite_module
+from workers.profiling import StepProfiler
 from workers.simnet import SimulatedNetwork
 from workers.telemetry import WorkerTelemetry
 
@@ -56,10 +57,10 @@ class TrainWorker:
         self.parallel: strategies.Parallel | None = None
         self.clock: CommClock | None = None  # per-step comm timing; None when telemetry is off
         self.telemetry: WorkerTelemetry | None = None
-        self.gpu_ids: list[str] = []
-        self.node_ip = "127.0.0.1"
+        self.gpu_ids, self.node_ip = [], "127.0.0.1"
         self.non_finite: list[dict] = []  # skipped steps not yet reported
         self.loader: StepLoader | None = None
+        self.profiler = StepProfiler(config.profile, cuda=config.gpu)  # train.profile's window
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -118,7 +119,7 @@ class TrainWorker:
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
-                "compiled": self.parallel.module is not self.parallel.model and hasattr(self.parallel.module, "_orig_mod"),
+                "compiled": hasattr(self.parallel.module, "_orig_mod"),  # torch.compile's wrapper
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
     def _lay_out(self, layout: Layout) -> None:
@@ -304,22 +305,23 @@ class TrainWorker:
         """Run steps up to `until_step`, yielding batches of per-step reports.
 
         A batch is yielded every `flush_s` seconds, at each checkpoint step (rank 0 attaches the
-        state) and at the end. Losses stay on the device until a flush, so a step never waits
-        on a device-to-host copy just to be reported.
+        state), where train.profile's window ends (its trace attached) and at the end. Losses stay
+        on the device until a flush, so a step never waits on a device-to-host copy to be reported.
         """
         clock = self.clock
         if clock:
             clock.take()  # nothing timed between steps belongs to the first one
         pending = _Pending(self.step, clock)
         while self.step < until_step:
+            self.profiler.before_step(self.step, self.parallel.model)
             loss, data_span, lr = self._one_step(self.step)
             self.step += 1
             pending.add(loss, data_span, lr)
             # the run's last step gets its own final save; a chunk's last step (before a possible
             # switch) is checkpointed like any other
             ckpt = checkpoint_every and self.step % checkpoint_every == 0 and self.step < (last_step or until_step)
-            if ckpt or pending.age() >= flush_s or self.step == until_step:
-                yield self._report(pending, bool(ckpt))
+            if self.profiler.after_step(self.step) or ckpt or pending.age() >= flush_s or self.step == until_step:
+                yield self._report(pending, bool(ckpt)) | self.profiler.take()  # the window's trace, once
                 # the next step's time starts after the report left: a checkpoint's copy and
                 # serialisation is not training time (the controller times checkpoints itself)
                 pending = _Pending(self.step, clock)
