@@ -12,18 +12,22 @@ Plain gloo processes (bench/local_group.py, no Ray), two workers, three comparis
    switch's recompile does: both are shown.
 2. loader processes 0 vs 2: an input-bound job (bench/slow_data.py: every sample waits 2 ms)
    with `data.loader.workers` 0 and 2, alternating; the data-time share of the step
-   (data_times / step_times, from the step reports) and samples/s.
+   (data_times / step_times, from the step reports) and samples/s; here samples/s is steps over
+   their summed time, not 1 / the median step time: loader processes hand batches over in
+   bunches, so step times are bimodal (a wait, then ready batches) and their median says little.
 3. gradient accumulation 1 vs 4 at the same global batch (`train.micro_batch_size` null vs
    global / (4 x dp)): samples/s in alternating blocks of one group, and peak memory. On CPU the
    peak is the process's peak resident set, which only grows, so for memory every variant runs in
    its own fresh group of processes, in the order A B B A ...; the growth of the peak during
    training (over the peak after the build) is shown too.
 
-Rates are global samples / the median step time (slowest rank per step); ratios are taken per
+Rates are global samples / the median step time (slowest rank per step; the loader comparison
+says otherwise below); ratios are taken per
 pair of neighbouring blocks (or groups), then the median over pairs, with their min-max spread.
 
     python bench/loop.py            # 4 pairs per comparison, data and tensor compile
-    python bench/loop.py --quick    # 1 compile pair (data layout only), fewer steps: a smoke check
+    python bench/loop.py --quick    # 1 compile pair (data layout only), 2 pairs of short blocks
+                                    # otherwise: a smoke check (about 2.5 min on 2 cores)
 
 The last line of output is one JSON object with every figure; a comparison that failed has null
 figures and a `*_error` key with the error's first line.
@@ -83,6 +87,9 @@ def block(group, steps: int, warm: int, batch: int) -> dict:
     step_s = statistics.median(slowest[warm:])
     shares = [sum(d[warm:]) / sum(s[warm:]) for d, s in zip(data_t, step_t) if d]
     return {"samples_per_s": batch / step_s, "step_s": step_s, "first_step_s": slowest[0],
+            # steps over their summed time: the rate for bursty steps (loader processes hand over
+            # batches in bunches, so step times are bimodal and their median says little)
+            "samples_per_s_mean": batch * len(slowest[warm:]) / sum(slowest[warm:]),
             "warmup_excess_s": sum(slowest[:warm]) - warm * step_s,
             "data_share": statistics.median(shares) if shares else None,
             "peak_mem_bytes": max(rr[-1].get("peak_mem_bytes") or 0 for rr in reports)}
@@ -161,14 +168,14 @@ def compare_loader(pairs: int, steps: int, warm: int, batch: int, delay_ms: floa
                     group.apply(rebuild, {"data": jobs[w]["data"], "loader": jobs[w]["data"]["loader"]})
                     got[w] = block(group, steps, warm, batch)
                     got_all[w].append(got[w])
-                ratios.append(got[2]["samples_per_s"] / got[0]["samples_per_s"])
+                ratios.append(got[2]["samples_per_s_mean"] / got[0]["samples_per_s_mean"])
     except Exception as err:
         out["error"] = first_line(err)
         print(f"loader comparison FAILED: {out['error']}", flush=True)
         return out
     for w in (0, 2):
-        out[f"samples_per_s_loader{w}"] = statistics.median(b["samples_per_s"] for b in got_all[w])
-        out[f"samples_per_s_loader{w}_spread"] = spread([b["samples_per_s"] for b in got_all[w]])
+        out[f"samples_per_s_loader{w}"] = statistics.median(b["samples_per_s_mean"] for b in got_all[w])
+        out[f"samples_per_s_loader{w}_spread"] = spread([b["samples_per_s_mean"] for b in got_all[w]])
         out[f"data_share_loader{w}"] = statistics.median(b["data_share"] for b in got_all[w])
         out[f"data_share_loader{w}_spread"] = spread([b["data_share"] for b in got_all[w]])
     out["loader2_over_loader0"] = statistics.median(ratios)
@@ -248,10 +255,14 @@ def main() -> None:
 
 
 def run(q: bool, pairs: int, only: set, t0: float) -> None:
-    print(f"training-loop features side by side, {WORKERS} gloo workers, {pairs} pair(s) per comparison"
-          f"{' (--quick)' if q else ''}, on {platform.machine()} with {os.cpu_count()} cores", flush=True)
-    result: dict = {"bench": "loop", "quick": q, "pairs": pairs, "machine": platform.machine(),
-                    "cpus": os.cpu_count()}
+    loader_pairs = accum_pairs = 2 if q else pairs
+    mem_repeats = 1 if q else 2
+    print(f"training-loop features side by side, {WORKERS} gloo workers{' (--quick)' if q else ''}, on "
+          f"{platform.machine()} with {os.cpu_count()} cores; block pairs: compile {pairs}, loader {loader_pairs}, "
+          f"accumulation {accum_pairs} (+ {mem_repeats} fresh group(s) per variant for memory)", flush=True)
+    result: dict = {"bench": "loop", "quick": q, "pairs_compile": pairs, "pairs_loader": loader_pairs,
+                    "pairs_accum": accum_pairs, "memory_groups_per_variant": mem_repeats,
+                    "machine": platform.machine(), "cpus": os.cpu_count()}
 
     if "compile" in only:
         print("\n1. torch.compile vs eager, GPT 2x128 block 64, global batch 16 (rates leave out 3 warm-up steps)")
@@ -271,8 +282,9 @@ def run(q: bool, pairs: int, only: set, t0: float) -> None:
                   f"{'-' if later is None else f'{later:.1f}':>8}", flush=True)
 
     if "loader" in only:
-        print("\n2. loader processes 0 vs 2, input-bound MLP job (2 ms per sample, global batch 32)")
-        r = compare_loader(2 if q else pairs, 15 if q else 30, 3, 32, 2.0)
+        print("\n2. loader processes 0 vs 2, input-bound MLP job (2 ms per sample, global batch 32; samples/s from "
+              "summed step times, data share = data_times / step_times)")
+        r = compare_loader(loader_pairs, 15 if q else 30, 3, 32, 2.0)
         result["loader"] = r
         for key in ("loader2_over_loader0", "data_share_loader0", "data_share_loader2"):
             result[key] = r.get(key)
@@ -292,7 +304,7 @@ def run(q: bool, pairs: int, only: set, t0: float) -> None:
               "alternating blocks of one group; peak memory from each variant in its own fresh processes (on CPU "
               "the peak is the process's peak RSS, which only grows; 'growth' is the rise over the peak after "
               "the build)")
-        r = compare_accumulation(2 if q else pairs, 12 if q else 30, 3, 64, 1 if q else 2, 6 if q else 10)
+        r = compare_accumulation(accum_pairs, 12 if q else 30, 3, 64, mem_repeats, 6 if q else 10)
         result["accum"] = r
         for key in ("accum4_over_accum1_samples_per_s", "accum4_over_accum1_peak_mem",
                     "accum4_over_accum1_peak_mem_growth"):
