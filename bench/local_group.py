@@ -42,7 +42,9 @@ def _serve(conn, job: dict, search_paths: list[str], rank: int, world: int, port
 
 class LocalGroup:
     def __init__(self, job: dict, world: int, search_paths: list[str] | None = None, cpus: float = 1.0,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, daemon: bool = True):
+        # daemon=False lets a worker start processes of its own (data.loader.workers > 0: a
+        # daemonic process may not have children); close() still stops every process it started
         ctx = mp.get_context("spawn")  # forking a process that has run torch is unsafe
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -52,7 +54,7 @@ class LocalGroup:
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(child, job, search_paths or ["."], rank, world, port, cpus),
-                               daemon=True)
+                               daemon=daemon)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
