@@ -249,10 +249,6 @@ class RayWorkerGroup:
         return self._get([getattr(w, method).remote(*args) for w in self.workers], method,
                          timeout or max(self.call_timeout_s, CALL_TIMEOUT_S if method == "build" else 0))
 
-    def call_rank(self, rank: int, method: str, *args, timeout: float | None = None) -> Any:
-        return self._get([getattr(self.workers[rank], method).remote(*args)], method,
-                         timeout or self.call_timeout_s)[0]
-
     def put(self, value: Any) -> Any:
         import ray
 
