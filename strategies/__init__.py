@@ -20,7 +20,7 @@ from torch import nn
 
 from strategies import data, hybrid, tensor
 from strategies.base import GRID, MESHES, REPLICATE, SHARD, Options, Parallel, Strategy
-from strategies.layout import Layout, LayoutError
+from strategies.layout import GROUPED, REPLICATED, SHARDED, Layout, LayoutError
 from strategies.tp_plan import PlanError
 
 __all__ = ["GRID", "MESHES", "REPLICATE", "SHARD", "STRATEGIES", "Layout", "LayoutError", "Options", "Parallel",
@@ -31,7 +31,7 @@ STRATEGIES: dict[str, Strategy] = {
     "tensor": Strategy("tensor", SHARD, tensor.apply, "Megatron-style column/row shards over every worker",
                        needs_plan=True),
     "hybrid": Strategy("hybrid", GRID, hybrid.apply, "tensor shards inside a group, data parallel across groups",
-                       needs_plan=True),
+                       needs_plan=True, sharding=(REPLICATED, SHARDED)),
 }
 _BUILTIN = tuple(STRATEGIES)
 

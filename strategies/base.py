@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from strategies import state
-from strategies.layout import Layout
+from strategies.layout import GROUPED, REPLICATED, SHARDED, Layout
 
 # How a strategy uses the workers, which decides the (dp, tp) a job's worker count gives it.
 REPLICATE = "replicate"  # every worker a replica: dp = workers, tp = 1
@@ -53,10 +53,17 @@ class Strategy:
     apply: Callable[..., "Parallel"]  # (model, mesh, layout, plan, options) -> Parallel
     doc: str = ""
     needs_plan: bool = False  # shards linear layers by a tensor-parallel plan
+    # how the data dimension's state may be held: replicated (shard 1), sharded (over all dp
+    # ranks) or grouped (hsdp: over parallel.shard_size ranks); see strategies/layout.py
+    sharding: tuple = (REPLICATED,)
 
     def __post_init__(self):
         if self.mesh not in MESHES:
             raise ValueError(f"strategy {self.name!r}: mesh {self.mesh!r} is not one of {', '.join(MESHES)}")
+        unknown = set(self.sharding) - {REPLICATED, SHARDED, GROUPED}
+        if not self.sharding or unknown:
+            raise ValueError(f"strategy {self.name!r}: sharding {self.sharding!r} must list some of "
+                             f"{REPLICATED}, {SHARDED}, {GROUPED}")
 
 
 class Parallel:

@@ -1,4 +1,11 @@
-"""A layout: how many data-parallel replicas (dp) of how many tensor-parallel shards (tp)."""
+"""A layout: how many data-parallel replicas (dp) of how many tensor-parallel shards (tp), and
+over how many of the dp ranks the state of each replica is sharded (shard).
+
+`shard` = 1: every dp rank holds whole state for its tp slice (data, tensor, hybrid).
+`shard` = dp: parameters, gradients and optimizer state are split over all dp ranks (fsdp,
+hybrid with parallel.dp_shard). 1 < `shard` < dp: split inside groups of `shard` consecutive dp
+ranks and replicated across the groups (hsdp).
+"""
 
 from __future__ import annotations
 
@@ -9,62 +16,96 @@ class LayoutError(ValueError):
     """The numbers do not add up; the message prints the equation."""
 
 
+# How a strategy shards the state of its data dimension (Strategy.sharding lists the forms it allows).
+REPLICATED = "replicated"  # shard = 1
+SHARDED = "sharded"        # shard = dp
+GROUPED = "grouped"        # shard = parallel.shard_size, a divisor of dp
+
+
 @dataclass(frozen=True)
 class Layout:
-    strategy: str  # "data", "tensor" or "hybrid"
+    strategy: str  # a registered strategy: "data", "tensor", "hybrid", "fsdp", "hsdp", or a user's own
     dp: int
     tp: int
+    shard: int = 1
 
     def __post_init__(self):
-        if self.dp < 1 or self.tp < 1:
-            raise LayoutError(f"dp({self.dp}) and tp({self.tp}) must be at least 1")
+        if self.dp < 1 or self.tp < 1 or self.shard < 1:
+            raise LayoutError(f"dp({self.dp}), tp({self.tp}) and shard({self.shard}) must be at least 1")
         mesh = _mesh_of(self.strategy)
         if mesh == "replicate" and self.tp != 1:
-            raise LayoutError(f"{self._noun()} shards nothing: tp({self.tp}) must be 1")
+            raise LayoutError(f"{self._noun()} shards no layer: tp({self.tp}) must be 1")
         if mesh == "shard" and self.dp != 1:
             raise LayoutError(f"{self._noun()} uses every worker as one shard group: dp({self.dp}) must be 1")
+        if self.dp % self.shard:
+            raise LayoutError(f"shard({self.shard}) must divide dp({self.dp}): {self.dp} % {self.shard} = "
+                              f"{self.dp % self.shard}")
+        forms = _sharding_of(self.strategy)
+        if forms is not None and self.dp > 1 and self.form not in forms:
+            raise LayoutError(f"{self._noun()} with shard({self.shard}) over dp({self.dp}) is {self.form}; "
+                              f"it allows {' or '.join(forms)} state")
 
     def _noun(self) -> str:
         return {"data": "data parallelism", "tensor": "tensor parallelism"}.get(self.strategy,
                                                                                 f"strategy {self.strategy}")
 
     @property
+    def form(self) -> str:
+        """replicated, sharded or grouped (see the module's doc)."""
+        if self.shard == 1 and self.dp > 1:
+            return REPLICATED
+        return SHARDED if self.shard == self.dp else GROUPED
+
+    @property
     def world(self) -> int:
         return self.dp * self.tp
 
+    @property
+    def replicas(self) -> int:
+        """Whole copies of the state across the workers (hsdp: dp / shard)."""
+        return self.dp // self.shard
+
     def to_dict(self) -> dict:
-        """How records, events and the summary write a layout."""
-        return {"strategy": self.strategy, "dp": self.dp, "tp": self.tp}
+        """How records, events and the summary write a layout (`shard` only when state is sharded,
+        so records of unsharded layouts read as they always did)."""
+        out = {"strategy": self.strategy, "dp": self.dp, "tp": self.tp}
+        if self.shard > 1:
+            out["shard"] = self.shard
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        return cls(d["strategy"], int(d["dp"]), int(d["tp"]))
+        return cls(d["strategy"], int(d["dp"]), int(d["tp"]), int(d.get("shard") or 1))
 
     def __str__(self) -> str:
-        return f"{self.strategy} dp={self.dp} tp={self.tp}"
+        return f"{self.strategy} dp={self.dp} tp={self.tp}" + (f" shard={self.shard}" if self.shard > 1 else "")
 
     @classmethod
-    def for_workers(cls, strategy: str, num_workers: int, tp_size: int | None) -> "Layout":
-        """The layout a job asks for, or LayoutError with the equation that fails."""
+    def for_workers(cls, strategy: str, num_workers: int, tp_size: int | None, shard_size: int | None = None,
+                    dp_shard: bool = False) -> "Layout":
+        """The layout a job asks for, or LayoutError with the equation that fails. `shard_size`
+        is hsdp's group; `dp_shard` shards a grid layout's data dimension (hybrid)."""
         mesh = _mesh_of(strategy)
         if mesh == "replicate":
             if tp_size not in (None, 1):
                 raise LayoutError(f"strategy {strategy} uses no tensor parallelism: tp_size({tp_size}) must be 1 "
                                   "or unset")
-            return cls(strategy, num_workers, 1)
-        if mesh == "shard":
+            dp, tp = num_workers, 1
+        elif mesh == "shard":
             if tp_size not in (None, num_workers):
                 raise LayoutError(f"strategy {strategy} shards over every worker: tp_size({tp_size}) != "
                                   f"num_workers({num_workers}); use hybrid for dp x tp")
-            return cls(strategy, 1, num_workers)
-        if mesh == "grid":
+            dp, tp = 1, num_workers
+        elif mesh == "grid":
             if tp_size is None:
                 raise LayoutError(f"strategy {strategy} needs parallel.tp_size (dp = num_workers / tp_size)")
             if num_workers % tp_size:
                 raise LayoutError(f"dp * tp_size({tp_size}) != num_workers({num_workers}): "
                                   f"{num_workers} % {tp_size} = {num_workers % tp_size}")
-            return cls(strategy, num_workers // tp_size, tp_size)
-        raise LayoutError(f"unknown strategy {strategy!r}")
+            dp, tp = num_workers // tp_size, tp_size
+        else:
+            raise LayoutError(f"unknown strategy {strategy!r}")
+        return cls(strategy, dp, tp, _shard_for(strategy, dp, shard_size, dp_shard))
 
     def dp_rank(self, rank: int) -> int:
         # ranks fill the (dp, tp) mesh row by row: a tp group is tp consecutive ranks
@@ -74,9 +115,38 @@ class Layout:
         return [list(range(d * self.tp, (d + 1) * self.tp)) for d in range(self.dp)]
 
 
-def _mesh_of(strategy: str) -> str | None:
-    """How a registered strategy uses the workers (None: not registered in this process)."""
+def _shard_for(strategy: str, dp: int, shard_size: int | None, dp_shard: bool) -> int:
+    forms = _sharding_of(strategy) or (REPLICATED,)
+    if dp_shard:
+        if SHARDED not in forms or REPLICATED not in forms:
+            raise LayoutError(f"parallel.dp_shard applies to a layout that may shard its data dimension "
+                              f"(hybrid); strategy {strategy} cannot")
+        return dp
+    if GROUPED in forms:
+        if shard_size is None:
+            raise LayoutError(f"strategy {strategy} needs parallel.shard_size (the workers of one shard group)")
+        if shard_size < 1 or dp % shard_size:
+            raise LayoutError(f"groups * shard_size({shard_size}) != num_workers({dp}): "
+                              f"{dp} % {shard_size} = {dp % shard_size if shard_size else 'undefined'}")
+        return shard_size
+    if shard_size is not None:
+        raise LayoutError(f"parallel.shard_size applies to hsdp; strategy {strategy} "
+                          + ("shards over every worker" if forms == (SHARDED,) else "does not shard its state"))
+    return dp if forms == (SHARDED,) else 1
+
+
+def _strategy(strategy: str):
     from strategies import STRATEGIES  # the registry imports this module
 
-    found = STRATEGIES.get(strategy)
+    return STRATEGIES.get(strategy)
+
+
+def _mesh_of(strategy: str) -> str | None:
+    """How a registered strategy uses the workers (None: not registered in this process)."""
+    found = _strategy(strategy)
     return found.mesh if found is not None else None
+
+
+def _sharding_of(strategy: str) -> tuple[str, ...] | None:
+    found = _strategy(strategy)
+    return tuple(found.sharding) if found is not None else None
