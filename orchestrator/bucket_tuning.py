@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.job import Job
+from orchestrator.job import Job, scheduled
 from orchestrator.reporting import setting_text
 from orchestrator.tuner import Tuner
 from strategies.layout import Layout
@@ -215,9 +215,9 @@ class BucketTuning:
         ctl = self.ctl
         layout = ctl.layout
         if "strategy" in setting:
-            layout = Layout.for_workers(setting["strategy"], ctl.job.cluster.num_workers,
-                                        setting.get("tp_size", ctl.job.parallel.tp_size)
-                                        if setting["strategy"] != "data" else None)
+            tp = setting.get("tp_size", ctl.job.parallel.tp_size) if setting["strategy"] != "data" else None
+            layout = scheduled(ctl.job, {"strategy": setting["strategy"], "tp_size": tp,
+                                         "shard_size": setting.get("shard_size"), "dp_shard": setting.get("dp_shard")})
         bucket = setting.get("bucket_cap_mb", self.bucket)
         if layout == ctl.layout and bucket == self.bucket:
             return False

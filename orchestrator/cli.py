@@ -283,13 +283,15 @@ def cmd_run(args) -> int:
     from orchestrator.controller import Controller
     from orchestrator.job import dump_job
     from orchestrator.rundir import RunDir
-    from workers.checkpoint import torch_bytes, write_file_atomic
+    from workers.checkpoint import write_file_atomic
     from orchestrator.worker_group import RayWorkerGroup, check_reachable, ray_session
 
     job, run, resume = _resolve_run(args)
     if resume and resume[1]["step"] >= job.train.steps:
         if not run.final.exists():  # stopped between its last checkpoint and final.pt
-            write_file_atomic(run.final, torch_bytes(resume[1]["model"]))
+            from orchestrator.checkpoints import Checkpoints
+
+            Checkpoints(job, run.checkpoints, None).write_final(resume[1]["step"], run.final)
         print(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
               f"raise train.steps to train further (--set train.steps=N).", file=sys.stderr)
         return 0
@@ -306,7 +308,10 @@ def cmd_run(args) -> int:
     view.say(f"gearshift: {job.name} ({job.fingerprint()}): {job.cluster.num_workers} worker(s), "
              f"strategy {job.parallel.strategy}, {job.train.steps} steps{resuming_at}; run dir {run.path}")
     with ray_session(address) as session:
-        controller = Controller(job, run, lambda j: RayWorkerGroup(j, embedded=session["embedded"]),
+        def group_factory(j):
+            return RayWorkerGroup(j, embedded=session["embedded"], checkpoint_dir=run.checkpoints.resolve())
+
+        controller = Controller(job, run, group_factory,
                                 resume=resume, view=view)
         try:
             summary = controller.run()

@@ -28,6 +28,7 @@ tune` hands in one with a grid). Records and terminal lines go through `Reporter
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import time
@@ -37,16 +38,16 @@ from typing import Callable
 from monitoring.progress import ProgressView
 from orchestrator.boundary import Boundary, Then, next_boundary
 from orchestrator.bucket_tuning import BucketTuning, initial_bucket
+from orchestrator.checkpoints import Checkpoints
 from orchestrator.errors import GearshiftError, WorkerFailed
 from orchestrator.evaluation import Evaluation
-from orchestrator.job import Job, accumulation
+from orchestrator.job import Job, accumulation, scheduled
 from orchestrator.policy import AdaptConfig, Decision, Policy, candidate_layouts
 from orchestrator.recovery import Recovery
 from orchestrator.reporting import Reporter, StepMerger
 from orchestrator.rundir import RunDir
 from orchestrator.worker_group import WorkerGroup
 from strategies.layout import Layout
-from workers import checkpoint
 
 
 class State(enum.Enum):
@@ -96,7 +97,8 @@ class Controller:
         self.recovery = Recovery(self.report, run.checkpoints)
         self.tuning = tuning or BucketTuning()
         self.tuning.attach(self)
-        self.evals = Evaluation(job, self.report, run.checkpoints, self._save_checkpoint)
+        self.checkpoints = Checkpoints(job, run.checkpoints, self.report)
+        self.evals = Evaluation(job, self.report, run.checkpoints, self.checkpoints.save_now)
         self.state = State.PLACING
         self.layout = job.layout  # the layout in force now
         self.history: list[dict] = []
@@ -165,6 +167,9 @@ class Controller:
     def _start(self) -> State:
         """Restore the checkpoint into the started workers, and the layout and bucket in force."""
         job, infos, restart = self.job, self.infos, self._restart
+        if Layout.from_dict(infos[0]["layout"]) != job.layout:  # hsdp's group, decided by the placement
+            job = self.job = dataclasses.replace(job, parallel=dataclasses.replace(
+                job.parallel, shard_size=infos[0]["layout"].get("shard", 1)))
         keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend", "compiled")
         self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
                     layout=job.layout.to_dict(), tp_groups=job.layout.tp_groups() if job.layout.tp > 1 else [])
@@ -240,11 +245,10 @@ class Controller:
 
     def _finish(self) -> None:
         """DONE: the final checkpoint and final.pt. A worker lost here is not recovered from."""
-        final_state = self.group.call("state")[0]  # every rank takes part in gathering shards
-        self._save_checkpoint(final_state)
-        self.evals.at_end(self.group, final_state["step"], self.layout)  # after the save: the best may be this one
-        checkpoint.write_file_atomic(self.run_dir.final, checkpoint.torch_bytes(final_state["model"]))
-        self._enter(State.DONE, step=final_state["step"])
+        step = self.checkpoints.save_now(self.group)  # every rank takes part: each writes its shards
+        self.evals.at_end(self.group, step, self.layout)  # after the save: the best may be this one
+        self.checkpoints.write_final(step, self.run_dir.final)
+        self._enter(State.DONE, step=step)
         self.summary["status"] = "done"
 
     def _failed(self, err: BaseException) -> None:
@@ -333,8 +337,7 @@ class Controller:
                         kept = kept or decision.name == "keep"
             if "profile" in batch:  # train.profile's window ended on this rank
                 report.profiled(rank, batch["profile"])
-            if "checkpoint" in batch:
-                self._save_checkpoint(batch["checkpoint"])
+            self.checkpoints.add(batch, job.cluster.num_workers)
         return pending, kept
 
     def _tune_after(self, boundary: Boundary) -> None:
@@ -376,11 +379,6 @@ class Controller:
     def _history_entry(self, step: int, layout: Layout) -> dict:
         return {"step": step, **layout.to_dict(), "bucket_cap_mb": self.tuning.bucket}
 
-    def _save_checkpoint(self, state: dict) -> None:
-        path = checkpoint.save(self.run_dir.checkpoints, state["step"], state, self.job.checkpoint.keep,
-                               meta={"fingerprint": self.job.fingerprint()})
-        self.report.event("checkpoint", step=state["step"], path=str(path))
-
 
 def earlier_history(run: RunDir, start_step: int) -> list[dict]:
     """A resumed run keeps the layouts its earlier legs used before the resume point."""
@@ -398,8 +396,7 @@ def scheduled_layout(job: Job, step: int) -> Layout | None:
     entries = [e for e in job.adapt.schedule if e["step"] <= step]
     if not entries:
         return None
-    e = entries[-1]
-    return Layout.for_workers(e["strategy"], job.cluster.num_workers, e["tp_size"])
+    return scheduled(job, entries[-1])
 
 
 def node_sizes(job: Job, infos: list[dict]) -> list[int]:

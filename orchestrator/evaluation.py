@@ -28,7 +28,7 @@ from workers import checkpoint
 
 
 class Evaluation:
-    def __init__(self, job: Job, report: Reporter, checkpoints: pathlib.Path, save: Callable[[dict], None]):
+    def __init__(self, job: Job, report: Reporter, checkpoints: pathlib.Path, save: Callable[[object], int]):
         self.every, self.batches = job.eval.every, job.eval.batches
         self.keep_best, self.keep = job.checkpoint.keep_best, job.checkpoint.keep
         self.report, self.checkpoints, self.save = report, pathlib.Path(checkpoints), save
@@ -75,7 +75,7 @@ class Evaluation:
 
     def _mark_best(self, group, step: int, loss: float) -> None:
         if not (self.checkpoints / f"step_{step:08d}").is_dir():
-            self.save(group.call("state")[0])  # a collective when sharded: every rank takes part
+            self.save(group)  # a collective when sharded: every rank takes part
         path = checkpoint.mark_best(self.checkpoints, step, loss, self.keep)
         self.report.event("best", step=step, eval_loss=loss, path=str(path))
 

@@ -476,6 +476,10 @@ class ParallelSpec:
     bucket_cap_mb: float | str = _f(25.0, _bucket, "gradient bucket size in MB, or auto: tuned while training "
                                                     "(see tune)")
     tp_across_nodes: bool = _f(False, _bool, "allow tensor-parallel groups that span nodes (slow: for comparisons)")
+    shard_size: int | None = _f(None, _tp_size, "hsdp: workers per shard group (state sharded inside a group, "
+                                                "replicated across groups); null: the workers of one node")
+    dp_shard: bool = _f(False, _bool, "hybrid: shard the data dimension's state (FSDP over dp) instead of "
+                                      "replicating it")
 
 
 @dataclass(frozen=True)
@@ -484,6 +488,9 @@ class CheckpointSpec:
     keep: int = _f(3, _int(1), "how many recent checkpoints to keep")
     keep_best: bool = _f(False, _bool, "also keep the checkpoint with the lowest eval loss (needs eval.every > 0); "
                                        "checkpoints/best.json names it")
+    format: str = _f("auto", _choice("auto", "dcp", "full"), "dcp: every worker writes its own shards "
+                     "(torch.distributed.checkpoint), nothing gathered; full: whole tensors gathered to one worker "
+                     "and written by the driver; auto: dcp when every worker sees the run directory, else full")
 
 
 @_schema(_nullable(_number("integer", 0, 65535)))
@@ -502,24 +509,27 @@ def _host(v, path):
 @_schema({"type": ["array", "null"], "items": {
     "type": "object", "required": ["step", "strategy"], "additionalProperties": False,
     "properties": {"step": _number("integer", 1), "strategy": _strategy(allow_auto=False).schema,
-                   "tp_size": _tp_size.schema}}})
+                   "tp_size": _tp_size.schema, "shard_size": _tp_size.schema, "dp_shard": {"type": "boolean"}}}})
 def _schedule(v, path):
     if v is None:
         return []
     if not isinstance(v, list):
-        raise JobError(path, v, "must be a list of {step: N, strategy: data|tensor|hybrid, tp_size: K}")
+        raise JobError(path, v, "must be a list of {step: N, strategy: S, tp_size: K, shard_size: G, dp_shard: B}")
     out, last = [], 0
     for i, entry in enumerate(v):
         where = f"{path}[{i}]"
-        if not isinstance(entry, dict) or set(entry) - {"step", "strategy", "tp_size"} or \
+        if not isinstance(entry, dict) or set(entry) - {"step", "strategy", "tp_size", "shard_size", "dp_shard"} or \
                 not {"step", "strategy"} <= set(entry):
-            raise JobError(where, entry, "must be {step: N, strategy: data|tensor|hybrid} with tp_size for hybrid")
+            raise JobError(where, entry, "must be {step: N, strategy: S} with tp_size for hybrid, shard_size for "
+                                         "hsdp and dp_shard: true for a sharded hybrid")
         step = _int(1)(entry["step"], f"{where}.step")
         if step <= last:
             raise JobError(f"{where}.step", step, f"must be later than the entry before it (step {last})")
         last = step
         strategy = _strategy(allow_auto=False)(entry["strategy"], f"{where}.strategy")
-        out.append({"step": step, "strategy": strategy, "tp_size": _tp_size(entry.get("tp_size"), f"{where}.tp_size")})
+        out.append({"step": step, "strategy": strategy, "tp_size": _tp_size(entry.get("tp_size"), f"{where}.tp_size"),
+                    "shard_size": _tp_size(entry.get("shard_size"), f"{where}.shard_size"),
+                    "dp_shard": _bool(entry.get("dp_shard", False), f"{where}.dp_shard")})
     return out
 
 
@@ -529,7 +539,8 @@ class AdaptSpec:
     threshold: float = _f(0.15, _float(0.0, 1.0, lo_open=True), "comm-wait fraction of the step that calls for a switch")
     window: int = _f(20, _int(2, 100000), "steps averaged before each decision")
     cooldown: int = _f(40, _int(0), "steps after a switch before the next one")
-    schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K}, ...]")
+    schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K, shard_size: G, "
+                                       "dp_shard: B}, ...]")
 
 
 @dataclass(frozen=True)
@@ -665,7 +676,15 @@ class Job:
 
         # auto starts data parallel; the policy moves it from there
         strategy = "data" if self.parallel.strategy == "auto" else self.parallel.strategy
-        return Layout.for_workers(strategy, self.cluster.num_workers, self.parallel.tp_size)
+        p = self.parallel
+        return Layout.for_workers(strategy, self.cluster.num_workers, p.tp_size, self.shard_size(strategy), p.dp_shard)
+
+    def shard_size(self, strategy: str) -> int | None:
+        """hsdp's shard group: parallel.shard_size, else the workers of one node (the simulated
+        nodes' size here; the placement's own node size once the workers are placed)."""
+        if strategy != "hsdp" or self.parallel.shard_size is not None:
+            return self.parallel.shard_size
+        return self.cluster.num_workers // max(1, self.inject.nodes)
 
     @property
     def dp_size(self) -> int:
@@ -924,8 +943,11 @@ def _check_layout(job: Job) -> None:
     try:
         layout = job.layout
     except LayoutError as err:
-        field = "parallel.tp_size" if job.parallel.tp_size is not None else "parallel.strategy"
-        raise JobError(field, getattr(job.parallel, field.split(".")[1]), str(err)) from None
+        text = str(err)
+        field = ("parallel.dp_shard" if "dp_shard" in text and job.parallel.dp_shard else
+                 "parallel.shard_size" if "shard_size" in text and job.parallel.shard_size is not None else
+                 "parallel.tp_size" if job.parallel.tp_size is not None else "parallel.strategy")
+        raise JobError(field, getattr(job.parallel, field.split(".")[1]), text) from None
     if job.train.activation_checkpointing and not job.model.name:
         raise JobError("train.activation_checkpointing", True, "is available for the built-in models only; "
                        "a model given by entry point can use torch.utils.checkpoint itself")
@@ -957,7 +979,7 @@ def _check_adapt(job: Job) -> None:
             raise JobError(f"{where}.step", entry["step"], f"must be before the last step (train.steps = {job.train.steps})")
         _resolve_strategy(job, f"{where}.strategy", entry["strategy"])
         try:
-            layout = Layout.for_workers(entry["strategy"], w, entry["tp_size"])
+            layout = scheduled(job, entry)
         except LayoutError as err:
             raise JobError(where, entry, str(err)) from None
         if job.train.global_batch_size % layout.dp:
@@ -1000,8 +1022,18 @@ def _check_sizes(job: Job) -> None:
 def _scheduled_layouts(job: Job) -> list:
     from strategies.layout import Layout
 
-    return [(f"adapt.schedule[{i}]", Layout.for_workers(e["strategy"], job.cluster.num_workers, e["tp_size"]))
-            for i, e in enumerate(job.adapt.schedule)]
+    return [(f"adapt.schedule[{i}]", scheduled(job, e)) for i, e in enumerate(job.adapt.schedule)]
+
+
+def scheduled(job: Job, entry: dict, workers: int | None = None):
+    """The layout an adapt.schedule entry names (a resumed or shrunk run may have other `workers`)."""
+    from strategies.layout import Layout
+
+    n = workers or job.cluster.num_workers
+    shard = entry.get("shard_size")
+    if entry["strategy"] == "hsdp" and shard is None:
+        shard = job.shard_size("hsdp") if n == job.cluster.num_workers else n // max(1, job.inject.nodes)
+    return Layout.for_workers(entry["strategy"], n, entry["tp_size"], shard, entry.get("dp_shard", False))
 
 
 def accumulation(global_batch: int, micro: int | None, dp: int) -> int | None:

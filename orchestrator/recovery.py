@@ -19,7 +19,7 @@ from orchestrator.errors import GearshiftError, WorkerFailed
 from orchestrator.job import Job
 from orchestrator.reporting import Reporter
 from orchestrator.worker_group import WorkerGroup, worker_bundle
-from strategies.layout import Layout, LayoutError
+from strategies.layout import LayoutError
 from workers import checkpoint
 
 # how Ray says an actor went down with its node (a killed worker process reads "worker process has died")
@@ -133,11 +133,11 @@ def after_node_loss(job: Job, lost: list[str], group: WorkerGroup) -> tuple[Job,
     if n < 1:
         raise GearshiftError(f"node {', '.join(lost)} was lost and what is left cannot hold one worker of "
                              f"{bundle} (free: {free}); fault.on_node_loss = shrink has nothing to shrink to")
-    parallel = job.parallel
+    job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, num_workers=n))
     try:
-        Layout.for_workers(job.layout.strategy, n, job.parallel.tp_size)
-    except LayoutError:  # a tensor-parallel size the fewer workers cannot hold: data parallel
-        parallel = dataclasses.replace(parallel, strategy="data", tp_size=None)
-    job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, num_workers=n), parallel=parallel)
+        job.layout  # noqa: B018 (it validates)
+    except LayoutError:  # a tensor-parallel or shard size the fewer workers cannot hold: data parallel
+        job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, strategy="data", tp_size=None,
+                                                                    shard_size=None, dp_shard=False))
     return job, (f"node {', '.join(lost)} lost: continuing on {n} worker(s) (fault.on_node_loss = shrink; the "
                  f"global batch stays {batch})")

@@ -88,6 +88,7 @@ class RunDir:
                 path = pathlib.Path(root) / f"{job.name}-{job.fingerprint()}-{stamp}-{n}"
         path.mkdir(parents=True, exist_ok=True)
         run = cls(path)
+        run.checkpoints.mkdir(exist_ok=True)  # before the workers start: they check they can see it
         checkpoint.write_file_atomic(run.job_file, dump_job(job).encode())
         meta = {"base_dir": job.base_dir, "fingerprint": job.fingerprint(), "created": time.time()}
         checkpoint.write_file_atomic(run.meta, json.dumps(meta, indent=2).encode())

@@ -128,7 +128,10 @@ def cmd_tune(args) -> int:
              f"{job.cluster.num_workers} worker(s); run dir {run.path}")
     with ray_session(address) as session:
         tuning = BucketTuning(grid=space)  # every setting of the space, then the run stops
-        controller = Controller(job, run, lambda j: RayWorkerGroup(j, embedded=session["embedded"]), view=view,
+        def group_factory(j):
+            return RayWorkerGroup(j, embedded=session["embedded"], checkpoint_dir=run.checkpoints.resolve())
+
+        controller = Controller(job, run, group_factory, view=view,
                                 tuning=tuning)
         controller.run()
     if not tuning.rounds:

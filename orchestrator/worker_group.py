@@ -140,8 +140,9 @@ class WorkerGroup(Protocol):
 
 
 class RayWorkerGroup:
-    def __init__(self, job: Job, embedded: bool):
+    def __init__(self, job: Job, embedded: bool, checkpoint_dir: str | None = None):
         self.job = job
+        self.checkpoint_dir = str(checkpoint_dir) if checkpoint_dir else None  # where ranks write DCP shards
         self.embedded = embedded  # an embedded cluster cannot grow, so a shortfall is final at once
         self.pg = None
         self.workers: list[Any] = []  # actor handles, index = rank
@@ -182,7 +183,7 @@ class RayWorkerGroup:
                 num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 max_restarts=0, max_concurrency=1,
-            ).remote(WorkerConfig.from_job(job.to_dict(), search_paths), job.cluster.cpus_per_worker)
+            ).remote(WorkerConfig.from_job(job.to_dict(), search_paths, self.checkpoint_dir), job.cluster.cpus_per_worker)
             for i in range(job.cluster.num_workers)
         ]
         self.workers = handles
@@ -199,10 +200,24 @@ class RayWorkerGroup:
         world = len(self.workers)
         backends = self._get([w.setup.remote(r, world, master_addr, port, job.fault.collective_timeout_s)
                               for r, w in enumerate(self.workers)], "rendezvous")
-        builds = self.call("build")
+        builds = self.call("build", self._layout().to_dict())
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos
+
+    def _layout(self):
+        """The job's layout, with hsdp's default group (parallel.shard_size unset, no simulated
+        nodes) taken from the placement: the workers every node holds."""
+        import math
+        import dataclasses
+
+        job = self.job
+        if job.layout.strategy != "hsdp" or job.parallel.shard_size is not None or job.inject.nodes > 1:
+            return job.layout
+        sizes: dict[str, int] = {}
+        for info in self.infos:
+            sizes[info["node_id"]] = sizes.get(info["node_id"], 0) + 1
+        return dataclasses.replace(job.layout, shard=math.gcd(*sizes.values()))
 
     def _check_tp_groups_are_node_local(self) -> None:
         """Tensor parallelism talks on every layer; across nodes it would run on the slow link."""

@@ -1,10 +1,18 @@
 """Atomic checkpoints with a manifest: a checkpoint either verifies whole or is not used.
 
-Layout: `checkpoints/step_00000050/{state.pt, manifest.json}`. A checkpoint is written into a
-temporary folder, every file fsynced, then the folder renamed into place (rename is atomic on
-POSIX), so a crash mid-write leaves a `.tmp-*` folder that loading ignores, never a half file
-under a real name. The manifest records each file's size and sha256; loading verifies them and
-falls back to the previous checkpoint when one does not verify.
+Two formats, both loaded by any layout and world size:
+- `dcp` (format 2): `checkpoints/step_00000050/{dcp/.metadata, dcp/__R_0.distcp..., extra.pt,
+  manifest.json}`. Every rank writes its own shards in parallel (workers/dcp.py); nothing is
+  gathered. `extra.pt` holds the scaler state and the step.
+- `full` (format 1, what earlier versions wrote, and the fallback when the workers do not share
+  the driver's file system): `checkpoints/step_00000050/{state.pt, manifest.json}`, whole
+  tensors gathered to rank 0 and written by the driver.
+
+A checkpoint is written into a temporary folder, every file fsynced, then the folder renamed
+into place (rename is atomic on POSIX), so a crash mid-write leaves a `.step_*.tmp-*` folder that
+loading ignores, never a half file under a real name. The manifest, written last, records each
+file's size and sha256; loading verifies them and falls back to the previous checkpoint when one
+does not verify.
 
 `checkpoints/best.json` (written atomically; only with checkpoint.keep_best) names the checkpoint
 with the lowest eval loss: `{"step", "path", "eval_loss"}`. Pruning never deletes the checkpoint
@@ -28,7 +36,10 @@ import torch
 
 log = logging.getLogger("gearshift.checkpoint")
 
-FORMAT = 1
+FORMAT = 1  # whole tensors in state.pt
+DCP_FORMAT = 2  # torch.distributed.checkpoint shards under dcp/, written by every rank
+DCP_DIR = "dcp"
+EXTRA = "extra.pt"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -54,6 +65,56 @@ def write_file_atomic(path: pathlib.Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def sha256_file(path: pathlib.Path, chunk: int = 1 << 22) -> str:
+    """Streamed: a shard file is never held in memory whole."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_tree(folder: pathlib.Path) -> None:
+    for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders holding them
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        else:
+            _fsync_dir(path)
+    _fsync_dir(folder)
+
+
+def commit(root: pathlib.Path, step: int, tmp: pathlib.Path, files: dict, keep: int,
+           meta: dict | None = None) -> pathlib.Path:
+    """Make the DCP checkpoint the ranks wrote into `tmp` visible as the checkpoint of `step`:
+    check every file the ranks reported is there with its size, write the manifest (last),
+    fsync, rename, prune. Raises CheckpointError (and removes `tmp`) when a file is missing:
+    then the workers wrote somewhere this process cannot see."""
+    root, tmp = pathlib.Path(root), pathlib.Path(tmp)
+    final = root / f"step_{step:08d}"
+    try:
+        for name, want in files.items():
+            path = tmp / name
+            if not path.is_file() or path.stat().st_size != want["bytes"]:
+                raise CheckpointError(f"{tmp}: {name} that a worker wrote is missing or of another size here; "
+                                      "the workers and the driver must share the run directory's file system")
+        manifest = {"format": DCP_FORMAT, "step": step, "created": time.time(), "files": files, **(meta or {})}
+        _fsync_tree(tmp)
+        write_file_atomic(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
+        if final.exists():  # a rerun of the same step (after a resume): replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(root, keep)
+    return final
 
 
 def torch_bytes(obj: Any) -> bytes:
@@ -142,30 +203,41 @@ def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
 
 
 def verify(path: pathlib.Path) -> tuple[dict, dict[str, bytes]]:
-    """The manifest and the files' bytes, when every file matches the manifest; else CheckpointError."""
+    """The manifest, and the bytes of state.pt (format 1; none are read into memory for DCP),
+    when every file matches the manifest; else CheckpointError."""
     path = pathlib.Path(path)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: manifest unreadable ({err})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this gearshift reads {FORMAT}")
+    if manifest.get("format") not in (FORMAT, DCP_FORMAT):
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this gearshift reads {FORMAT} and "
+                              f"{DCP_FORMAT}")
     files = {}
     for name, want in manifest.get("files", {}).items():
         try:
-            data = (path / name).read_bytes()
+            if manifest["format"] == DCP_FORMAT:
+                size, digest = (path / name).stat().st_size, sha256_file(path / name)
+            else:
+                files[name] = data = (path / name).read_bytes()
+                size, digest = len(data), hashlib.sha256(data).hexdigest()
         except OSError as err:
             raise CheckpointError(f"{path}: {name} unreadable ({err})") from None
-        if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
+        if size != want["bytes"] or digest != want["sha256"]:
             raise CheckpointError(f"{path}: {name} does not match its manifest (size or checksum)")
-        files[name] = data
-    if "state.pt" not in files:
-        raise CheckpointError(f"{path}: the manifest lists no state.pt")
+    needed = ("state.pt",) if manifest["format"] == FORMAT else (f"{DCP_DIR}/.metadata", EXTRA)
+    for name in needed:
+        if name not in manifest.get("files", {}):
+            raise CheckpointError(f"{path}: the manifest lists no {name}")
     return manifest, files
 
 
 def load(path: pathlib.Path) -> dict:
-    _, files = verify(path)
+    """What a worker's `load` takes: the full state (format 1), or for a DCP checkpoint a
+    reference {"dcp": folder, "step": N} from which every rank reads its own pieces."""
+    manifest, files = verify(path)
+    if manifest["format"] == DCP_FORMAT:
+        return {"dcp": str(pathlib.Path(path).resolve()), "step": int(manifest["step"])}
     # weights_only: a checkpoint is data; loading one never runs code from it
     return torch.load(io.BytesIO(files["state.pt"]), map_location="cpu", weights_only=True)
 

@@ -30,6 +30,8 @@ class WorkerConfig:
     activation_checkpointing: bool
     strategy: str  # the layout training starts in (strategy auto starts data parallel)
     tp_size: int | None
+    shard_size: int | None  # hsdp's group (None: resolved from the placement, see worker.build)
+    dp_shard: bool  # hybrid: the data dimension sharded
     tp_plan: Mapping[str, str]
     bucket_cap_mb: float  # the value training starts with (bucket_cap_mb auto: the tuner's start)
     gpu: bool  # one GPU per worker; otherwise CPU and gloo
@@ -51,15 +53,19 @@ class WorkerConfig:
     compile: Mapping[str, Any] | None = None  # torch.compile options, or None
     eval_data: Mapping[str, Any] | None = None  # held-out data (eval.data) when eval.every > 0
     profile: tuple[int, int] | None = None  # train.profile: (start_step 1-based, steps), or None
+    checkpoint_dir: str | None = None  # the run's checkpoints/ (every rank writes its shards there)
+    checkpoint_format: str = "full"  # dcp: each rank writes its shards; full: rank 0 sends whole tensors
 
     @classmethod
-    def from_job(cls, job: Mapping[str, Any], search_paths=(".",)) -> "WorkerConfig":
+    def from_job(cls, job: Mapping[str, Any], search_paths=(".",), checkpoint_dir: str | None = None) -> "WorkerConfig":
         train, par, tel, inject = job["train"], job["parallel"], job["telemetry"], job["inject"]
         return cls(
             name=job["name"], model=job["model"], data=job["data"], loss=job["loss"], optimizer=job["optimizer"],
             seed=train["seed"], global_batch_size=train["global_batch_size"], precision=_dtype(train["precision"]),
             grad_clip=train["grad_clip"], activation_checkpointing=train.get("activation_checkpointing", False),
             strategy="data" if par["strategy"] == "auto" else par["strategy"], tp_size=par.get("tp_size"),
+            shard_size=par.get("shard_size"), dp_shard=bool(par.get("dp_shard", False)),
+            checkpoint_dir=checkpoint_dir, checkpoint_format=(job.get("checkpoint") or {}).get("format", "auto"),
             tp_plan=par.get("tp_plan") or {},
             bucket_cap_mb=job["tune"]["start"] if par["bucket_cap_mb"] == "auto" else par["bucket_cap_mb"],
             gpu=job["cluster"]["gpus_per_worker"] > 0, telemetry=tel["enabled"],

@@ -38,3 +38,13 @@ def first_non_finite_module(model: nn.Module, forward) -> str | None:
         for h in hooks:
             h.remove()
     return found[0] if found else None
+
+
+def non_finite_step(step: int, loss: torch.Tensor, norm: torch.Tensor, layer: str | None, stop: bool) -> dict:
+    """The record of a skipped step, or NonFiniteStep when the job says to stop (fault.on_nan)."""
+    found = {"step": step + 1, "loss": float(loss.detach()), "grad_norm": float(norm), "layer": layer}
+    if stop:
+        raise NonFiniteStep(f"step {step + 1}: loss {found['loss']}, gradient norm {found['grad_norm']}; the "
+                            f"first non-finite output was {layer or 'not found in a forward pass'} "
+                            f"(fault.on_nan = stop)")
+    return found

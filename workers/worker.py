@@ -22,13 +22,13 @@ import torch.distributed as dist
 import strategies
 from monitoring.comm import CommClock
 from strategies.layout import Layout
-from workers import components, precision, schedules
+from workers import components, dcp, precision, schedules
 from workers.comm import CommRoute
 from workers.config import WorkerConfig
 from workers.data import GlobalBatches, tokens_per_sample
 from workers.evaluation import held_out_loss
 from workers.loader import StepBatches, StepLoader, step_seed
-from workers.nonfinite import NonFiniteStep, first_non_finite_module
+from workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
 from workers.profiling import StepProfiler
 from workers.simnet import SimulatedNetwork
 from workers.telemetry import WorkerTelemetry
@@ -100,7 +100,9 @@ class TrainWorker:
 
     # ---------------------------------------------------------------- model, optimizer, data
 
-    def build(self) -> dict:
+    def build(self, layout: dict | None = None) -> dict:
+        """Build the model, data and optimizer in `layout` (default: the job's; the driver
+        passes one when the placement decides it, e.g. hsdp's group of a node's workers)."""
         cfg = self.config
         paths = cfg.search_paths
         self.loss_fn = components.build_loss(dict(cfg.loss), paths)
@@ -112,14 +114,17 @@ class TrainWorker:
         self.lr_at = schedules.build(dict(cfg.schedule), cfg.lr, cfg.total_steps, paths)
         self.bucket_cap_mb = cfg.bucket_cap_mb
         strategies.lookup(cfg.strategy, paths)  # a user's own strategy is imported from the job's folder
-        self._lay_out(Layout.for_workers(cfg.strategy, self.world, cfg.tp_size))
+        self._lay_out(Layout.from_dict(layout) if layout else
+                      Layout.for_workers(cfg.strategy, self.world, cfg.tp_size, cfg.shard_size, cfg.dp_shard))
         self.step = 0
+        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device)
         if self.telemetry is None:
             self.telemetry = WorkerTelemetry(cfg, self.device)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
                 "compiled": hasattr(self.parallel.module, "_orig_mod"),  # torch.compile's wrapper
+                "checkpoint_format": "dcp" if self.dcp_root else "full",
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
     def _lay_out(self, layout: Layout) -> None:
@@ -181,8 +186,23 @@ class TrainWorker:
             return None
         return to_cpu({**full, "scaler": self.scaler.state_dict(), "step": self.step})
 
+    def checkpoint(self) -> dict:
+        """This rank's part of a checkpoint of the current step (all ranks call it together): the
+        digests of the DCP shards it wrote, or (full format) the whole state on rank 0."""
+        if self.dcp_root is None:
+            state = self.state()
+            return {"checkpoint": state} if state is not None else {}
+        extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step}
+        folder = dcp.tmp_folder(self.dcp_root, self.step)
+        files = dcp.save(self.parallel.model, self.optimizer, folder, self.rank, self.world, extra)
+        return {"checkpoint_part": {"step": self.step, "folder": str(folder), "files": files}}
+
     def load(self, state: dict) -> int:
-        self.parallel.load_full_state(self.optimizer, state)
+        """Continue from a checkpoint: full tensors, or {"dcp": folder} (each rank reads its pieces)."""
+        if "dcp" in state:
+            state = dcp.load(self.parallel.model, self.optimizer, state["dcp"])
+        else:
+            self.parallel.load_full_state(self.optimizer, state)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
@@ -292,13 +312,8 @@ class TrainWorker:
             with self._autocast():
                 self.parallel.model(x)
 
-        layer = first_non_finite_module(self.parallel.model, forward)
-        found = {"step": step + 1, "loss": float(loss.detach()), "grad_norm": float(norm), "layer": layer}
-        if self.config.on_nan == "stop":
-            raise NonFiniteStep(f"step {step + 1}: loss {found['loss']}, gradient norm {found['grad_norm']}; the "
-                                f"first non-finite output was {layer or 'not found in a forward pass'} "
-                                f"(fault.on_nan = stop)")
-        self.non_finite.append(found)
+        self.non_finite.append(non_finite_step(step, loss, norm, first_non_finite_module(self.parallel.model, forward),
+                                               stop=self.config.on_nan == "stop"))
 
     def train(self, until_step: int, checkpoint_every: int = 0, flush_s: float = 0.5,
               last_step: int | None = None) -> Iterator[dict]:
@@ -334,9 +349,7 @@ class TrainWorker:
         if self.clock:
             self.telemetry.add_timings(report, pending.spans, self.clock.cuda)
         if checkpoint:
-            state = self.state()  # a collective when sharded: every rank takes part
-            if state is not None:
-                report["checkpoint"] = state
+            report.update(self.checkpoint())  # a collective when sharded: every rank takes part
         return report
 
     def shutdown(self) -> None:

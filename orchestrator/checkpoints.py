@@ -1,0 +1,71 @@
+"""Checkpoints seen from the driver: it asks for them, commits them, and writes `final.pt`.
+
+The workers write a checkpoint's data (workers/dcp.py: every rank its own shards; or, in the
+full format, rank 0's whole state, which the driver writes). A DCP checkpoint arrives as one
+part per rank, each naming the files that rank hashed; once every rank's part is in, the driver
+writes the manifest and renames the folder into place (workers/checkpoint.commit), so no
+checkpoint is visible before all of its data is on disk.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+from orchestrator.job import Job
+from orchestrator.reporting import Reporter
+from workers import checkpoint
+
+
+class Checkpoints:
+    def __init__(self, job: Job, root: pathlib.Path, report: Reporter):
+        self.job, self.root, self.report = job, pathlib.Path(root), report
+        self._parts: dict[int, list[dict]] = {}  # step -> the DCP parts the ranks sent so far
+
+    def add(self, batch: dict, world: int) -> None:
+        """A worker's report batch, which may hold rank 0's full state or one rank's DCP part."""
+        if "checkpoint" in batch:
+            self._save_full(batch["checkpoint"])
+        elif "checkpoint_part" in batch:
+            part = batch["checkpoint_part"]
+            parts = self._parts.setdefault(part["step"], [])
+            parts.append(part)
+            if len(parts) == world:
+                self._commit(self._parts.pop(part["step"]))
+
+    def save_now(self, group) -> int:
+        """A checkpoint of the step the workers are at (all ranks take part); its step."""
+        parts = group.call("checkpoint")
+        if "checkpoint" in parts[0]:
+            return self._save_full(parts[0]["checkpoint"])
+        return self._commit([p["checkpoint_part"] for p in parts])
+
+    def write_final(self, step: int, path: pathlib.Path) -> None:
+        """final.pt: the model's full tensors (weights_only loadable), read back from the checkpoint
+        of `step` on the driver, so no worker ever holds the whole model for it."""
+        folder = self.root / f"step_{step:08d}"
+        state = checkpoint.load(folder)
+        if "dcp" in state:
+            from workers import dcp
+
+            model = dcp.full_model(folder)
+        else:
+            model = state["model"]
+        checkpoint.write_file_atomic(path, checkpoint.torch_bytes(model))
+
+    def _save_full(self, state: dict) -> int:
+        path = checkpoint.save(self.root, state["step"], state, self.job.checkpoint.keep, meta=self._meta())
+        self.report.event("checkpoint", step=state["step"], path=str(path), format="full")
+        return int(state["step"])
+
+    def _commit(self, parts: list[dict]) -> int:
+        step, folder = parts[0]["step"], pathlib.Path(parts[0]["folder"])
+        files = {name: digest for p in parts for name, digest in p["files"].items()}
+        path = checkpoint.commit(self.root, step, folder, files, self.job.checkpoint.keep, meta=self._meta())
+        self.report.event("checkpoint", step=step, path=str(path), format="dcp",
+                          bytes=sum(f["bytes"] for f in files.values()))
+        return int(step)
+
+    def _meta(self) -> dict:
+        return {"fingerprint": self.job.fingerprint(), "torch": torch.__version__}

@@ -1,0 +1,127 @@
+"""Checkpoints in torch.distributed.checkpoint (DCP) format: every rank writes its own shards.
+
+Nothing is gathered: a rank writes the pieces of the model and optimizer state it holds (a
+tensor replicated on several ranks is written once, by one of them), all ranks at once, into
+the checkpoint's temporary folder; DCP's `.metadata` is written last, by rank 0, after every
+rank's data is on disk. Each rank then hashes its share of the files and reports the digests;
+the driver writes the manifest and renames the folder into place (workers/checkpoint.py), so a
+checkpoint becomes visible only when complete.
+
+Optimizer state is keyed by parameter name (torch's `get_state_dict`), not by position, and
+tensors are stored with their global shapes: loading reads what this rank's layout needs from
+whichever files hold it, so any layout and world size can load what any other wrote.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from workers.checkpoint import CheckpointError, DCP_DIR, EXTRA, sha256_file
+
+
+def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device) -> pathlib.Path | None:
+    """Where this run's ranks write DCP checkpoints, or None for the full format: checkpoint.format
+    full, no run directory, or (auto) some rank does not see the driver's checkpoints folder, as
+    on a cluster whose nodes share no file system. Every rank must agree, so it is a collective."""
+    if fmt == "full" or not checkpoint_dir:
+        return None
+    seen = torch.tensor([1 if pathlib.Path(checkpoint_dir).is_dir() else 0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+    if seen.item():
+        return pathlib.Path(checkpoint_dir)
+    if fmt == "dcp":
+        raise RuntimeError(f"checkpoint.format is dcp but {checkpoint_dir} is not visible on every worker's node: "
+                           "put the run directory on storage all nodes share (--run-dir), or use checkpoint.format "
+                           "auto or full")
+    return None
+
+
+def tmp_folder(root: str | pathlib.Path, step: int) -> pathlib.Path:
+    """The folder every rank writes the checkpoint of `step` into (the same name on every rank
+    without asking: the driver renames it once all of them reported)."""
+    return pathlib.Path(root) / f".step_{step:08d}.tmp-dcp"
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path, rank: int, world: int,
+         extra: dict) -> dict:
+    """Write this rank's shards of the model and optimizer under `folder` (all ranks call it at
+    the same step); rank 0 also writes `extra` (scaler, step). Returns this rank's share of the
+    file digests: {relative path: {"bytes", "sha256"}}."""
+    folder = pathlib.Path(folder)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in (folder / DCP_DIR).glob("*"):  # a crashed attempt at this step left files behind
+            stale.unlink()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    writer = dcp.FileSystemWriter(str(folder / DCP_DIR), sync_files=True, thread_count=1)
+    metadata = dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    files = sorted({f"{DCP_DIR}/{info.relative_path}" for info in metadata.storage_data.values()})
+    mine = files[rank::world]  # the hashing is spread over the ranks, like the writing
+    if rank == 0:
+        torch.save(extra, folder / EXTRA)
+        mine += [f"{DCP_DIR}/.metadata", EXTRA]
+    return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)} for name in mine}
+
+
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path) -> dict:
+    """Read this rank's pieces of a DCP checkpoint into the model and optimizer as laid out now;
+    returns the extra state (scaler, step). All ranks call it together."""
+    folder = pathlib.Path(folder)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    check_matches(folder, model_sd)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder / DCP_DIR)))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
+
+
+def check_matches(folder: pathlib.Path, model_sd: dict) -> None:
+    """CheckpointError naming the first tensor whose name or global shape differs between the
+    checkpoint and the model (DCP's own message would not say which)."""
+    saved = dcp.FileSystemReader(str(pathlib.Path(folder) / DCP_DIR)).read_metadata().state_dict_metadata
+    shapes = {k[len("model."):]: list(v.size) for k, v in saved.items()
+              if k.startswith("model.") and hasattr(v, "size")}
+    for name, tensor in model_sd.items():
+        if not torch.is_tensor(tensor):
+            continue
+        if name not in shapes:
+            raise CheckpointError(f"{folder.name}: the model has {name} {list(tensor.shape)}, the checkpoint "
+                                  f"does not (it holds {', '.join(sorted(shapes)[:4])}, ...)")
+        if shapes[name] != list(tensor.shape):
+            raise CheckpointError(f"{folder.name}: {name} is {shapes[name]} in the checkpoint, "
+                                  f"{list(tensor.shape)} in the model")
+    extra = sorted(set(shapes) - set(model_sd))
+    if extra:
+        raise CheckpointError(f"{folder.name}: the checkpoint has {extra[0]} {shapes[extra[0]]}, the model does not")
+
+
+def full_model(folder: pathlib.Path) -> dict:
+    """The model's full tensors read from a DCP checkpoint in this process (no process group):
+    how the driver writes `final.pt` without a worker ever holding the whole model."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    reader = dcp.FileSystemReader(str(pathlib.Path(folder) / DCP_DIR))
+    keys = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")]
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        loaded = _load_state_dict_from_keys(set(keys), storage_reader=reader)
+    return {k: v.contiguous() for k, v in _flat(loaded.get("model", loaded)).items()}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
