@@ -9,9 +9,6 @@ It receives a typed `WorkerConfig`. Whatever differs between layouts is the busi
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import socket
 import sys
 import time
 from typing import Any, Iterator
@@ -22,7 +19,7 @@ import torch.distributed as dist
 import strategies
 from monitoring.comm import CommClock
 from strategies.layout import Layout
-from workers import components, dcp, precision, schedules
+from workers import components, dcp, precision, rendezvous, schedules
 from workers.comm import CommRoute
 from workers.config import WorkerConfig
 from workers.data import GlobalBatches, tokens_per_sample
@@ -65,37 +62,17 @@ class TrainWorker:
     # ---------------------------------------------------------------- placement and rendezvous
 
     def node_info(self) -> dict:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        gpus = ctx.get_accelerator_ids().get("GPU", [])
-        self.gpu_ids = [str(g) for g in gpus] if self.config.gpu else []
-        self.node_ip = ray.util.get_node_ip_address()
-        return {"node_ip": self.node_ip, "node_id": ctx.get_node_id(), "pid": os.getpid(),
-                "hostname": socket.gethostname(), "gpu_ids": list(gpus)}
+        info = rendezvous.node_info()
+        self.gpu_ids = [str(g) for g in info["gpu_ids"]] if self.config.gpu else []
+        self.node_ip = info["node_ip"]
+        return info
 
     def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return rendezvous.free_port()
 
     def setup(self, rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> str:
         self.rank, self.world = rank, world
-        # The job, not the host, decides: a CPU job on a GPU node must not touch GPUs that Ray
-        # never reserved for it (Ray leaves CUDA_VISIBLE_DEVICES alone when num_gpus is 0).
-        if self.config.gpu:
-            if not torch.cuda.is_available():
-                raise RuntimeError("cluster.gpus_per_worker is 1 but this worker sees no CUDA device "
-                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-            # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU, so it is always cuda:0 here
-            self.device = torch.device("cuda", 0)
-            torch.cuda.set_device(self.device)
-            backend = "nccl"
-        else:
-            self.device = torch.device("cpu")
-            backend = "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        self.device, backend = rendezvous.join(rank, world, master_addr, master_port, timeout_s, self.config.gpu)
         return backend
 
     # ---------------------------------------------------------------- model, optimizer, data
