@@ -510,6 +510,24 @@ def memory_settings(job) -> dict:
             "compute_bytes": compute_bytes_of(job)}
 
 
+def memory_check(job, device_memory_bytes: float, overhead: MemoryOverhead = MemoryOverhead(),
+                 model: ModelShape | None = None):
+    """A `fits(layout) -> (bool, evidence)` for the adaptive policy: `memory` of the job's model
+    (its shape, micro-batch, optimizer and precision) under the layout (anything with dp, tp and
+    shard) against devices of `device_memory_bytes`. The evidence holds the predicted and available
+    bytes, why it does not fit, and the breakdown."""
+    model = model if model is not None else shape_of_job(job)
+    settings = memory_settings(job)
+
+    def check(layout) -> tuple[bool, dict]:
+        mem = memory(model, layout.dp, layout.tp, layout.shard, global_batch=job.train.global_batch_size,
+                     overhead=overhead, **settings)
+        ok, said = fits(mem, device_memory_bytes)
+        return ok, {**said, "breakdown": mem}
+
+    return check
+
+
 def shape_of_job(job) -> ModelShape:
     """The cost model's view of a job's model. The built-in GPT by its shape (its parameters
     counted exactly, on the meta device; its FLOPs by Megatron-LM's count; its activations per
