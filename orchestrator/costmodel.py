@@ -172,7 +172,8 @@ class ModelShape:
         per_sample = (4 if recompute else 3) * layers * layer + 3 * head
         block = (4 + 2 * ffn_mult) * hidden ** 2  # q, k, v, proj and the MLP's two layers (biases, norms: noise)
         params = params if params is not None else layers * block + vocab * hidden
-        return ModelShape(params=params, flops_per_sample=per_sample, boundary_bytes_per_sample=seq * hidden * act_bytes,
+        return ModelShape(params=params, flops_per_sample=per_sample,
+                          boundary_bytes_per_sample=seq * hidden * act_bytes,
                           tp_boundaries=tp_allreduces_per_layer * layers, grad_bytes_per_param=grad_bytes,
                           tp_replicated=0.0 if head_parallel else 3 * head / per_sample,
                           backward_share=3 / 4 if recompute else 2 / 3, tp_divides=heads, name=name,
