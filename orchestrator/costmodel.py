@@ -546,7 +546,11 @@ def shape_of_job(job) -> ModelShape:
     recompute = bool(job.train.activation_checkpointing or (spec.get("kwargs") or {}).get("activation_checkpointing"))
     model, returned = components.model_for_checks(spec, [job.base_dir])
     params = sum(p.numel() for p in model.parameters())
-    split = _tp_split_params(model, components.tp_plan(model, job.parallel.tp_plan, returned, 1))
+    try:
+        plan = components.tp_plan(model, job.parallel.tp_plan, returned, 1)
+    except components.ComponentError:  # a plan that cannot shard: tensor layouts are refused elsewhere
+        plan = None
+    split = _tp_split_params(model, plan)
     if spec.get("name") == "gpt":
         k = model
         blocks = len(k.blocks)
