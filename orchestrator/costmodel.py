@@ -140,6 +140,8 @@ class ModelShape:
     block_params: float = 0.0                # parameters of one such unit; the rest (embeddings, head) is
                                              # the root unit, gathered for the whole step
     activations: Activations | None = None   # None: not modelled (counted as 0 bytes)
+    cast_share: float = 1.0                  # of the parameters, those whose autocast copies autograd keeps
+                                             # for backward: Linear weights whose input needs a gradient
 
     def __post_init__(self):
         if not 0.0 <= self.tp_replicated <= 1.0:
@@ -379,7 +381,7 @@ def memory(model: ModelShape, dp: int, tp: int = 1, shard: int = 1, *, global_ba
     (embeddings, head) stays gathered from forward into backward, and two blocks are whole at once
     (the one computing and the one prefetched) with one block's unsharded gradients. Under bf16 or
     fp16 autocast (`compute_bytes` 2) the Linear weights' casts live until backward uses them
-    (`cast_weights`): all of them for replicated state without checkpointing; with checkpointing
+    (`cast_weights`): those of `cast_share` for replicated state without checkpointing; with checkpointing
     or sharded state (gathered in the compute dtype), the root's and two blocks'. Activations are
     one micro-batch's (global / (dp x accumulation)). `overhead` adds the runtime and allocator."""
     b = micro_batch_of(global_batch, dp, micro_batch)
@@ -394,7 +396,7 @@ def memory(model: ModelShape, dp: int, tp: int = 1, shard: int = 1, *, global_ba
         out["gathered"] = (transient * PARAM_BYTES + block * model.grad_bytes_per_param) * (1 - 1 / shard)
     if compute_bytes < PARAM_BYTES:
         recompute = model.activations is not None and model.activations.recompute
-        out["cast_weights"] = (transient if shard > 1 or recompute else local) * compute_bytes
+        out["cast_weights"] = (transient if shard > 1 or recompute else local * model.cast_share) * compute_bytes
     out["activations"] = b * model.activations.per_sample(tp) if model.activations else 0.0
     tensors = sum(out.values())
     out["overhead"] = overhead.fixed + overhead.fraction * tensors
@@ -535,7 +537,8 @@ def shape_of_job(job) -> ModelShape:
     `transformer_activations`); any other model by its parameter count (built once, on the meta
     device where it can be) at 6 FLOPs per parameter per sample, with no tensor-parallel
     activations modelled, and its activations (the built-in MLP's only) as every Linear's input
-    and output. The share of parameters tensor parallelism splits is what the model's plan shards."""
+    (the ReLU's output before it) and the logits. The share of parameters tensor parallelism
+    splits is what the model's plan shards."""
     import torch  # noqa: PLC0415
 
     from workers import components  # noqa: PLC0415
@@ -562,17 +565,24 @@ def shape_of_job(job) -> ModelShape:
                                        recompute=recompute, tp_allreduces_per_layer=6, head_parallel=False,
                                        ffn_mult=ffn_mult, heads=k.n_head, params=params, name="gpt")
         block = sum(p.numel() for p in k.blocks[0].parameters()) if blocks else 0
-        return replace(shape, tp_param_share=split / params if params else 1.0, block_params=block)
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        return replace(shape, tp_param_share=split / params if params else 1.0, block_params=block,
+                       cast_share=linear / params if params else 1.0)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    acts = None
-    if spec.get("name") == "mlp" and linears:  # a vector a sample: each Linear keeps its input, ReLU its output
+    acts, cast = None, 1.0
+    if spec.get("name") == "mlp" and linears:
+        # the first layer's input is the data, which needs no gradient: its weight's copy is not kept
+        cast = sum(m.weight.numel() for m in linears[1:]) / params
+        # a vector a sample: each Linear keeps its input, which is the ReLU's output before it (one
+        # tensor, kept once); outside: the logits and the loss's copy of them
         n = len(linears)
-        acts = Activations(layers=n, per_layer=sum(m.in_features + m.out_features for m in linears) * act / n,
-                           per_layer_split=0.0, layer_input=sum(m.in_features for m in linears) * act / n,
-                           recompute=recompute)
+        per_layer = sum(m.in_features for m in linears) * act / n
+        acts = Activations(layers=n, per_layer=per_layer, per_layer_split=0.0, layer_input=per_layer,
+                           outside=linears[-1].out_features * (act + 4), recompute=recompute)
     return ModelShape(params=params, flops_per_sample=6.0 * params, grad_bytes_per_param=grad_bytes,
                       name=spec.get("name") or spec.get("entrypoint") or "model",
-                      tp_param_share=split / params if params and split else 1.0, activations=acts)
+                      tp_param_share=split / params if params and split else 1.0, activations=acts,
+                      cast_share=cast)
 
 
 def _tp_split_params(model, plan: dict | None) -> float:

@@ -142,6 +142,51 @@ def test_the_built_in_gpt_splits_what_its_plan_shards():
     assert model.blocks == 2 and model.activations is not None and model.activations.layers == 2
 
 
+def saved_for_backward(model, x, target, dtype=None) -> int:
+    """Bytes autograd keeps from a forward and loss for backward, each storage once, the
+    parameters themselves left out (what `activations` and `cast_weights` predict)."""
+    import torch
+    import torch.nn.functional as F
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out = model(x)
+            F.cross_entropy(out.flatten(0, 1) if out.dim() == 3 else out, target.flatten() if out.dim() == 3 else target)
+    return sum(n for ptr, n in kept.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_predicted_activations_are_what_autograd_keeps(precision):
+    """The built-in GPT and MLP forward on the CPU, their saved tensors counted: the prediction
+    (activations, and under bf16 the weights' casts) within 15 %."""
+    import torch
+
+    from orchestrator.job import load_job
+
+    overrides = [f"train.precision={precision}", "train.global_batch_size=4"]
+    for example, x, y in [("gpt.yaml", torch.randint(0, 128, (4, 64)), None),
+                          ("mlp.yaml", torch.randn(4, 784), torch.randint(0, 10, (4,)))]:
+        job = load_job(ROOT / "examples" / example, overrides)
+        from workers import components
+
+        torch.manual_seed(0)
+        model = components.build_model(job.to_dict()["model"], [job.base_dir])
+        shape = costmodel.shape_of_job(job)
+        settings = costmodel.memory_settings(job)
+        m = memory(shape, 1, global_batch=4, **settings)
+        measured = saved_for_backward(model, x, x if y is None else y,
+                                      torch.bfloat16 if precision == "bf16" else None)
+        predicted = m["activations"] + m["cast_weights"]
+        assert measured == pytest.approx(predicted, rel=0.15), (example, measured, predicted)
+
+
 # ----------------------------------------------------------------------------- sharded step time
 
 def test_prefetched_gathers_by_hand():
