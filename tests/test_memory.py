@@ -158,7 +158,9 @@ def saved_for_backward(model, x, target, dtype=None) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             out = model(x)
-            F.cross_entropy(out.flatten(0, 1) if out.dim() == 3 else out, target.flatten() if out.dim() == 3 else target)
+            if out.dim() == 3:  # a GPT's (batch, seq, vocab) logits against its next tokens
+                out, target = out.flatten(0, 1), target.flatten()
+            F.cross_entropy(out, target)
     return sum(n for ptr, n in kept.items() if ptr not in params)
 
 
@@ -169,13 +171,12 @@ def test_predicted_activations_are_what_autograd_keeps(precision):
     import torch
 
     from orchestrator.job import load_job
+    from workers import components
 
     overrides = [f"train.precision={precision}", "train.global_batch_size=4"]
     for example, x, y in [("gpt.yaml", torch.randint(0, 128, (4, 64)), None),
                           ("mlp.yaml", torch.randn(4, 784), torch.randint(0, 10, (4,)))]:
         job = load_job(ROOT / "examples" / example, overrides)
-        from workers import components
-
         torch.manual_seed(0)
         model = components.build_model(job.to_dict()["model"], [job.base_dir])
         shape = costmodel.shape_of_job(job)
