@@ -63,9 +63,14 @@ class State(enum.Enum):
 PolicyFactory = Callable[[Job, Layout, list[int]], Policy]
 
 
-def job_policy(job: Job, layout: Layout, node_sizes: list[int]) -> Policy:
+def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_bytes: int | None = None) -> Policy:
     """The policy a job's `adapt` section asks for, starting on `layout`. Its candidates are the
-    layouts the workers (per node) can take that the model can be split into."""
+    layouts the workers (per node) can take that the model can be split into. Given the devices'
+    memory, layouts with sharded state join them and no layout predicted not to fit is switched
+    to (costmodel.memory_check); without it memory is not judged, and sharded state, whose only
+    gain is memory, is not offered."""
+    import strategies
+    from orchestrator import costmodel
     from workers import components
     from workers.components import ComponentError
 
@@ -81,7 +86,11 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int]) -> Policy:
 
     a = job.adapt
     config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown)
-    return Policy(config, candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable), layout)
+    fits = None if device_memory_bytes is None else costmodel.memory_check(job, device_memory_bytes)
+    candidates = candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable, sharded=fits is not None)
+    # only layouts whose strategy this process can build (fsdp and hsdp are named before they exist)
+    candidates = [c for c in candidates if c.strategy in strategies.STRATEGIES]
+    return Policy(config, candidates, layout, fits=fits)
 
 
 class Controller:
