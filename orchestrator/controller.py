@@ -60,7 +60,7 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
-PolicyFactory = Callable[[Job, Layout, list[int]], Policy]
+PolicyFactory = Callable[[Job, Layout, list[int], "int | None"], Policy]  # the last: device memory (bytes)
 
 
 def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_bytes: int | None = None) -> Policy:
@@ -356,7 +356,7 @@ class Controller:
             self.tuning.maybe_tune(self.step)
 
     def _make_policy(self) -> Policy:
-        policy = self.policy_factory(self.job, self.layout, self.node_sizes)
+        policy = self.policy_factory(self.job, self.layout, self.node_sizes, device_memory(self.infos))
         c = policy.config
         self.report.event("policy", candidates=[layout.to_dict() for layout in policy.candidates],
                           node_sizes=self.node_sizes, threshold=c.threshold, window=c.window, cooldown=c.cooldown)
@@ -406,6 +406,18 @@ def scheduled_layout(job: Job, step: int) -> Layout | None:
     if not entries:
         return None
     return scheduled(job, entries[-1])
+
+
+def device_memory(infos: list[dict]) -> int | None:
+    """The memory one worker may use, the least over the workers: its GPU's, or on CPU its share
+    of the host's (the workers on a node divide it). None when the workers did not say."""
+    if not infos or any(not i.get("device_memory") for i in infos):
+        return None
+    per_node: dict[str, int] = {}
+    for i in infos:
+        per_node[i.get("node_id") or i.get("node_ip")] = per_node.get(i.get("node_id") or i.get("node_ip"), 0) + 1
+    return min(i["device_memory"]["bytes"] // (per_node[i.get("node_id") or i.get("node_ip")]
+                                               if i["device_memory"]["shared"] else 1) for i in infos)
 
 
 def node_sizes(job: Job, infos: list[dict]) -> list[int]:

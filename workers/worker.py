@@ -102,6 +102,7 @@ class TrainWorker:
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
                 "compiled": hasattr(self.parallel.module, "_orig_mod"),  # torch.compile's wrapper
                 "checkpoint_format": "dcp" if self.dcp_root else "full",
+                "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
     def _lay_out(self, layout: Layout, move_from: tuple | None = None) -> None:
