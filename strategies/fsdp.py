@@ -133,8 +133,10 @@ class FSDPParallel(Parallel):
     def compile(self, options: dict) -> None:
         """Each unit's forward compiled in place (FSDP2's hooks stay outside the graphs, as
         torchtitan does it), so the gathers still run per unit."""
+        backend = options.get("backend", "inductor")  # "aot_eager": traced, nothing generated (tests)
+        mode = options.get("mode", "default") if backend == "inductor" else None
         for unit in _units(self.model):
-            unit.compile(mode=options.get("mode", "default"), fullgraph=bool(options.get("fullgraph", False)))
+            unit.compile(backend=backend, mode=mode, fullgraph=bool(options.get("fullgraph", False)))
 
     # ------------------------------------------------------------ comm timing
 

@@ -138,7 +138,8 @@ def _layout_case(rank, world, layout, clip=None, micro=1, comm=None) -> dict:
 
     data = batches()
     reference = tiny_gpt()
-    ref_norms = train_reference(reference, data, clip, micro)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    ref_norms = train_reference(reference, data, clip, micro, ref_opt)
     model = tiny_gpt()
     plan = model.tp_plan(layout.tp) if strategies.lookup(layout.strategy).needs_plan else None
     par = strategies.parallelize(model, layout, plan, strategies.Options(torch.device("cpu")))
@@ -147,11 +148,27 @@ def _layout_case(rank, world, layout, clip=None, micro=1, comm=None) -> dict:
     opt = torch.optim.Adam(par.param_groups(), lr=1e-2)
     norms = train_parallel(par, opt, layout, rank, data, clip, micro)
     out = {"diff": max_diff(par, reference), "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
-           "norms": norms}
+           "norms": norms, "reloaded_diff": _reload_diff(par, opt, layout, plan, rank, (reference, ref_opt), data)}
     if comm is not None:
         par.detach()
         out.update(calls=comm.calls, open=comm.open)
     return out
+
+
+def _reload_diff(par, opt, layout, plan, rank, reference: tuple, data) -> float:
+    """Full state gathered from `par` and loaded into a fresh layout of other weights, then one
+    more step on both: the reloaded one must match the reference taking that step too."""
+    import strategies
+
+    full = par.full_state(opt, rank, everywhere=True)
+    torch.manual_seed(5)
+    other = tiny_gpt().apply(lambda m: torch.nn.init.normal_(m.weight) if hasattr(m, "weight") else None)
+    again = strategies.parallelize(other, layout, plan, strategies.Options(torch.device("cpu")))
+    again_opt = torch.optim.Adam(again.param_groups(), lr=1e-2)
+    again.load_full_state(again_opt, full)
+    train_parallel(again, again_opt, layout, rank, data[:1])
+    train_reference(reference[0], data[:1], optimizer=reference[1])
+    return max_diff(again, reference[0])
 
 
 def _all_cases(rank, world, out_dir):
@@ -178,15 +195,18 @@ def results(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp", "hsdp", "hybrid_dp_shard", "fsdp_accumulate_clip", "hsdp_timed"])
 def test_sharded_layout_trains_like_one_process(results, case):
     for rank, res in enumerate(results):
         assert res[case]["diff"] < TOL, (case, rank, res[case]["diff"])
+        assert res[case]["reloaded_diff"] < TOL, (case, rank, res[case]["reloaded_diff"])
         assert res[case]["norm_diff"] < TOL, (case, rank, res[case]["norm_diff"])
     # the norm (and so the clip) is the same on every rank
     assert all(res[case]["norms"] == results[0][case]["norms"] for res in results)
 
 
+@pytest.mark.slow
 def test_fsdp_collectives_run_inside_comm_timing(results):
     for res in results:
         calls = res["hsdp_timed"]["calls"]
@@ -215,7 +235,27 @@ def test_layout_rejects_shard_sizes_that_do_not_divide():
     assert Layout.for_workers("hybrid", 4, 2, dp_shard=True).shard == 2
 
 
-def test_fsdp_compiles_or_says_why():
-    from strategies import fsdp
+def _compiled(rank, world, out_dir):
+    import strategies
+    from strategies import Layout
 
-    assert callable(fsdp.FSDPParallel.compile)
+    data = batches(1)
+    reference = tiny_gpt()
+    train_reference(reference, data)
+    layout = Layout.for_workers("fsdp", world, None)
+    par = strategies.parallelize(tiny_gpt(), layout, None, strategies.Options(torch.device("cpu")))
+    par.compile({"backend": "aot_eager"})  # dynamo and autograd tracing; inductor adds only codegen time
+    opt = torch.optim.Adam(par.param_groups(), lr=1e-2)
+    train_parallel(par, opt, layout, rank, data)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"diff": max_diff(par, reference),
+                   "compiled": [hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
+                                for b in par.model.blocks]}, f)
+
+
+@pytest.mark.slow
+def test_fsdp_compiles_per_block(tmp_path):
+    spawn_gloo(_compiled, 2, (str(tmp_path),), timeout_s=150)
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["diff"] < TOL and all(res["compiled"]), res

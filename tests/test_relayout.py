@@ -56,6 +56,7 @@ def _chain(rank, world, out_dir):
                    "step": int(next(iter(opt.state.values()))["step"])}, f)
 
 
+@pytest.mark.slow
 def test_relayout_chain_trains_like_one_process(tmp_path):
     """data -> fsdp -> hybrid (tp 2, dp sharded) -> hsdp (groups of 2) on 4 ranks, two Adam
     steps in each: the parameters end where one process training all the steps ends."""
@@ -172,6 +173,7 @@ def _ratio(m: dict) -> float:
     return m["peak"] / max(m["before"], m["after"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["data->fsdp", "fsdp->data"])
 def test_streaming_relayout_peak_stays_near_the_larger_layout(memory, switch):
     for res in memory:
@@ -180,6 +182,7 @@ def test_streaming_relayout_peak_stays_near_the_larger_layout(memory, switch):
         assert _ratio(m) <= 1.3, m
 
 
+@pytest.mark.slow
 def test_full_state_switch_exceeds_that_bound(memory):
     """The bound above is tight enough to fail: gathering the full state first breaks it."""
     for res in memory:
