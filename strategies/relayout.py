@@ -17,6 +17,7 @@ The old layout is unusable afterwards: its storage is gone.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -42,7 +43,8 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
     sources = {**dict(old.model.named_parameters()), **_buffers(old.model)}
     if lookup(layout.strategy).meta_ok:
         new = parallelize(model, layout, plan, options)
-        new.model.to_empty(device=options.device)
+        with _params_keep_identity():  # the new layout may hold its parameters already (hybrid's averager)
+            new.model.to_empty(device=options.device)
         _fill(new.model, sources)
     else:
         model.to_empty(device=options.device)
@@ -51,6 +53,18 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
     optimizer = make_optimizer(new.param_groups())
     _fill_optimizer(optimizer, new.model, saved, hyper)
     return new, optimizer
+
+
+@contextlib.contextmanager
+def _params_keep_identity():
+    """`to_empty` swaps the new storage into the Parameter objects the layout already holds,
+    rather than replacing plain parameters with new objects (torch's opt-in)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from test_fsdp import TOL, batches, max_diff, spawn_gloo, tiny_gpt, train_parallel, train_reference
 
 STEPS_EACH = 2
-CHAIN = [("data", None, {}), ("fsdp", None, {}), ("hybrid", 2, {"dp_shard": True}), ("hsdp", None, {"shard_size": 2})]
+# the requested chain, then back through a replicated hybrid (tp shards, gradients averaged)
+# to data (the path that fills whole tensors before applying)
+CHAIN = [("data", None, {}), ("fsdp", None, {}), ("hybrid", 2, {"dp_shard": True}), ("hsdp", None, {"shard_size": 2}),
+         ("hybrid", 2, {}), ("data", None, {})]
 
 
 def _adam(groups):
@@ -58,8 +61,9 @@ def _chain(rank, world, out_dir):
 
 @pytest.mark.slow
 def test_relayout_chain_trains_like_one_process(tmp_path):
-    """data -> fsdp -> hybrid (tp 2, dp sharded) -> hsdp (groups of 2) on 4 ranks, two Adam
-    steps in each: the parameters end where one process training all the steps ends."""
+    """data -> fsdp -> hybrid (tp 2, dp sharded) -> hsdp (groups of 2) -> hybrid (tp 2) -> data
+    on 4 ranks, two Adam steps in each: the parameters end where one process training all the
+    steps ends."""
     spawn_gloo(_chain, 4, (str(tmp_path),), timeout_s=150)
     for r in range(4):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
