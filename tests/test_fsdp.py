@@ -5,6 +5,7 @@ single-process PyTorch on the same global batches. One spawn of 4 processes runs
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import time
@@ -44,7 +45,7 @@ def spawn_gloo(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> No
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     torch.set_num_threads(1)  # 4 processes on 2 cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=__import__("datetime").timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
     finally:
@@ -171,6 +172,27 @@ def _reload_diff(par, opt, layout, plan, rank, reference: tuple, data) -> float:
     return max_diff(again, reference[0])
 
 
+def _fp16_overflow_on_one_rank(rank, world) -> dict:
+    """An inf in one rank's gradient shard: every rank skips the step and lowers the scale."""
+    import strategies
+    from strategies import Layout
+
+    layout = Layout.for_workers("fsdp", world, None)
+    par = strategies.parallelize(tiny_gpt(), layout, None, strategies.Options(torch.device("cpu"), fp16=True))
+    opt = torch.optim.Adam(par.param_groups(), lr=1e-2)
+    scaler = par.make_scaler()
+    before = [p.to_local().clone() for p in par.model.parameters()]
+    x, y = batches(1)[0]
+    scaler.scale(loss_of(par.module, x, y)).backward()
+    if rank == 0:
+        next(par.model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+    scale = float(scaler.get_scale())
+    scaler.step(opt)
+    scaler.update()
+    unchanged = all(torch.equal(b, p.to_local()) for b, p in zip(before, par.model.parameters()))
+    return {"skipped": unchanged, "scale_lowered": float(scaler.get_scale()) < scale}
+
+
 def _all_cases(rank, world, out_dir):
     from strategies import Layout
 
@@ -184,6 +206,7 @@ def _all_cases(rank, world, out_dir):
                                            clip=0.5, comm=CountingComm()),
     }
     results = {name: case() for name, case in cases.items()}
+    results["fp16"] = _fp16_overflow_on_one_rank(rank, world)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -213,6 +236,11 @@ def test_fsdp_collectives_run_inside_comm_timing(results):
         # all-gathers, reduce-scatters and hsdp's all-reduces, plus the clip's norm: all on dp
         assert set(calls) == {"dp"} and calls["dp"] >= 3 * STEPS
         assert res["hsdp_timed"]["open"] == 0
+
+
+@pytest.mark.slow
+def test_fp16_ranks_agree_on_an_overflow_in_one_shard(results):
+    assert all(res["fp16"] == {"skipped": True, "scale_lowered": True} for res in results), results
 
 
 def test_layout_rejects_shard_sizes_that_do_not_divide():
