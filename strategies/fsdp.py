@@ -138,6 +138,23 @@ class FSDPParallel(Parallel):
         for unit in _units(self.model):
             unit.compile(backend=backend, mode=mode, fullgraph=bool(options.get("fullgraph", False)))
 
+    # ------------------------------------------------------------ full state
+
+    def full_state(self, optimizer, rank: int, everywhere: bool = False) -> dict | None:
+        self.at_rest()
+        return super().full_state(optimizer, rank, everywhere)
+
+    def load_full_state(self, optimizer, full: dict) -> None:
+        self.at_rest()
+        super().load_full_state(optimizer, full)
+
+    def at_rest(self) -> None:
+        """Shards back in place of gathered parameters: a forward without backward (evaluation)
+        leaves units built with reshard_after_forward=False gathered, and optimizer state is
+        matched to parameters by name."""
+        for module in _fsdp_modules(self.model):
+            module.reshard()
+
     # ------------------------------------------------------------ comm timing
 
     def open_all_reduce(self, nbytes: int) -> None:
@@ -155,7 +172,9 @@ class FSDPParallel(Parallel):
         for module in _fsdp_modules(self.model):
             module.set_custom_all_gather(_TimedAllGather(self) if timed else DefaultAllGather())
             module.set_custom_reduce_scatter(_TimedReduceScatter(self) if timed else DefaultReduceScatter())
-            module.set_all_reduce_hook(self._all_reduce_done if timed else None)
+            # only hsdp needs the hook (it ends the all-reduce's span); elsewhere FSDP2 would
+            # run it after every reduce-scatter for nothing
+            module.set_all_reduce_hook(self._all_reduce_done if timed and self.all_reduces else None)
         if timed and self.layout.tp > 1:
             comm.functional(True)  # DTensor's collectives are the tp traffic
 

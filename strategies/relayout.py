@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from strategies import lookup, parallelize
@@ -37,6 +38,7 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
     the meta device; `make_optimizer(param_groups)` builds the optimizer for the new layout.
     Every rank calls this at the same step boundary. Returns the new layout and its optimizer,
     whose next `step()` continues exactly where the old one stopped."""
+    _at_rest(old.model)
     saved, hyper = _take_optimizer_state(old_optimizer, old.model)
     _drop_grads(old.model)
     old.detach()
@@ -53,6 +55,15 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
     optimizer = make_optimizer(new.param_groups())
     _fill_optimizer(optimizer, new.model, saved, hyper)
     return new, optimizer
+
+
+def _at_rest(model: nn.Module) -> None:
+    """FSDP2 leaves a unit gathered after a forward without backward (an evaluation at the step
+    boundary, reshard_after_forward=False): its shards go back in place, so the parameters
+    found by name are the ones the optimizer holds."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @contextlib.contextmanager

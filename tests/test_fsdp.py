@@ -161,6 +161,8 @@ def _reload_diff(par, opt, layout, plan, rank, reference: tuple, data) -> float:
     more step on both: the reloaded one must match the reference taking that step too."""
     import strategies
 
+    with torch.no_grad():  # an evaluation first leaves FSDP2's root unit gathered
+        par.module(data[0][0][:2])
     full = par.full_state(opt, rank, everywhere=True)
     torch.manual_seed(5)
     other = tiny_gpt().apply(lambda m: torch.nn.init.normal_(m.weight) if hasattr(m, "weight") else None)

@@ -50,6 +50,8 @@ def _chain(rank, world, out_dir):
             par = strategies.parallelize(tiny_gpt(), layout, None, options)
             opt = _adam(par.param_groups())
         else:
+            with torch.no_grad():  # an evaluation at the boundary leaves FSDP2's root unit gathered
+                par.module(data[0][0][:2])
             model = _meta_gpt()
             plan = model.tp_plan(layout.tp) if strategies.lookup(name).needs_plan else None
             par, opt = relayout(par, opt, model, layout, plan, options, _adam)
