@@ -135,7 +135,7 @@ class FSDPParallel(Parallel):
         torchtitan does it), so the gathers still run per unit."""
         backend = options.get("backend", "inductor")  # "aot_eager": traced, nothing generated (tests)
         mode = options.get("mode", "default") if backend == "inductor" else None
-        for unit in _units(self.model):
+        for unit in _units(self.model) or [self.model]:  # no units: the root, hooks and all
             unit.compile(backend=backend, mode=mode, fullgraph=bool(options.get("fullgraph", False)))
 
     # ------------------------------------------------------------ full state
