@@ -14,7 +14,8 @@ Comm timing (`attach`): FSDP2 takes custom all-gather and reduce-scatter objects
 collective synchronously inside `comm.blocked(nbytes, "dp")`. On gloo/CPU FSDP2 runs them
 synchronously anyway, so the span is exactly the time compute is blocked. hsdp's all-reduce
 across groups is issued by FSDP2 itself; it is timed from the end of the reduce-scatter to
-FSDP2's all-reduce hook, which runs right after it. On CUDA, FSDP2 issues these on side streams
+FSDP2's all-reduce hook, which runs right after it (with groups of one rank there is no
+reduce-scatter to start from: only the simulated delay and the count are recorded). On CUDA, FSDP2 issues these on side streams
 and CommClock's events sit on the compute stream, so the spans there undercount (the
 prefetched all-gathers overlap compute by design); the simulated network's delay still applies.
 """
@@ -95,6 +96,7 @@ class FSDPParallel(Parallel):
     def __init__(self, model: nn.Module, layout: Layout, options: Options, mesh: DeviceMesh):
         super().__init__(model, model, layout, options, mesh)
         self._all_reduce = contextlib.ExitStack()
+        self._all_reduce_open = False
         # hsdp: FSDP2 all-reduces each reduce-scatter's output across the replica groups
         self.all_reduces = mesh.mesh_dim_names == ("replicate", "shard")
 
@@ -160,9 +162,16 @@ class FSDPParallel(Parallel):
     def open_all_reduce(self, nbytes: int) -> None:
         self._all_reduce.close()  # a span left open (none expected) must not swallow the next
         self._all_reduce.enter_context(self.blocked(nbytes, "dp"))
+        self._all_reduce_open = True
 
-    def _all_reduce_done(self, _output: torch.Tensor) -> None:
+    def _all_reduce_done(self, output: torch.Tensor) -> None:
+        if not self._all_reduce_open:
+            # groups of one rank: FSDP2 skips the reduce-scatter that opens the span, so only
+            # the simulated link's delay and the call count are recorded, not the all-reduce
+            with self.blocked(output.numel() * output.element_size(), "dp"):
+                pass
         self._all_reduce.close()
+        self._all_reduce_open = False
 
     def attach(self, comm) -> None:
         if self.comm is not None and comm is None and self.layout.tp > 1:
@@ -181,6 +190,7 @@ class FSDPParallel(Parallel):
     def detach(self) -> None:
         super().detach()
         self._all_reduce.close()
+        self._all_reduce_open = False
 
 
 def mesh_for(layout: Layout, device: torch.device) -> DeviceMesh:
