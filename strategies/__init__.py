@@ -5,7 +5,8 @@ Every layout has one entry, `apply(model, mesh, layout, plan, options) -> Parall
 global norm and clipping, the fp16 scaler, full state, where comm timing attaches). Adding a
 layout is one new file plus one entry in `STRATEGIES`; a user's own layout is a `Strategy`
 object named in the job as "module:name" (or `register`ed in-process). Strategies import
-neither the orchestrator nor the workers.
+neither the orchestrator nor the workers. A switch between layouts moves the live state one
+tensor at a time with `strategies.relayout.relayout`.
 """
 
 from __future__ import annotations
