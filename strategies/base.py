@@ -56,6 +56,9 @@ class Strategy:
     # how the data dimension's state may be held: replicated (shard 1), sharded (over all dp
     # ranks) or grouped (hsdp: over parallel.shard_size ranks); see strategies/layout.py
     sharding: tuple = (REPLICATED,)
+    # apply works on a model built on the meta device (materialised afterwards with to_empty),
+    # so a switch never holds a whole copy; False (DDP, a user's own) gets real, filled tensors
+    meta_ok: bool = False
 
     def __post_init__(self):
         if self.mesh not in MESHES:
