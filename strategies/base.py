@@ -114,6 +114,13 @@ class Parallel:
         self.module = torch.compile(self.module, mode=options.get("mode", "default"),
                                     fullgraph=bool(options.get("fullgraph", False)))
 
+    @property
+    def compiled(self) -> bool:
+        """Whether torch.compile is in force: the wrapper forward runs on, or modules compiled
+        in place (`nn.Module.compile`, as fsdp does it per block)."""
+        return hasattr(self.module, "_orig_mod") or any(
+            getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules())
+
     def attach(self, comm: Comm | None) -> None:
         """Route this layout's collectives through `comm` (timing, a simulated link), or stop."""
         self.comm = comm
