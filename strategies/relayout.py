@@ -18,6 +18,7 @@ The old layout is unusable afterwards: its storage is gone.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable
 
 import torch
@@ -28,6 +29,10 @@ from torch.distributed.tensor import DTensor
 from strategies import lookup, parallelize
 from strategies.base import Options, Parallel
 from strategies.layout import Layout
+
+# Gathering a tensor that FSDP shards on top of tensor parallelism takes two all-gathers, and
+# torch warns about it on every such tensor; one gather per tensor is what a switch is.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 from strategies.state import full, shard_like
 
 

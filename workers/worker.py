@@ -180,7 +180,8 @@ class TrainWorker:
         if self.dcp_root is None:
             state = self.state()
             return {"checkpoint": state} if state is not None else {}
-        extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step}
+        hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step, "hyperparameters": to_cpu(hyper)}
         folder = dcp.tmp_folder(self.dcp_root, self.step)
         files = dcp.save(self.parallel.model, self.optimizer, folder, self.rank, self.world, extra)
         return {"checkpoint_part": {"step": self.step, "folder": str(folder), "files": files}}
