@@ -35,14 +35,29 @@ def model_state(model: nn.Module) -> dict:
 
 def load_model_state(model: nn.Module, state: dict) -> None:
     own = model.state_dict()
-    missing = set(own) ^ set(state)
-    if missing:
-        raise KeyError(f"state does not match the model: {sorted(missing)[:5]}")
+    check_matches(own, state)
     with torch.no_grad():
         for name, target in own.items():
             piece = shard_like(state[name], target)
             (target.to_local() if isinstance(target, DTensor) else target).copy_(
                 piece.to_local() if isinstance(piece, DTensor) else piece)
+
+
+class StateMismatch(ValueError):
+    """Saved tensors that do not fit the model; the message names the first that differs."""
+
+
+def check_matches(own: dict, saved: dict) -> None:
+    """StateMismatch naming the first tensor whose name or (global) shape differs."""
+    for name, target in own.items():
+        if name not in saved:
+            raise StateMismatch(f"the model has {name} {list(target.shape)}, the saved state does not")
+        if torch.is_tensor(saved[name]) and list(saved[name].shape) != list(target.shape):
+            raise StateMismatch(f"{name} is {list(saved[name].shape)} in the saved state, {list(target.shape)} "
+                                "in the model")
+    extra = sorted(set(saved) - set(own))
+    if extra:
+        raise StateMismatch(f"the saved state has {extra[0]}, the model does not")
 
 
 def _names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:

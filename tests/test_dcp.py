@@ -116,3 +116,16 @@ def test_full_format_checkpoints_of_earlier_versions_still_load(tmp_path):
     loaded = checkpoint.load(path)
     assert loaded["step"] == 3 and torch.equal(loaded["model"]["out.weight"], model.state_dict()["out.weight"])
     assert os.path.isfile(path / "state.pt")
+
+
+def test_a_full_format_state_of_another_model_names_the_first_mismatch():
+    from strategies import state
+
+    model, _ = _trained()
+    saved = state.model_state(model)
+    torch.manual_seed(0)
+    with pytest.raises(state.StateMismatch, match=r"hidden.0.weight is \[16, 8\] in the saved state, \[32, 8\]"):
+        state.load_model_state(mlp(in_features=8, hidden=32, out_features=4), saved)
+    del saved["out.bias"]
+    with pytest.raises(state.StateMismatch, match=r"the model has out.bias \[4\], the saved state does not"):
+        state.load_model_state(model, saved)
