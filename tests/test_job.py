@@ -13,7 +13,7 @@ from orchestrator.rundir import resume_conflicts
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "gpt-fsdp"])
 def test_examples_load_and_round_trip(name):
     job = load_job(ROOT / "examples" / f"{name}.yaml")
     assert job.name == name and job.model.name == name
