@@ -130,8 +130,13 @@ def mem_start(worker, period_s: float) -> int:
 
 
 def phased(worker, phase: str, method, *args):
-    """Run worker.method(*args) (or method(worker, *args)) in `phase`; (its result, the phase's
-    peak RSS, the RSS after it)."""
+    """Run worker.method(*args) (or method(worker, *args)) in `phase`, after collecting garbage;
+    (its result, the phase's peak RSS, the RSS after it, the RSS after a garbage collection then).
+    A switch leaves the old layout in reference cycles that only the garbage collector frees: the
+    last two tell how much (every phase starts collected, so leftovers never count in the next)."""
+    import gc
+
+    gc.collect()
     _SAMPLER.enter(phase)
     try:
         result = method(worker, *args) if callable(method) else getattr(worker, method)(*args)
@@ -139,7 +144,8 @@ def phased(worker, phase: str, method, *args):
             result = list(result)
     finally:
         after = _SAMPLER.enter(None)
-    return result, _SAMPLER.peaks[phase], after
+    gc.collect()
+    return result, _SAMPLER.peaks[phase], after, _SAMPLER.rss()
 
 
 def mem_stats(worker) -> dict:
@@ -174,7 +180,7 @@ def set_checkpoints(worker, fmt: str, root: str) -> str:
 
 # ------------------------------------------------------------------ the driver
 
-def make_job(world: int, strategy: str = "data", extra_parallel: dict | None = None) -> dict:
+def make_job(world: int, strategy: str = "data", extra_parallel: dict | None = None, as_dict: bool = True):
     from orchestrator.job import job_from_dict
 
     raw = {"model": GPT, "data": "chars", "optimizer": {"name": "adam"},
@@ -183,7 +189,8 @@ def make_job(world: int, strategy: str = "data", extra_parallel: dict | None = N
            "cluster": {"num_workers": world},
            "telemetry": {"enabled": False, "ray_metrics": False},
            "checkpoint": {"format": "full"}}
-    return job_from_dict(raw, base_dir=str(ROOT)).to_dict()
+    job = job_from_dict(raw, base_dir=str(ROOT))
+    return job.to_dict() if as_dict else job
 
 
 def open_group(job: dict, world: int, period_s: float):
@@ -288,14 +295,16 @@ def run_cycle(group, cycle: list[str], switch, warm: int, steps: int, step0: int
         else:
             results = group.apply(phased, f"{label}:switch:{a}>{b}", full_gather_switch, LAYOUTS[b])
         peak = [r[1] - bb for r, bb in zip(results, base)]
+        leftover = [r[2] - r[3] for r in results]  # what only the garbage collector freed after the switch
         seconds = max(r[0]["seconds"] for r in results)
         before = visits[-1]
         visit(b)
         after = visits[-1]
         ratio = [p / max(x, y) for p, x, y in zip(peak, before["state"], after["state"])]
-        switches.append({"from": a, "to": b, "peak": peak, "seconds": seconds, "ratio": ratio})
+        switches.append({"from": a, "to": b, "peak": peak, "seconds": seconds, "ratio": ratio,
+                         "leftover": leftover, "leftover_ratio": [x / y for x, y in zip(leftover, after["state"])]})
         log(f"  {label:<12}{'switch ' + a + '>' + b:<26}{gib(max(peak)):>10} GiB (worst rank)  "
-            f"{max(ratio):.2f}x steady  {seconds:.1f} s")
+            f"{max(ratio):.2f}x steady  {seconds:.1f} s  left for gc {gib(max(leftover))} GiB")
     return {"visits": visits, "switches": switches, "step": step}
 
 
@@ -344,6 +353,7 @@ def memory_part(args, log) -> dict:
             key = f"{s['from']}_to_{s['to']}"
             out[f"switch_peak_over_steady{label}_{key}"] = max(s["ratio"])
             out[f"switch_s{label}_{key}"] = s["seconds"]
+        out[f"switch_gc_leftover_over_steady{label}"] = max(max(s["leftover_ratio"]) for s in run["switches"])
     out["_visits"], out["_switches"] = visits, gs["switches"] + fg["switches"]
     return out
 
@@ -410,15 +420,35 @@ def checkpoint_small(args, log) -> dict:
         group.close()
 
 
-def cost_model_part(measured: dict) -> dict:
-    """Predicted per-rank memory against the measured steady peaks, where the cost model has a memory model."""
+def cost_model_part(steady: dict) -> dict:
+    """The cost model's predicted per-rank memory (orchestrator/costmodel.memory, for the job's
+    model, optimizer and micro-batch) against the measured steady state per layout. The prediction
+    is taken without its overhead term (MemoryOverhead(0, 0)): that term is the CUDA context and
+    the caching allocator's slack, which a CPU process's RSS above its pre-build baseline has not."""
     from orchestrator import costmodel
 
-    fn = getattr(costmodel, "memory", None)
-    if fn is None:
+    if not hasattr(costmodel, "memory"):
         return {"memory_worst_rel_error": None,
                 "memory_model": "orchestrator/costmodel.py has no memory model in this checkout"}
-    return {"memory_worst_rel_error": None, "memory_model": "not wired yet"}
+    job = make_job(WORKERS, as_dict=False)
+    shape = costmodel.shape_of_job(job)
+    settings = costmodel.memory_settings(job)
+    none = costmodel.MemoryOverhead(0.0, 0.0)
+    out, errors = {}, {}
+    for name, measured in steady.items():
+        d = LAYOUTS[name]
+        pred = costmodel.memory(shape, d["dp"], d["tp"], d.get("shard", 1), global_batch=job.train.global_batch_size,
+                                overhead=none, **settings)
+        out[f"memory_predicted_bytes_{name}"] = pred["total"]
+        out[f"memory_predicted_breakdown_{name}"] = {k: v for k, v in pred.items() if k != "total"}
+        errors[name] = abs(pred["total"] - measured) / measured
+        out[f"memory_rel_error_{name}"] = errors[name]
+    if errors:
+        worst = max(errors, key=errors.get)
+        out.update({"memory_worst_rel_error": errors[worst], "memory_worst_rel_error_at": worst})
+    else:
+        out["memory_worst_rel_error"] = None
+    return out
 
 
 def main() -> None:
@@ -462,7 +492,12 @@ def main() -> None:
     ckpt4 = mem.pop("ckpt4", None)
     visits, switches = mem.pop("_visits", []), mem.pop("_switches", [])
     figures.update(mem)
-    figures.update(cost_model_part(mem))
+    try:
+        figures.update(cost_model_part({k[len("state_bytes_"):]: v for k, v in mem.items()
+                                        if k.startswith("state_bytes_") and not k.endswith("_spread")}))
+    except Exception as err:
+        figures.update({"memory_worst_rel_error": None, "memory_model_error": first_line(err)})
+        log(f"cost model part FAILED: {figures['memory_model_error']}")
     ckpt = {4: ckpt4}
     if "ckpt" not in skip:
         try:
