@@ -83,6 +83,7 @@ class _Sampler:
         self.phase: str | None = None
         self.peaks: dict[str, int] = {}
         self.samples = 0
+        self.started = time.perf_counter()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
         self.thread.start()
@@ -149,7 +150,8 @@ def phased(worker, phase: str, method, *args):
 
 
 def mem_stats(worker) -> dict:
-    return {"samples": _SAMPLER.samples, "rss": _SAMPLER.rss()}
+    return {"samples": _SAMPLER.samples, "rate_hz": _SAMPLER.samples / (time.perf_counter() - _SAMPLER.started),
+            "rss": _SAMPLER.rss()}
 
 
 def full_gather_switch(worker, layout: dict) -> dict:
@@ -329,7 +331,7 @@ def memory_part(args, log) -> dict:
         log(f"cycle: {' > '.join(cycle)} (reshard {'streams' if streaming else 'gathers everything'})")
         gs = run_cycle(group, cycle, "reshard", args.warm, args.steps, 0, "reshard", log)
         fg = run_cycle(group, cycle, "full_gather", args.warm, args.steps, gs["step"], "full-gather", log)
-        out["samples"] = [s["samples"] for s in group.apply(mem_stats)]
+        out["sampler_hz"] = [round(s["rate_hz"]) for s in group.apply(mem_stats)]
         if "ckpt" not in args.skip:  # the 4-worker checkpoints run in this group, laid out as asked
             group.apply(phased, "to-ckpt-layout", "reshard", LAYOUTS[args.ckpt_layout])
             out["ckpt4"] = checkpoint_rounds(group, WORKERS, args.repeats, fg["step"], log)
@@ -498,7 +500,7 @@ def main() -> None:
     except Exception as err:
         figures.update({"memory_worst_rel_error": None, "memory_model_error": first_line(err)})
         log(f"cost model part FAILED: {figures['memory_model_error']}")
-    ckpt = {4: ckpt4}
+    ckpt = {4: ckpt4, 2: None}
     if "ckpt" not in skip:
         try:
             ckpt[2] = checkpoint_small(args, log)
