@@ -167,7 +167,7 @@ class Controller:
     def _start(self) -> State:
         """Restore the checkpoint into the started workers, and the layout and bucket in force."""
         job, infos, restart = self.job, self.infos, self._restart
-        if Layout.from_dict(infos[0]["layout"]) != job.layout:  # hsdp's group, decided by the placement
+        if infos[0].get("layout") and Layout.from_dict(infos[0]["layout"]) != job.layout:  # hsdp's group, by placement
             job = self.job = dataclasses.replace(job, parallel=dataclasses.replace(
                 job.parallel, shard_size=infos[0]["layout"].get("shard", 1)))
         keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend", "compiled")

@@ -41,8 +41,8 @@ class FakeGroup:
         return value
 
     def call(self, method, *args):
-        if method == "state":
-            return [self.call_rank(0, "state"), None]
+        if method == "checkpoint":  # full format: rank 0 sends the state, the others nothing
+            return [{"checkpoint": self.call_rank(0, "state")}, {}]
         if method == "reshard":  # reshard(layout dict, bucket_cap_mb or None), recorded as (step, strategy, tp[, bucket])
             layout, bucket = args
             self.reshards.append((self.step, layout["strategy"], layout["tp"], *([bucket] if bucket is not None else [])))

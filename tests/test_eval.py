@@ -52,7 +52,7 @@ def check_against_checkpoints(job, run_dir, tolerance) -> list[dict]:
     evals = eval_records(run_dir)
     assert [p for r in read(run_dir / "telemetry.jsonl") for p in validate(r)] == []
     for r in evals:
-        state = checkpoint.load(run_dir / "checkpoints" / f"step_{r['step']:08d}")
+        state = checkpoint.load_full(run_dir / "checkpoints" / f"step_{r['step']:08d}")
         assert state["step"] == r["step"]
         want, n = plain_eval_loss(job, state, job.eval.batches)
         assert r["samples"] == n
@@ -70,7 +70,7 @@ def test_eval_loss_equals_plain_pytorch_under_data_then_tensor(ray_cluster, tmp_
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
     evals = check_against_checkpoints(job, tmp_path / "run", 1e-4)
     assert [(r["step"], r["strategy"], r["dp"]) for r in evals] == [(4, "data", 2), (8, "tensor", 1), (12, "tensor", 1)]
-    assert abs(evals[0]["loss"] - plain_eval_loss(job, checkpoint.load(tmp_path / "run/checkpoints/step_00000004"),
+    assert abs(evals[0]["loss"] - plain_eval_loss(job, checkpoint.load_full(tmp_path / "run/checkpoints/step_00000004"),
                                                   None)[0]) <= 1e-5  # data parallel: the tighter bound
     assert all(r["perplexity"] is None and r["batches"] == 4 for r in evals)  # class targets: no perplexity
     best = min(evals, key=lambda r: r["loss"])
@@ -158,7 +158,7 @@ def test_a_resumed_run_keeps_the_earlier_best(tmp_path):
                                                 "checkpoint.keep_best=true", "eval.every=4", HELD_OUT])
     Controller(job, run, factory).run()
     assert json.loads((run.checkpoints / "best.json").read_text())["step"] == 8
-    state = checkpoint.load(run.checkpoints / "step_00000012")
+    state = checkpoint.load_full(run.checkpoints / "step_00000012")
     job2 = load_job(ROOT / "examples/mlp.yaml", ["train.steps=16", "checkpoint.every=4", "checkpoint.keep=1",
                                                  "checkpoint.keep_best=true", "eval.every=4", HELD_OUT])
     summary = Controller(job2, run, factory, resume=("step_00000012", state)).run()

@@ -61,7 +61,7 @@ def test_forced_switches_reach_the_single_process_result(ray_cluster, tmp_path, 
     assert diff <= 1e-4, f"{which}: max |final - reference| = {diff:.3g} after three switches"
 
     # Adam's moments and step count came through every switch (a reset would restart them)
-    saved = checkpoint.load(tmp_path / "run" / "checkpoints" / "step_00000009")["optimizer"]["state"]
+    saved = checkpoint.load_full(tmp_path / "run" / "checkpoints" / "step_00000009")["optimizer"]["state"]
     assert saved.keys() == ref_adam.keys()
     for name, ref in ref_adam.items():
         assert float(saved[name]["step"]) == float(ref["step"]) == 9

@@ -107,21 +107,27 @@ def check_matches(folder: pathlib.Path, model_sd: dict) -> None:
 def full_model(folder: pathlib.Path) -> dict:
     """The model's full tensors read from a DCP checkpoint in this process (no process group):
     how the driver writes `final.pt` without a worker ever holding the whole model."""
+    return _read(folder, "model.").get("model", {})
+
+
+def full_state(folder: pathlib.Path) -> dict:
+    """Everything in a DCP checkpoint as full tensors, shaped like a full-format checkpoint
+    (model, optimizer {"state": {name: {...}}, "hyperparameters"}, scaler, step): for tools and
+    tests that read a checkpoint whole, in one process."""
+    loaded = _read(folder, "")
+    optim = loaded.get("optim", {})
+    groups = optim.get("param_groups") or [{}]
+    hyper = {k: v for k, v in groups[0].items() if k != "params"}
+    extra = torch.load(pathlib.Path(folder) / EXTRA, map_location="cpu", weights_only=True)
+    return {"model": loaded.get("model", {}), "optimizer": {"state": optim.get("state", {}), "hyperparameters": hyper},
+            **extra}
+
+
+def _read(folder: pathlib.Path, prefix: str) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     reader = dcp.FileSystemReader(str(pathlib.Path(folder) / DCP_DIR))
-    keys = [k for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")]
+    keys = {k for k in reader.read_metadata().state_dict_metadata if k.startswith(prefix)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        loaded = _load_state_dict_from_keys(set(keys), storage_reader=reader)
-    return {k: v.contiguous() for k, v in _flat(loaded.get("model", loaded)).items()}
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
+        return _load_state_dict_from_keys(keys, storage_reader=reader)
