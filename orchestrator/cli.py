@@ -100,6 +100,8 @@ def _add_planning_commands(sub) -> None:
     plan.add_argument("--nodes", type=int, help="resize the cluster to this many nodes")
     plan.add_argument("--global-batch", type=int, help="the global batch to plan for (default: the job's)")
     plan.add_argument("--json", action="store_true", help="print every layout and bucket size as one JSON object")
+    plan.add_argument("--device-memory", type=float, metavar="GIB",
+                      help="memory of one device in GiB (an \"80 GB\" A100: 80), in place of the cluster's")
     plan.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR",
                       help="take the device rate and link figures from a run of this model (its "
                            "telemetry.jsonl): a data run, then optionally a tensor run on one node; repeatable")

@@ -60,12 +60,17 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
-PolicyFactory = Callable[[Job, Layout, list[int]], Policy]
+PolicyFactory = Callable[[Job, Layout, list[int], "int | None"], Policy]  # the last: device memory (bytes)
 
 
-def job_policy(job: Job, layout: Layout, node_sizes: list[int]) -> Policy:
+def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_bytes: int | None = None) -> Policy:
     """The policy a job's `adapt` section asks for, starting on `layout`. Its candidates are the
-    layouts the workers (per node) can take that the model can be split into."""
+    layouts the workers (per node) can take that the model can be split into. Given the devices'
+    memory, layouts with sharded state join them and no layout predicted not to fit is switched
+    to (costmodel.memory_check); without it memory is not judged, and sharded state, whose only
+    gain is memory, is not offered."""
+    import strategies
+    from orchestrator import costmodel
     from workers import components
     from workers.components import ComponentError
 
@@ -81,7 +86,11 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int]) -> Policy:
 
     a = job.adapt
     config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown)
-    return Policy(config, candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable), layout)
+    fits = None if device_memory_bytes is None else costmodel.memory_check(job, device_memory_bytes)
+    candidates = candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable, sharded=fits is not None)
+    # only layouts whose strategy this process can build (fsdp and hsdp are named before they exist)
+    candidates = [c for c in candidates if c.strategy in strategies.STRATEGIES]
+    return Policy(config, candidates, layout, fits=fits)
 
 
 class Controller:
@@ -347,7 +356,7 @@ class Controller:
             self.tuning.maybe_tune(self.step)
 
     def _make_policy(self) -> Policy:
-        policy = self.policy_factory(self.job, self.layout, self.node_sizes)
+        policy = self.policy_factory(self.job, self.layout, self.node_sizes, device_memory(self.infos))
         c = policy.config
         self.report.event("policy", candidates=[layout.to_dict() for layout in policy.candidates],
                           node_sizes=self.node_sizes, threshold=c.threshold, window=c.window, cooldown=c.cooldown)
@@ -397,6 +406,18 @@ def scheduled_layout(job: Job, step: int) -> Layout | None:
     if not entries:
         return None
     return scheduled(job, entries[-1])
+
+
+def device_memory(infos: list[dict]) -> int | None:
+    """The memory one worker may use, the least over the workers: its GPU's, or on CPU its share
+    of the host's (the workers on a node divide it). None when the workers did not say."""
+    if not infos or any(not i.get("device_memory") for i in infos):
+        return None
+    per_node: dict[str, int] = {}
+    for i in infos:
+        per_node[i.get("node_id") or i.get("node_ip")] = per_node.get(i.get("node_id") or i.get("node_ip"), 0) + 1
+    return min(i["device_memory"]["bytes"] // (per_node[i.get("node_id") or i.get("node_ip")]
+                                               if i["device_memory"]["shared"] else 1) for i in infos)
 
 
 def node_sizes(job: Job, infos: list[dict]) -> list[int]:

@@ -1,4 +1,5 @@
-"""A step-time model for data, tensor and hybrid layouts: pure Python, no torch, no Ray.
+"""A step-time and memory model for data, tensor, hybrid and sharded (fsdp, hsdp) layouts: pure
+Python, no torch, no Ray.
 
 It predicts, for one training step of a layout dp x tp:
 
@@ -14,6 +15,14 @@ It predicts, for one training step of a layout dp x tp:
   even rate over the parameters); its all-reduce starts then, or when the one before it ends.
   What is left after backward ends is the exposed wait.
 
+- sharded state (fsdp, hsdp, hybrid with dp_shard): FSDP's traffic instead of the all-reduce: each
+  unit's parameters all-gathered before its forward and again before its backward, its gradients
+  reduce-scattered after (1.5x the bytes of an all-reduce), over the shard group; hsdp then
+  all-reduces the reduce-scattered shard across the groups. Forward's gathers run one unit ahead
+  of compute; backward's overlap it as DDP's buckets do.
+
+`memory` predicts the bytes one rank holds at its peak (the start of backward), term by term.
+
 Collectives cost the standard ring figures: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1) x
 latency; all-gather (n-1)/n x bytes / bandwidth + (n-1) x latency. A group that spans nodes runs at
 the slower link between nodes: a ring is as fast as its slowest hop.
@@ -22,7 +31,7 @@ the slower link between nodes: a ring is as fast as its slowest hop.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,42 @@ def allgather_time(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
 
 
+GiB = 2**30
+PARAM_BYTES = 4.0  # parameters and their master copy stay fp32: the job's bf16 and fp16 are autocast
+
+
+@dataclass(frozen=True)
+class MemoryOverhead:
+    """Device memory that no tensor of the model accounts for, as an explicit term to calibrate
+    (`fit_memory_overhead`) or set in a cluster spec."""
+
+    fixed: float = 1.0 * GiB  # the CUDA context, NCCL's buffers, cuBLAS workspaces: taken before the first tensor
+    fraction: float = 0.10    # the caching allocator's rounding and fragmentation, on top of what tensors take
+
+    def __post_init__(self):
+        if self.fixed < 0 or self.fraction < 0:
+            raise ValueError(f"memory overhead must be >= 0, not {self}")
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes one sample's forward leaves for backward, by where they are (see `per_sample`)."""
+
+    layers: int             # repeated layers
+    per_layer: float        # of one layer, the part tensor parallelism leaves whole on every rank (norms'
+                            # inputs, the inputs of column-parallel layers)
+    per_layer_split: float  # of one layer, the part tp ranks split (q, k, v, attention's output, the MLP's width)
+    layer_input: float      # a layer's input: all that activation checkpointing keeps of it
+    outside: float = 0.0    # outside the layers: the head's logits, the loss's fp32 copy, the final norm's input
+    recompute: bool = False
+
+    def per_sample(self, tp: int = 1) -> float:
+        layer = self.per_layer + self.per_layer_split / tp
+        if self.recompute:  # every layer's input kept, one layer's activations rebuilt at a time in backward
+            return self.layers * self.layer_input + layer + self.outside
+        return self.layers * layer + self.outside
+
+
 @dataclass(frozen=True)
 class Hardware:
     """Devices per node, nodes, the device's sustained FLOP/s, and the two links."""
@@ -60,6 +105,8 @@ class Hardware:
     inter: Link               # per node: all its NICs together (InfiniBand, Ethernet), shared by the
                               # rings that leave the node at once
     name: str = ""
+    device_memory: float = 0.0  # bytes one device holds; 0: not known (no layout is judged on memory)
+    memory_overhead: MemoryOverhead = field(default_factory=lambda: MemoryOverhead())
 
     @property
     def devices(self) -> int:
@@ -85,10 +132,24 @@ class ModelShape:
                                              # recomputes the forward (activation checkpointing)
     tp_divides: int = 0                      # tp must divide this (attention heads); 0: any tp
     name: str = ""
+    # for memory and FSDP's traffic
+    tp_param_share: float = 1.0              # of the parameters, the share tensor parallelism splits (the
+                                             # plan's Linear layers); embeddings and norms stay whole
+    blocks: int = 0                          # units FSDP gathers one at a time (transformer layers); 0: the
+                                             # whole model is one unit
+    block_params: float = 0.0                # parameters of one such unit; the rest (embeddings, head) is
+                                             # the root unit, gathered for the whole step
+    activations: Activations | None = None   # None: not modelled (counted as 0 bytes)
+    cast_share: float = 1.0                  # of the parameters, those whose autocast copies autograd keeps
+                                             # for backward: Linear weights whose input needs a gradient
 
     def __post_init__(self):
         if not 0.0 <= self.tp_replicated <= 1.0:
             raise ValueError(f"tp_replicated is a share of the FLOPs, 0..1, not {self.tp_replicated}")
+        if not 0.0 <= self.tp_param_share <= 1.0:
+            raise ValueError(f"tp_param_share is a share of the parameters, 0..1, not {self.tp_param_share}")
+        if self.blocks * self.block_params > self.params:
+            raise ValueError(f"blocks({self.blocks}) x block_params({self.block_params:g}) > params({self.params:g})")
         if self.tp_overhead_flops < 0:
             raise ValueError(f"tp_overhead_flops must be >= 0, not {self.tp_overhead_flops}")
 
@@ -111,11 +172,33 @@ class ModelShape:
         layer = (8 + 4 * ffn_mult) * seq * hidden ** 2 + 4 * seq ** 2 * hidden
         head = 2 * seq * hidden * vocab
         per_sample = (4 if recompute else 3) * layers * layer + 3 * head
-        return ModelShape(params=params if params is not None else 12 * layers * hidden ** 2 + vocab * hidden,
-                          flops_per_sample=per_sample, boundary_bytes_per_sample=seq * hidden * act_bytes,
+        block = (4 + 2 * ffn_mult) * hidden ** 2  # q, k, v, proj and the MLP's two layers (biases, norms: noise)
+        params = params if params is not None else layers * block + vocab * hidden
+        return ModelShape(params=params, flops_per_sample=per_sample,
+                          boundary_bytes_per_sample=seq * hidden * act_bytes,
                           tp_boundaries=tp_allreduces_per_layer * layers, grad_bytes_per_param=grad_bytes,
                           tp_replicated=0.0 if head_parallel else 3 * head / per_sample,
-                          backward_share=3 / 4 if recompute else 2 / 3, tp_divides=heads, name=name)
+                          backward_share=3 / 4 if recompute else 2 / 3, tp_divides=heads, name=name,
+                          tp_param_share=min(1.0, layers * block / params), blocks=layers,
+                          block_params=min(block, params / max(1, layers)),
+                          activations=transformer_activations(layers, hidden, seq, vocab, act_bytes, ffn_mult,
+                                                              recompute))
+
+
+def transformer_activations(layers: int, hidden: int, seq: int, vocab: int, act_bytes: float = 2.0,
+                            ffn_mult: int = 4, recompute: bool = False) -> Activations:
+    """What a GPT layer saves for backward, per sample (Korthikanti et al., arXiv 2205.05198, counted
+    for the built-in GPT: no dropout, attention by scaled_dot_product_attention, whose fused kernels
+    keep no seq x seq scores). The residual stream is fp32 under autocast, so the two norms' inputs
+    and a checkpointed layer's input are 4 bytes an element; what goes into a matmul is in the
+    compute dtype (`act_bytes`). Whole on every tp rank: the two norms' inputs and the inputs of the
+    column-parallel q, k, v and fc; split: q, k, v, attention's output, the projection's input and
+    the MLP's inner width twice (its activation's input and output). Outside the layers: the logits
+    in the compute dtype, the loss's fp32 copy of them and the final norm's input."""
+    sh = seq * hidden
+    return Activations(layers=layers, per_layer=sh * (2 * 4 + 2 * act_bytes),
+                       per_layer_split=sh * act_bytes * (5 + 2 * ffn_mult), layer_input=sh * 4,
+                       outside=seq * vocab * (act_bytes + 4) + sh * 4, recompute=recompute)
 
 
 @dataclass(frozen=True)
@@ -129,13 +212,34 @@ class Prediction:
     exposed_wait_s: float     # comm that no compute hides: tp comm + dp comm left after backward
     step_s: float
     samples_per_s: float
+    shard: int = 1            # dp ranks that split each replica's state (1: replicated)
 
     @property
     def comm_wait_frac(self) -> float:
         return self.exposed_wait_s / self.step_s if self.step_s > 0 else 0.0
 
+    @property
+    def strategy(self) -> str:
+        return strategy_of(self.dp, self.tp, self.shard)
+
+    @property
+    def label(self) -> str:
+        """How a table names the layout: the strategy, hsdp's group size, hybrid's sharded data dimension."""
+        if self.shard > 1 and self.tp > 1:
+            return "hybrid:fsdp"
+        return f"hsdp:{self.shard}" if self.strategy == "hsdp" else self.strategy
+
     def to_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__}, "comm_wait_frac": self.comm_wait_frac}
+
+
+def strategy_of(dp: int, tp: int, shard: int = 1) -> str:
+    """The built-in strategy a (dp, tp, shard) layout is: a hybrid with dp_shard stays `hybrid`."""
+    if tp > 1:
+        return "tensor" if dp == 1 else "hybrid"
+    if shard == 1 or dp == 1:
+        return "data"
+    return "fsdp" if shard == dp else "hsdp"
 
 
 def buckets(total_bytes: float, cap_bytes: float) -> list[float]:
@@ -167,13 +271,16 @@ def group_link(hw: Hardware, span_nodes: bool, streams: int = 1) -> Link:
 
 
 def predict(model: ModelShape, hw: Hardware, global_batch: int, dp: int, tp: int,
-            bucket_cap_mb: float = 25.0, backward_share: float | None = None) -> Prediction:
+            bucket_cap_mb: float = 25.0, backward_share: float | None = None, shard: int = 1) -> Prediction:
     """One step of a dp x tp layout on `hw`, ranks contiguous per node (tp groups inside a node
-    when tp divides the node's devices)."""
+    when tp divides the node's devices); `shard` > 1: each replica's state split over groups of
+    that many dp ranks (fsdp: dp; hsdp: a node), which `bucket_cap_mb` then does not apply to."""
     if dp * tp > hw.devices:
         raise ValueError(f"dp({dp}) x tp({tp}) = {dp * tp} devices; the hardware has {hw.devices}")
     if global_batch % dp:
         raise ValueError(f"dp({dp}) must divide the global batch ({global_batch})")
+    if shard < 1 or dp % shard:
+        raise ValueError(f"shard({shard}) must divide dp({dp})")
     per_dp = global_batch / dp
     compute = (model.flops_per_sample * per_dp * ((1 - model.tp_replicated) / tp + model.tp_replicated)
                + (model.tp_overhead_flops if tp > 1 else 0.0)) / hw.flops
@@ -185,16 +292,137 @@ def predict(model: ModelShape, hw: Hardware, global_batch: int, dp: int, tp: int
                                                      group_link(hw, tp_spans, max(1, hw.per_node // tp))) if tp > 1 else 0.0
     # a dp group takes one rank from each tp group: it spans nodes once the model's replicas do,
     # and the node's NICs are shared by the dp groups with ranks on it (one per tp index)
-    dp_spans = dp * tp > hw.per_node
-    grad_bytes = model.params * model.grad_bytes_per_param / tp
-    sizes = buckets(grad_bytes, bucket_cap_mb * 2**20)
-    link = group_link(hw, dp_spans, min(tp, hw.per_node))
-    per_bucket = [allreduce_time(b, dp, link) for b in sizes] if dp > 1 else [0.0] * len(sizes)
-    dp_comm, left = overlap(backward, sizes, per_bucket)
+    if shard > 1:
+        dp_comm, left = sharded_comm(model, hw, dp, tp, shard, compute - backward, backward)
+    else:
+        dp_spans = dp * tp > hw.per_node
+        grad_bytes = model.params * model.grad_bytes_per_param / tp
+        sizes = buckets(grad_bytes, bucket_cap_mb * 2**20)
+        link = group_link(hw, dp_spans, min(tp, hw.per_node))
+        per_bucket = [allreduce_time(b, dp, link) for b in sizes] if dp > 1 else [0.0] * len(sizes)
+        dp_comm, left = overlap(backward, sizes, per_bucket)
     exposed = tp_comm + left
     step = compute + exposed
     return Prediction(dp, tp, bucket_cap_mb, compute, tp_comm, dp_comm, exposed, step,
-                      global_batch / step if step > 0 else 0.0)
+                      global_batch / step if step > 0 else 0.0, shard)
+
+
+def units(model: ModelShape, tp: int = 1) -> list[float]:
+    """Parameters of each unit FSDP gathers at once, on one tp rank, in forward order: the root
+    (embeddings, final norm, head: what is not in a block) first, then the blocks. A block is
+    nearly all tensor-parallel Linear weights; the root keeps the rest of this rank's slice."""
+    split = model.tp_param_share
+    local = model.params * (1 - split + split / tp)
+    if model.blocks == 0:
+        return [local]
+    block = model.block_params / tp
+    return [max(0.0, local - model.blocks * block)] + [block] * model.blocks
+
+
+def prefetched(compute_s: float, gathers: list[float]) -> float:
+    """Time a pass over units waits for their parameters: each unit's compute (an even share)
+    needs its own all-gather done; the gathers run one after another, each starting once the unit
+    before it has started computing (FSDP prefetches one unit ahead)."""
+    if not gathers:
+        return 0.0
+    per = compute_s / len(gathers)
+    gather_end, compute_end, started = 0.0, 0.0, 0.0
+    for t in gathers:
+        gather_end = max(gather_end, started) + t
+        started = max(compute_end, gather_end)
+        compute_end = started + per
+    return max(0.0, compute_end - compute_s)
+
+
+def sharded_comm(model: ModelShape, hw: Hardware, dp: int, tp: int, shard: int, forward_s: float,
+                 backward_s: float) -> tuple[float, float]:
+    """(FSDP's traffic in total, the part no compute hides) for state split over groups of
+    `shard` dp ranks: a unit's parameters all-gathered for forward and again for backward, its
+    gradients reduce-scattered after (a ring reduce-scatter costs what an all-gather does); with
+    dp / shard replicas (hsdp) the reduce-scattered shard is then all-reduced across them. Forward's
+    gathers are prefetched; backward's unit traffic overlaps backward as DDP's buckets do."""
+    sizes = [u * model.grad_bytes_per_param for u in units(model, tp)]
+    # a shard group is `shard` dp ranks tp apart; the node's NICs are shared by the tp groups' rings
+    link = group_link(hw, shard * tp > hw.per_node, min(tp, hw.per_node))
+    gather = [allgather_time(b, shard, link) for b in sizes]
+    replicas = dp // shard
+    # one replica ring per rank of a group that leaves the node: each carries a 1/shard share
+    cross = group_link(hw, dp * tp > hw.per_node, min(shard * tp, hw.per_node))
+    reduce = [allreduce_time(b / shard, replicas, cross) if replicas > 1 else 0.0 for b in sizes]
+    forward_wait = prefetched(forward_s, gather)
+    per_unit = [2 * g + r for g, r in zip(gather, reduce)]  # gather again, reduce-scatter, (all-reduce)
+    backward_total, left = overlap(backward_s, sizes[::-1], per_unit[::-1])
+    return sum(gather) + backward_total, forward_wait + left
+
+
+# ----------------------------------------------------------------------------- memory
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0}  # fp32 tensors per parameter (sgd: 1 with momentum)
+
+
+def micro_batch_of(global_batch: int, dp: int, micro_batch: int | None = None) -> int:
+    """Samples a rank computes at once: the job's micro-batch, or its whole share when none is
+    given or the micro-batch does not fit the share."""
+    share = max(1, global_batch // dp)
+    return micro_batch if micro_batch and micro_batch <= share else share
+
+
+def memory(model: ModelShape, dp: int, tp: int = 1, shard: int = 1, *, global_batch: int,
+           micro_batch: int | None = None, optimizer_states: int = 2, compute_bytes: float = 4.0,
+           overhead: MemoryOverhead = MemoryOverhead()) -> dict:
+    """Bytes one rank holds at its peak, the start of backward: {params, grads, optimizer,
+    gathered, cast_weights, activations, overhead, total} and the micro-batch (samples) the
+    activations are for.
+
+    Parameters, gradients and `optimizer_states` fp32 tensors per parameter (Adam 2, SGD with
+    momentum 1) are this rank's tensor-parallel slice (the plan's Linear weights split by tp, the
+    rest whole), divided by `shard` when state is sharded (fsdp: dp, hsdp: the group, hybrid with
+    dp_shard: dp). Sharded state is gathered a unit at a time (`gathered`): the root unit
+    (embeddings, head) stays gathered from forward into backward, and two blocks are whole at once
+    (the one computing and the one prefetched) with one block's unsharded gradients. Under bf16 or
+    fp16 autocast (`compute_bytes` 2) the Linear weights' casts live until backward uses them
+    (`cast_weights`): those of `cast_share` for replicated state without checkpointing; with checkpointing
+    or sharded state (gathered in the compute dtype), the root's and two blocks'. Activations are
+    one micro-batch's (global / (dp x accumulation)). `overhead` adds the runtime and allocator."""
+    b = micro_batch_of(global_batch, dp, micro_batch)
+    parts = units(model, tp)
+    local = sum(parts)
+    out = {"params": local / shard * PARAM_BYTES, "grads": local / shard * model.grad_bytes_per_param,
+           "optimizer": local / shard * 4.0 * optimizer_states, "gathered": 0.0, "cast_weights": 0.0}
+    # what a layout holds whole for a while: one unit when the model is one, else the root and two blocks
+    transient = local if len(parts) == 1 else parts[0] + 2 * (parts[1] if len(parts) > 1 else 0.0)
+    if shard > 1:
+        block = parts[-1]
+        out["gathered"] = (transient * PARAM_BYTES + block * model.grad_bytes_per_param) * (1 - 1 / shard)
+    if compute_bytes < PARAM_BYTES:
+        recompute = model.activations is not None and model.activations.recompute
+        out["cast_weights"] = (transient if shard > 1 or recompute else local * model.cast_share) * compute_bytes
+    out["activations"] = b * model.activations.per_sample(tp) if model.activations else 0.0
+    tensors = sum(out.values())
+    out["overhead"] = overhead.fixed + overhead.fraction * tensors
+    out["total"] = tensors + out["overhead"]
+    out["micro_batch"] = b
+    return out
+
+
+def fits(breakdown: dict, device_memory: float) -> tuple[bool, dict]:
+    """Whether a predicted breakdown fits a device of `device_memory` bytes (0: not known, so it
+    does), with what a decision's evidence says about it."""
+    ok = not device_memory or breakdown["total"] <= device_memory
+    return ok, {"predicted_bytes": breakdown["total"], "available_bytes": device_memory or None,
+                "reason": None if ok else does_not_fit(breakdown["total"], device_memory)}
+
+
+def does_not_fit(predicted: float, available: float) -> str:
+    return f"does not fit: {predicted / GiB:.1f} > {available / GiB:.3g} GiB"
+
+
+def fit_memory_overhead(breakdown: dict, measured_bytes: float, fixed: float = 1.0 * GiB) -> MemoryOverhead:
+    """The overhead fraction that makes `memory`'s prediction (its breakdown) the peak a run
+    measured on the device (memory the process reserved, not only what tensors took), at a given
+    fixed part; 0 when the tensors alone reach the measurement."""
+    tensors = breakdown["total"] - breakdown["overhead"]
+    return MemoryOverhead(fixed, max(0.0, (measured_bytes - fixed - tensors) / tensors) if tensors > 0 else 0.0)
 
 
 def layouts(hw: Hardware, global_batch: int, devices: int | None = None, model_divides: int = 0
@@ -212,12 +440,30 @@ def layouts(hw: Hardware, global_batch: int, devices: int | None = None, model_d
     return out
 
 
+def sharded_layouts(hw: Hardware, global_batch: int, model_divides: int = 0) -> list[tuple[int, int, int]]:
+    """(dp, tp, shard) for every layout over all devices: each of `layouts` with replicated state,
+    and where there are dp ranks to split it over, with sharded state: fsdp (over all of them),
+    hsdp (over the devices of a node, replicated across nodes: two nodes or more of two devices or
+    more) and hybrid with dp_shard (over the data dimension)."""
+    out = []
+    for dp, tp in layouts(hw, global_batch, model_divides=model_divides):
+        out.append((dp, tp, 1))
+        if dp < 2:
+            continue
+        if tp == 1 and hw.nodes >= 2 and hw.per_node >= 2 and dp % hw.per_node == 0:
+            out.append((dp, 1, hw.per_node))
+        out.append((dp, tp, dp))
+    return out
+
+
 def plan(model: ModelShape, hw: Hardware, global_batch: int,
-         buckets_mb: tuple[float, ...] = (1, 5, 10, 25, 50, 100)) -> list[Prediction]:
-    """Every layout at every bucket size, fastest first."""
-    preds = [predict(model, hw, global_batch, dp, tp, b)
-             for dp, tp in layouts(hw, global_batch, model_divides=model.tp_divides)
-             for b in (buckets_mb if dp > 1 else buckets_mb[:1])]
+         buckets_mb: tuple[float, ...] = (1, 5, 10, 25, 50, 100), sharded: bool = True) -> list[Prediction]:
+    """Every layout at every bucket size (one for those without a data-parallel all-reduce: no dp,
+    or sharded state), fastest first; `sharded=False` leaves out fsdp, hsdp and hybrid dp_shard."""
+    preds = [predict(model, hw, global_batch, dp, tp, b, shard=shard)
+             for dp, tp, shard in sharded_layouts(hw, global_batch, model_divides=model.tp_divides)
+             if sharded or shard == 1
+             for b in (buckets_mb if dp > 1 and shard == 1 else buckets_mb[:1])]
     return sorted(preds, key=lambda p: p.step_s)
 
 
@@ -226,17 +472,21 @@ def plan(model: ModelShape, hw: Hardware, global_batch: int,
 GB = 1e9
 PRESETS: dict[str, Hardware] = {
     # 8 x H100 SXM per node, NVLink 4 (~450 GB/s per GPU each way, ~360 achieved in a ring), 8 x
-    # 400 Gb/s InfiniBand per node (400 GB/s, ~360 achieved); ~400 TFLOP/s sustained in bf16
+    # 400 Gb/s InfiniBand per node (400 GB/s, ~360 achieved); ~400 TFLOP/s sustained in bf16; 80 GB each
     "h100-ib400": Hardware(nodes=16, per_node=8, flops=400e12, intra=Link(360 * GB, 3e-6),
-                           inter=Link(360 * GB, 8e-6), name="16 nodes x 8 H100, NVLink + 8 x 400 Gb/s InfiniBand"),
-    # 8 x A100 SXM per node, NVLink 3 (~300 GB/s, ~230 achieved), 8 x 200 Gb/s HDR per node
+                           inter=Link(360 * GB, 8e-6), name="16 nodes x 8 H100, NVLink + 8 x 400 Gb/s InfiniBand",
+                           device_memory=80 * GiB),
+    # 8 x A100 SXM per node, NVLink 3 (~300 GB/s, ~230 achieved), 8 x 200 Gb/s HDR per node; the
+    # 80 GB A100 of a DGX A100 640GB (the 40 GB one: device_memory_gb: 40 in a spec)
     "a100-ib200": Hardware(nodes=16, per_node=8, flops=150e12, intra=Link(230 * GB, 3e-6),
-                           inter=Link(180 * GB, 8e-6), name="16 nodes x 8 A100, NVLink + 8 x 200 Gb/s InfiniBand"),
+                           inter=Link(180 * GB, 8e-6), name="16 nodes x 8 A100, NVLink + 8 x 200 Gb/s InfiniBand",
+                           device_memory=80 * GiB),
     # Megatron-LM's cluster (arXiv 1909.08053): 32 DGX-2H nodes of 16 V100, NVSwitch (300 GB/s per
     # GPU both ways: 150 each way), 8 x 100 Gb/s InfiniBand per node (100 GB/s); 39 TFLOP/s
-    # sustained on one GPU (their single-GPU baseline)
+    # sustained on one GPU (their single-GPU baseline); the DGX-2H's V100 holds 32 GB
     "v100-dgx2h": Hardware(nodes=32, per_node=16, flops=39e12, intra=Link(150 * GB, 5e-6),
-                           inter=Link(100 * GB, 10e-6), name="32 DGX-2H nodes x 16 V100, Megatron-LM's cluster"),
+                           inter=Link(100 * GB, 10e-6), name="32 DGX-2H nodes x 16 V100, Megatron-LM's cluster",
+                           device_memory=32 * GiB),
 }
 
 
@@ -246,52 +496,128 @@ def with_nodes(hw: Hardware, nodes: int) -> Hardware:
 
 # ----------------------------------------------------------------------------- from a job and a spec
 
+def compute_bytes_of(job) -> float:
+    """Bytes an element of the job's activations and weight casts takes: 2 under bf16 or fp16
+    autocast (given alone or as phases), else 4."""
+    p = job.train.precision
+    return 2.0 if (p.get("dtype") if isinstance(p, dict) else p) in ("bf16", "fp16") else 4.0
+
+
+def memory_settings(job) -> dict:
+    """What `memory` needs from a job besides the model and layout: its micro-batch, the fp32
+    tensors its optimizer keeps per parameter (Adam two, SGD one with momentum, none without) and
+    its compute dtype's bytes."""
+    opt = job.optimizer
+    states = OPTIMIZER_STATES[opt.name] + (1 if opt.name == "sgd" and opt.momentum > 0 else 0)
+    return {"micro_batch": job.train.micro_batch_size, "optimizer_states": states,
+            "compute_bytes": compute_bytes_of(job)}
+
+
+def memory_check(job, device_memory_bytes: float, overhead: MemoryOverhead = MemoryOverhead(),
+                 model: ModelShape | None = None):
+    """A `fits(layout) -> (bool, evidence)` for the adaptive policy: `memory` of the job's model
+    (its shape, micro-batch, optimizer and precision) under the layout (anything with dp, tp and
+    shard) against devices of `device_memory_bytes`. The evidence holds the predicted and available
+    bytes, why it does not fit, and the breakdown."""
+    model = model if model is not None else shape_of_job(job)
+    settings = memory_settings(job)
+
+    def check(layout) -> tuple[bool, dict]:
+        mem = memory(model, layout.dp, layout.tp, layout.shard, global_batch=job.train.global_batch_size,
+                     overhead=overhead, **settings)
+        ok, said = fits(mem, device_memory_bytes)
+        return ok, {**said, "breakdown": mem}
+
+    return check
+
+
 def shape_of_job(job) -> ModelShape:
     """The cost model's view of a job's model. The built-in GPT by its shape (its parameters
-    counted exactly, on the meta device; its FLOPs by Megatron-LM's count); any other model by its
-    parameter count (built once, on the meta device where it can be) at 6 FLOPs per parameter per
-    sample, with no tensor-parallel activations modelled."""
-    spec = job.to_dict()["model"]
-    grad_bytes = 4.0  # parameters and their gradients stay fp32 under autocast
-    act = 2.0 if job.train.precision in ("bf16", "fp16") else 4.0
-    if spec.get("name") == "gpt":
-        import inspect  # noqa: PLC0415
+    counted exactly, on the meta device; its FLOPs by Megatron-LM's count; its activations per
+    `transformer_activations`); any other model by its parameter count (built once, on the meta
+    device where it can be) at 6 FLOPs per parameter per sample, with no tensor-parallel
+    activations modelled, and its activations (the built-in MLP's only) as every Linear's input
+    (the ReLU's output before it) and the logits. The share of parameters tensor parallelism
+    splits is what the model's plan shards."""
+    import torch  # noqa: PLC0415
 
-        from workers.models import gpt  # noqa: PLC0415
-
-        import torch  # noqa: PLC0415
-
-        defaults = {n: p.default for n, p in inspect.signature(gpt).parameters.items()}
-        k = {**defaults, **(spec.get("kwargs") or {})}
-        with torch.device("meta"):
-            params = sum(p.numel() for p in gpt(**k).parameters())
-        # the built-in GPT's q, k and v are separate column-parallel layers, its head is replicated
-        # (workers/models.py)
-        return ModelShape.transformer(k["n_layer"], k["n_embd"], k["block_size"], k["vocab_size"], act_bytes=act,
-                                      grad_bytes=grad_bytes,
-                                      recompute=bool(job.train.activation_checkpointing or k["activation_checkpointing"]),
-                                      tp_allreduces_per_layer=6, head_parallel=False, ffn_mult=k["ffn_mult"],
-                                      heads=k["n_head"], params=params, name="gpt")
     from workers import components  # noqa: PLC0415
 
-    model = components.build_model(spec, [job.base_dir])
+    spec = job.to_dict()["model"]
+    grad_bytes = 4.0  # parameters and their gradients stay fp32 under autocast
+    act = compute_bytes_of(job)
+    recompute = bool(job.train.activation_checkpointing or (spec.get("kwargs") or {}).get("activation_checkpointing"))
+    model, returned = components.model_for_checks(spec, [job.base_dir])
     params = sum(p.numel() for p in model.parameters())
+    try:
+        plan = components.tp_plan(model, job.parallel.tp_plan, returned, 1)
+    except components.ComponentError:  # a plan that cannot shard: tensor layouts are refused elsewhere
+        plan = None
+    split = _tp_split_params(model, plan)
+    if spec.get("name") == "gpt":
+        k = model
+        blocks = len(k.blocks)
+        n_embd, vocab = k.tok_emb.embedding_dim, k.tok_emb.num_embeddings
+        ffn_mult = k.blocks[0].mlp.fc.out_features // n_embd if blocks else 4
+        # the built-in GPT's q, k and v are separate column-parallel layers, its head is replicated
+        # (workers/models.py)
+        shape = ModelShape.transformer(blocks, n_embd, k.block_size, vocab, act_bytes=act, grad_bytes=grad_bytes,
+                                       recompute=recompute, tp_allreduces_per_layer=6, head_parallel=False,
+                                       ffn_mult=ffn_mult, heads=k.n_head, params=params, name="gpt")
+        block = sum(p.numel() for p in k.blocks[0].parameters()) if blocks else 0
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        return replace(shape, tp_param_share=split / params if params else 1.0, block_params=block,
+                       cast_share=linear / params if params else 1.0)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    acts, cast = None, 1.0
+    if spec.get("name") == "mlp" and linears:
+        # the first layer's input is the data, which needs no gradient: its weight's copy is not kept
+        cast = sum(m.weight.numel() for m in linears[1:]) / params
+        # a vector a sample: each Linear keeps its input, which is the ReLU's output before it (one
+        # tensor, kept once); outside: the logits and the loss's copy of them
+        n = len(linears)
+        per_layer = sum(m.in_features for m in linears) * act / n
+        acts = Activations(layers=n, per_layer=per_layer, per_layer_split=0.0, layer_input=per_layer,
+                           outside=linears[-1].out_features * (act + 4), recompute=recompute)
     return ModelShape(params=params, flops_per_sample=6.0 * params, grad_bytes_per_param=grad_bytes,
-                      name=spec.get("name") or spec.get("entrypoint") or "model")
+                      name=spec.get("name") or spec.get("entrypoint") or "model",
+                      tp_param_share=split / params if params and split else 1.0, activations=acts,
+                      cast_share=cast)
+
+
+def _tp_split_params(model, plan: dict | None) -> float:
+    """Parameters the plan splits over tp ranks: a sharded Linear's weight, and its bias when
+    column-parallel (a row-parallel layer's bias is added whole on every rank)."""
+    if not plan:
+        return 0.0
+    from strategies.tp_plan import PlanError, resolve  # noqa: PLC0415
+
+    try:
+        styles = resolve(model, plan, 1)
+    except PlanError:
+        return 0.0
+    modules = dict(model.named_modules())
+    return float(sum(modules[n].weight.numel() + (modules[n].bias.numel() if style == "colwise" and
+                                                  modules[n].bias is not None else 0)
+                     for n, style in styles.items()))
+
+
+SPEC_KEYS = ("preset", "nodes", "per_node", "tflops", "intra_gb_s", "inter_gb_s", "intra_latency_us",
+             "inter_latency_us", "device_memory_gb", "memory_overhead_gb", "memory_overhead_frac", "name")
 
 
 def hardware_from_spec(spec: dict | str) -> Hardware:
     """A preset name, or {preset: NAME, nodes: N} to resize one, or the figures themselves:
-    {nodes, per_node, tflops, intra_gb_s, inter_gb_s, intra_latency_us, inter_latency_us}."""
+    {nodes, per_node, tflops, intra_gb_s, inter_gb_s, intra_latency_us, inter_latency_us}, and
+    optionally device_memory_gb (as devices are sold: an "80 GB" A100 holds 80 GiB, so GiB) and the
+    memory overhead (memory_overhead_gb fixed, memory_overhead_frac on top of the tensors)."""
     if isinstance(spec, str):
         spec = {"preset": spec}
     if not isinstance(spec, dict):
         raise ValueError(f"a cluster spec is a preset name or a mapping, not {spec!r}")
-    unknown = set(spec) - {"preset", "nodes", "per_node", "tflops", "intra_gb_s", "inter_gb_s", "intra_latency_us",
-                           "inter_latency_us", "name"}
+    unknown = set(spec) - set(SPEC_KEYS)
     if unknown:
-        raise ValueError(f"unknown cluster spec keys {sorted(unknown)}; allowed: preset, nodes, per_node, tflops, "
-                         "intra_gb_s, inter_gb_s, intra_latency_us, inter_latency_us")
+        raise ValueError(f"unknown cluster spec keys {sorted(unknown)}; allowed: {', '.join(SPEC_KEYS[:-1])}")
     if "preset" in spec:
         if not isinstance(spec["preset"], str) or spec["preset"] not in PRESETS:
             raise ValueError(f"preset {spec['preset']!r} is not one of {', '.join(PRESETS)}")
@@ -314,12 +640,15 @@ def hardware_from_spec(spec: dict | str) -> Hardware:
     per_node = num("per_node", base.per_node)
     if int(nodes) != nodes or int(per_node) != per_node:
         raise ValueError(f"nodes ({nodes}) and per_node ({per_node}) must be whole numbers")
+    overhead = MemoryOverhead(num("memory_overhead_gb", base.memory_overhead.fixed, GiB, zero_ok=True),
+                              num("memory_overhead_frac", base.memory_overhead.fraction, zero_ok=True))
     return Hardware(nodes=int(nodes), per_node=int(per_node), flops=num("tflops", base.flops, 1e12),
                     intra=Link(num("intra_gb_s", base.intra.bandwidth, GB),
                                num("intra_latency_us", base.intra.latency, 1e-6, zero_ok=True)),
                     inter=Link(num("inter_gb_s", base.inter.bandwidth, GB),
                                num("inter_latency_us", base.inter.latency, 1e-6, zero_ok=True)),
-                    name=spec.get("name") or base.name)
+                    name=spec.get("name") or base.name,
+                    device_memory=num("device_memory_gb", base.device_memory, GiB), memory_overhead=overhead)
 
 
 # ----------------------------------------------------------------------------- calibration

@@ -95,52 +95,120 @@ def global_batch(args, job) -> int:
     return args.global_batch
 
 
+def with_device_memory(hw: costmodel.Hardware, gib: float | None) -> costmodel.Hardware:
+    """`hw` with --device-memory's figure (GiB, as devices are sold) in place of the spec's."""
+    if gib is None:
+        return hw
+    if not gib > 0:
+        raise UsageError(f"--device-memory {gib}: a size in GiB > 0")
+    return costmodel.replace(hw, device_memory=gib * costmodel.GiB)
+
+
+def layout_memory(job, model: costmodel.ModelShape, hw: costmodel.Hardware, batch: int,
+                  preds: list[costmodel.Prediction]) -> dict[tuple[int, int, int], tuple[dict, bool, dict]]:
+    """(dp, tp, shard) -> (memory breakdown per rank, whether it fits the device, what fits says)."""
+    settings = costmodel.memory_settings(job)
+    out = {}
+    for p in preds:
+        key = (p.dp, p.tp, p.shard)
+        if key not in out:
+            mem = costmodel.memory(model, p.dp, p.tp, p.shard, global_batch=batch, overhead=hw.memory_overhead,
+                                   **settings)
+            out[key] = (mem, *costmodel.fits(mem, hw.device_memory))
+    return out
+
+
+def recommendation(best: costmodel.Prediction, hw: costmodel.Hardware) -> str:
+    """The job settings that ask for `best`."""
+    words = [f"strategy {best.strategy}"]
+    if best.tp > 1:
+        words.append(f"tp_size {best.tp}")
+    if best.strategy == "hsdp":
+        words.append(f"shard_size {best.shard}")
+    if best.tp > 1 and best.shard > 1:
+        words.append("dp_shard true")
+    if best.dp > 1 and best.shard == 1:
+        words.append(f"bucket_cap_mb {best.bucket_cap_mb:g}")
+    if best.tp > hw.per_node or hw.per_node % best.tp:
+        words.append("tp_across_nodes true")
+    return ", ".join(words)
+
+
+def _print_json(model, hw, batch, notes, preds, memory, best) -> None:
+    import json  # noqa: PLC0415
+
+    def row(p):
+        mem, ok, said = memory[(p.dp, p.tp, p.shard)]
+        # sharded state has no all-reduce buckets: FSDP moves a unit at a time
+        bucket = {"bucket_cap_mb": None} if p.shard > 1 else {}
+        return {"strategy": p.strategy, "layout": p.label, **p.to_dict(), **bucket, "memory": mem, "fits": ok,
+                **said}
+
+    print(json.dumps({"model": {"name": model.name, "params": model.params, "flops_per_sample": model.flops_per_sample,
+                                "tp_overhead_flops": model.tp_overhead_flops,
+                                "activations_modelled": model.activations is not None},
+                      "cluster": {"name": hw.name, "nodes": hw.nodes, "per_node": hw.per_node, "flops": hw.flops,
+                                  "intra": vars(hw.intra), "inter": vars(hw.inter),
+                                  "device_memory": hw.device_memory or None,
+                                  "memory_overhead": vars(hw.memory_overhead)},
+                      "global_batch": batch, "calibration": notes,
+                      "recommended": row(best) if best is not None else None,
+                      "predictions": [row(p) for p in preds]}))
+
+
+def _print_table(model, hw, batch, preds, memory) -> None:
+    best_per_layout: dict[tuple[int, int, int], costmodel.Prediction] = {}
+    for p in preds:
+        best_per_layout.setdefault((p.dp, p.tp, p.shard), p)
+    device = f", {hw.device_memory / costmodel.GiB:.3g} GiB each" if hw.device_memory else ""
+    print(f"{model.name}: {model.params / 1e6:,.1f} M parameters, {model.flops_per_sample / 1e9:,.1f} GFLOP per "
+          f"sample; global batch {batch}; {hw.name or 'cluster'}: {hw.nodes} x {hw.per_node} devices at "
+          f"{hw.flops / 1e12:.3g} TFLOP/s{device}")
+    names = {key: f"{p.label} {p.dp}x{p.tp}" for key, p in best_per_layout.items()}
+    width = max(16, max(len(n) for n in names.values()) + 1)
+    print(f"{'layout':<{width}}{'bucket MB':>10}{'step ms':>10}{'compute':>9}{'comm wait':>11}{'samples/s':>12}"
+          f"{'GiB/rank':>10}")
+    for key, p in sorted(best_per_layout.items(), key=lambda kv: kv[1].step_s):
+        mem, ok, said = memory[key]
+        bucket = f"{p.bucket_cap_mb:g}" if p.dp > 1 and p.shard == 1 else "-"
+        print(f"{names[key]:<{width}}{bucket:>10}{p.step_s * 1e3:>10.1f}{p.compute_s * 1e3:>9.1f}"
+              f"{p.comm_wait_frac:>11.1%}{p.samples_per_s:>12,.1f}{mem['total'] / costmodel.GiB:>10.1f}"
+              + ("" if ok else f"  {said['reason']}"))
+
+
 def cmd_plan(args) -> int:
     from orchestrator.job import load_job
 
     job = load_job(args.job, args.overrides)
-    hw = load_cluster(args.cluster, args.nodes)
+    hw = with_device_memory(load_cluster(args.cluster, args.nodes), getattr(args, "device_memory", None))
     model, hw, notes = calibrated(job, costmodel.shape_of_job(job), hw, args.calibrate)
     batch = global_batch(args, job)
     preds = costmodel.plan(model, hw, batch)
     if not preds:
         raise UsageError(f"no layout of {hw.devices} devices divides the global batch {batch}: use "
                          f"--global-batch with a multiple of {hw.devices}")
+    memory = layout_memory(job, model, hw, batch, preds)
+    # a layout predicted not to fit the device is never recommended, however fast
+    best = next((p for p in preds if memory[(p.dp, p.tp, p.shard)][1]), None)
     if args.json:
-        import json  # noqa: PLC0415
-
-        def kind(p):
-            return "data" if p.tp == 1 else "tensor" if p.dp == 1 else "hybrid"
-
-        print(json.dumps({"model": {"name": model.name, "params": model.params, "flops_per_sample": model.flops_per_sample,
-                                    "tp_overhead_flops": model.tp_overhead_flops},
-                          "cluster": {"name": hw.name, "nodes": hw.nodes, "per_node": hw.per_node, "flops": hw.flops,
-                                      "intra": vars(hw.intra), "inter": vars(hw.inter)},
-                          "global_batch": batch, "calibration": notes,
-                          "recommended": {"strategy": kind(preds[0]), **preds[0].to_dict()},
-                          "predictions": [{"strategy": kind(p), **p.to_dict()} for p in preds]}))
+        _print_json(model, hw, batch, notes, preds, memory, best)
         return 0
     for note in notes:
         print(note)
-    best_per_layout: dict[tuple[int, int], costmodel.Prediction] = {}
-    for p in preds:
-        best_per_layout.setdefault((p.dp, p.tp), p)
-    print(f"{model.name}: {model.params / 1e6:,.1f} M parameters, {model.flops_per_sample / 1e9:,.1f} GFLOP per "
-          f"sample; global batch {batch}; {hw.name or 'cluster'}: {hw.nodes} x {hw.per_node} devices at "
-          f"{hw.flops / 1e12:.3g} TFLOP/s")
-    print(f"{'layout':<16}{'bucket MB':>10}{'step ms':>10}{'compute':>9}{'comm wait':>11}{'samples/s':>12}")
-    for (dp, tp), p in sorted(best_per_layout.items(), key=lambda kv: kv[1].step_s):
-        kind = "data" if tp == 1 else "tensor" if dp == 1 else "hybrid"
-        bucket = f"{p.bucket_cap_mb:g}" if dp > 1 else "-"
-        print(f"{kind + f' {dp}x{tp}':<16}{bucket:>10}{p.step_s * 1e3:>10.1f}{p.compute_s * 1e3:>9.1f}"
-              f"{p.comm_wait_frac:>11.1%}{p.samples_per_s:>12,.1f}")
-    best = preds[0]
-    kind = "data" if best.tp == 1 else "tensor" if best.dp == 1 else "hybrid"
-    print(f"recommended: strategy {kind}" + (f", tp_size {best.tp}" if best.tp > 1 else "")
-          + (f", bucket_cap_mb {best.bucket_cap_mb:g}" if best.dp > 1 else "")
-          + (", tp_across_nodes true" if best.tp > hw.per_node or hw.per_node % best.tp else "")
-          + f" ({best.step_s * 1e3:.1f} ms a step, comm wait {best.comm_wait_frac:.0%})")
+    _print_table(model, hw, batch, preds, memory)
+    if best is None:
+        least = min(m["total"] for m, _, _ in memory.values())
+        print(f"recommended: none: no layout fits {hw.device_memory / costmodel.GiB:.3g} GiB a device (the "
+              f"smallest needs {least / costmodel.GiB:.1f} GiB); use more devices, a smaller micro-batch or "
+              "activation checkpointing")
+    else:
+        print(f"recommended: {recommendation(best, hw)} ({best.step_s * 1e3:.1f} ms a step, comm wait "
+              f"{best.comm_wait_frac:.0%}, {memory[(best.dp, best.tp, best.shard)][0]['total'] / costmodel.GiB:.1f} "
+              "GiB a rank)")
     if model.tp_boundaries == 0:
         print("note: this model's tensor-parallel activations are not modelled (only the built-in GPT's are): "
               "tensor and hybrid rows count their compute and gradient traffic only")
+    if model.activations is None:
+        print("note: this model's activations are not modelled (only the built-in GPT's and MLP's are): "
+              "GiB/rank counts parameters, gradients, optimizer state and overhead only")
     return 0

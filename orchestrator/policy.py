@@ -21,6 +21,12 @@ Rules, evaluated once per full window of steps on the current layout (after `set
      reverted one (rule 5), so the policy does not go straight back to it. Seconds, not the
      fraction: a layout whose own collectives (tensor parallelism inside a node) keep a high
      fraction still shows a faster link as a shorter wait. A steady network never triggers it.
+
+Memory (`fits`, optional): a layout predicted not to fit the devices is never switched to; the
+decision's evidence lists the candidates skipped for it (`skipped`: predicted bytes against the
+device's). Sharded state (fsdp, hsdp, hybrid with dp_shard) moves more bytes than replicated state
+at the same tp and only saves memory, so a move for comm wait goes to a larger tp, taking there the
+least sharded layout that fits; without `fits` that is always the replicated one.
 """
 
 from __future__ import annotations
@@ -94,24 +100,43 @@ Decision = Keep | Switch | Revert | Report
 KEEP = Keep()
 
 
-def candidate_layouts(world: int, node_sizes: list[int],
-                      tp_ok: Callable[[int], bool] = lambda tp: True) -> list[Layout]:
-    """Layouts to try in order, data first, then ever larger node-local tensor-parallel groups.
+def candidate_layouts(world: int, node_sizes: list[int], tp_ok: Callable[[int], bool] = lambda tp: True,
+                      sharded: bool = True) -> list[Layout]:
+    """Layouts to try in order, data first, then ever larger node-local tensor-parallel groups;
+    at each tp the replicated layout first, then (`sharded`) the same tp with sharded state.
 
     Ranks are contiguous per node and a tp group is tp consecutive ranks, so a tp that divides
     every node's size keeps every group inside one node: only the dp all-reduce (smaller by tp)
     crosses nodes. A tp that does not would put tensor-parallel collectives, the chattiest
     ones, on the slow link, so it is never offered. `tp_ok` lets the caller drop sizes the
     model cannot shard (heads, hidden size).
+
+    Sharded state, least sharded first (more sharding: less memory, more traffic): at tp 1, hsdp
+    with a node's workers as its shard group (two nodes or more, of equal size >= 2: a group
+    must be one node, so its all-gathers stay on the fast link), then fsdp over all workers; at
+    each hybrid tp, the hybrid with dp_shard. Strategies are named, not looked up: a caller
+    keeps those its workers can run.
     """
     if sum(node_sizes) != world or min(node_sizes, default=0) < 1:
         raise ValueError(f"sum(node_sizes={node_sizes}) != world({world}) or a node has no worker")
     out = [Layout("data", world, 1)]
+    if sharded and world > 1:
+        if len(node_sizes) >= 2 and len(set(node_sizes)) == 1 and node_sizes[0] >= 2:
+            out.append(Layout("hsdp", world, 1, node_sizes[0]))
+        out.append(Layout("fsdp", world, 1, world))
     for tp in range(2, world + 1):
         if all(n % tp == 0 for n in node_sizes) and tp_ok(tp):
             # tp == world divides every node only when there is one node: that is plain tensor
-            out.append(Layout("tensor", 1, tp) if tp == world else Layout("hybrid", world // tp, tp))
+            if tp == world:
+                out.append(Layout("tensor", 1, tp))
+                continue
+            out.append(Layout("hybrid", world // tp, tp))
+            if sharded:
+                out.append(Layout("hybrid", world // tp, tp, world // tp))
     return out
+
+
+Fits = Callable[[Layout], "tuple[bool, dict]"]  # layout -> (fits the devices, evidence: predicted and available bytes)
 
 
 def _rate(window: list[dict]) -> float:
@@ -160,10 +185,13 @@ def find_straggler(window: list[dict], c: AdaptConfig) -> dict | None:
 
 
 class Policy:
-    def __init__(self, config: AdaptConfig, candidates: list[Layout], current: Layout):
+    def __init__(self, config: AdaptConfig, candidates: list[Layout], current: Layout, fits: Fits | None = None):
         self.config = config
         self.candidates = list(candidates)
         self.current = current
+        self.fits = fits                       # None: memory is not judged, every layout fits
+        self._fit_cache: dict[Layout, tuple[bool, dict]] = {}
+        self._skipped: list[dict] = []         # candidates the last move passed over for memory
         self.history: list[dict] = []          # every decision that is not a bare Keep, with its step
         self._window: list[dict] = []
         self._pending: Switch | Revert | None = None  # handed out, not yet carried out
@@ -243,12 +271,26 @@ class Policy:
             "trial": {"from": self._trial[0].to_dict(), "samples_per_s_before": self._trial[1]}
             if self._trial else None,
             "blocked": [{"layout": k.to_dict(), "until": v} for k, v in self._blocked.items()],
+            "skipped": list(self._skipped),
             "history": list(self.history),
         }
 
     def _on_current(self, r: dict) -> bool:
-        same = (r["strategy"], r["dp"], r["tp"]) == (self.current.strategy, self.current.dp, self.current.tp)
+        c = self.current
+        same = (r["strategy"], r["dp"], r["tp"], r.get("shard") or 1) == (c.strategy, c.dp, c.tp, c.shard)
         return same and (self._since is None or r["step"] > self._since)
+
+    def _fits(self, layout: Layout) -> tuple[bool, dict]:
+        if self.fits is None:
+            return True, {}
+        if layout not in self._fit_cache:  # a prediction from the layout alone: the same every time
+            self._fit_cache[layout] = self.fits(layout)
+        return self._fit_cache[layout]
+
+    def _passed_over(self, layout: Layout) -> dict | None:
+        """What the evidence says of a candidate that does not fit; None when it fits."""
+        ok, said = self._fits(layout)
+        return None if ok else {"layout": layout.to_dict(), **said}
 
     def _decide(self, window: list[dict], step: int) -> Decision:
         c, means = self.config, window_means(window)
@@ -264,20 +306,21 @@ class Policy:
             return self._report("straggler", slow["rank"],
                                 {**means, **slow, "straggler_ratio": c.straggler_ratio}, step)
         cooling = self._since is not None and step < self._since + c.cooldown
-        back = None if cooling else self._previous_candidate(means, step)
+        back, skipped = (None, []) if cooling else self._previous_candidate(means, step)
         if back is not None:
             self._pending = Switch(back, {"reason": "comm_wait_fell", **means, "threshold": c.threshold,
                                           "comm_wait_s_when_kept": self._kept_wait, "window": c.window,
-                                          "from": self.current.to_dict(), "candidate": back.to_dict()})
+                                          "from": self.current.to_dict(), "candidate": back.to_dict(),
+                                          **({"skipped": skipped} if skipped else {})})
             return self._pending
         if cooling or means["comm_wait_frac"] <= c.threshold:
             return KEEP
-        to = self._next_candidate(step, means["comm_wait_frac"])
+        to, self._skipped = self._next_candidate(step, means["comm_wait_frac"])
         if to is None:
-            return KEEP  # everything further is blocked or there is nothing further: stay put
+            return KEEP  # everything further is blocked, does not fit, or there is nothing further: stay put
         self._pending = Switch(to, {"reason": "comm_wait", **means, "threshold": c.threshold,
                                     "window": c.window, "from": self.current.to_dict(),
-                                    "candidate": to.to_dict()})
+                                    "candidate": to.to_dict(), **({"skipped": self._skipped} if self._skipped else {})})
         return self._pending
 
     def _early_look(self) -> bool:
@@ -323,24 +366,44 @@ class Policy:
         self._pending = Revert(before_layout, evidence)
         return self._pending
 
-    def _next_candidate(self, step: int, wait: float = 0.0) -> Layout | None:
+    def _next_candidate(self, step: int, wait: float = 0.0) -> tuple[Layout | None, list[dict]]:
+        """The layout to move to for comm wait, and the candidates passed over as not fitting.
+        Only a larger tp cuts the traffic, so a tp is settled by its least sharded layout that
+        fits: when that one is blocked, its more sharded twins (more traffic) are not tried."""
         if self.current in self.candidates:
             later = self.candidates[self.candidates.index(self.current) + 1:]
         else:  # a layout forced by hand: only larger tp groups lie further on
             later = [layout for layout in self.candidates if layout.tp > self.current.tp]
+        settled, skipped = {self.current.tp}, []
         for layout in later:
+            if layout.tp in settled:
+                continue
+            passed = self._passed_over(layout)
+            if passed is not None:
+                skipped.append(passed)
+                continue
+            settled.add(layout.tp)
             if self._blocked.get(layout, step) <= step or wait > 1.5 * self._blocked_wait.get(layout, 1.0):
-                return layout
-        return None
+                return layout, skipped
+        return None, skipped
 
-    def _previous_candidate(self, means: dict, step: int) -> Layout | None:
-        """The layout before this one, once the wait that drove the move here has gone."""
+    def _previous_candidate(self, means: dict, step: int) -> tuple[Layout | None, list[dict]]:
+        """The layout before this one (the least sharded that fits at the next smaller tp), once the
+        wait that drove the move here has gone; and the candidates passed over as not fitting."""
         if self._kept_wait is None or means["comm_wait_s"] >= 0.5 * self._kept_wait:
-            return None
-        if self.current not in self.candidates or self.candidates.index(self.current) == 0:
-            return None
-        back = self.candidates[self.candidates.index(self.current) - 1]
-        return back if self._blocked.get(back, step) <= step else None
+            return None, []
+        if self.current not in self.candidates:
+            return None, []
+        earlier = [c for c in self.candidates[:self.candidates.index(self.current)] if c.tp < self.current.tp]
+        if not earlier:
+            return None, []
+        skipped = []
+        for back in (c for c in earlier if c.tp == earlier[-1].tp):
+            passed = self._passed_over(back)
+            if passed is None:
+                return (back if self._blocked.get(back, step) <= step else None), skipped
+            skipped.append(passed)
+        return None, skipped
 
     def _report(self, kind: str, rank: int | None, evidence: dict, step: int) -> Decision:
         last = self._reported.get((kind, rank))

@@ -84,14 +84,17 @@ def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: 
 def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: int, scenario: Scenario,
              config: AdaptConfig = AdaptConfig(), bucket_cap_mb: float = 25.0, switch_steps: float = 2.0) -> dict:
     world = hw.devices
-    candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes) if global_batch % c.dp == 0
-                  and (not model.tp_divides or model.tp_divides % c.tp == 0)]
+    # sharded state only saves memory, which the simulation does not judge: the layouts the policy
+    # would choose among without a memory figure (controller.job_policy)
+    candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes, sharded=False)
+                  if global_batch % c.dp == 0 and (not model.tp_divides or model.tp_divides % c.tp == 0)]
     price = {}
 
     def step_time(layout: Layout, factor: float) -> costmodel.Prediction:
         key = (layout, factor)
         if key not in price:
-            price[key] = costmodel.predict(model, _at(hw, factor), global_batch, layout.dp, layout.tp, bucket_cap_mb)
+            price[key] = costmodel.predict(model, _at(hw, factor), global_batch, layout.dp, layout.tp, bucket_cap_mb,
+                                           shard=layout.shard)
         return price[key]
 
     static = {c: sum(step_time(c, scenario.factor(s)).step_s for s in range(1, scenario.steps + 1))
@@ -104,19 +107,26 @@ def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: 
         decision = policy.observe(record(step, layout, pred, global_batch))
         if isinstance(decision, (Switch, Revert)):
             clock += switch_steps * pred.step_s
-            decisions.append({"step": step, "decision": decision.name, "to": f"{decision.to.strategy} "
-                              f"{decision.to.dp}x{decision.to.tp}", "comm_wait_frac": decision.evidence.get(
-                                  "comm_wait_frac")})
+            decisions.append({"step": step, "decision": decision.name, "to": _name(decision.to),
+                              "comm_wait_frac": decision.evidence.get("comm_wait_frac")})
             layout = decision.to
             policy.switched(layout, step)
         elif isinstance(decision, Report):
             decisions.append({"step": step, "decision": decision.kind})
     compute = sum(step_time(c, 1.0).compute_s for c in candidates[:1]) * scenario.steps
     return {"seconds": clock, "decisions": decisions,
-            "static": {f"{c.strategy} {c.dp}x{c.tp}": t for c, t in static.items()},
+            "static": {_name(c): t for c, t in static.items()},
             "best_static": min(static.values()), "data_static": static[candidates[0]],
             "utilisation": compute / clock,
-            "utilisation_static": {f"{c.strategy} {c.dp}x{c.tp}": compute / t for c, t in static.items()}}
+            "utilisation_static": {_name(c): compute / t for c, t in static.items()}}
+
+
+def _name(layout: Layout) -> str:
+    """As plan's table names a layout: hsdp with its group size, a hybrid with sharded state as hybrid:fsdp."""
+    kind = layout.strategy
+    if layout.shard > 1:
+        kind = "hybrid:fsdp" if layout.tp > 1 else f"hsdp:{layout.shard}" if kind == "hsdp" else kind
+    return f"{kind} {layout.dp}x{layout.tp}"
 
 
 def load_scenario(text: str) -> Scenario:
@@ -152,10 +162,11 @@ def cmd_simulate(args) -> int:
     for d in result["decisions"]:
         print(f"  step {d['step']}: {d['decision']}" + (f" -> {d['to']}" if "to" in d else "")
               + (f" (comm wait {d['comm_wait_frac']:.0%})" if d.get("comm_wait_frac") is not None else ""))
-    print(f"{'':<18}{'time s':>10}{'utilisation':>13}")
+    width = max(18, max(len(name) for name in result["static"]) + 8)
+    print(f"{'':<{width}}{'time s':>10}{'utilisation':>13}")
     for name, t in sorted(result["static"].items(), key=lambda kv: kv[1]):
-        print(f"{'static ' + name:<18}{t:>10.1f}{result['utilisation_static'][name]:>13.1%}")
-    print(f"{'auto':<18}{result['seconds']:>10.1f}{result['utilisation']:>13.1%}")
+        print(f"{'static ' + name:<{width}}{t:>10.1f}{result['utilisation_static'][name]:>13.1%}")
+    print(f"{'auto':<{width}}{result['seconds']:>10.1f}{result['utilisation']:>13.1%}")
     print(f"auto / best static: {result['best_static'] / result['seconds']:.3f} (speed); "
           f"auto / static data: {result['data_static'] / result['seconds']:.3f}")
     return 0

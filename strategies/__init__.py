@@ -93,3 +93,22 @@ def parallelize(model: nn.Module, layout: Layout, plan: dict[str, str] | None, o
 
 def default_options(device: str = "cpu", **kw) -> Options:
     return Options(torch.device(device), **kw)
+
+
+def relayout(old: Parallel, old_optimizer, model: nn.Module, layout: Layout, plan, options: Options, make_optimizer):
+    """Move live state from `old` to `layout` (`model`: the same architecture on the meta
+    device). This version gathers full state on every rank first; the streaming one replaces it."""
+    import torch.distributed as dist
+
+    full = old.full_state(old_optimizer, dist.get_rank() if dist.is_initialized() else 0, everywhere=True)
+    old_optimizer.state.clear()
+    model = model.to_empty(device=options.device)
+    new = parallelize(model, layout, plan, options)
+    optimizer = make_optimizer(new.param_groups())
+    new.load_full_state(optimizer, full)
+    with torch.no_grad():  # buffers outside the state dict (non-persistent) are not in `full`
+        old_buffers = dict(old.model.named_buffers())
+        for name, buf in new.model.named_buffers():
+            if name not in full["model"] and name in old_buffers:
+                buf.copy_(old_buffers[name])
+    return new, optimizer

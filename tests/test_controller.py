@@ -311,7 +311,7 @@ def test_the_policy_is_passed_in_and_told_of_the_switch_it_asked_for(tmp_path):
     class AtStepFour:
         config = AdaptConfig()
 
-        def __init__(self, job, layout, node_sizes):
+        def __init__(self, job, layout, node_sizes, device_memory):
             self.candidates, self.told = [layout, Layout("tensor", 1, 2)], []
             made.append(self)
 

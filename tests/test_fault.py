@@ -28,7 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SLOW = ["train.steps=60", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2"]
 LAYOUTS = {"data": ["cluster.num_workers=2"],
            "hybrid": ["cluster.num_workers=4", "cluster.cpus_per_worker=1", "parallel.strategy=hybrid",
-                      "parallel.tp_size=2"]}
+                      "parallel.tp_size=2"],
+           "fsdp": ["cluster.num_workers=2", "parallel.strategy=fsdp"]}
 
 
 def records(run_dir) -> list[dict]:
@@ -62,7 +63,7 @@ class Killer(threading.Thread):
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("layout", ["data", "hybrid"])
+@pytest.mark.parametrize("layout", ["data", "hybrid", "fsdp"])
 def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(ray_cluster, tmp_path, layout):
     overrides = MLP[1] + LAYOUTS[layout] + SLOW
     run_gearshift(MLP[0], overrides, tmp_path / "clean")

@@ -152,6 +152,10 @@ LAYOUTS = {  # name -> overrides; every one must reach the single-process result
     "tensor2": ["cluster.num_workers=2", "parallel.strategy=tensor"],
     "tensor4": ["cluster.num_workers=4", "parallel.strategy=tensor"],
     "hybrid2x2": ["cluster.num_workers=4", "parallel.strategy=hybrid", "parallel.tp_size=2"],
+    "fsdp2": ["cluster.num_workers=2", "parallel.strategy=fsdp"],
+    "hsdp4": ["cluster.num_workers=4", "parallel.strategy=hsdp", "parallel.shard_size=2"],
+    "hybrid2x2sharded": ["cluster.num_workers=4", "parallel.strategy=hybrid", "parallel.tp_size=2",
+                         "parallel.dp_shard=true"],
 }
 USER_PLAN = "parallel.tp_plan={net.0: colwise, net.2: rowwise}"
 

@@ -23,6 +23,13 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
 
 
+def seed_generators(seed: int, device: torch.device) -> None:
+    """Seed the default generators directly: torch.manual_seed costs ~70 us a call on CPU."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index].manual_seed(seed)
+
+
 class StepBatches(Dataset):
     """Item s: this rank's (inputs, targets) of global step s. The step's seed is set first, so
     a dataset's random augmentation draws the same numbers in any process."""

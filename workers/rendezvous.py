@@ -43,3 +43,13 @@ def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: f
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     return device, backend
+
+
+def device_memory(device: torch.device) -> dict:
+    """What this worker's device can hold: a GPU's own memory, or on CPU the host's memory,
+    which every worker on the node shares (the driver divides it among them)."""
+    if device.type == "cuda":
+        return {"bytes": int(torch.cuda.get_device_properties(device).total_memory), "shared": False}
+    import psutil
+
+    return {"bytes": int(psutil.virtual_memory().total), "shared": True}

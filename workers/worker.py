@@ -24,7 +24,7 @@ from workers.comm import CommRoute
 from workers.config import WorkerConfig
 from workers.data import GlobalBatches, tokens_per_sample
 from workers.evaluation import held_out_loss
-from workers.loader import StepBatches, StepLoader, step_seed
+from workers.loader import StepBatches, StepLoader, seed_generators, step_seed
 from workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
 from workers.profiling import StepProfiler
 from workers.simnet import SimulatedNetwork
@@ -102,11 +102,14 @@ class TrainWorker:
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
                 "compiled": hasattr(self.parallel.module, "_orig_mod"),  # torch.compile's wrapper
                 "checkpoint_format": "dcp" if self.dcp_root else "full",
+                "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
-    def _lay_out(self, layout: Layout) -> None:
-        """Build the model afresh (seeded: the same initial weights on every rank, and in a
-        1-process run) and lay it out as `layout`, with its optimizer, scaler and comm route."""
+    def _lay_out(self, layout: Layout, move_from: tuple | None = None) -> None:
+        """Build the model and lay it out as `layout`, with its optimizer, scaler and comm route:
+        afresh (seeded: the same initial weights on every rank, and in a 1-process run), or, in a
+        switch, on the meta device with the state moved over from `move_from` (old parallel,
+        old optimizer) tensor by tensor."""
         cfg = self.config
         self.layout = layout
         self._close_loader()  # its slice of the batch belonged to the old layout's dp
@@ -114,16 +117,21 @@ class TrainWorker:
         share = cfg.global_batch_size // layout.dp
         self.accumulation = share // cfg.micro_batch_size if cfg.micro_batch_size else 1
         torch.manual_seed(cfg.seed)
-        model, returned_plan = components.build_model_and_plan(dict(cfg.model), cfg.search_paths,
-                                                               cfg.activation_checkpointing)
-        model = model.to(self.device)
+        with torch.device("meta") if move_from else contextlib.nullcontext():
+            model, returned_plan = components.build_model_and_plan(dict(cfg.model), cfg.search_paths,
+                                                                   cfg.activation_checkpointing)
+        model = model if move_from else model.to(self.device)  # meta: relayout allocates the new pieces
         precision.keep_fp32(model, cfg.keep_fp32, self.device.type)
         plan = None
         if strategies.lookup(layout.strategy).needs_plan:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
         options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16")
-        self.parallel = strategies.parallelize(model, layout, plan, options)
-        self.optimizer = components.build_optimizer(self.parallel.param_groups(), dict(cfg.optimizer))
+        make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer))  # noqa: E731
+        if move_from:
+            self.parallel, self.optimizer = strategies.relayout(*move_from, model, layout, plan, options, make_optimizer)
+        else:
+            self.parallel = strategies.parallelize(model, layout, plan, options)
+            self.optimizer = make_optimizer(self.parallel.param_groups())
         self.scaler = self.parallel.make_scaler()
         self.clock = CommClock(self.device) if cfg.telemetry else None
         net = SimulatedNetwork.for_rank(cfg.comm_delay_ms, cfg.sim_nodes, cfg.sim_link, layout, self.rank)
@@ -133,27 +141,29 @@ class TrainWorker:
 
     def reshard(self, layout: dict, bucket_cap_mb: float | None = None) -> dict:
         """Switch: move the live model and optimizer state to another layout (or the same one
-        with another `bucket_cap_mb`), in memory, on the same processes. Every rank gathers the
-        full tensors (a collective), builds the new layout and keeps its own shard; step, data
+        with another `bucket_cap_mb`), in memory, on the same processes, tensor by tensor (a
+        full tensor exists only while it moves, and only if the old layout shards it), so no
+        rank ever holds a whole unsharded model and optimizer besides its own state. Step, data
         position and random state carry over (the data order and the per-step seeds are
         functions of the step). All ranks call it at the same step boundary."""
         start = time.perf_counter()
         if bucket_cap_mb is not None:
             self.bucket_cap_mb = float(bucket_cap_mb)
         strategies.lookup(layout["strategy"], self.config.search_paths)  # a user's own may not be loaded yet
-        target = Layout.for_workers(layout["strategy"], self.world, layout["tp"])
-        state = {**self.parallel.full_state(self.optimizer, self.rank, everywhere=True),
-                 "scaler": self.scaler.state_dict(), "step": self.step}
-        gathered = time.perf_counter()
+        target = Layout.from_dict(layout)
+        if target.world != self.world:
+            raise ValueError(f"reshard to {target}: dp({target.dp}) * tp({target.tp}) != world({self.world})")
+        scaler = self.scaler.state_dict()
+        old = (self.parallel, self.optimizer)
         self.parallel.detach()
-        self.parallel = self.optimizer = None  # the old layout's buffers go before the new ones come
-        self._lay_out(target)
-        self.load(state)
+        self.parallel = self.optimizer = None
+        self._lay_out(target, move_from=old)
+        del old
+        if scaler:  # a disabled scaler (no fp16) has no state
+            self.scaler.load_state_dict(scaler)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        end = time.perf_counter()
-        return {"seconds": end - start, "gather_s": gathered - start, "rebuild_s": end - gathered,
-                "layout": target.to_dict(), "step": self.step}
+        return {"seconds": time.perf_counter() - start, "layout": target.to_dict(), "step": self.step}
 
     def state(self) -> dict | None:
         """Full (unsharded) model, optimizer and scaler state on CPU, on rank 0; None elsewhere.
@@ -190,11 +200,7 @@ class TrainWorker:
     def _seed(self, step: int) -> None:
         # One stream per data-parallel replica: the ranks of a tensor-parallel group hold one
         # replica between them, so they must draw the same dropout masks and augmentations.
-        # The generators are seeded directly: torch.manual_seed costs ~70 us a call on CPU.
-        seed = step_seed(self.config.seed, step, self.layout.dp_rank(self.rank))
-        torch.default_generator.manual_seed(seed)
-        if self.device.type == "cuda":
-            torch.cuda.default_generators[self.device.index].manual_seed(seed)
+        seed_generators(step_seed(self.config.seed, step, self.layout.dp_rank(self.rank)), self.device)
 
     def _autocast(self):
         """Autocast to the job's dtype, after the fp32 warm-up steps (precision phases)."""
@@ -319,8 +325,7 @@ class TrainWorker:
                 pending = _Pending(self.step, clock)
 
     def _report(self, pending: "_Pending", checkpoint: bool) -> dict:
-        report = {"rank": self.rank, "first_step": pending.first, "losses": torch.stack(pending.losses).float().tolist(),
-                  "step_times": pending.times, "step_ends": pending.ends, "lrs": pending.lrs}
+        report = pending.report(self.rank)
         if self.non_finite:
             report["non_finite"], self.non_finite = self.non_finite, []
         if self.clock:
@@ -367,3 +372,7 @@ class _Pending:
 
     def age(self) -> float:
         return self.t_prev - self.started
+
+    def report(self, rank: int) -> dict:
+        return {"rank": rank, "first_step": self.first, "losses": torch.stack(self.losses).float().tolist(),
+                "step_times": self.times, "step_ends": self.ends, "lrs": self.lrs}
