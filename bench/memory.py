@@ -247,10 +247,15 @@ def available_layouts() -> list[str]:
 
 
 def streaming_switch() -> bool:
-    """Whether TrainWorker.reshard moves state without gathering the whole of it everywhere."""
+    """Whether TrainWorker.reshard moves state without gathering the whole of it on every rank
+    (earlier versions gathered in reshard itself, then in strategies.relayout's stand-in)."""
+    import strategies
     from workers.worker import TrainWorker
 
-    return "everywhere=True" not in inspect.getsource(TrainWorker.reshard)
+    if "everywhere=True" in inspect.getsource(TrainWorker.reshard):
+        return False
+    fn = getattr(strategies, "relayout", None)
+    return callable(fn) and "everywhere=True" not in inspect.getsource(fn)
 
 
 def euler_cycle(names: list[str]) -> list[str]:
