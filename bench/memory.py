@@ -6,12 +6,18 @@ two more copies of the parameters) on 4 workers with a global batch of 4.
 
 State memory is a worker's resident set (RSS) minus its RSS just before the model was built.
 Each worker samples its own RSS from /proc/self/statm every ~1 ms in a background thread and
-keeps the maximum per named phase (ru_maxrss only grows, so it cannot tell phases apart). Freed
-tensors must leave the RSS for its drops to mean anything, so the bench runs its workers with
-MALLOC_MMAP_THRESHOLD_=131072 (glibc serves every block above 128 KiB with its own mmap and
-returns it on free; without it, freed blocks stay in malloc's heap and the RSS of later phases
-still counts them). On a GPU the same figures would be torch.cuda.max_memory_allocated per
-phase; here they include the allocator's page rounding and whatever else the process touches.
+keeps the maximum per named phase (ru_maxrss only grows, so it cannot tell phases apart); the
+kernel's own high-water mark (VmHWM, reset at the start of every phase through
+/proc/self/clear_refs) backs it up, as the sampler only runs when the scheduler and the GIL let
+it: a phase's peak is the larger of the two (`sampler_missed_max_bytes` says by how much the
+sampler alone fell short). Freed tensors must leave the RSS for its drops to mean anything, so
+the workers run with MALLOC_MMAP_THRESHOLD_=131072 (glibc serves every block above 128 KiB with
+its own mmap and returns it on free; without it, freed blocks stay in malloc's heap and later
+phases still count them). Every phase starts after a garbage collection: a switch leaves the
+old layout in reference cycles that only the collector frees (`switch_gc_leftover_over_steady`:
+what a collection right after the switch freed, over the new layout's steady state). On a GPU
+the same figures would be torch.cuda.max_memory_allocated per phase; here they also hold page
+rounding and whatever else the process touches (gloo's buffers, the data loader).
 
 1. Steady state per layout: the peak of a few training steps (after one warm-up step) in data(4),
    fsdp(4), hsdp(4, shard 2), hybrid(dp2 x tp2) and hybrid dp_shard (dp2 x tp2, shard 2), in a
