@@ -359,7 +359,8 @@ def memory_part(args, log) -> dict:
     else:
         cycle = euler_cycle(names)
     streaming = streaming_switch()
-    out: dict = {"layouts": names, "cycle": cycle, "reshard_streams": streaming}
+    out: dict = {"layouts": names, "cycle": cycle, "switch_pairs": [f"{a}>{b}" for a, b in zip(cycle, cycle[1:])],
+                 "reshard_streams": streaming}
     group = open_group(make_job(WORKERS), WORKERS, args.period_ms / 1000)
     try:
         params = group.infos[0]["parameters"]
