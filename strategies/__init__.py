@@ -5,7 +5,8 @@ Every layout has one entry, `apply(model, mesh, layout, plan, options) -> Parall
 global norm and clipping, the fp16 scaler, full state, where comm timing attaches). Adding a
 layout is one new file plus one entry in `STRATEGIES`; a user's own layout is a `Strategy`
 object named in the job as "module:name" (or `register`ed in-process). Strategies import
-neither the orchestrator nor the workers.
+neither the orchestrator nor the workers. A switch between layouts moves the live state one
+tensor at a time with `strategies.relayout.relayout`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from strategies import data, hybrid, tensor
+from strategies import data, fsdp, hybrid, tensor
 from strategies.base import GRID, MESHES, REPLICATE, SHARD, Options, Parallel, Strategy
 from strategies.layout import GROUPED, REPLICATED, SHARDED, Layout, LayoutError
 from strategies.tp_plan import PlanError
@@ -29,9 +30,14 @@ __all__ = ["GRID", "MESHES", "REPLICATE", "SHARD", "STRATEGIES", "Layout", "Layo
 STRATEGIES: dict[str, Strategy] = {
     "data": Strategy("data", REPLICATE, data.apply, "DDP: whole replicas, gradients all-reduced in buckets"),
     "tensor": Strategy("tensor", SHARD, tensor.apply, "Megatron-style column/row shards over every worker",
-                       needs_plan=True),
-    "hybrid": Strategy("hybrid", GRID, hybrid.apply, "tensor shards inside a group, data parallel across groups",
-                       needs_plan=True, sharding=(REPLICATED, SHARDED)),
+                       needs_plan=True, meta_ok=True),
+    "hybrid": Strategy("hybrid", GRID, hybrid.apply, "tensor shards inside a group, data parallel across groups "
+                       "(or fully sharded across them, parallel.dp_shard)", needs_plan=True,
+                       sharding=(REPLICATED, SHARDED), meta_ok=True),
+    "fsdp": Strategy("fsdp", REPLICATE, fsdp.apply, "FSDP2: parameters, gradients and optimizer state sharded "
+                     "over every worker", sharding=(SHARDED,), meta_ok=True),
+    "hsdp": Strategy("hsdp", REPLICATE, fsdp.apply, "FSDP2 HSDP: sharded inside groups of parallel.shard_size "
+                     "workers, replicated across groups", sharding=(GROUPED, SHARDED, REPLICATED), meta_ok=True),
 }
 _BUILTIN = tuple(STRATEGIES)
 
@@ -93,22 +99,3 @@ def parallelize(model: nn.Module, layout: Layout, plan: dict[str, str] | None, o
 
 def default_options(device: str = "cpu", **kw) -> Options:
     return Options(torch.device(device), **kw)
-
-
-def relayout(old: Parallel, old_optimizer, model: nn.Module, layout: Layout, plan, options: Options, make_optimizer):
-    """Move live state from `old` to `layout` (`model`: the same architecture on the meta
-    device). This version gathers full state on every rank first; the streaming one replaces it."""
-    import torch.distributed as dist
-
-    full = old.full_state(old_optimizer, dist.get_rank() if dist.is_initialized() else 0, everywhere=True)
-    old_optimizer.state.clear()
-    model = model.to_empty(device=options.device)
-    new = parallelize(model, layout, plan, options)
-    optimizer = make_optimizer(new.param_groups())
-    new.load_full_state(optimizer, full)
-    with torch.no_grad():  # buffers outside the state dict (non-persistent) are not in `full`
-        old_buffers = dict(old.model.named_buffers())
-        for name, buf in new.model.named_buffers():
-            if name not in full["model"] and name in old_buffers:
-                buf.copy_(old_buffers[name])
-    return new, optimizer

@@ -56,6 +56,9 @@ class Strategy:
     # how the data dimension's state may be held: replicated (shard 1), sharded (over all dp
     # ranks) or grouped (hsdp: over parallel.shard_size ranks); see strategies/layout.py
     sharding: tuple = (REPLICATED,)
+    # apply works on a model built on the meta device (materialised afterwards with to_empty),
+    # so a switch never holds a whole copy; False (DDP, a user's own) gets real, filled tensors
+    meta_ok: bool = False
 
     def __post_init__(self):
         if self.mesh not in MESHES:
@@ -110,6 +113,13 @@ class Parallel:
         compile overrides this with a clear error."""
         self.module = torch.compile(self.module, mode=options.get("mode", "default"),
                                     fullgraph=bool(options.get("fullgraph", False)))
+
+    @property
+    def compiled(self) -> bool:
+        """Whether torch.compile is in force: the wrapper forward runs on, or modules compiled
+        in place (`nn.Module.compile`, as fsdp does it per block)."""
+        return hasattr(self.module, "_orig_mod") or any(
+            getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules())
 
     def attach(self, comm: Comm | None) -> None:
         """Route this layout's collectives through `comm` (timing, a simulated link), or stop."""

@@ -9,6 +9,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -110,3 +111,45 @@ def sharded_grad_scaler(device_type: str, enabled: bool, group=None):
             return inf._per_device_tensors
 
     return _Scaler(device_type, enabled=enabled, process_group=group or dist.group.WORLD)
+
+
+def _shard_dims(t: DTensor) -> tuple[int, ...]:
+    """The mesh dimensions over which `t` is split (FSDP2's strided shard on top of a tp shard
+    is not a Shard subclass, so it is named separately)."""
+    return tuple(i for i, pl in enumerate(t.placements) if isinstance(pl, (Shard, _StridedShard)))
+
+
+def mesh_grad_norm(params: Iterable[torch.Tensor], timer=None) -> torch.Tensor:
+    """The global 2-norm of gradients that are DTensors on any meshes (fsdp, hsdp, fsdp x tp),
+    or plain tensors: squares are summed locally per (mesh, sharded dimensions) and all-reduced
+    over exactly those dimensions, so a piece held by several replicas counts once. The result
+    is the same on every rank. `timer(nbytes, dim_name)`: a context around each all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    sums: dict[tuple, list] = {}
+    for g in grads:
+        key, mesh = ((), None)
+        if isinstance(g, DTensor) and _shard_dims(g):
+            key, mesh = (g.device_mesh.mesh_dim_names or (), _shard_dims(g)), g.device_mesh
+        entry = sums.setdefault(key, [mesh, torch.zeros((), device=device, dtype=torch.float32)])
+        entry[1] += _local(g).float().pow(2).sum()
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    # every rank holds the same keys (same model, same layout): sorted, the all-reduces line up
+    for key in sorted(sums, key=repr):
+        mesh, sq = sums[key]
+        for dim in key[1] if key else ():
+            name = mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else str(dim)
+            with timer(sq.element_size(), name) if timer is not None else contextlib.nullcontext():
+                dist.all_reduce(sq, group=mesh.get_group(dim))
+        total += sq
+    return total.sqrt()
+
+
+def mesh_clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, timer=None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (2-norm, same coefficient) over `mesh_grad_norm`."""
+    params = list(params)
+    total = mesh_grad_norm(params, timer)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in (p.grad for p in params if p.grad is not None):
+        _local(g).mul_(coef.to(_local(g).dtype))
+    return total

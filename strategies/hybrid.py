@@ -1,13 +1,14 @@
 """Hybrid (2-D) parallelism on a (dp, tp) mesh: tensor-parallel shards inside a tp group (the
-workers of one node, on the fast link), data-parallel replicas of that group across nodes."""
+workers of one node, on the fast link), data-parallel replicas of that group across nodes, or
+(parallel.dp_shard) the data dimension fully sharded with FSDP2 (strategies/fsdp.py)."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from strategies import tensor
-from strategies.base import Options
+from strategies import fsdp, tensor
+from strategies.base import Options, Parallel
 from strategies.grads import GradAverager
 from strategies.layout import Layout
 
@@ -24,7 +25,11 @@ class HybridParallel(tensor.TensorParallel):
 
 
 def apply(model: nn.Module, mesh: DeviceMesh, layout: Layout, plan: dict[str, str],
-          options: Options) -> HybridParallel:
-    """Shard over mesh["tp"]; gradients are averaged over mesh["dp"] after backward."""
+          options: Options) -> Parallel:
+    """Shard over mesh["tp"]; gradients are averaged over mesh["dp"] after backward, or, with
+    the data dimension sharded (layout.shard == dp > 1, parallel.dp_shard), parameters,
+    gradients and optimizer state are fully sharded over mesh["dp"] by FSDP2."""
+    if layout.shard > 1:
+        return fsdp.apply_2d(model, mesh, layout, plan, options)
     tensor.shard(model, mesh["tp"], plan)
     return HybridParallel(model, layout, options, mesh)

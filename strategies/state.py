@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def full(t):
@@ -18,12 +18,15 @@ def shard_like(value: torch.Tensor, like):
     """This rank's piece of the full `value`, laid out as `like` is (a DTensor or a plain tensor)."""
     if not isinstance(like, DTensor):
         return value
-    local = value
-    mesh = like.device_mesh
-    for dim, placement in enumerate(like.placements):
-        if isinstance(placement, Shard):
-            local = local.chunk(mesh.size(dim), dim=placement.dim)[mesh.get_local_rank(dim)]
-    return DTensor.from_local(local.to(like.to_local().device, like.dtype), mesh, like.placements, run_check=False)
+    # DTensor cuts the piece itself (src_data_rank=None: every rank has the full value, nothing
+    # is sent), which covers the strided shard FSDP2 puts on top of a tensor-parallel shard
+    value = value.to(like.to_local().device, like.dtype)
+    piece = distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+    local = piece.to_local()
+    if local.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
+        local = local.clone()  # a view would keep the whole full tensor alive
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def model_state(model: nn.Module) -> dict:

@@ -63,7 +63,9 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     writer = dcp.FileSystemWriter(str(folder / DCP_DIR), sync_files=True, thread_count=1)
-    metadata = dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    # param_groups stay out: layouts group parameters differently (by mesh), and the
+    # hyperparameters come from the job (the learning rate is set every step)
+    metadata = dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, storage_writer=writer)
     files = sorted({f"{DCP_DIR}/{info.relative_path}" for info in metadata.storage_data.values()})
     mine = files[rank::world]  # the hashing is spread over the ranks, like the writing
     if rank == 0:
@@ -78,9 +80,10 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
     folder = pathlib.Path(folder)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_matches(folder, model_sd)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder / DCP_DIR)))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
     return torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
 
 
@@ -115,12 +118,9 @@ def full_state(folder: pathlib.Path) -> dict:
     (model, optimizer {"state": {name: {...}}, "hyperparameters"}, scaler, step): for tools and
     tests that read a checkpoint whole, in one process."""
     loaded = _read(folder, "")
-    optim = loaded.get("optim", {})
-    groups = optim.get("param_groups") or [{}]
-    hyper = {k: v for k, v in groups[0].items() if k != "params"}
     extra = torch.load(pathlib.Path(folder) / EXTRA, map_location="cpu", weights_only=True)
-    return {"model": loaded.get("model", {}), "optimizer": {"state": optim.get("state", {}), "hyperparameters": hyper},
-            **extra}
+    optimizer = {"state": loaded.get("optim", {}).get("state", {}), "hyperparameters": extra.pop("hyperparameters", {})}
+    return {"model": loaded.get("model", {}), "optimizer": optimizer, **extra}
 
 
 def _read(folder: pathlib.Path, prefix: str) -> dict:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import strategies
+from strategies.relayout import relayout
 from monitoring.comm import CommClock
 from strategies.layout import Layout
 from workers import components, dcp, precision, rendezvous, schedules
@@ -100,7 +101,7 @@ class TrainWorker:
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
-                "compiled": hasattr(self.parallel.module, "_orig_mod"),  # torch.compile's wrapper
+                "compiled": self.parallel.compiled,
                 "checkpoint_format": "dcp" if self.dcp_root else "full",
                 "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
@@ -128,7 +129,7 @@ class TrainWorker:
         options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16")
         make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer))  # noqa: E731
         if move_from:
-            self.parallel, self.optimizer = strategies.relayout(*move_from, model, layout, plan, options, make_optimizer)
+            self.parallel, self.optimizer = relayout(*move_from, model, layout, plan, options, make_optimizer)
         else:
             self.parallel = strategies.parallelize(model, layout, plan, options)
             self.optimizer = make_optimizer(self.parallel.param_groups())
@@ -179,7 +180,8 @@ class TrainWorker:
         if self.dcp_root is None:
             state = self.state()
             return {"checkpoint": state} if state is not None else {}
-        extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step}
+        hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step, "hyperparameters": to_cpu(hyper)}
         folder = dcp.tmp_folder(self.dcp_root, self.step)
         files = dcp.save(self.parallel.model, self.optimizer, folder, self.rank, self.world, extra)
         return {"checkpoint_part": {"step": self.step, "folder": str(folder), "files": files}}

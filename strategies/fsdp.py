@@ -1,0 +1,217 @@
+"""Fully sharded data parallelism with torch's FSDP2 (`fully_shard`): parameters, gradients and
+optimizer state are split over the data-parallel ranks; each block's parameters are
+all-gathered just before its forward and backward and its gradients reduce-scattered after.
+
+Three layouts use it:
+- `fsdp`: a 1-D mesh ("dp",) over every worker (layout.shard = dp).
+- `hsdp`: a 2-D mesh ("replicate", "shard"): sharded inside groups of layout.shard consecutive
+  ranks, replicated across groups (FSDP2's HSDP: reduce-scatter in the group, then all-reduce
+  across groups).
+- `hybrid` with parallel.dp_shard: tensor parallel over mesh["tp"] first, then fully sharded over
+  mesh["dp"] (torchtitan's 2-D layout; FSDP2 stacks a strided shard on top of the tp shard).
+
+Comm timing (`attach`): FSDP2 takes custom all-gather and reduce-scatter objects; ours run the
+collective synchronously inside `comm.blocked(nbytes, "dp")`. On gloo/CPU FSDP2 runs them
+synchronously anyway, so the span is exactly the time compute is blocked. hsdp's all-reduce
+across groups is issued by FSDP2 itself; it is timed from the end of the reduce-scatter to
+FSDP2's all-reduce hook, which runs right after it (with groups of one rank there is no
+reduce-scatter to start from: only the simulated delay and the count are recorded). On CUDA, FSDP2 issues these on side streams
+and CommClock's events sit on the compute stream, so the spans there undercount (the
+prefetched all-gathers overlap compute by design); the simulated network's delay still applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor
+
+from strategies import grads, tensor
+from strategies.base import Options, Parallel
+from strategies.layout import Layout
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded as units of their own: the entries of the model's top-level
+    containers (a transformer's blocks, an MLP's hidden layers) that hold parameters. The rest
+    (embeddings, final norm, head) stays with the root's unit, gathered for the whole step."""
+    return [m for child in model.children() if isinstance(child, _CONTAINERS)
+            for m in child.children() if any(True for _ in m.parameters())]
+
+
+def shard(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """fully_shard every unit, then the root, in place (torchtitan's order). A unit frees its
+    gathered parameters after forward (gathered again for backward) except the last, whose
+    backward comes right away; the root's stay gathered from forward into backward."""
+    units = _units(model)
+    for i, unit in enumerate(units):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=i < len(units) - 1)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    # gloo has no AVG reduction: FSDP2's supported fallback sums, then divides by the dp size
+    model.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class _Timed:
+    """FSDP2's all-gather / reduce-scatter run synchronously inside the comm route's blocked
+    span, so compute waiting on them counts as comm wait on "dp"."""
+
+    def __init__(self, parallel: "FSDPParallel"):
+        self.parallel = parallel
+
+
+class _TimedAllGather(_Timed, DefaultAllGather):
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        with self.parallel.blocked(output_tensor.numel() * output_tensor.element_size(), "dp"):
+            return super().__call__(output_tensor, input_tensor, group, async_op=False)
+
+
+class _TimedReduceScatter(_Timed, DefaultReduceScatter):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        with self.parallel.blocked(input_tensor.numel() * input_tensor.element_size(), "dp"):
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op=False)
+        if self.parallel.all_reduces:
+            # FSDP2 all-reduces the output across groups next; its hook closes this span
+            self.parallel.open_all_reduce(output_tensor.numel() * output_tensor.element_size())
+        return work
+
+
+class FSDPParallel(Parallel):
+    """A model laid out by `fully_shard` (fsdp, hsdp, or hybrid with dp_shard): every parameter
+    is a DTensor shard, so norms, the scaler and full state are collectives."""
+
+    gathers_collectively = True
+
+    def __init__(self, model: nn.Module, layout: Layout, options: Options, mesh: DeviceMesh):
+        super().__init__(model, model, layout, options, mesh)
+        self._all_reduce = contextlib.ExitStack()
+        self._all_reduce_open = False
+        # hsdp: FSDP2 all-reduces each reduce-scatter's output across the replica groups
+        self.all_reduces = mesh.mesh_dim_names == ("replicate", "shard")
+
+    def param_groups(self) -> list[dict]:
+        """One group per mesh: with tp, tensor-parallel shards live on the (dp, tp) mesh and the
+        rest on dp alone, and a multi-tensor update cannot mix DTensors of different meshes."""
+        groups: dict[tuple, list] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                key = (p.device_mesh.mesh_dim_names, p.device_mesh.ndim) if isinstance(p, DTensor) else ()
+                groups.setdefault(key, []).append(p)
+        return [{"params": g} for g in groups.values()]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradients accumulate unsharded on each rank; the step's last micro-batch reduces them."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def make_scaler(self):
+        # ranks hold different gradient shards: they agree whether any overflowed
+        return grads.sharded_grad_scaler(self.options.device.type, self.options.fp16)
+
+    def grad_norm(self) -> torch.Tensor:
+        return grads.mesh_grad_norm(self.model.parameters(), self._timer)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return grads.mesh_clip_grad_norm(self.model.parameters(), max_norm, self._timer)
+
+    def _timer(self, nbytes: int, dim_name: str):
+        return self.blocked(nbytes, "tp" if dim_name == "tp" else "dp")
+
+    def compile(self, options: dict) -> None:
+        """Each unit's forward compiled in place (FSDP2's hooks stay outside the graphs, as
+        torchtitan does it), so the gathers still run per unit."""
+        backend = options.get("backend", "inductor")  # "aot_eager": traced, nothing generated (tests)
+        mode = options.get("mode", "default") if backend == "inductor" else None
+        for unit in _units(self.model) or [self.model]:  # no units: the root, hooks and all
+            unit.compile(backend=backend, mode=mode, fullgraph=bool(options.get("fullgraph", False)))
+
+    # ------------------------------------------------------------ full state
+
+    def full_state(self, optimizer, rank: int, everywhere: bool = False) -> dict | None:
+        self.at_rest()
+        return super().full_state(optimizer, rank, everywhere)
+
+    def load_full_state(self, optimizer, full: dict) -> None:
+        self.at_rest()
+        super().load_full_state(optimizer, full)
+
+    def at_rest(self) -> None:
+        """Shards back in place of gathered parameters: a forward without backward (evaluation)
+        leaves units built with reshard_after_forward=False gathered, and optimizer state is
+        matched to parameters by name."""
+        for module in _fsdp_modules(self.model):
+            module.reshard()
+
+    # ------------------------------------------------------------ comm timing
+
+    def open_all_reduce(self, nbytes: int) -> None:
+        self._all_reduce.close()  # a span left open (none expected) must not swallow the next
+        self._all_reduce.enter_context(self.blocked(nbytes, "dp"))
+        self._all_reduce_open = True
+
+    def _all_reduce_done(self, output: torch.Tensor) -> None:
+        if not self._all_reduce_open:
+            # groups of one rank: FSDP2 skips the reduce-scatter that opens the span, so only
+            # the simulated link's delay and the call count are recorded, not the all-reduce
+            with self.blocked(output.numel() * output.element_size(), "dp"):
+                pass
+        self._all_reduce.close()
+        self._all_reduce_open = False
+
+    def attach(self, comm) -> None:
+        if self.comm is not None and comm is None and self.layout.tp > 1:
+            self.comm.functional(False)
+        super().attach(comm)
+        timed = comm is not None
+        for module in _fsdp_modules(self.model):
+            module.set_custom_all_gather(_TimedAllGather(self) if timed else DefaultAllGather())
+            module.set_custom_reduce_scatter(_TimedReduceScatter(self) if timed else DefaultReduceScatter())
+            # only hsdp needs the hook (it ends the all-reduce's span); elsewhere FSDP2 would
+            # run it after every reduce-scatter for nothing
+            module.set_all_reduce_hook(self._all_reduce_done if timed and self.all_reduces else None)
+        if timed and self.layout.tp > 1:
+            comm.functional(True)  # DTensor's collectives are the tp traffic
+
+    def detach(self) -> None:
+        super().detach()
+        self._all_reduce.close()
+        self._all_reduce_open = False
+
+
+def mesh_for(layout: Layout, device: torch.device) -> DeviceMesh:
+    """fsdp: ("dp",) over every worker; hsdp: ("replicate", "shard") with groups of layout.shard
+    consecutive ranks (an hsdp whose one group spans every rank is plain fsdp)."""
+    if layout.replicas == 1:
+        return init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (layout.replicas, layout.shard), mesh_dim_names=("replicate", "shard"))
+
+
+def apply(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, plan, options: Options) -> FSDPParallel:
+    """Shard `model` (on the device, or on meta to be materialised with `to_empty`) as
+    `layout` (fsdp or hsdp); builds its own mesh when `mesh` is None."""
+    mesh = mesh if mesh is not None else mesh_for(layout, options.device)
+    shard(model, mesh)
+    return FSDPParallel(model, layout, options, mesh)
+
+
+def apply_2d(model: nn.Module, mesh: DeviceMesh, layout: Layout, plan: dict[str, str],
+             options: Options) -> FSDPParallel:
+    """Tensor parallel over mesh["tp"], then fully sharded over mesh["dp"] (hybrid dp_shard)."""
+    tensor.shard(model, mesh["tp"], plan)
+    shard(model, mesh["dp"])
+    return FSDPParallel(model, layout, options, mesh)
