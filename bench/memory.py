@@ -284,13 +284,12 @@ def available_layouts() -> list[str]:
 
 def streaming_switch() -> bool:
     """Whether TrainWorker.reshard moves state without gathering the whole of it on every rank
-    (earlier versions gathered in reshard itself, then in strategies.relayout's stand-in)."""
-    import strategies
-    from workers.worker import TrainWorker
+    (earlier versions gathered in reshard itself, then in a gathering stand-in of relayout)."""
+    from workers import worker
 
-    if "everywhere=True" in inspect.getsource(TrainWorker.reshard):
+    if "everywhere=True" in inspect.getsource(worker.TrainWorker.reshard):
         return False
-    fn = getattr(strategies, "relayout", None)
+    fn = getattr(worker, "relayout", None)
     return callable(fn) and "everywhere=True" not in inspect.getsource(fn)
 
 
