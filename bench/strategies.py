@@ -27,9 +27,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LAYOUTS = {  # world size -> layouts measured there
-    2: {"data": [], "tensor": ["parallel.strategy=tensor"]},
+    2: {"data": [], "tensor": ["parallel.strategy=tensor"], "fsdp": ["parallel.strategy=fsdp"]},
     4: {"data": [], "tensor": ["parallel.strategy=tensor"],
-        "hybrid": ["parallel.strategy=hybrid", "parallel.tp_size=2"]},
+        "hybrid": ["parallel.strategy=hybrid", "parallel.tp_size=2"], "fsdp": ["parallel.strategy=fsdp"],
+        "hsdp": ["parallel.strategy=hsdp", "parallel.shard_size=2"],
+        "hybridsh": ["parallel.strategy=hybrid", "parallel.tp_size=2", "parallel.dp_shard=true"]},
 }
 MODELS = {"mlp": ROOT / "examples/mlp.yaml", "gpt": ROOT / "examples/gpt.yaml"}
 
