@@ -10,20 +10,9 @@ import pathlib
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from conftest import free_port
 from workers import checkpoint, dcp
 from workers.models import mlp
-
-
-@pytest.fixture
-def process_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _trained(seed: int = 0, steps: int = 2):

@@ -4,20 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from conftest import free_port
 from strategies import data as data_strategy
 from workers.models import mlp
-
-
-@pytest.fixture
-def process_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mb", [1.0, 7.5, 25.0])

@@ -96,8 +96,8 @@ def commit(root: pathlib.Path, step: int, tmp: pathlib.Path, files: dict, keep: 
     fsync, rename, prune. Raises CheckpointError (and removes `tmp`) when a file is missing:
     then the workers wrote somewhere this process cannot see."""
     root, tmp = pathlib.Path(root), pathlib.Path(tmp)
-    final = root / f"step_{step:08d}"
-    try:
+
+    def fill() -> None:
         for name, want in files.items():
             path = tmp / name
             if not path.is_file() or path.stat().st_size != want["bytes"]:
@@ -106,6 +106,16 @@ def commit(root: pathlib.Path, step: int, tmp: pathlib.Path, files: dict, keep: 
         manifest = {"format": DCP_FORMAT, "step": step, "created": time.time(), "files": files, **(meta or {})}
         _fsync_tree(tmp)
         write_file_atomic(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
+
+    return _publish(root, step, tmp, fill, keep)
+
+
+def _publish(root: pathlib.Path, step: int, tmp: pathlib.Path, fill, keep: int) -> pathlib.Path:
+    """`fill()` completes the temp folder; then it becomes the checkpoint of `step` (one rename,
+    the parent fsynced) and old ones are pruned. Whatever fails, the temp folder goes."""
+    final = root / f"step_{step:08d}"
+    try:
+        fill()
         if final.exists():  # a rerun of the same step (after a resume): replace it whole
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -127,10 +137,10 @@ def save(root: pathlib.Path, step: int, state: dict, keep: int, meta: dict | Non
     """Write `state` as the checkpoint of `step` under `root`, then keep only the newest `keep`."""
     root = pathlib.Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
     tmp = root / f".step_{step:08d}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     tmp.mkdir()
-    try:
+
+    def fill() -> None:
         blob = torch_bytes(state)
         files = {"state.pt": blob}
         manifest = {
@@ -147,15 +157,8 @@ def save(root: pathlib.Path, step: int, state: dict, keep: int, meta: dict | Non
                 f.flush()
                 os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if final.exists():  # a rerun of the same step (after a resume): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _prune(root, keep)
-    return final
+
+    return _publish(root, step, tmp, fill, keep)
 
 
 def _prune(root: pathlib.Path, keep: int) -> None:
