@@ -403,8 +403,8 @@ def test_job_policy_builds_the_memory_check_from_the_job():
     plain = job_policy(job, start, [2, 2])
     assert plain.fits is None and plain.candidates == [start, Layout("hybrid", 2, 2)]  # as before
     checked = job_policy(job, start, [2, 2], device_memory_bytes=24 * GiB)
-    # fsdp and hsdp are not registered in this process: not candidates; the sharded hybrid is
-    assert checked.candidates == [start, Layout("hybrid", 2, 2), Layout("hybrid", 2, 2, 2)]
+    assert checked.candidates == [start, Layout("hsdp", 4, 1, 2), Layout("fsdp", 4, 1, 4), Layout("hybrid", 2, 2),
+                                  Layout("hybrid", 2, 2, 2)]
     ok, said = checked.fits(start)
     want = costmodel.memory(costmodel.shape_of_job(job), 4, 1, 1, global_batch=job.train.global_batch_size,
                             **costmodel.memory_settings(job))
