@@ -88,7 +88,8 @@ EVENTS = {
             "`path`); checkpoints/best.json names it and pruning keeps it",
     "sampler": "which device sampler a worker uses (`rank`, `source`, `reason` when it fell back to psutil)",
     "metrics": "the /metrics endpoint is serving (`url`)",
-    "policy": "the adaptive policy's set-up (`candidates` in order, `node_sizes`, `threshold`, `window`, `cooldown`)",
+    "policy": "the adaptive policy's set-up (`candidates` in order, `node_sizes`, `threshold`, `window`, `cooldown`, "
+              "`decide`: predict or trial)",
     "decision": "an automatic decision with its evidence (`step`, `decision`: switch, revert, keep (a switch "
                 "that helped), straggler or input_bound; `to` for switch/revert; `evidence`: window means, "
                 "threshold, candidate, throughput before/after)",

@@ -42,6 +42,7 @@ from orchestrator.checkpoints import Checkpoints
 from orchestrator.errors import GearshiftError, WorkerFailed
 from orchestrator.evaluation import Evaluation
 from orchestrator.job import Job, accumulation, scheduled
+from orchestrator.online import OnlineModel
 from orchestrator.policy import AdaptConfig, Decision, Policy, candidate_layouts
 from orchestrator.recovery import Recovery
 from orchestrator.reporting import Reporter, StepMerger
@@ -85,12 +86,17 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
             return False
 
     a = job.adapt
-    config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown)
-    fits = None if device_memory_bytes is None else costmodel.memory_check(job, device_memory_bytes)
+    config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide)
+    shape = costmodel.shape_of_job(job)
+    fits = None if device_memory_bytes is None else costmodel.memory_check(job, device_memory_bytes, model=shape)
     candidates = candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable, sharded=fits is not None)
     # only layouts whose strategy this process can build (fsdp and hsdp are named before they exist)
     candidates = [c for c in candidates if c.strategy in strategies.STRATEGIES]
-    return Policy(config, candidates, layout, fits=fits)
+    # the cost model, fitted as the run goes from its own records (no prior: a live run's hardware is
+    # what it measures)
+    model = OnlineModel(shape, job.train.global_batch_size, node_sizes, predict_error=config.predict_error,
+                        unseen_error=config.unseen_error)
+    return Policy(config, candidates, layout, fits=fits, model=model, total_steps=job.train.steps)
 
 
 class Controller:
@@ -235,7 +241,8 @@ class Controller:
         if b.scheduled:
             self._schedule.pop(0)
         if b.tell_policy:
-            self.policy.switched(self.layout, step)
+            done = self.switches[-1] if self.switches and self.switches[-1]["step"] == step else None
+            self.policy.switched(self.layout, step, done["seconds"] if done else None)
         self._tune_after(b)
         return State.TRAINING
 
@@ -359,7 +366,8 @@ class Controller:
         policy = self.policy_factory(self.job, self.layout, self.node_sizes, device_memory(self.infos))
         c = policy.config
         self.report.event("policy", candidates=[layout.to_dict() for layout in policy.candidates],
-                          node_sizes=self.node_sizes, threshold=c.threshold, window=c.window, cooldown=c.cooldown)
+                          node_sizes=self.node_sizes, threshold=c.threshold, window=c.window, cooldown=c.cooldown,
+                          decide=c.decide)
         return policy
 
     # ------------------------------------------------------------------ what the states share

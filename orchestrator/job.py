@@ -539,6 +539,9 @@ class AdaptSpec:
     threshold: float = _f(0.15, _float(0.0, 1.0, lo_open=True), "comm-wait fraction of the step that calls for a switch")
     window: int = _f(20, _int(2, 100000), "steps averaged before each decision")
     cooldown: int = _f(40, _int(0), "steps after a switch before the next one")
+    decide: str = _f("predict", _choice("predict", "trial"),
+                     "predict: move to the layout an online cost model predicts best, when it pays; trial: try "
+                     "the next candidate and keep it if it helped")
     schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K, shard_size: G, "
                                        "dp_shard: B}, ...]")
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from statistics import fmean, median
 from typing import ClassVar
 
+from orchestrator.online import ChangePoint, Estimate, OnlineModel
 from strategies.layout import Layout
 
 # null when telemetry is off: without them there is nothing to judge
@@ -55,6 +56,14 @@ class AdaptConfig:
     min_gain: float = 0.0          # a switch is kept when after > before * (1 + min_gain)
     straggler_ratio: float = 1.5   # slow rank's compute time / median of the others
     input_bound_frac: float = 0.3  # data time / step time
+    # deciding by prediction (with an online cost model; see the module's doc)
+    decide: str = "predict"        # "predict", or "trial": try the next candidate and judge it
+    predict_error: float = 0.05    # least relative error assumed of a prediction (more when moves measured more)
+    unseen_error: float = 0.25     # relative error of a layout whose tp or sharding costs the run has not measured
+    switch_margin: float = 1.0     # a move's predicted gain over the remaining steps must pay (1 + this) x its cost
+    max_misses: int = 2            # predicted moves reverted in a row before the policy decides by trial
+    change_factor: float = 1.5     # a change point: per-step comm wait beyond this factor of its level...
+    change_steps: int = 3          # ...for this many steps in a row
 
 
 @dataclass(frozen=True)
@@ -184,13 +193,36 @@ def find_straggler(window: list[dict], c: AdaptConfig) -> dict | None:
     return {"rank": rank, "steps_flagged": n, "compute_ratio": fmean(ratios[rank])}
 
 
+class PassedOver:
+    """What the evidence says of a candidate that does not fit the devices; None when it fits
+    (or memory is not judged). A prediction from the layout alone: the same every time, cached."""
+
+    def __init__(self, fits: Fits | None):
+        self.fits, self.cache = fits, {}
+
+    def __call__(self, layout: Layout) -> dict | None:
+        if self.fits is None:
+            return None
+        if layout not in self.cache:
+            ok, said = self.fits(layout)
+            self.cache[layout] = None if ok else {"layout": layout.to_dict(), **said}
+        return self.cache[layout]
+
+
 class Policy:
-    def __init__(self, config: AdaptConfig, candidates: list[Layout], current: Layout, fits: Fits | None = None):
+    def __init__(self, config: AdaptConfig, candidates: list[Layout], current: Layout, fits: Fits | None = None,
+                 model: OnlineModel | None = None, total_steps: int | None = None):
         self.config = config
-        self.candidates = list(candidates)
-        self.current = current
-        self.fits = fits                       # None: memory is not judged, every layout fits
-        self._fit_cache: dict[Layout, tuple[bool, dict]] = {}
+        self.model = model                     # the online cost model; None: decide by trial
+        self.predicting = model is not None and config.decide == "predict"
+        self.total_steps = total_steps         # None: a move is weighed over retry_after steps
+        self._change = ChangePoint(config.change_factor, config.change_steps)
+        self._recent: list[dict] = []          # the current layout's latest records (a change point's evidence)
+        self._estimate: Estimate | None = None  # the prediction of the move on trial
+        self._misses = 0                       # predicted moves reverted in a row
+        self._held = False                     # said already that no move pays, under this layout and link
+        self.candidates, self.current, self.fits = list(candidates), current, fits  # fits None: memory not judged
+        self._passed_over = PassedOver(fits)
         self._skipped: list[dict] = []         # candidates the last move passed over for memory
         self.history: list[dict] = []          # every decision that is not a bare Keep, with its step
         self._window: list[dict] = []
@@ -198,8 +230,7 @@ class Policy:
         self._since: int | None = None         # step the current layout took over; None: from the start
         self._trial: tuple[Layout, float] | None = None  # (layout before, samples/s before) while judging a switch
         self._blocked: dict[Layout, int] = {}  # reverted layout -> first step it may be tried again
-        # the comm-wait fraction that made the policy leave for a layout later reverted: a network
-        # that has since got much worse (1.5x that wait) lifts the block early
+        # the comm-wait fraction that sent the policy to a layout later reverted (1.5x it lifts the block)
         self._blocked_wait: dict[Layout, float] = {}
         self._reported: dict[tuple, int] = {}  # (kind, rank) -> step of the last report
         self._reverts: Counter = Counter()     # layout -> reverts since it was last kept
@@ -217,6 +248,11 @@ class Policy:
         if self._since is not None and step <= self._since + self.config.settle:
             return KEEP
         self._window.append(record)
+        decision = self._watch_link(record, step) if self.predicting else None
+        if decision is not None:
+            if not isinstance(decision, Keep):
+                self.history.append({"step": step, **decision.to_dict()})
+            return decision
         if self._early_look():
             decision = self._early(self._window, step)
             if decision is None:
@@ -241,14 +277,21 @@ class Policy:
         begin = step if self._since is None else max(step, self._since + c.settle)
         return max(step + 1, begin + need)
 
-    def switched(self, to: Layout, step: int) -> None:
-        """The controller has carried out a switch (or revert, or a forced one) at `step`.
+    def switched(self, to: Layout, step: int, seconds: float | None = None) -> None:
+        """The controller has carried out a switch (or revert, or a forced one) at `step`, in
+        `seconds` (the online model learns the cost of a switch from it).
 
         Call it with the layout actually in force: if a switch failed and the old layout
         stays, pass that one; the pending decision is cleared either way.
         """
         pending, self._pending = self._pending, None
         judged = isinstance(pending, Switch) and pending.to == to
+        if self.model is not None and to != self.current:
+            self.model.entered(to)
+            self.model.switched(seconds)
+        self._estimate = self._estimate if judged and "predicted_step_s" in pending.evidence else None
+        self._change.reset()
+        self._recent, self._held = [], False
         self._trial = (self.current, pending.evidence["samples_per_s_recent"]) if judged else None
         self._trial_wait = pending.evidence.get("comm_wait_frac") if judged else None
         self._trial_back = judged and pending.evidence.get("reason") == "comm_wait_fell"
@@ -280,22 +323,10 @@ class Policy:
         same = (r["strategy"], r["dp"], r["tp"], r.get("shard") or 1) == (c.strategy, c.dp, c.tp, c.shard)
         return same and (self._since is None or r["step"] > self._since)
 
-    def _fits(self, layout: Layout) -> tuple[bool, dict]:
-        if self.fits is None:
-            return True, {}
-        if layout not in self._fit_cache:  # a prediction from the layout alone: the same every time
-            self._fit_cache[layout] = self.fits(layout)
-        return self._fit_cache[layout]
-
-    def _passed_over(self, layout: Layout) -> dict | None:
-        """What the evidence says of a candidate that does not fit; None when it fits."""
-        ok, said = self._fits(layout)
-        return None if ok else {"layout": layout.to_dict(), **said}
-
     def _decide(self, window: list[dict], step: int) -> Decision:
         c, means = self.config, window_means(window)
         if self._trial is not None:
-            return self._judge(means, step)
+            return self._judge(means, step, window)
         if self._rebase:
             self._rebase, self._kept_wait = False, means["comm_wait_s"]
             return KEEP
@@ -306,6 +337,12 @@ class Policy:
             return self._report("straggler", slow["rank"],
                                 {**means, **slow, "straggler_ratio": c.straggler_ratio}, step)
         cooling = self._since is not None and step < self._since + c.cooldown
+        if self.predicting:
+            self.model.update(self.current, window)
+            over = means["comm_wait_frac"] > c.threshold
+            if cooling or not (over or any(x.tp < self.current.tp for x in self.candidates)):
+                return KEEP
+            return self._predictive(means, step, "comm_wait" if over else "review")
         back, skipped = (None, []) if cooling else self._previous_candidate(means, step)
         if back is not None:
             self._pending = Switch(back, {"reason": "comm_wait_fell", **means, "threshold": c.threshold,
@@ -323,6 +360,52 @@ class Policy:
                                     "candidate": to.to_dict(), **({"skipped": self._skipped} if self._skipped else {})})
         return self._pending
 
+    def _watch_link(self, record: dict, step: int) -> Decision | None:
+        """Every step: a change point in the comm wait (the link changed, either way) is a decision
+        now, on the steps since the change, rather than at the window's end."""
+        c = self.config
+        self._recent = (self._recent + [record])[-c.window:]
+        if self._change.add(record["comm_wait_mean"], record["step_time_max"]) is None or self._trial is not None:
+            return None
+        since = self._recent[-c.change_steps:]
+        before = window_means(self._recent[:-c.change_steps]) if len(self._recent) > c.change_steps else None
+        self.model.update(self.current, since)
+        self._window, self._held = [], False  # windows count afresh under the new link
+        self._blocked.clear()  # what was reverted under the old link is predicted afresh
+        means = {**window_means(since), "comm_wait_s_before": before["comm_wait_s"] if before else None}
+        return self._predictive(means, step, "link_changed")
+
+    def _predictive(self, means: dict, step: int, reason: str) -> Decision:
+        """Predict every candidate that fits and is not held back; move to the best when its gain,
+        with its error counted against it, pays the switch over the steps left by a margin."""
+        c, model = self.config, self.model
+        now = model.predict(self.current)
+        options, skipped = [], []
+        for layout in self.candidates:
+            passed = None if layout == self.current else self._passed_over(layout)
+            if passed is not None:
+                skipped.append(passed)
+            elif layout != self.current and self._blocked.get(layout, step) <= step:
+                options.append(model.predict(layout))
+        best = min(options, key=lambda e: e.pessimistic_s, default=None)
+        left = self.total_steps - step if self.total_steps is not None else c.retry_after
+        gain = now.step_s - best.pessimistic_s if best else 0.0
+        cost = model.switch_cost(now.step_s)
+        evidence = {"reason": reason, **means, "threshold": c.threshold, "from": self.current.to_dict(),
+                    "predictions": [now.to_dict()] + [e.to_dict() for e in options],
+                    "gain_s_per_step": gain, "steps_left": left, "switch_cost_s": cost,
+                    "switch_margin": c.switch_margin, "model": model.state(),
+                    **({"skipped": skipped} if skipped else {})}
+        if best is not None and gain > 0 and gain * left > cost * (1 + c.switch_margin):
+            self._estimate = best
+            self._pending = Switch(best.layout, {**evidence, "candidate": best.layout.to_dict(),
+                                                 "predicted_step_s": best.step_s})
+            return self._pending
+        if reason == "review" or self._held:
+            return KEEP
+        self._held = True  # said once per layout and link: no move pays
+        return Report("hold", evidence)
+
     def _early_look(self) -> bool:
         c = self.config
         return self._trial is not None and len(self._window) == c.early_check < c.window
@@ -333,16 +416,23 @@ class Policy:
         means = window_means(window)
         if means["samples_per_s"] >= self._trial[1] * (1 - self.config.early_loss):
             return None
-        return self._judge(means, step, early=True)
+        return self._judge(means, step, window, early=True)
 
-    def _judge(self, means: dict, step: int, early: bool = False) -> Decision:
+    def _judge(self, means: dict, step: int, window: list[dict], early: bool = False) -> Decision:
         before_layout, before = self._trial
         self._trial = None
         after, c = means["samples_per_s"], self.config
         evidence = {**means, "samples_per_s_before": before, "samples_per_s_after": after,
                     "min_gain": c.min_gain, "from": before_layout.to_dict(),
                     "layout": self.current.to_dict()}
+        if self.model is not None:  # the layout's first steps: its compute and own wait, measured
+            self.model.update(self.current, window)
+        estimate, self._estimate = self._estimate, None
+        if estimate is not None:
+            evidence.update(predicted_step_s=estimate.step_s, measured_step_s=means["step_time"],
+                            prediction_error=self.model.check(estimate, means["step_time"]))
         if after > before * (1 + c.min_gain):
+            self._misses = 0 if estimate is not None else self._misses
             self._kept_wait = means["comm_wait_s"]
             self._reverts[self.current] = 0
             if self._trial_back:  # back where the network allows: hold the layout left back (rule 6)
@@ -363,6 +453,13 @@ class Policy:
         else:
             evidence["reason"] = (f"samples/s after {after:.4g} <= before {before:.4g} x (1 + {c.min_gain}); "
                                   f"not retried before step {step + block}")
+        if estimate is not None:
+            self._misses += 1
+            if self._misses >= c.max_misses and self.predicting:
+                self.predicting = False
+                evidence["fallback"] = "trial"
+                evidence["reason"] += (f"; {self._misses} predicted moves in a row reverted: the policy decides by "
+                                       "trial from here on")
         self._pending = Revert(before_layout, evidence)
         return self._pending
 

@@ -20,9 +20,11 @@ Scenario file (YAML):
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from orchestrator import costmodel
 from orchestrator.errors import UsageError
+from orchestrator.online import OnlineModel
 from orchestrator.policy import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
 from strategies.layout import Layout
 
@@ -81,43 +83,57 @@ def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: 
     }
 
 
-def simulate(model: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: int, scenario: Scenario,
+def simulate(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: int, scenario: Scenario,
              config: AdaptConfig = AdaptConfig(), bucket_cap_mb: float = 25.0, switch_steps: float = 2.0) -> dict:
     world = hw.devices
     # sharded state only saves memory, which the simulation does not judge: the layouts the policy
     # would choose among without a memory figure (controller.job_policy)
     candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes, sharded=False)
-                  if global_batch % c.dp == 0 and (not model.tp_divides or model.tp_divides % c.tp == 0)]
+                  if global_batch % c.dp == 0 and (not model_shape.tp_divides or model_shape.tp_divides % c.tp == 0)]
     price = {}
 
     def step_time(layout: Layout, factor: float) -> costmodel.Prediction:
         key = (layout, factor)
         if key not in price:
-            price[key] = costmodel.predict(model, _at(hw, factor), global_batch, layout.dp, layout.tp, bucket_cap_mb,
+            price[key] = costmodel.predict(model_shape, _at(hw, factor), global_batch, layout.dp, layout.tp, bucket_cap_mb,
                                            shard=layout.shard)
         return price[key]
 
-    static = {c: sum(step_time(c, scenario.factor(s)).step_s for s in range(1, scenario.steps + 1))
-              for c in candidates}
-    policy = Policy(config, candidates, candidates[0])
+    steps = range(1, scenario.steps + 1)
+    static = {c: sum(step_time(c, scenario.factor(s)).step_s for s in steps) for c in candidates}
+    # the oracle knows the scenario: the best layout at every step, switched to at no cost
+    oracle = sum(min(step_time(c, scenario.factor(s)).step_s for c in candidates) for s in steps)
+    # the policy knows the cluster as the spec says (its prior) and fits the rest from the records
+    model = OnlineModel(model_shape, global_batch, [hw.per_node] * hw.nodes, prior=hw,
+                        predict_error=config.predict_error, unseen_error=config.unseen_error,
+                        switch_steps=switch_steps)
+    policy = Policy(config, candidates, candidates[0], model=model, total_steps=scenario.steps)
     layout, clock, decisions = candidates[0], 0.0, []
-    for step in range(1, scenario.steps + 1):
+    for step in steps:
         pred = step_time(layout, scenario.factor(step))
         clock += pred.step_s
         decision = policy.observe(record(step, layout, pred, global_batch))
         if isinstance(decision, (Switch, Revert)):
             clock += switch_steps * pred.step_s
             decisions.append({"step": step, "decision": decision.name, "to": _name(decision.to),
-                              "comm_wait_frac": decision.evidence.get("comm_wait_frac")})
+                              "comm_wait_frac": decision.evidence.get("comm_wait_frac"),
+                              "reason": decision.evidence.get("reason"),
+                              "predicted_step_s": decision.evidence.get("predicted_step_s")})
             layout = decision.to
-            policy.switched(layout, step)
+            policy.switched(layout, step, switch_steps * pred.step_s)
         elif isinstance(decision, Report):
-            decisions.append({"step": step, "decision": decision.kind})
+            decisions.append({"step": step, "decision": decision.kind, "reason": decision.evidence.get("reason")})
     compute = sum(step_time(c, 1.0).compute_s for c in candidates[:1]) * scenario.steps
+    best = min(static.values())
     return {"seconds": clock, "decisions": decisions,
             "static": {_name(c): t for c, t in static.items()},
-            "best_static": min(static.values()), "data_static": static[candidates[0]],
-            "utilisation": compute / clock,
+            "best_static": best, "data_static": static[candidates[0]], "oracle": oracle,
+            "auto_vs_oracle": oracle / clock, "auto_vs_best_static": best / clock,
+            "auto_vs_data": static[candidates[0]] / clock,
+            "switches": sum(d["decision"] == "switch" for d in decisions),
+            "reverted_switches": sum(d["decision"] == "revert" for d in decisions),
+            "deciding_by": "prediction" if policy.predicting else "trial",
+            "utilisation": compute / clock, "utilisation_oracle": compute / oracle,
             "utilisation_static": {_name(c): compute / t for c, t in static.items()}}
 
 
@@ -155,18 +171,26 @@ def cmd_simulate(args) -> int:
                          f"use --global-batch")
     a = job.adapt
     result = simulate(model, hw, batch, scenario,
-                      AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown),
+                      AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide),
                       bucket_cap_mb=25.0 if job.parallel.bucket_cap_mb == "auto" else job.parallel.bucket_cap_mb)
+    if args.json:
+        print(json.dumps({"steps": scenario.steps, "nodes": hw.nodes, "per_node": hw.per_node,
+                          "inter_link": [list(f) for f in scenario.factors], **result}))
+        return 0
     print(f"{scenario.steps} steps on {hw.nodes} x {hw.per_node} devices; inter-node link factors "
           f"{list(scenario.factors) or [(0, 1.0)]}")
     for d in result["decisions"]:
         print(f"  step {d['step']}: {d['decision']}" + (f" -> {d['to']}" if "to" in d else "")
-              + (f" (comm wait {d['comm_wait_frac']:.0%})" if d.get("comm_wait_frac") is not None else ""))
+              + (f" (comm wait {d['comm_wait_frac']:.0%})" if d.get("comm_wait_frac") is not None else "")
+              + (f", predicted {d['predicted_step_s'] * 1e3:.1f} ms a step" if d.get("predicted_step_s") else "")
+              + (f": {d['reason']}" if d.get("reason") else ""))
     width = max(18, max(len(name) for name in result["static"]) + 8)
     print(f"{'':<{width}}{'time s':>10}{'utilisation':>13}")
     for name, t in sorted(result["static"].items(), key=lambda kv: kv[1]):
         print(f"{'static ' + name:<{width}}{t:>10.1f}{result['utilisation_static'][name]:>13.1%}")
+    print(f"{'oracle':<{width}}{result['oracle']:>10.1f}{result['utilisation_oracle']:>13.1%}")
     print(f"{'auto':<{width}}{result['seconds']:>10.1f}{result['utilisation']:>13.1%}")
-    print(f"auto / best static: {result['best_static'] / result['seconds']:.3f} (speed); "
-          f"auto / static data: {result['data_static'] / result['seconds']:.3f}")
+    print(f"auto / oracle: {result['auto_vs_oracle']:.3f}; auto / best static: {result['auto_vs_best_static']:.3f} "
+          f"(speed); auto / static data: {result['auto_vs_data']:.3f}; {result['switches']} switches, "
+          f"{result['reverted_switches']} reverted; deciding by {result['deciding_by']} at the end")
     return 0
