@@ -127,8 +127,10 @@ class OnlineModel:
         known = self.seen.get(layout)
         if layout in self._entered or known is None:
             # new here: the link is as it was just before the switch; what the model does not
-            # explain of this layout's wait is its own (collectives inside a node, skew)
-            offset = wait - self._wait(layout, self.bandwidth) if self.link_fitted else 0.0
+            # explain of this layout's wait is its own (collectives inside a node, skew). The
+            # model's wait is the least the layout waits: less measured is noise in the link's
+            # estimate, which an offset below 0 would carry into every later fit of the link
+            offset = max(0.0, wait - self._wait(layout, self.bandwidth)) if self.link_fitted else 0.0
             self.seen[layout] = Seen(compute, offset, len(rs))
             self._entered.discard(layout)
             if self.link_fitted:

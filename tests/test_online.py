@@ -1,0 +1,176 @@
+"""Deciding by prediction: the online cost model, change points and the policy on step records
+that a known "true" cluster makes (the cost model with the true figures), the policy knowing only
+what it fits from them. Pure logic: no process group, no Ray."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from orchestrator import costmodel
+from orchestrator.costmodel import Hardware, Link, ModelShape
+from orchestrator.online import ChangePoint, OnlineModel
+from orchestrator.policy import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
+from orchestrator.simulate import record
+from strategies.layout import Layout
+
+GPT = ModelShape.transformer(layers=24, hidden=2048, seq=1024, vocab=50304, heads=16)
+HW = Hardware(nodes=2, per_node=4, flops=100e12, intra=Link(200e9, 2e-6), inter=Link(10e9, 10e-6))
+BATCH = 256
+DATA, HYB2, HYB4 = Layout("data", 8, 1), Layout("hybrid", 4, 2), Layout("hybrid", 2, 4)
+CANDIDATES = candidate_layouts(8, [4, 4], sharded=False)  # sharded state only saves memory
+
+
+def at(hw: Hardware, factor: float) -> Hardware:
+    return replace(hw, inter=Link(hw.inter.bandwidth * factor, hw.inter.latency))
+
+
+def drive(policy: Policy, truth: ModelShape, hw: Hardware, steps: int, factor=lambda step: 1.0,
+          noise: float = 0.0, seed: int = 0):
+    """Feed the policy the records `truth` on `hw` makes, acting as the controller (a switch is
+    carried out at once and takes 2 steps' time). Returns [(step, decision)] and the time spent."""
+    rng, out, clock = random.Random(seed), [], 0.0
+    for step in range(1, steps + 1):
+        layout = policy.current
+        pred = costmodel.predict(truth, at(hw, factor(step)), BATCH, layout.dp, layout.tp, shard=layout.shard)
+        if noise:  # every timing of the step off by the same random factor
+            k = 1 + rng.uniform(-noise, noise)
+            pred = replace(pred, step_s=pred.step_s * k, compute_s=pred.compute_s * k,
+                           exposed_wait_s=pred.exposed_wait_s * k)
+        clock += pred.step_s
+        d = policy.observe(record(step, layout, pred, BATCH))
+        if d.name != "keep" or d.evidence:
+            out.append((step, d))
+        if isinstance(d, (Switch, Revert)):
+            clock += 2 * pred.step_s
+            policy.switched(d.to, step, 2 * pred.step_s)
+    return out, clock
+
+
+def policy_for(candidates=CANDIDATES, prior: Hardware | None = HW, model: ModelShape = GPT, steps: int = 2000,
+               **config) -> Policy:
+    c = AdaptConfig(window=10, cooldown=20, **config)
+    online = OnlineModel(model, BATCH, [4, 4], prior=prior, predict_error=c.predict_error,
+                         unseen_error=c.unseen_error)
+    return Policy(c, candidates, candidates[0], model=online, total_steps=steps)
+
+
+def moves(decisions):
+    return [(s, d.name, d.to) for s, d in decisions if isinstance(d, (Switch, Revert))]
+
+
+def test_the_online_model_recovers_the_device_rate_and_the_link_from_data_parallel_steps():
+    online = OnlineModel(GPT, BATCH, [4, 4])  # no prior at all
+    for factor in (1.0, 0.1, 0.03):
+        hw = at(HW, factor)
+        pred = costmodel.predict(GPT, hw, BATCH, 8, 1)
+        online.update(DATA, [record(s, DATA, pred, BATCH) for s in range(1, 11)])
+        assert online.hw.flops == pytest.approx(HW.flops, rel=1e-6)
+        # a link that shows in the wait is recovered; a fast one only as fast as the wait can show
+        # (the slowest link that leaves it within 1 % of the compute)
+        assert online.predict(DATA).step_s == pytest.approx(pred.step_s, rel=1e-3 if factor < 1 else 0.015)
+        if pred.comm_wait_frac > 0.05:
+            # (no prior: the link's latency, 10 us a hop, is taken into its bandwidth)
+            assert online.bandwidth == pytest.approx(hw.inter.bandwidth, rel=0.01)
+
+
+def test_no_move_when_the_best_candidate_is_predicted_slower():
+    """Data waits 34 % of the step, over the threshold, but tensor parallelism on this node's slow
+    link costs more than it saves: the policy says so once (a `hold` with every prediction) and
+    stays, where trial would have tried a layout and reverted it."""
+    hw = replace(HW, intra=Link(5e9, 2e-6))
+    policy = policy_for(prior=hw)
+    decisions, _ = drive(policy, GPT, hw, 300, factor=lambda s: 0.1)
+    assert moves(decisions) == []
+    holds = [d for _, d in decisions if isinstance(d, Report) and d.kind == "hold"]
+    assert len(holds) == 1, decisions
+    ev = holds[0].evidence
+    assert ev["comm_wait_frac"] > 0.15 and ev["gain_s_per_step"] < 0
+    by_layout = {(p["layout"]["dp"], p["layout"]["tp"]): p["step_s"] for p in ev["predictions"]}
+    assert by_layout[(8, 1)] < min(by_layout[(4, 2)], by_layout[(2, 4)])
+    # trial, on the same records, tries and reverts
+    trial = policy_for(prior=hw, decide="trial")
+    assert [m[1] for m in moves(drive(trial, GPT, hw, 300, factor=lambda s: 0.1)[0])][:2] == ["switch", "revert"]
+
+
+def test_a_direct_move_to_the_best_of_three_candidates():
+    """At a tenth of the link, hybrid 2x4 beats hybrid 4x2 beats data: the policy goes straight to
+    2x4 (trial would try 4x2 first), keeps it, and its prediction was right."""
+    policy = policy_for()
+    decisions, _ = drive(policy, GPT, HW, 200, factor=lambda s: 0.1)
+    assert moves(decisions) == [(10, "switch", HYB4)]
+    switch = decisions[0][1]
+    assert switch.evidence["reason"] == "comm_wait" and len(switch.evidence["predictions"]) == 3
+    kept = next(d for _, d in decisions if d.name == "keep")
+    assert abs(kept.evidence["prediction_error"]) < 0.01
+    trial = policy_for(decide="trial")
+    assert moves(drive(trial, GPT, HW, 200, factor=lambda s: 0.1)[0])[0][2] == HYB2
+
+
+def test_a_misprediction_is_reverted_and_the_model_refitted():
+    """Sharding adds 60 % to the compute on this cluster, which nothing has measured yet: the
+    model (no prior: a live run) predicts hybrid 2x4 well ahead, the move loses, is reverted with
+    the prediction's error in its evidence, and the layout, now measured, is not tried again."""
+    truth = replace(GPT, tp_overhead_flops=GPT.flops_per_sample * BATCH / 8 * 0.6)
+    policy = policy_for(candidates=[DATA, HYB4], prior=None)
+    decisions, _ = drive(policy, truth, HW, 600, factor=lambda s: 0.1)
+    assert [(m[1], m[2]) for m in moves(decisions)] == [("switch", HYB4), ("revert", DATA)]
+    revert = next(d for _, d in decisions if isinstance(d, Revert))
+    assert revert.evidence["prediction_error"] > 0.25
+    assert policy.predicting  # one miss is not a pattern
+    fitted = policy.model.predict(HYB4).step_s
+    true = costmodel.predict(truth, at(HW, 0.1), BATCH, 2, 4).step_s
+    assert fitted == pytest.approx(true, rel=0.05)
+
+
+def test_repeated_misses_fall_back_to_trial_and_say_so():
+    """A policy told to trust the model for layouts it has not run (unseen_error 5 %) on a cluster
+    where sharding adds 60 % to the compute: both hybrid moves miss, and after the second it says
+    that it decides by trial from now on."""
+    truth = replace(GPT, tp_overhead_flops=GPT.flops_per_sample * BATCH / 8 * 0.6)
+    policy = policy_for(prior=None, unseen_error=0.05)
+    decisions, _ = drive(policy, truth, HW, 600, factor=lambda s: 0.1)
+    reverts = [(s, d) for s, d in decisions if isinstance(d, Revert)]
+    assert len(reverts) >= 2
+    (_, first), (fell_back, second) = reverts[:2]
+    assert "fallback" not in first.evidence and second.evidence["fallback"] == "trial"
+    assert "decides by trial" in second.evidence["reason"]
+    assert not policy.predicting
+    later = [d for s, d in decisions if s > fell_back and isinstance(d, Switch)]
+    assert later and all("predictions" not in d.evidence for d in later)  # trial: the next candidate, tried
+
+
+@pytest.mark.parametrize("direction", ["down", "up"])
+def test_a_change_of_the_link_is_noticed_within_5_steps(direction):
+    """The link drops to 3 % of its rate at step 200 and comes back at 500. Each change is a
+    decision within 5 steps, on the steps since the change, not at the window's end; the policy
+    moves to the best layout under the new link each time."""
+    policy = policy_for()
+    decisions, _ = drive(policy, GPT, HW, 700, factor=lambda s: 0.03 if 200 <= s < 500 else 1.0)
+    assert moves(decisions) == [(202, "switch", HYB4), (502, "switch", DATA)], decisions
+    change = 200 if direction == "up" else 500
+    step, d = next((s, d) for s, d in decisions if s >= change)
+    assert step - change < 5 and d.evidence["reason"] == "link_changed"
+
+
+def test_change_points_ignore_noise_and_single_slow_steps():
+    rng = random.Random(1)
+    cp = ChangePoint()
+    found = [cp.add(0.1 * (1 + rng.uniform(-0.3, 0.3)) * (3 if s % 50 == 0 else 1), 0.5) for s in range(1, 400)]
+    assert not any(found)
+    found = [cp.add(0.3, 0.5) for _ in range(3)]
+    assert found == [None, None, "up"]
+
+
+def test_with_noisy_steps_the_policy_ends_near_the_oracle(capsys):
+    """±10 % noise on every step: the policy moves once a phase and never reverts."""
+    steps = 1500
+    factor = lambda s: 0.03 if 500 <= s < 1000 else 1.0  # noqa: E731
+    policy = policy_for(steps=steps)
+    decisions, clock = drive(policy, GPT, HW, steps, factor=factor, noise=0.1)
+    oracle = sum(min(costmodel.predict(GPT, at(HW, factor(s)), BATCH, c.dp, c.tp).step_s for c in CANDIDATES)
+                 for s in range(1, steps + 1))
+    assert [m[1] for m in moves(decisions)] == ["switch", "switch"], decisions
+    assert oracle / clock > 0.97
