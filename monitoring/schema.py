@@ -91,8 +91,11 @@ EVENTS = {
     "policy": "the adaptive policy's set-up (`candidates` in order, `node_sizes`, `threshold`, `window`, `cooldown`, "
               "`decide`: predict or trial)",
     "decision": "an automatic decision with its evidence (`step`, `decision`: switch, revert, keep (a switch "
-                "that helped), straggler or input_bound; `to` for switch/revert; `evidence`: window means, "
-                "threshold, candidate, throughput before/after)",
+                "that helped), hold (over the threshold or after a change of the link, no move predicted to "
+                "pay), straggler or input_bound; `to` for switch/revert; `evidence`: window means, threshold, "
+                "`reason` (comm_wait, link_changed, review), every candidate's `predictions`, the gain over "
+                "`steps_left` against `switch_cost_s`, the fitted `model`; after a move, throughput "
+                "before/after and `predicted_step_s` against `measured_step_s`)",
     "switch": "the layout changed (`step`, `from`, `to`, `seconds`, `reason`: schedule, switch, revert or tune)",
     "tune_start": "a bucket_cap_mb tuning round begins (`step`, `mode`: search or grid, `space`, `pinned`, "
                   "`layout`, `warmup_steps`, `trial_steps`, `max_trials`)",

@@ -380,22 +380,23 @@ class Policy:
         with its error counted against it, pays the switch over the steps left by a margin."""
         c, model = self.config, self.model
         now = model.predict(self.current)
-        options, skipped = [], []
-        for layout in self.candidates:
-            passed = None if layout == self.current else self._passed_over(layout)
+        options, skipped, settled = [], [], {self.current.tp}
+        for layout in self.candidates:  # at each tp its least sharded layout that fits (see the module's doc)
+            passed = None if layout.tp in settled else self._passed_over(layout)
             if passed is not None:
                 skipped.append(passed)
-            elif layout != self.current and self._blocked.get(layout, step) <= step:
-                options.append(model.predict(layout))
+            elif layout.tp not in settled:
+                settled.add(layout.tp)
+                if self._blocked.get(layout, step) <= step:
+                    options.append(model.predict(layout))
         best = min(options, key=lambda e: e.pessimistic_s, default=None)
         left = self.total_steps - step if self.total_steps is not None else c.retry_after
         gain = now.step_s - best.pessimistic_s if best else 0.0
         cost = model.switch_cost(now.step_s)
         evidence = {"reason": reason, **means, "threshold": c.threshold, "from": self.current.to_dict(),
-                    "predictions": [now.to_dict()] + [e.to_dict() for e in options],
-                    "gain_s_per_step": gain, "steps_left": left, "switch_cost_s": cost,
-                    "switch_margin": c.switch_margin, "model": model.state(),
-                    **({"skipped": skipped} if skipped else {})}
+                    "predictions": [now.to_dict()] + [e.to_dict() for e in options], "gain_s_per_step": gain,
+                    "steps_left": left, "switch_cost_s": cost, "switch_margin": c.switch_margin,
+                    "model": model.state(), **({"skipped": skipped} if skipped else {})}
         if best is not None and gain > 0 and gain * left > cost * (1 + c.switch_margin):
             self._estimate = best
             self._pending = Switch(best.layout, {**evidence, "candidate": best.layout.to_dict(),

@@ -147,7 +147,33 @@ def describe(decision) -> str:
     head = f"{name} -> {target}" if target is not None else name
     if name == "input_bound":  # the knob that helps: loader processes read the next batches during the step
         head += ": raise data.loader.workers (and data.loader.prefetch) to read batches ahead"
+    if ev.get("predictions"):
+        return head + ": " + predicted_text(ev, target)
+    if ev.get("predicted_step_s") is not None and ev.get("measured_step_s") is not None:
+        parts = [f"measured {ev['measured_step_s'] * 1e3:.4g} ms a step, predicted {ev['predicted_step_s'] * 1e3:.4g}"
+                 f" ({ev['prediction_error']:+.0%})"] + parts
     return head + (f" ({', '.join(parts[:6])})" if parts else "")
+
+
+def predicted_text(ev: dict, target) -> str:
+    """A decision by prediction in a line: why, what was predicted, and what the move was weighed on."""
+    now, *others = ev["predictions"]
+    why = {"comm_wait": f"comm wait {ev['comm_wait_frac']:.0%} of the step",
+           "link_changed": f"the comm wait changed ({ev['comm_wait_s'] * 1e3:.4g} ms a step)",
+           }.get(ev["reason"], "a review")
+    best = min(others, key=lambda e: e["step_s"] * (1 + e["error"]), default=None)
+    said = f"{why}; now {now['step_s'] * 1e3:.4g} ms a step"
+    if best is not None:
+        said += (f", best elsewhere {layout_text(best['layout'])} predicted {best['step_s'] * 1e3:.4g} ms "
+                 f"(+-{best['error']:.0%}{', measured before' if best['measured_before'] else ''})")
+    gain = ev["gain_s_per_step"] * ev["steps_left"]
+    verb = ">" if target is not None else "does not pay"
+    return (said + f"; gain {gain:.3g} s over {ev['steps_left']} steps {verb} "
+            f"(1 + {ev['switch_margin']:g}) x switch {ev['switch_cost_s']:.3g} s")
+
+
+def layout_text(d: dict) -> str:
+    return f"{d['strategy']} {d['dp']}x{d['tp']}" + (f" shard {d['shard']}" if d.get("shard", 1) > 1 else "")
 
 
 def setting_text(setting: dict) -> str:
