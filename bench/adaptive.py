@@ -11,18 +11,32 @@ Time-to-N-steps runs from the controller's `training` event to the last step (Ra
 model build excluded, equal for all); samples/s = N x global batch / that time. Static tensor
 sends activations over the link on every layer and takes seconds a step when it is slow, so it
 trains `--tensor-steps` steps per rate and its time is extrapolated (in the scenario: each
-phase's steps x its step time at that phase's rate).
+phase's steps x its step time at that phase's rate). It is measured once per rate, not once per
+repeat: it is never the best layout here, and it only enters the ratios as a candidate for
+"best static".
 
 Auto pays a fixed price to learn what the link allows: at a fast link it tries hybrid once and
 reverts (about 8 steps of the slower layout and two switches, ~1 s here). A fixed setting trains
 `--steps-per-rate` steps: more at fast rates, where a step takes 70 ms and a few hundred steps
 are seconds, so that one-off price is weighed against a run of some length, not against 15 s.
 
-    sudo python bench/adaptive.py            # 1gbit (600 steps), 40mbit (200), scenario (300)
-    sudo python bench/adaptive.py --quick    # 40mbit (100 steps), scenario (200): under 10 minutes
+`--repeats N` runs every (setting, layout) N times, interleaved: repeat 1 of data, hybrid and
+auto of a setting, then repeat 2 of each, ..., so that the machine's drift hits every layout
+alike. Per setting and layout the table gives the median samples/s and the spread (min..max)
+over the repeats; the ratios are taken within a repeat (auto / best static of that same repeat)
+and then summarized as median, min and max.
 
-The last line of output is one JSON object; `auto_vs_best_static_<setting>` divides auto's
-samples/s by the best static layout's, `auto_vs_data_<setting>` by static data's.
+    sudo python bench/adaptive.py                 # 1gbit (600 steps), 40mbit (200), scenario (300)
+    sudo python bench/adaptive.py --quick         # 1gbit (300 steps), 40mbit (100), scenario (200): ~10 min
+    sudo python bench/adaptive.py --quick --repeats 3    # the issue's figures: 3 repeats, ~3x as long
+
+The last line of output is one JSON object. Per setting (`fixed_<rate>`, `scenario`):
+`auto_vs_best_static_<setting>` is the median over repeats of auto's samples/s / the best static
+layout's samples/s in that repeat (`..._min`, `..._max` its spread), `auto_vs_data_<setting>`
+the same against static data; `reverted_switches_<setting>` is the most reverts the policy made
+in one auto run (a `decision` event in the run's telemetry.jsonl whose `decision` is `revert`;
+the goal is at most 1 a run), `reverted_switches_per_repeat_<setting>` lists them per repeat
+and `auto_switches_<setting>` lists each auto run's switches (`step:strategy`) per repeat.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import tempfile
 
@@ -47,6 +62,7 @@ LAYOUTS = {
     "tensor": ["parallel.strategy=tensor", "parallel.tp_across_nodes=true"],  # gearshift refuses it otherwise
     "auto": ["parallel.strategy=auto"],
 }
+STATIC = [k for k in LAYOUTS if k != "auto"]
 BATCH = 32
 
 
@@ -71,9 +87,12 @@ def run_one(tb: Testbed, layout: str, steps: int, tmp: pathlib.Path, scenario=No
     start = next(r["time"] for r in records if r.get("event") == "state" and r.get("state") == "training")
     end = max(r["time"] for r in records if r["type"] == "step")
     switches = [f"{s['step']}:{s['to']['strategy']}" for s in records if s.get("event") == "switch"]
+    # the policy's reverts: decision events (orchestrator/reporting.py, Reporter.decided) named "revert"
+    reverts = [r["step"] for r in records
+               if r["type"] == "event" and r.get("event") == "decision" and r.get("decision") == "revert"]
     seconds = (end - start) * steps / trained
     return {"seconds": seconds, "samples_per_s": steps * BATCH / seconds, "switches": switches,
-            "steps_trained": trained}
+            "reverts": reverts, "steps_trained": trained}
 
 
 def parse_rates(text: str) -> list[tuple[str, int]]:
@@ -87,17 +106,26 @@ def parse_rates(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one rate and a short scenario: under 10 minutes")
+    ap.add_argument("--quick", action="store_true",
+                    help="a shorter fast and slow setting and a shorter scenario: about 10 minutes a repeat")
     ap.add_argument("--steps-per-rate", default=None, help="fixed settings, RATE:STEPS,... (tc units)")
     ap.add_argument("--scenario", default=None, help="RATE@STEP,... (default: fast, slow, fast)")
     ap.add_argument("--scenario-steps", type=int, default=None)
     ap.add_argument("--tensor-steps", type=int, default=None,
                     help="steps static tensor trains per rate (its time is extrapolated): over a slow link "
                          "it takes seconds per step")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of every (setting, layout), interleaved across layouts (static tensor: once per rate)")
     args = ap.parse_args()
-    fixed = parse_rates(args.steps_per_rate or ("40mbit:100" if args.quick else "1gbit:600,40mbit:200"))
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1")
+    fixed = parse_rates(args.steps_per_rate or ("1gbit:300,40mbit:100" if args.quick else "1gbit:600,40mbit:200"))
     scenario_steps = args.scenario_steps or (200 if args.quick else 300)
     # slow in the middle; fast steps ~1.5x the slow ones, where data's loss over the slow stretch
     # and hybrid's over the fast ones come out about even (so neither static layout has it easy)
@@ -109,63 +137,101 @@ def main() -> None:
     tensor_steps = args.tensor_steps or (4 if args.quick else 12)
     # runs of a few hundred steps: the policy judges windows of 10 steps (the default is 20)
     auto_extra = ["adapt.window=10", "adapt.cooldown=20"]
-    results: dict[str, dict[str, dict]] = {}
+    repeats = args.repeats
+    # setting -> layout -> one result per repeat (static tensor: one, reused by every repeat)
+    results: dict[str, dict[str, list[dict]]] = {}
     tensor_step_s: dict[str, float] = {}  # rate -> seconds per step of static tensor
     print(f"GPT (examples/gpt.yaml), 4 workers on 2 nodes (network namespaces), batch {BATCH}, on "
           f"{platform.machine()} with {os.cpu_count()} cores; fixed {fixed}; scenario {scenario_text} "
-          f"over {scenario_steps} steps", flush=True)
+          f"over {scenario_steps} steps; {repeats} repeat(s), interleaved", flush=True)
 
-    def show(name: str, layout: str, r: dict, steps: int) -> None:
+    def show(name: str, layout: str, r: dict, steps: int, rep: int) -> None:
         note = "" if r["steps_trained"] == steps else f"  (extrapolated from {r['steps_trained']} steps)" \
             if r["steps_trained"] else "  (each phase's steps x its step time at that rate)"
-        print(f"  {name:<16}{layout:<8}{r['seconds']:>8.1f} s{r['samples_per_s']:>9.1f} samples/s  "
-              f"{' '.join(r['switches'])}{note}", flush=True)
+        reverts = f"  reverts at {r['reverts']}" if r.get("reverts") else ""
+        print(f"  {name:<16}#{rep + 1:<3}{layout:<8}{r['seconds']:>8.1f} s{r['samples_per_s']:>9.1f} samples/s  "
+              f"{' '.join(r['switches'])}{reverts}{note}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="gs-adaptive-") as tmp, Testbed(rate=fixed[0][0]) as tb:
         tmp = pathlib.Path(tmp)
         for rate, steps in fixed:
             name = f"fixed_{rate}"
-            results[name] = {}
-            for layout in LAYOUTS:
-                r = run_one(tb, layout, steps, tmp, None, rate, auto_extra if layout == "auto" else [],
-                            tensor_steps if layout == "tensor" else None)
-                if layout == "tensor":
-                    tensor_step_s[rate] = r["seconds"] / steps
-                results[name][layout] = r
-                show(name, layout, r, steps)
+            results[name] = {layout: [] for layout in LAYOUTS}
+            for rep in range(repeats):
+                for layout in LAYOUTS:
+                    if layout == "tensor" and rep:
+                        continue  # measured once per rate
+                    r = run_one(tb, layout, steps, tmp, None, rate, auto_extra if layout == "auto" else [],
+                                tensor_steps if layout == "tensor" else None)
+                    if layout == "tensor":
+                        tensor_step_s[rate] = r["seconds"] / steps
+                    results[name][layout].append(r)
+                    show(name, layout, r, steps, rep)
         for phase in scenario:  # static tensor at each of the scenario's rates
             if phase.rate not in tensor_step_s:
                 r = run_one(tb, "tensor", tensor_steps, tmp, None, phase.rate)
                 tensor_step_s[phase.rate] = r["seconds"] / tensor_steps
                 print(f"  tensor at {phase.rate}: {tensor_step_s[phase.rate]:.3f} s/step", flush=True)
-        results["scenario"] = {}
-        for layout in LAYOUTS:
-            if layout == "tensor":
-                bounds = [p.from_step for p in scenario[1:]] + [scenario_steps]
-                seconds = sum(tensor_step_s[p.rate] * (min(end, scenario_steps) - min(p.from_step, scenario_steps))
-                              for p, end in zip(scenario, bounds))
-                r = {"seconds": seconds, "samples_per_s": scenario_steps * BATCH / seconds, "switches": [],
-                     "steps_trained": 0, "link_changes": []}
-            else:
+        results["scenario"] = {layout: [] for layout in LAYOUTS}
+        bounds = [p.from_step for p in scenario[1:]] + [scenario_steps]
+        seconds = sum(tensor_step_s[p.rate] * (min(end, scenario_steps) - min(p.from_step, scenario_steps))
+                      for p, end in zip(scenario, bounds))
+        results["scenario"]["tensor"].append(
+            {"seconds": seconds, "samples_per_s": scenario_steps * BATCH / seconds, "switches": [], "reverts": [],
+             "steps_trained": 0, "link_changes": []})
+        show("scenario", "tensor", results["scenario"]["tensor"][0], scenario_steps, 0)
+        for rep in range(repeats):
+            for layout in LAYOUTS:
+                if layout == "tensor":
+                    continue
                 r = run_one(tb, layout, scenario_steps, tmp, scenario, None,
                             auto_extra if layout == "auto" else [])
                 r["link_changes"] = [f"{rate}@{step}" for rate, _, step in tb.changes]
-            results["scenario"][layout] = r
-            show("scenario", layout, r, scenario_steps)
-            if r["link_changes"]:
-                print(f"{'':<26}link changed: {' '.join(r['link_changes'])}", flush=True)
-    figures = {}
-    print(f"\n{'setting':<16}{'steps':>6}" + "".join(f"{k:>10}" for k in LAYOUTS) + f"{'auto/best':>11}{'auto/data':>11}")
+                results["scenario"][layout].append(r)
+                show("scenario", layout, r, scenario_steps, rep)
+                print(f"{'':<30}link changed: {' '.join(r['link_changes'])}", flush=True)
+
+    figures: dict = {}
+    summary: dict[str, dict] = {}
     steps_of = {f"fixed_{rate}": steps for rate, steps in fixed} | {"scenario": scenario_steps}
+
+    def sps(per_layout: dict, layout: str, rep: int) -> float:
+        runs = per_layout[layout]
+        return runs[min(rep, len(runs) - 1)]["samples_per_s"]  # static tensor: its one measurement
+
+    print(f"\nsamples/s, median [min..max] over {repeats} repeat(s); ratios taken within a repeat")
+    print(f"{'setting':<16}{'steps':>6}" + "".join(f"{k:>24}" for k in LAYOUTS)
+          + f"{'auto/best':>22}{'auto/data':>22}{'reverts':>9}")
     for name, per_layout in results.items():
-        best = max(per_layout[k]["samples_per_s"] for k in LAYOUTS if k != "auto")
-        auto = per_layout["auto"]["samples_per_s"]
-        figures[f"auto_vs_best_static_{name}"] = auto / best
-        figures[f"auto_vs_data_{name}"] = auto / per_layout["data"]["samples_per_s"]
-        print(f"{name:<16}{steps_of[name]:>6}" + "".join(f"{per_layout[k]['samples_per_s']:>10.1f}" for k in LAYOUTS)
-              + f"{auto / best:>11.3f}{figures[f'auto_vs_data_{name}']:>11.3f}")
+        vs_best = [sps(per_layout, "auto", i) / max(sps(per_layout, k, i) for k in STATIC) for i in range(repeats)]
+        vs_data = [sps(per_layout, "auto", i) / sps(per_layout, "data", i) for i in range(repeats)]
+        best_static = [max(STATIC, key=lambda k: sps(per_layout, k, i)) for i in range(repeats)]
+        reverts = [len(r["reverts"]) for r in per_layout["auto"]]
+        summary[name] = {k: spread([r["samples_per_s"] for r in per_layout[k]]) for k in LAYOUTS}
+        summary[name]["best_static_per_repeat"] = best_static
+        for key, values in (("auto_vs_best_static", vs_best), ("auto_vs_data", vs_data)):
+            s = spread(values)
+            figures[f"{key}_{name}"] = s["median"]
+            figures[f"{key}_{name}_min"] = s["min"]
+            figures[f"{key}_{name}_max"] = s["max"]
+            figures[f"{key}_{name}_per_repeat"] = values
+        figures[f"reverted_switches_{name}"] = max(reverts)
+        figures[f"reverted_switches_per_repeat_{name}"] = reverts
+        figures[f"auto_switches_{name}"] = [r["switches"] for r in per_layout["auto"]]
+
+        def cell(s: dict, fmt: str) -> str:
+            return (f"{s['median']:{fmt}} [{s['min']:{fmt}}..{s['max']:{fmt}}]" if repeats > 1
+                    else f"{s['median']:{fmt}}")
+        print(f"{name:<16}{steps_of[name]:>6}" + "".join(f"{cell(summary[name][k], '.1f'):>24}" for k in LAYOUTS)
+              + f"{cell(spread(vs_best), '.3f'):>22}{cell(spread(vs_data), '.3f'):>22}{max(reverts):>9}")
+    print("(static tensor: measured once per rate from a few steps, extrapolated; reverts: the most in one auto run)")
+    for name, per_layout in results.items():
+        for i, r in enumerate(per_layout["auto"]):
+            print(f"  auto {name} #{i + 1}: switches {' '.join(r['switches']) or '-'}; reverts at "
+                  f"{r['reverts'] or '-'}")
     print(json.dumps({"bench": "adaptive", "steps": steps_of, "batch": BATCH, "scenario": scenario_text,
-                      "tensor_step_s": tensor_step_s, "results": results, **figures}))
+                      "repeats": repeats, "tensor_step_s": tensor_step_s, "summary": summary,
+                      "results": results, **figures}))
 
 
 if __name__ == "__main__":
