@@ -197,6 +197,9 @@ def _dispatch(args) -> int:
         why = f" by {err}" if isinstance(err, Terminated) else ""
         print(f"gearshift: interrupted{why}; workers and Ray stopped.", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say, and nowhere to say it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as err:  # a bug in gearshift, not a user mistake: short here, whole in a file
         path = pathlib.Path(tempfile.gettempdir()) / f"gearshift-error-{os.getpid()}.log"
         path.write_text("".join(traceback.format_exception(err)))

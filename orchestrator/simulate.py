@@ -117,12 +117,12 @@ def simulate(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_b
             clock += switch_steps * pred.step_s
             decisions.append({"step": step, "decision": decision.name, "to": _name(decision.to),
                               "comm_wait_frac": decision.evidence.get("comm_wait_frac"),
-                              "reason": decision.evidence.get("reason"),
-                              "predicted_step_s": decision.evidence.get("predicted_step_s")})
+                              "reason": decision.evidence.get("reason"), "said": _said(decision)})
             layout = decision.to
             policy.switched(layout, step, switch_steps * pred.step_s)
         elif isinstance(decision, Report):
-            decisions.append({"step": step, "decision": decision.kind, "reason": decision.evidence.get("reason")})
+            decisions.append({"step": step, "decision": decision.kind, "reason": decision.evidence.get("reason"),
+                              "said": _said(decision)})
     compute = sum(step_time(c, 1.0).compute_s for c in candidates[:1]) * scenario.steps
     best = min(static.values())
     return {"seconds": clock, "decisions": decisions,
@@ -135,6 +135,14 @@ def simulate(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_b
             "deciding_by": "prediction" if policy.predicting else "trial",
             "utilisation": compute / clock, "utilisation_oracle": compute / oracle,
             "utilisation_static": {_name(c): compute / t for c, t in static.items()}}
+
+
+def _said(decision) -> str | None:
+    """What the decision was weighed on, as the run's terminal line says it."""
+    from orchestrator.reporting import describe
+
+    text = describe(decision)
+    return text.split(": ", 1)[1] if ": " in text else None
 
 
 def _name(layout: Layout) -> str:
@@ -181,9 +189,7 @@ def cmd_simulate(args) -> int:
           f"{list(scenario.factors) or [(0, 1.0)]}")
     for d in result["decisions"]:
         print(f"  step {d['step']}: {d['decision']}" + (f" -> {d['to']}" if "to" in d else "")
-              + (f" (comm wait {d['comm_wait_frac']:.0%})" if d.get("comm_wait_frac") is not None else "")
-              + (f", predicted {d['predicted_step_s'] * 1e3:.1f} ms a step" if d.get("predicted_step_s") else "")
-              + (f": {d['reason']}" if d.get("reason") else ""))
+              + (f": {d['said']}" if d.get("said") else f" ({d['reason']})" if d.get("reason") else ""))
     width = max(18, max(len(name) for name in result["static"]) + 8)
     print(f"{'':<{width}}{'time s':>10}{'utilisation':>13}")
     for name, t in sorted(result["static"].items(), key=lambda kv: kv[1]):
