@@ -72,7 +72,8 @@ def _steady(records: list[dict]) -> list[dict]:
 class OnlineModel:
     def __init__(self, model: ModelShape, global_batch: int, node_sizes: list[int], prior: Hardware | None = None,
                  predict_error: float = 0.05, unseen_error: float = 0.25, switch_steps: float = 2.0):
-        nodes, per_node = len(node_sizes), min(node_sizes)
+        # nodes of unequal size: as many devices as the run has, spread evenly (tp never leaves a node)
+        nodes, per_node = len(node_sizes), math.ceil(sum(node_sizes) / len(node_sizes))
         # a spec that says what the link inside a node is makes tensor parallelism's collectives predictable
         self.tp_known = prior is not None
         if prior is None:

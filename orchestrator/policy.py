@@ -4,7 +4,22 @@ Pure logic, no Ray and no torch.distributed: the controller feeds it every step 
 order (`observe`) and carries out what it returns; it tells the policy when a switch has
 really happened (`switched`). Each decision carries the evidence that led to it.
 
-Rules, evaluated once per full window of steps on the current layout (after `settle`):
+Deciding by prediction (with an online model, `decide: predict`; orchestrator/online.py fits it
+from the records): rules 1-3 below hold as they are; then
+  P1. a change point in the per-step comm wait (`change_steps` steps beyond `change_factor` x its
+      level, either way) is a decision at once, on the steps since the change; so is a window with
+      the comm-wait fraction above `threshold` (outside the cooldown), and any window while a
+      layout with less tensor parallelism exists (a review: the link may have got better);
+  P2. every candidate that fits and is not held back is predicted (at each tp the least sharded
+      that fits), each with its error (`OnlineModel.error`) counted against it; the best is
+      switched to when its gain over the steps left pays (1 + `switch_margin`) x the switch's
+      cost; otherwise Report("hold"), once per layout and link, with every prediction;
+  P3. the move is judged as in rule 1, and its measured step checked against its prediction;
+      `max_misses` predicted moves reverted in a row and the policy decides by trial (rules 4-6)
+      for the rest of the run, saying so in the revert's evidence. A change point lifts every block.
+
+Deciding by trial (`decide: trial`, no model, or after the fallback): rules evaluated once per
+full window of steps on the current layout (after `settle`):
   1. after a switch, the first window judges it against the second half of the window that
      led to it: throughput not better -> Revert, and the layout is not retried for
      `retry_after` steps (doubled with each further revert of it). A trial that is clearly worse is cut short:
@@ -309,13 +324,13 @@ class Policy:
         return {
             "current": self.current.to_dict(),
             "pending": self._pending.to_dict() if self._pending else None,
-            "since": self._since,
-            "window_fill": len(self._window),
+            "since": self._since, "window_fill": len(self._window),
             "trial": {"from": self._trial[0].to_dict(), "samples_per_s_before": self._trial[1]}
             if self._trial else None,
             "blocked": [{"layout": k.to_dict(), "until": v} for k, v in self._blocked.items()],
-            "skipped": list(self._skipped),
-            "history": list(self.history),
+            "skipped": list(self._skipped), "history": list(self.history),
+            "deciding_by": "prediction" if self.predicting else "trial", "missed_in_a_row": self._misses,
+            "model": self.model.state() if self.model is not None else None,
         }
 
     def _on_current(self, r: dict) -> bool:

@@ -321,8 +321,8 @@ def test_the_policy_is_passed_in_and_told_of_the_switch_it_asked_for(tmp_path):
         def next_decision(self, step):
             return step + 1
 
-        def switched(self, to, step):
-            self.told.append((str(to), step))
+        def switched(self, to, step, seconds=None):  # the switch's measured time: the policy's switch cost
+            self.told.append((str(to), step, seconds))
 
         def resume_at(self, step):
             raise AssertionError("no tuning in this run")
@@ -330,10 +330,10 @@ def test_the_policy_is_passed_in_and_told_of_the_switch_it_asked_for(tmp_path):
     job, run, factory, groups = make(tmp_path, ["train.steps=8", "parallel.strategy=auto"])
     summary = Controller(job, run, factory, policy_factory=AtStepFour).run()
     assert groups[0].reshards == [(4, "tensor", 2)]
-    assert made[0].told == [("tensor dp=1 tp=2", 4)]
+    assert made[0].told == [("tensor dp=1 tp=2", 4, 0.02)]  # the slowest rank's reshard
     assert [(s["step"], s["reason"]) for s in summary["switches"]] == [(4, "switch")]
     [policy] = [r for r in read(run.telemetry) if r.get("event") == "policy"]
-    assert policy["candidates"][1] == {"strategy": "tensor", "dp": 1, "tp": 2}
+    assert policy["candidates"][1] == {"strategy": "tensor", "dp": 1, "tp": 2} and policy["decide"] == "predict"
 
 
 # ---- what happens at a step boundary
