@@ -235,7 +235,7 @@ class Policy:
         self._recent: list[dict] = []          # the current layout's latest records (a change point's evidence)
         self._estimate: Estimate | None = None  # the prediction of the move on trial
         self._misses = 0                       # predicted moves reverted in a row
-        self._held = False                     # said already that no move pays, under this layout and link
+        self._held, self._first = False, True  # said that no move pays (this layout and link); no window judged yet
         self.candidates, self.current, self.fits = list(candidates), current, fits  # fits None: memory not judged
         self._passed_over = PassedOver(fits)
         self._skipped: list[dict] = []         # candidates the last move passed over for memory
@@ -273,32 +273,28 @@ class Policy:
             if decision is None:
                 return KEEP
             self._window = []
-        elif len(self._window) < self.config.window:
+        elif len(self._window) < self._size():
             return KEEP
         else:
-            window, self._window = self._window, []
+            window, self._window, self._first = self._window, [], False
             decision = self._decide(window, step)
         if not isinstance(decision, Keep) or decision.evidence:
             self.history.append({"step": step, **decision.to_dict()})
         return decision
 
     def next_decision(self, step: int) -> int:
-        """The first step after `step` at which a decision may come, with every record up to
-        `step` observed: the controller ends its training chunks there, so that a decision is
-        carried out on the step it is made rather than steps later."""
+        """The first step after `step` at which a decision may come, with every record up to `step`
+        observed: the controller ends its chunks there, so a decision is carried out on its step."""
         c = self.config
         need = (c.early_check if self._trial is not None and len(self._window) < c.early_check < c.window
-                else c.window) - len(self._window)
+                else self._size()) - len(self._window)
         begin = step if self._since is None else max(step, self._since + c.settle)
         return max(step + 1, begin + need)
 
     def switched(self, to: Layout, step: int, seconds: float | None = None) -> None:
         """The controller has carried out a switch (or revert, or a forced one) at `step`, in
-        `seconds` (the online model learns the cost of a switch from it).
-
-        Call it with the layout actually in force: if a switch failed and the old layout
-        stays, pass that one; the pending decision is cleared either way.
-        """
+        `seconds` (the online model learns a switch's cost from it). Call it with the layout in
+        force: if a switch failed and the old layout stays, that one; the pending decision is cleared."""
         pending, self._pending = self._pending, None
         judged = isinstance(pending, Switch) and pending.to == to
         if self.model is not None and to != self.current:
@@ -378,8 +374,7 @@ class Policy:
     def _watch_link(self, record: dict, step: int) -> Decision | None:
         """Every step: a change point in the comm wait (the link changed, either way) is a decision
         now, on the steps since the change, rather than at the window's end."""
-        c = self.config
-        self._recent = (self._recent + [record])[-c.window:]
+        c, self._recent = self.config, (self._recent + [record])[-self.config.window:]
         if self._change.add(record["comm_wait_mean"], record["step_time_max"]) is None or self._trial is not None:
             return None
         since = self._recent[-c.change_steps:]
@@ -406,8 +401,7 @@ class Policy:
                     options.append(model.predict(layout))
         best = min(options, key=lambda e: e.pessimistic_s, default=None)
         left = self.total_steps - step if self.total_steps is not None else c.retry_after
-        gain = now.step_s - best.pessimistic_s if best else 0.0
-        cost = model.switch_cost(now.step_s)
+        gain, cost = now.step_s - best.pessimistic_s if best else 0.0, model.switch_cost(now.step_s)
         evidence = {"reason": reason, **means, "threshold": c.threshold, "from": self.current.to_dict(),
                     "predictions": [now.to_dict()] + [e.to_dict() for e in options], "gain_s_per_step": gain,
                     "steps_left": left, "switch_cost_s": cost, "switch_margin": c.switch_margin,
@@ -421,6 +415,11 @@ class Policy:
             return KEEP
         self._held = True  # said once per layout and link: no move pays
         return Report("hold", evidence)
+
+    def _size(self) -> int:
+        """Steps a window takes; the run's first, by prediction, `early_check` (a prediction needs fewer)."""
+        first = self.predicting and self._first and self._since is None
+        return self.config.early_check if first else self.config.window
 
     def _early_look(self) -> bool:
         c = self.config
