@@ -15,10 +15,12 @@ phase's steps x its step time at that phase's rate). It is measured once per rat
 repeat: it is never the best layout here, and it only enters the ratios as a candidate for
 "best static".
 
-Auto pays a fixed price to learn what the link allows: at a fast link it tries hybrid once and
-reverts (about 8 steps of the slower layout and two switches, ~1 s here). A fixed setting trains
-`--steps-per-rate` steps: more at fast rates, where a step takes 70 ms and a few hundred steps
-are seconds, so that one-off price is weighed against a run of some length, not against 15 s.
+Auto decides by prediction (orchestrator/online.py fits the cost model to the run's own steps):
+at a fast link it holds on data, since hybrid's tensor-parallel cost is not known until it has
+run and the gain predicted for it is smaller than that doubt; at a slow link it moves to hybrid
+after the run's first 5 steps. A fixed setting trains `--steps-per-rate` steps: more at fast
+rates, where a step takes 70 ms and a few hundred steps are seconds, so the start (5 steps of
+data, a switch) is weighed against a run of some length, not against 15 s.
 
 `--repeats N` runs every (setting, layout) N times, interleaved: repeat 1 of data, hybrid and
 auto of a setting, then repeat 2 of each, ..., so that the machine's drift hits every layout
@@ -28,7 +30,7 @@ and then summarized as median, min and max.
 
     sudo python bench/adaptive.py                 # 1gbit (600 steps), 40mbit (200), scenario (300)
     sudo python bench/adaptive.py --quick         # 1gbit (300 steps), 40mbit (100), scenario (200): ~10 min
-    sudo python bench/adaptive.py --quick --repeats 3    # the figures: 3 repeats, ~3x as long
+    sudo python bench/adaptive.py --quick --repeats 3    # medians of 3 interleaved repeats, ~3x as long
 
 The last line of output is one JSON object. Per setting (`fixed_<rate>`, `scenario`):
 `auto_vs_best_static_<setting>` is the median over repeats of auto's samples/s / the best static
