@@ -291,7 +291,7 @@ def cmd_run(args) -> int:
     from orchestrator.job import dump_job
     from orchestrator.rundir import RunDir
     from workers.checkpoint import write_file_atomic
-    from orchestrator.worker_group import RayWorkerGroup, check_reachable, ray_session
+    from orchestrator.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
 
     job, run, resume = _resolve_run(args)
     if resume and resume[1]["step"] >= job.train.steps:
@@ -314,7 +314,7 @@ def cmd_run(args) -> int:
     resuming_at = f", resuming at step {resume[1]['step']}" if resume else ""
     view.say(f"gearshift: {job.name} ({job.fingerprint()}): {job.cluster.num_workers} worker(s), "
              f"strategy {job.parallel.strategy}, {job.train.steps} steps{resuming_at}; run dir {run.path}")
-    with ray_session(address) as session:
+    with ray_session(address, num_cpus=embedded_cpus(job)) as session:
         def group_factory(j):
             return RayWorkerGroup(j, embedded=session["embedded"], checkpoint_dir=run.checkpoints.resolve())
 

@@ -320,12 +320,45 @@ class LoaderSpec:
     pin_memory: bool = _f(False, _bool, "page-locked batches for faster copies to a GPU (ignored on CPU)")
 
 
+_READERS = ("parquet", "json", "csv", "images")
+
+
+@_schema({"anyOf": [{"type": "string", "pattern": r"\S"},
+                    {"type": "array", "items": {"type": "string", "pattern": r"\S"}, "minItems": 1},
+                    {"type": "null"}]})
+def _columns(v, path):
+    """One name, or (data.paths, data.input) a list of them."""
+    if v is None or (isinstance(v, str) and v.strip()):
+        return v
+    if isinstance(v, list) and v and all(isinstance(c, str) and c.strip() for c in v):
+        return list(v)
+    raise JobError(path, v, "must be a non-empty string or a non-empty list of them")
+
+
+@_schema(_nullable({"type": "string", "enum": list(_READERS)}))
+def _reader(v, path):
+    return None if v is None else _choice(*_READERS)(v, path)
+
+
 @dataclass(frozen=True)
 class DataSpec:
+    """Map-style data (name or entrypoint), or a Ray Dataset streamed to the workers (ray_dataset
+    or read, with input and target naming its columns)."""
+
     name: str | None = _f(None, _builtin("DATASETS"), "a built-in dataset; default: the one for the built-in model")
     entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning a map-style Dataset')
-    kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
-    loader: LoaderSpec = _section(LoaderSpec, "reading batches ahead in loader processes")
+    ray_dataset: str | None = _f(None, _entrypoint, '"module:function" returning a ray.data.Dataset, streamed '
+                                                    "to the workers")
+    read: str | None = _f(None, _reader, "read files with Ray Data and stream them: " + ", ".join(_READERS))
+    paths: Any = _f(None, _columns, "the files read reads: a path, a glob, a folder, or a list of them (relative "
+                                    "to the job file)")
+    input: Any = _f(None, _columns, "the Ray Dataset's input column (a list: columns stacked as features)")
+    target: str | None = _f(None, _str_or_none, "the Ray Dataset's target column")
+    shuffle_buffer: int = _f(8192, _int(0), "Ray Dataset: rows shuffled together within a pass (after the "
+                                            "blocks' order is shuffled); 0: the dataset's own order")
+    kwargs: dict = _f({}, _mapping, "passed to the built-in, the entry point, or Ray Data's reader")
+    loader: LoaderSpec = _section(LoaderSpec, "reading batches ahead in loader processes (map-style data); "
+                                              "prefetch also sets how many steps a streamed dataset keeps ahead")
 
 
 @dataclass(frozen=True)
@@ -858,7 +891,9 @@ def _check_components(job: Job) -> None:
     else:
         components.check_entrypoint("model.entrypoint", job.model.entrypoint, search_paths, job.model.kwargs)
 
-    if job.data.entrypoint:
+    if _check_streamed(job, "data", job.to_dict()["data"]):
+        pass
+    elif job.data.entrypoint:
         components.check_entrypoint("data.entrypoint", job.data.entrypoint, search_paths, job.data.kwargs)
     else:
         name = job.data.name or components.default_data_for(job.model.name)
@@ -867,7 +902,7 @@ def _check_components(job: Job) -> None:
                            ", ".join(components.DATASETS) + ') or entrypoint: "module:function"')
         components.check_builtin("data", name, job.data.kwargs, components.DATASETS)
 
-    if job.model.name:
+    if job.model.name and not (job.data.ray_dataset or job.data.read):
         spec = job.to_dict()
         components.check_builtin_fit(spec["model"], spec["data"])
 
@@ -891,6 +926,8 @@ def _check_eval(job: Job, components) -> None:
         raise JobError("eval.data", None, f"is required when eval.every > 0 ({ev.every}): {_DATA_FORMS}",
                        "Use held-out data, not the training data: for the built-ins, the same name with "
                        "another seed, e.g. {name: synthetic_digits, kwargs: {seed: 99, size: 1024}}.")
+    if _check_streamed(job, "eval.data", spec):
+        return
     if spec["name"] and spec["entrypoint"]:
         raise JobError("eval.data", {"name": spec["name"], "entrypoint": spec["entrypoint"]},
                        "give either name (a built-in) or entrypoint (your own), not both")
@@ -903,6 +940,49 @@ def _check_eval(job: Job, components) -> None:
             components.check_builtin("data", spec["name"], spec["kwargs"], components.DATASETS)
             if job.model.name:
                 components.check_builtin_fit(job.to_dict()["model"], spec)
+
+
+def _check_streamed(job: Job, field: str, spec: dict) -> bool:
+    """A Ray Dataset (ray_dataset or read) is complete and alone; False for map-style data.
+    Its columns, rows and files are checked by its feeder once Ray runs, before any worker."""
+    from workers import components, streaming
+
+    streamed = {k: spec[k] for k in ("ray_dataset", "read") if spec.get(k)}
+    if not streamed:
+        for key in ("paths", "input", "target"):
+            if spec.get(key) is not None:
+                raise JobError(f"{field}.{key}", spec[key], "applies to a Ray Dataset: give ray_dataset "
+                               '("module:function") or read (' + ", ".join(_READERS) + ") with it")
+        return False
+    if len(streamed) > 1:
+        raise JobError(field, streamed, "give either ray_dataset (your function) or read (files), not both")
+    mapped = {k: spec[k] for k in ("name", "entrypoint") if spec.get(k)}
+    if mapped:
+        raise JobError(field, {**mapped, **streamed}, "give either a map-style dataset (name, entrypoint) or a "
+                       "Ray Dataset (ray_dataset, read), not both")
+    for key in ("input", "target"):
+        if spec.get(key) is None:
+            raise JobError(f"{field}.{key}", None, "is required with a Ray Dataset: the name of its "
+                           f"{key} column", "For example {read: parquet, paths: data/, input: x, target: y}.")
+    if not isinstance(spec["target"], str):
+        raise JobError(f"{field}.target", spec["target"], "must be one column's name")
+    if spec["read"]:
+        if spec.get("paths") is None:
+            raise JobError(f"{field}.paths", None, f"is required with read: {spec['read']}: the files to read")
+        try:
+            streaming.local_matches(streaming._rooted(spec["paths"], [job.base_dir]))
+        except components.ComponentError as err:
+            raise JobError(f"{field}.paths", err.value, err.allowed, err.hint) from None
+    else:
+        if spec.get("paths") is not None:
+            raise JobError(f"{field}.paths", spec["paths"], "applies to read; a ray_dataset function finds its "
+                           "own files (pass them in kwargs)")
+        with _renamed("data", field):
+            components.check_entrypoint("data.ray_dataset", spec["ray_dataset"], [job.base_dir], spec["kwargs"])
+    if field == "data" and job.data.loader.workers:
+        raise JobError("data.loader.workers", job.data.loader.workers, "must be 0 with a Ray Dataset: Ray Data "
+                       "reads in its own tasks (data.loader.prefetch sets how many steps are kept ahead)")
+    return True
 
 
 class _renamed:

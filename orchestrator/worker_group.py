@@ -90,6 +90,18 @@ def ray_session(address: str | None, num_cpus: int | None = None):
         ray.shutdown()
 
 
+def embedded_cpus(job: Job) -> int:
+    """The CPUs an embedded Ray offers: this machine's, and with a streamed dataset enough more
+    that Ray Data's read tasks (1 CPU each) can run beside workers that reserve every core. The
+    tasks share the cores with the workers, as any reading in the step loop would."""
+    cores = os.cpu_count() or 1
+    streamed = job.data.ray_dataset or job.data.read or (job.eval.every and job.eval.data and (
+        job.eval.data.get("ray_dataset") or job.eval.data.get("read")))
+    if not streamed:
+        return cores
+    return max(cores, int(-(-job.cluster.num_workers * job.cluster.cpus_per_worker // 1)) + 2)
+
+
 def worker_bundle(job: Job) -> dict[str, float]:
     bundle = {"CPU": job.cluster.cpus_per_worker}
     if job.cluster.gpus_per_worker:
@@ -147,6 +159,8 @@ class RayWorkerGroup:
         self.pg = None
         self.workers: list[Any] = []  # actor handles, index = rank
         self.infos: list[dict] = []
+        self.feeders: list[Any] = []  # the streamed datasets' feeder actors
+        self.data_info: dict[str, dict] = {}  # what each feeder found: rows, columns, shapes
 
     # ---------------------------------------------------------------- start
 
@@ -164,6 +178,7 @@ class RayWorkerGroup:
                 f"cluster.num_workers = {job.cluster.num_workers} does not fit this machine's Ray cluster: "
                 f"{short}. Use fewer workers (--set cluster.num_workers=N), lower cluster.cpus_per_worker, "
                 f"or join a bigger cluster with --address.")
+        feeders = self._start_feeders()  # a dataset that cannot be read fails here, before any worker
         strategy = {"pack": "PACK", "spread": "SPREAD"}[job.cluster.placement]
         self.pg = placement_group([worker_bundle(job)] * job.cluster.num_workers, strategy=strategy)
         try:
@@ -183,7 +198,8 @@ class RayWorkerGroup:
                 num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 max_restarts=0, max_concurrency=1,
-            ).remote(WorkerConfig.from_job(job.to_dict(), search_paths, self.checkpoint_dir), job.cluster.cpus_per_worker)
+            ).remote(WorkerConfig.from_job(job.to_dict(), search_paths, self.checkpoint_dir, feeders),
+                      job.cluster.cpus_per_worker)
             for i in range(job.cluster.num_workers)
         ]
         self.workers = handles
@@ -204,6 +220,49 @@ class RayWorkerGroup:
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos
+
+    def _start_feeders(self) -> dict[str, str]:
+        """One feeder actor per streamed dataset (data, eval.data), named for the workers to find;
+        its dataset is built and checked (columns, rows) now, so bad data is a job error."""
+        import uuid
+
+        import ray
+
+        from orchestrator.job import JobError
+        from workers import streaming
+
+        job, spec = self.job, self.job.to_dict()
+        wanted = {"data": spec["data"]}
+        if job.eval.every and spec["eval"]["data"]:
+            wanted["eval.data"] = spec["eval"]["data"]
+        wanted = {k: v for k, v in wanted.items() if streaming.is_streamed(v)}
+        if not wanted:
+            return {}
+        free = ray.cluster_resources().get("CPU", 0) - job.cluster.num_workers * job.cluster.cpus_per_worker
+        if free < 1 - 1e-9:
+            raise GearshiftError(
+                f"Ray Data reads {', '.join(wanted)} in tasks of 1 CPU each, but the workers reserve "
+                f"{job.cluster.num_workers} x {job.cluster.cpus_per_worker:g} of the cluster's "
+                f"{ray.cluster_resources().get('CPU', 0):g} CPUs. Leave at least one CPU free: fewer workers, a "
+                "lower cluster.cpus_per_worker, or a bigger cluster.")
+        names = {}
+        ahead = job.data.loader.prefetch + 4
+        for field, data in wanted.items():
+            name = f"gearshift-{field.replace('.', '-')}-{uuid.uuid4().hex[:12]}"
+            handle = streaming.start_feeder(data, [job.base_dir], job.train.global_batch_size, job.train.seed,
+                                            cycle=field == "data", ahead=ahead, name=name, field=field)
+            self.feeders.append(handle)
+            try:
+                info = ray.get(handle.describe.remote(), timeout=streaming.TAKE_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise GearshiftError(f"{field}: the dataset was not ready within {streaming.TAKE_TIMEOUT_S:g} s "
+                                     "(counting its rows and reading its schema)") from None
+            if "error" in info:
+                e = info["error"]
+                raise JobError(e["field"], e["value"], e["allowed"], e["hint"])
+            self.data_info[field] = info
+            names[field] = name
+        return names
 
     def _layout(self):
         """The job's layout, with hsdp's default group (parallel.shard_size unset, no simulated
@@ -357,6 +416,10 @@ class RayWorkerGroup:
                 with contextlib.suppress(Exception):
                     ray.kill(w, no_restart=True)
             self.workers = []
+        for f in self.feeders:
+            with contextlib.suppress(Exception):
+                ray.kill(f, no_restart=True)
+        self.feeders = []
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
 

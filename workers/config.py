@@ -55,9 +55,11 @@ class WorkerConfig:
     profile: tuple[int, int] | None = None  # train.profile: (start_step 1-based, steps), or None
     checkpoint_dir: str | None = None  # the run's checkpoints/ (every rank writes its shards there)
     checkpoint_format: str = "full"  # dcp: each rank writes its shards; full: rank 0 sends whole tensors
+    feeders: Mapping[str, str] = field(default_factory=dict)  # streamed data, eval.data: feeder actor names
 
     @classmethod
-    def from_job(cls, job: Mapping[str, Any], search_paths=(".",), checkpoint_dir: str | None = None) -> "WorkerConfig":
+    def from_job(cls, job: Mapping[str, Any], search_paths=(".",), checkpoint_dir: str | None = None,
+                 feeders: Mapping[str, str] | None = None) -> "WorkerConfig":
         train, par, tel, inject = job["train"], job["parallel"], job["telemetry"], job["inject"]
         return cls(
             name=job["name"], model=job["model"], data=job["data"], loss=job["loss"], optimizer=job["optimizer"],
@@ -76,7 +78,8 @@ class WorkerConfig:
             schedule=job["optimizer"].get("schedule") or dict(_CONSTANT),
             loader=job["data"].get("loader") or dict(_IN_LOOP),
             fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
-            compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train))
+            compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train),
+            feeders=dict(feeders or {}))
 
 
 def _dtype(precision) -> str:

@@ -133,6 +133,8 @@ def load_batch(dataset, indices: list[int]):
 def tokens_per_sample(dataset) -> int | None:
     """Targets that are sequences of integer ids (a language model's next tokens) count as
     tokens; other targets (a class, a regression value) do not."""
+    if hasattr(dataset, "token_targets"):  # a streamed dataset: its feeder looked at the first row
+        return dataset.token_targets
     target = dataset[0][1]
     if isinstance(target, torch.Tensor) and target.dim() >= 1 and not target.is_floating_point():
         return int(target.numel())

@@ -10,11 +10,13 @@ process loads whole steps, and the DataLoader hands them over in step order.
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from workers import components, streaming
 from workers.data import GlobalBatches, load_batch
 
 
@@ -81,3 +83,24 @@ class StepLoader:
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+
+
+def open_data(cfg, field: str):
+    """The dataset a worker trains (field "data") or evaluates ("eval.data") on: map-style, built
+    here, or a Ray Dataset read by the feeder actor the driver started for it."""
+    spec = dict(cfg.data if field == "data" else cfg.eval_data)
+    if streaming.is_streamed(spec):
+        return streaming.StreamedData(cfg.feeders[field], cfg.global_batch_size)
+    return components.build_dataset(spec, dict(cfg.model), cfg.search_paths)
+
+
+def open_loader(cfg, dataset, batches: GlobalBatches, step: int, dp_rank: int, dp: int, device: torch.device):
+    """This rank's batches from `step` on, `prefetch` steps ahead: from the feeder for a streamed
+    dataset, else read here or by loader processes."""
+    if isinstance(dataset, streaming.StreamedData):
+        return dataset.loader(step, dp_rank, dp, cfg.loader["prefetch"])
+    if cfg.loader["workers"]:  # loader processes unpickle the user's dataset: its module must import
+        sys.path[:0] = [p for p in cfg.search_paths if p not in sys.path]
+    steps = StepBatches(dataset, batches, dp_rank, dp, cfg.seed)
+    return StepLoader(steps, step, cfg.loader["workers"], cfg.loader["prefetch"],
+                      cfg.loader["pin_memory"] and device.type == "cuda")

@@ -9,7 +9,6 @@ It receives a typed `WorkerConfig`. Whatever differs between layouts is the busi
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from typing import Any, Iterator
 
@@ -25,7 +24,7 @@ from workers.comm import CommRoute
 from workers.config import WorkerConfig
 from workers.data import GlobalBatches, tokens_per_sample
 from workers.evaluation import held_out_loss
-from workers.loader import StepBatches, StepLoader, seed_generators, step_seed
+from workers.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
 from workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
 from workers.profiling import StepProfiler
 from workers.simnet import SimulatedNetwork
@@ -84,10 +83,9 @@ class TrainWorker:
         cfg = self.config
         paths = cfg.search_paths
         self.loss_fn = components.build_loss(dict(cfg.loss), paths)
-        self.dataset = components.build_dataset(dict(cfg.data), dict(cfg.model), paths)
+        self.dataset = open_data(cfg, "data")  # map-style, or a Ray Dataset streamed by its feeder
         self.batches = GlobalBatches(len(self.dataset), cfg.global_batch_size, cfg.seed)
-        self.eval_dataset = components.build_dataset(dict(cfg.eval_data), dict(cfg.model), paths) \
-            if cfg.eval_data else None
+        self.eval_dataset = open_data(cfg, "eval.data") if cfg.eval_data else None
         self.autocast_dtype = _DTYPES[cfg.precision]
         self.lr_at = schedules.build(dict(cfg.schedule), cfg.lr, cfg.total_steps, paths)
         self.bucket_cap_mb = cfg.bucket_cap_mb
@@ -218,12 +216,8 @@ class TrainWorker:
         on its data-parallel replica's slice), from a loader started where the run is."""
         if self.loader is None or self.loader.next_step != step:
             self._close_loader()
-            cfg, lay = self.config, self.layout
-            if cfg.loader["workers"]:  # loader processes unpickle the user's dataset: its module must import
-                sys.path[:0] = [p for p in cfg.search_paths if p not in sys.path]
-            steps = StepBatches(self.dataset, self.batches, lay.dp_rank(self.rank), lay.dp, cfg.seed)
-            self.loader = StepLoader(steps, step, cfg.loader["workers"], cfg.loader["prefetch"],
-                                     cfg.loader["pin_memory"] and self.device.type == "cuda")
+            self.loader = open_loader(self.config, self.dataset, self.batches, step, self.layout.dp_rank(self.rank),
+                                      self.layout.dp, self.device)
         return self.loader.next()
 
     def _close_loader(self) -> None:
