@@ -1,0 +1,210 @@
+"""Ray Datasets streamed to the workers (data.ray_dataset, data.read): training equals plain
+PyTorch, the order is fixed by the seed alone, resume and switches land on the exact sample,
+and bad data is a one-paragraph error before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator import cli
+from orchestrator.job import load_job
+from workers import components
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+pytestmark = [pytest.mark.ray]
+
+ROWS = 96
+JOB = """\
+name: streamed
+model: {entrypoint: 'streamed:model'}
+data: {ray_dataset: 'streamed:ray_style', kwargs: {size: 96}, input: x, target: label, shuffle_buffer: 40}
+loss: cross_entropy
+optimizer: {name: sgd, lr: 0.1}
+train: {steps: 8, global_batch_size: 96}
+checkpoint: {every: 0}
+cluster: {num_workers: 2}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _fixture_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(FIXTURES))
+
+
+def job_file(tmp_path: pathlib.Path, text: str = JOB) -> pathlib.Path:
+    shutil.copy(FIXTURES / "streamed.py", tmp_path / "streamed.py")
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def run(job, run_dir, *overrides, extra=()) -> dict:
+    args = ["run", str(job), "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
+    assert cli.main(args + list(extra)) == 0
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def final(run_dir) -> dict:
+    return torch.load(run_dir / "final.pt", weights_only=True)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def full_batch_reference(job, x, y, steps: int) -> dict:
+    """Plain single-process PyTorch: the same model, every step on the whole data."""
+    torch.manual_seed(job.train.seed)
+    model = components.build_model(job.to_dict()["model"], [job.base_dir])
+    opt = torch.optim.SGD(model.parameters(), lr=job.optimizer.lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_ray_dataset_trains_like_single_process_pytorch(ray_cluster, tmp_path, workers):
+    from streamed import tensors  # noqa: E402  (copied next to the job by job_file)
+
+    path = job_file(tmp_path)
+    summary = run(path, tmp_path / "run", f"cluster.num_workers={workers}")
+    assert summary["status"] == "done" and summary["world_size"] == workers
+    x, y = tensors(size=ROWS)
+    ref = full_batch_reference(load_job(path), x, y, steps=8)
+    assert max_diff(final(tmp_path / "run"), ref) <= 1e-5
+
+
+def test_same_seed_is_bit_equal_and_the_worker_count_does_not_change_the_batches(ray_cluster, tmp_path):
+    path = job_file(tmp_path)
+    small = ["train.global_batch_size=16", "train.steps=10"]
+    run(path, tmp_path / "a", *small)
+    run(path, tmp_path / "b", *small)
+    a, b = final(tmp_path / "a"), final(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a), "two runs with the same seed differ"
+    run(path, tmp_path / "one", *small, "cluster.num_workers=1")
+    assert max_diff(a, final(tmp_path / "one")) <= 1e-5  # same batches; only the sum's order differs
+    run(path, tmp_path / "other", *small, "train.seed=1")
+    assert max_diff(a, final(tmp_path / "other")) > 1e-4, "another seed must give another order"
+
+
+def test_resume_after_one_and_a_half_passes_equals_the_uninterrupted_run(ray_cluster, tmp_path):
+    path = job_file(tmp_path)
+    # 6 steps a pass; the checkpoint at step 9 is in the middle of the second pass
+    base = ["train.global_batch_size=16", "train.steps=15", "checkpoint.every=9", "checkpoint.keep=3"]
+    run(path, tmp_path / "whole", *base)
+    cut = tmp_path / "cut"
+    run(path, cut, *base)
+    for ckpt in (cut / "checkpoints").iterdir():
+        if ckpt.name != "step_00000009":
+            shutil.rmtree(ckpt)
+    (cut / "final.pt").unlink()
+    summary = run(path, cut, *base, extra=["--resume"])
+    assert summary["resumed_from_step"] == 9
+    assert max_diff(final(tmp_path / "whole"), final(cut)) <= 1e-6
+
+
+def _steps_seen(log_dir: pathlib.Path) -> list[list[list[int]]]:
+    """Per process, per loss call (one a step), the ids it computed on."""
+    return [[[int(i) for i in line.split()] for line in f.read_text().splitlines()]
+            for f in sorted(log_dir.glob("*.ids"))]
+
+
+def test_a_switch_that_changes_dp_mid_pass_keeps_every_sample_once_a_pass(ray_cluster, tmp_path):
+    path = job_file(tmp_path, JOB.replace("loss: cross_entropy", "loss: {entrypoint: 'streamed:logged'}")
+                    .replace("input: x, target: label", "input: x, target: id"))
+    common = ["train.global_batch_size=16", "train.steps=18"]
+    logs = {}
+    for name, extra in (("switched", ["adapt.schedule=[{step: 4, strategy: tensor}, {step: 13, strategy: data}]",
+                                      "parallel.tp_plan={'0': colwise, '2': rowwise}"]),
+                        ("plain", [])):
+        log_dir = tmp_path / f"{name}-ids"
+        log_dir.mkdir()
+        run(path, tmp_path / name, *common, *extra, f"loss.kwargs={{log_dir: '{log_dir}'}}")
+        logs[name] = _steps_seen(log_dir)
+    events = [json.loads(line) for line in (tmp_path / "switched" / "telemetry.jsonl").read_text().splitlines()]
+    switches = [e["step"] for e in events if e.get("event") == "switch"]
+    assert switches == [4, 13], f"the schedule's switches: {switches}"
+
+    a, b = logs["switched"]
+    assert len(a) == len(b) == 18
+    per_step = []
+    for s in range(18):
+        if 4 <= s < 13:  # tensor parallel (dp 1): both ranks compute the whole batch
+            assert a[s] == b[s] and len(a[s]) == 16
+            per_step.append(sorted(a[s]))
+        else:  # data parallel (dp 2): each rank half of it
+            assert len(a[s]) == len(b[s]) == 8 and not set(a[s]) & set(b[s])
+            per_step.append(sorted(a[s] + b[s]))
+    for p in range(3):  # 6 steps a pass
+        seen = sorted(i for s in range(6 * p, 6 * p + 6) for i in per_step[s])
+        assert seen == list(range(ROWS)), f"pass {p} did not see every sample exactly once"
+    plain = [sorted(x + y) for x, y in zip(*logs["plain"], strict=True)]
+    assert per_step == plain, "the switch changed which samples a step trains on"
+    assert per_step[:6] != per_step[6:12], "each pass is shuffled afresh"
+
+
+def test_read_parquet_trains_like_single_process_pytorch(ray_cluster, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from streamed import tensors
+
+    x, y = tensors(size=ROWS)
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    for i, lo in enumerate(range(0, ROWS, 40)):  # three files, as a list column (a plain Arrow writer's)
+        xs = x[lo:lo + 40].numpy()
+        pq.write_table(pa.table({"features": pa.array(list(xs), type=pa.list_(pa.float32())),
+                                 "label": pa.array(y[lo:lo + 40].numpy())}), folder / f"part-{i}.parquet")
+    path = job_file(tmp_path, JOB.replace(
+        "{ray_dataset: 'streamed:ray_style', kwargs: {size: 96}, input: x, target: label, shuffle_buffer: 40}",
+        "{read: parquet, paths: 'parquet/*.parquet', input: features, target: label}"))
+    summary = run(path, tmp_path / "run")
+    assert summary["status"] == "done"
+    ref = full_batch_reference(load_job(path), x, y, steps=8)
+    assert max_diff(final(tmp_path / "run"), ref) <= 1e-5
+
+
+def test_eval_data_may_be_a_ray_dataset(ray_cluster, tmp_path):
+    path = job_file(tmp_path)
+    base = ["train.global_batch_size=16", "train.steps=6", "eval.every=3"]
+    run(path, tmp_path / "ray", *base, "eval.data={ray_dataset: 'streamed:ray_style', "
+        "kwargs: {size: 40, seed: 5}, input: x, target: label}")
+    run(path, tmp_path / "map", *base, "eval.data={entrypoint: 'streamed:map_style', kwargs: {size: 40, seed: 5}}")
+
+    def evals(d):
+        recs = [json.loads(line) for line in (d / "telemetry.jsonl").read_text().splitlines()]
+        return {e["step"]: e["loss"] for e in recs if e.get("type") == "eval" or e.get("event") == "eval"}
+
+    ray_evals, map_evals = evals(tmp_path / "ray"), evals(tmp_path / "map")
+    assert sorted(ray_evals) == sorted(map_evals) and len(ray_evals) >= 2
+    assert all(abs(ray_evals[s] - map_evals[s]) <= 1e-6 for s in ray_evals)
+
+
+@pytest.mark.parametrize("data,expect", [
+    ("{ray_dataset: 'streamed:not_a_dataset', input: x, target: label}",
+     ["data.ray_dataset", "must return a ray.data.Dataset", "list"]),
+    ("{ray_dataset: 'streamed:ray_style', input: pixels, target: label}",
+     ["data.input", "'pixels'", "not a column", "x, label, id"]),
+    ("{ray_dataset: 'streamed:empty', input: x, target: label}", ["data", "empty", "0 rows"]),
+    ("{read: parquet, paths: 'nowhere/*.parquet', input: x, target: y}", ["data.paths", "matches no file"]),
+])
+def test_bad_streamed_data_is_one_paragraph_and_exit_2(ray_cluster, tmp_path, capsys, data, expect):
+    import ray
+
+    path = job_file(tmp_path)
+    code = cli.main(["run", str(path), "--run-dir", str(tmp_path / "run"), "--set", f"data={data}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and all(e in line for e in expect), line
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("gearshift-")], "a feeder was left running"
