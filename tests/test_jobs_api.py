@@ -507,3 +507,33 @@ def test_gearshift_submit_trains_a_real_job_on_the_cluster(ray_dashboard, tmp_pa
     assert (run_dir / "final.pt").is_file()
     assert cli.main(["status", job_id, "--address", ray_dashboard]) == 0
     assert "SUCCEEDED" in capsys.readouterr().out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ssl=None is deprecated:DeprecationWarning")
+def test_gearshift_submit_streams_a_ray_dataset_built_on_the_cluster(ray_dashboard, tmp_path, capsys):
+    """data.ray_dataset through `gearshift submit`: the function travels with the job's folder
+    and runs on the cluster (in the feeder the head's driver starts), not on this client."""
+    import shutil
+
+    from orchestrator import cli
+
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(Path(__file__).parent / "fixtures" / "streamed.py", work / "streamed.py")
+    (work / "job.yaml").write_text(
+        "name: streamed\nmodel: {entrypoint: 'streamed:model'}\n"
+        "data: {ray_dataset: 'streamed:ray_style', kwargs: {size: 64}, input: x, target: label}\n"
+        "train: {steps: 4, global_batch_size: 16}\ncheckpoint: {every: 0}\n"
+        "cluster: {num_workers: 2, cpus_per_worker: 0.5}\n")  # the head's 2 CPUs: 1 left for Ray Data
+    run_dir = tmp_path / "on-the-head"
+    assert cli.main(["submit", str(work / "job.yaml"), "--address", ray_dashboard, "--python", sys.executable,
+                     "--run-dir", str(run_dir)]) == 0
+    job_id = capsys.readouterr().out.strip()
+    final = jobs_api.wait(ray_dashboard, job_id, timeout_s=180, poll_s=0.5)
+    out = io.StringIO()
+    jobs_api.logs(ray_dashboard, job_id, out=out)
+    assert final == "SUCCEEDED", out.getvalue()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_done"] == 4 and summary["status"] == "done"
