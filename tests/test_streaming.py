@@ -208,3 +208,65 @@ def test_bad_streamed_data_is_one_paragraph_and_exit_2(ray_cluster, tmp_path, ca
     line = err.strip().splitlines()[-1]
     assert "Traceback" not in err and all(e in line for e in expect), line
     assert not [a for a in ray.util.list_named_actors() if a.startswith("gearshift-")], "a feeder was left running"
+
+
+def test_the_stream_from_any_step_is_the_stream_from_the_start(ray_cluster):
+    """Resume, recovery and a dp change start the stream at a step: it must read exactly what an
+    uninterrupted stream has there, also when a batch straddles two passes (50 rows, batch 16)."""
+    from streamed import ray_style
+
+    from workers.streaming import Stream
+
+    ds = ray_style(size=50, blocks=4)
+    stream = Stream(ds, 50, "x", "id", batch=16, seed=3, shuffle_buffer=20)
+    whole = []
+    for step, _, ids in stream.batches(0):
+        whole.append(ids.tolist())
+        if step == 11:
+            break
+    flat = [i for b in whole for i in b]
+    passes = [flat[p * 50:(p + 1) * 50] for p in range(3)]
+    assert all(sorted(p) == list(range(50)) for p in passes), "a pass is a permutation of the rows"
+    assert passes[0] != passes[1] != passes[2] and passes[0] != list(range(50)), "each pass shuffled afresh"
+    for start in (1, 3, 4, 7):  # 3 and 6..7 straddle a pass boundary
+        got = []
+        for step, _, ids in stream.batches(start):
+            got.append(ids.tolist())
+            if step == start + 2:
+                break
+        assert got == whole[start:start + 3], f"the stream from step {start} differs"
+    again = Stream(ray_style(size=50, blocks=4), 50, "x", "id", batch=16, seed=3, shuffle_buffer=20)
+    assert next(iter(again.batches(0)))[2].tolist() == whole[0], "the same seed gives the same order"
+
+
+def test_columns_become_tensors_torch_losses_take():
+    from workers.streaming import to_arrays
+
+    batch = {"a": np.arange(3, dtype=np.float64), "b": np.ones(3, dtype=np.float64), "y": np.arange(3, dtype=np.int32),
+             "img": np.full((3, 4, 5, 3), 255, dtype=np.uint8)}
+    x, y = to_arrays(batch, ["a", "b"], "y")  # CSV features: columns stacked, float32
+    assert x.shape == (3, 2) and x.dtype == np.float32 and x[2, 0] == 2 and y.dtype == np.int64
+    x, _ = to_arrays(batch, "img", "y")  # images: C x H x W in [0, 1]
+    assert x.shape == (3, 3, 4, 5) and x.dtype == np.float32 and x.max() == 1.0
+    lists = {"f": np.array([np.zeros(4), np.ones(4), np.ones(4)], dtype=object), "y": np.zeros(3)}
+    x, y = to_arrays(lists, "f", "y")  # a column of arrays (a list column): stacked
+    assert x.shape == (3, 4) and y.dtype == np.float32
+
+
+@pytest.mark.parametrize("data,expect", [
+    ("{ray_dataset: 'streamed:ray_style', input: x}", ["data.target", "is required with a Ray Dataset"]),
+    ("{ray_dataset: 'streamed:ray_style', read: parquet, input: x, target: y}", ["either ray_dataset", "or read"]),
+    ("{name: chars, read: csv, paths: x.csv, input: x, target: y}", ["map-style", "not both"]),
+    ("{entrypoint: 'streamed:map_style', input: x}", ["data.input", "applies to a Ray Dataset"]),
+    ("{read: parquet, input: x, target: y}", ["data.paths", "is required with read"]),
+    ("{read: feather, paths: x, input: x, target: y}", ["data.read", "'feather'", "'parquet'"]),
+    ("{ray_dataset: 'streamed:nothing_here', input: x, target: y}", ["data.ray_dataset", "nothing_here"]),
+    ("{ray_dataset: 'streamed:ray_style', input: x, target: y, loader: {workers: 2}}", ["data.loader.workers"]),
+])
+def test_streamed_data_mistakes_found_when_the_job_loads(tmp_path, data, expect):
+    from orchestrator.job import JobError
+
+    path = job_file(tmp_path)
+    with pytest.raises(JobError) as err:
+        load_job(path, [f"data={data}"])
+    assert all(e in str(err.value) for e in expect), str(err.value)

@@ -165,6 +165,7 @@ class Stream:
             ds = self.ds
         else:
             ds = self.ds.randomize_block_order(seed=_seed(self.seed, p, 1) % (2**32))
+        ds.context.execution_options.preserve_order = True  # without it, blocks come as they finish
         for block in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=self.read_ahead):
             x, y = to_arrays(block, self.input, self.target)
             if len(y):
