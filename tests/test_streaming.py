@@ -270,3 +270,23 @@ def test_streamed_data_mistakes_found_when_the_job_loads(tmp_path, data, expect)
     with pytest.raises(JobError) as err:
         load_job(path, [f"data={data}"])
     assert all(e in str(err.value) for e in expect), str(err.value)
+
+
+def test_a_killed_worker_recovers_at_the_exact_sample(ray_cluster, tmp_path):
+    """A worker SIGKILLed mid-pass: the run restores the last checkpoint, the stream restarts at
+    its step, and the run ends where an uninterrupted one ends."""
+    from test_fault import Killer, events
+
+    path = job_file(tmp_path)
+    slow = ["train.global_batch_size=16", "train.steps=40", "checkpoint.every=10", "inject.comm_delay_ms=30",
+            "fault.max_failures=2"]
+    run(path, tmp_path / "clean", *slow)
+    killer = Killer(tmp_path / "killed", rank=1, at_step=15)
+    killer.start()
+    summary = run(path, tmp_path / "killed", *slow)
+    killer.join(timeout=5)
+    assert killer.killed, "the worker was never killed"
+    assert summary["status"] == "done" and summary["steps_done"] == 40
+    [restored] = events(tmp_path / "killed", "restored")
+    assert restored["step"] % 6, "the restored step is inside a pass (6 steps a pass)"
+    assert max_diff(final(tmp_path / "clean"), final(tmp_path / "killed")) <= 1e-6
