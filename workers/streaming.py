@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import itertools
 import logging
 import os
 import threading
@@ -171,55 +172,58 @@ class Stream:
             if len(y):
                 yield x, y
 
-    def _windows(self, p: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Pass p in shuffled windows."""
-        if not self.cycle or not self.window:
-            yield from self._pass(p)
-            return
-        xs, ys, have, w = [], [], 0, 0
-        for x, y in self._pass(p):
-            xs.append(x)
-            ys.append(y)
-            have += len(y)
-            while have >= self.window:
-                x_all, y_all = np.concatenate(xs), np.concatenate(ys)
-                yield self._shuffled(p, w, x_all[: self.window], y_all[: self.window])
-                w += 1
-                xs, ys, have = [x_all[self.window:]], [y_all[self.window:]], len(y_all) - self.window
-        if have:
-            yield self._shuffled(p, w, np.concatenate(xs), np.concatenate(ys))
-
-    def _shuffled(self, p: int, w: int, x: np.ndarray, y: np.ndarray):
-        perm = np.random.default_rng(_seed(self.seed, p, 2, w)).permutation(len(y))
-        return x[perm], y[perm]
+    def _windows(self, p: int, skip: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Pass p's rows from row `skip` on, in shuffled windows; the windows wholly before
+        `skip` are counted, not shuffled."""
+        shuffled = self.cycle and self.window
+        pieces = _cut(self._pass(p), self.window) if shuffled else self._pass(p)
+        for w, (x, y) in enumerate(pieces):
+            if skip >= len(y):
+                skip -= len(y)
+                continue
+            if shuffled:
+                perm = np.random.default_rng(_seed(self.seed, p, 2, w)).permutation(len(y))
+                x, y = x[perm], y[perm]
+            if skip:
+                x, y, skip = x[skip:], y[skip:], 0
+            yield x, y
 
     def batches(self, start: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """(step, inputs, targets) for step = start, start + 1, ..."""
-        pos = start * self.batch
-        p, skip = divmod(pos, self.rows)
+        p, skip = divmod(start * self.batch, self.rows)
         if not self.cycle and p > 0:
             return
-        xs, ys, have, step = [], [], 0, start
-        while True:
-            for x, y in self._windows(p):
-                if skip:
-                    if skip >= len(y):
-                        skip -= len(y)
-                        continue
-                    x, y, skip = x[skip:], y[skip:], 0
-                xs.append(x)
-                ys.append(y)
-                have += len(y)
-                while have >= self.batch:
-                    x_all, y_all = np.concatenate(xs), np.concatenate(ys)
-                    yield step, x_all[: self.batch], y_all[: self.batch]
-                    step += 1
-                    xs, ys, have = [x_all[self.batch:]], [y_all[self.batch:]], len(y_all) - self.batch
-            if not self.cycle:
-                if have:
-                    yield step, np.concatenate(xs), np.concatenate(ys)
-                return
-            p += 1
+
+        def rows() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            yield from self._windows(p, skip)
+            if self.cycle:
+                for q in itertools.count(p + 1):
+                    yield from self._windows(q)
+
+        for step, (x, y) in enumerate(_cut(rows(), self.batch), start):
+            yield step, x, y
+
+
+def _cut(chunks: Iterable[tuple[np.ndarray, np.ndarray]], size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Pieces of exactly `size` rows (the last may be short) from chunks of any size; each row is
+    copied at most once (a piece inside one chunk is a view of it)."""
+    xs, ys, have = [], [], 0
+    for x, y in chunks:
+        at, n = 0, len(y)
+        while at < n:
+            take = min(size - have, n - at)
+            xs.append(x[at:at + take])
+            ys.append(y[at:at + take])
+            have, at = have + take, at + take
+            if have == size:
+                yield _join(xs), _join(ys)
+                xs, ys, have = [], [], 0
+    if have:
+        yield _join(xs), _join(ys)
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 # ---------------------------------------------------------------- the feeder actor
