@@ -102,7 +102,7 @@ def cmd_tune(args) -> int:
     from orchestrator.controller import Controller
     from orchestrator.job import dump_job, load_job
     from orchestrator.rundir import RunDir
-    from orchestrator.worker_group import RayWorkerGroup, check_reachable, ray_session
+    from orchestrator.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
 
     if args.warmup < 0 or args.steps < 1:
         raise UsageError(f"--warmup {args.warmup} / --steps {args.steps}: warm-up steps >= 0, timed steps >= 1")
@@ -126,7 +126,7 @@ def cmd_tune(args) -> int:
     view = ProgressView()
     view.say(f"gearshift tune: {job.name}: {n} setting(s) x ({args.warmup} warm-up + {args.steps} timed steps) on "
              f"{job.cluster.num_workers} worker(s); run dir {run.path}")
-    with ray_session(address) as session:
+    with ray_session(address, num_cpus=embedded_cpus(job)) as session:
         tuning = BucketTuning(grid=space)  # every setting of the space, then the run stops
         def group_factory(j):
             return RayWorkerGroup(j, embedded=session["embedded"], checkpoint_dir=run.checkpoints.resolve())
