@@ -186,13 +186,16 @@ def _glance(telemetry: pathlib.Path) -> dict:
             rec = json.loads(line)
         except ValueError:
             continue  # a line cut by the glance's edges, or being written
-        layout = rec.get("layout") if rec.get("event") == "starting" or rec.get("state") == "starting" else None
+        if not isinstance(rec, dict):
+            continue
+        layout = rec.get("layout") if rec.get("state") == "starting" else None
         if rec.get("type") == "step":
             out.update(step=rec.get("step"), loss=rec.get("loss"))
             layout = {k: rec.get(k) for k in ("strategy", "dp", "tp")}
         elif rec.get("state") == "training" and rec.get("steps_target"):
             out["target"] = rec["steps_target"]
-        if isinstance(layout, dict) and (not out["layouts"] or _layout_text(out["layouts"][-1]) != _layout_text(layout)):
+        last = out["layouts"][-1] if out["layouts"] else None
+        if isinstance(layout, dict) and (last is None or _layout_text(last) != _layout_text(layout)):
             out["layouts"].append(layout)
     return out
 
@@ -313,7 +316,8 @@ def compare_finals(a: pathlib.Path, b: pathlib.Path) -> str:
     sb = torch.load(b, map_location="cpu", weights_only=True, mmap=True)
     if set(sa) != set(sb):
         return f"final.pt holds other tensors than the original's ({sorted(set(sa) ^ set(sb))[:5]})"
-    differ = [k for k in sa if sa[k].dtype != sb[k].dtype or sa[k].shape != sb[k].shape or not torch.equal(sa[k], sb[k])]
+    differ = [k for k in sa if sa[k].dtype != sb[k].dtype or sa[k].shape != sb[k].shape
+              or not torch.equal(sa[k], sb[k])]
     if not differ:
         return f"final.pt is bit-equal to the original's ({len(sa)} tensors)"
     gaps = [(sa[k].double() - sb[k].double()).abs().max().item() for k in differ

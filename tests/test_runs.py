@@ -101,7 +101,8 @@ def test_table_shows_finished_failed_running_and_killed_runs(tmp_path, capsys):
     failed = make_run(tmp_path, ["train.seed=1"], summary={"status": "failed", "steps_done": 1, "steps_target": 4})
     running = make_run(tmp_path, ["train.seed=2"])
     running.write_driver()  # this process: alive
-    records = [{"type": "event", "event": "state", "state": "starting", "layout": {"strategy": "data", "dp": 2, "tp": 1}},
+    data_2x1 = {"strategy": "data", "dp": 2, "tp": 1}
+    records = [{"type": "event", "event": "state", "state": "starting", "layout": data_2x1},
                {"type": "event", "event": "state", "state": "training", "steps_target": 4},
                {"type": "step", "step": 3, "loss": 2.125, "strategy": "data", "dp": 2, "tp": 1}]
     running.telemetry.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"type": "st')  # mid-write
