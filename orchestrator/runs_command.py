@@ -236,14 +236,19 @@ def job_differences(a: dict, b: dict) -> list[tuple[str, object, object]]:
     from orchestrator.rundir import _flatten
 
     fa, fb = _flatten(a), _flatten(b)
-    missing = object()
     out = []
     for key in sorted(set(fa) | set(fb), key=lambda k: [str(p) for p in k]):
-        va, vb = fa.get(key, missing), fb.get(key, missing)
+        va, vb = fa.get(key, ABSENT), fb.get(key, ABSENT)
         if va != vb:
-            out.append((".".join(map(str, key)), "(absent)" if va is missing else va,
-                        "(absent)" if vb is missing else vb))
+            out.append((".".join(map(str, key)), va, vb))
     return out
+
+
+ABSENT = type("Absent", (), {"__repr__": lambda self: "(absent)"})()  # a field one of the jobs lacks
+
+
+def _show(value) -> str:
+    return "(absent)" if value is ABSENT else json.dumps(value, default=str)
 
 
 def cmd_diff(args) -> int:
@@ -254,7 +259,7 @@ def cmd_diff(args) -> int:
     if not rows:
         print("the two runs' jobs are the same in every field")
         return 0
-    cells = [(k, json.dumps(va, default=str), json.dumps(vb, default=str)) for k, va, vb in rows]
+    cells = [(k, _show(va), _show(vb)) for k, va, vb in rows]
     w = [max(len(c[i]) for c in cells + [("FIELD", "A", "B")]) for i in range(3)]
     for c in [("FIELD", "A", "B")] + cells:
         print(f"{c[0].ljust(w[0])}  {c[1].ljust(w[1])}  {c[2]}".rstrip())

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
+import socket
 import time
 
 import pytest
@@ -107,7 +107,7 @@ def test_table_shows_finished_failed_running_and_killed_runs(tmp_path, capsys):
                {"type": "step", "step": 3, "loss": 2.125, "strategy": "data", "dp": 2, "tp": 1}]
     running.telemetry.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"type": "st')  # mid-write
     killed = make_run(tmp_path, ["train.seed=3"])
-    killed.driver.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": os.uname().nodename, "started": 0}))
+    killed.driver.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname(), "started": 0}))
 
     assert cli.main(["runs", "--root", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
