@@ -143,7 +143,7 @@ def run_row(run) -> dict:
     s = summary if isinstance(summary, dict) and status != "running" else {}
     glance = _glance(run.telemetry) if not s else {}
     fps = _fingerprints(run) or ["-"]
-    name = meta.get("name") or (summary or {}).get("job") or _read_job(run).get("name", "?")
+    name = meta.get("name") or (summary or {}).get("job") or _job_name(run)
     steps, target = s.get("steps_done", glance.get("step")), s.get("steps_target", glance.get("target"))
     history = s.get("strategy_history") or glance.get("layouts") or []
     return {"FINGERPRINT": s.get("fingerprint") or fps[0],
@@ -156,6 +156,13 @@ def run_row(run) -> dict:
             "SAMPLES/S": _num(s.get("samples_per_s"), "{:,.0f}"),
             "LAYOUTS": _layouts(history),
             "RUN DIR": run.path.name}
+
+
+def _job_name(run) -> str:
+    try:
+        return str(_read_job(run).get("name", "?"))
+    except UsageError:  # a damaged job.yaml: the table still lists the run
+        return "?"
 
 
 def _status(run, summary) -> str:

@@ -109,8 +109,13 @@ def test_table_shows_finished_failed_running_and_killed_runs(tmp_path, capsys):
     killed = make_run(tmp_path, ["train.seed=3"])
     killed.driver.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname(), "started": 0}))
 
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "job.yaml").write_text("{ not yaml")
+
     assert cli.main(["runs", "--root", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and lines[-1].endswith("damaged") and " unknown " in lines[-1]
     assert lines[0].split()[:4] == ["FINGERPRINT", "NAME", "STARTED", "STATUS"]
     row = {r.path.name: next(line for line in lines if line.endswith(r.path.name))
            for r in (done, failed, running, killed)}
