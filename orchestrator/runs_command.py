@@ -57,10 +57,13 @@ def list_runs(root: str | None = None) -> list:
 
 
 def find_run(ident: str, root: str | None = None):
-    """The run `ident` names: a run dir, else a fingerprint or a unique prefix of one."""
+    """The run `ident` names: a run dir (or its name under the runs root), else a fingerprint or a
+    unique prefix of one."""
     from orchestrator.rundir import RunDir, runs_root
 
     path = pathlib.Path(ident)
+    if not path.exists() and (pathlib.Path(runs_root(root)) / ident / "job.yaml").is_file():
+        path = pathlib.Path(runs_root(root)) / ident  # the RUN DIR column's name
     if path.exists():
         if not (path / "job.yaml").is_file():
             raise UsageError(f"{path} is not a gearshift run directory: it has no job.yaml, which every run "

@@ -55,6 +55,9 @@ def test_diff_of_two_runs_that_differ_in_one_field_shows_that_field_only(tmp_pat
     fa, fb = a.load_job().fingerprint(), b.load_job().fingerprint()
     assert cli.main(["runs", "diff", fa[:6], fb, "--root", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("optimizer.lr") == 1
+    # by the name the table's RUN DIR column shows
+    assert cli.main(["runs", "--root", str(tmp_path), "diff", a.path.name, b.path.name]) == 0
+    assert capsys.readouterr().out.count("optimizer.lr") == 1
 
 
 def test_diff_of_the_same_job_says_so(tmp_path, capsys):
