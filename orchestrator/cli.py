@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_watch_command(sub)
     _add_planning_commands(sub)
     _add_report_and_status(sub)
+    from orchestrator.runs_command import add_parsers as _add_runs_commands
+
+    _add_runs_commands(sub)
     _add_schema_command(sub)
     return p
 
@@ -179,6 +182,10 @@ def _dispatch(args) -> int:
             from orchestrator.tune_command import cmd_tune
 
             return cmd_tune(args)
+        if args.command in ("runs", "replay"):
+            from orchestrator import runs_command
+
+            return runs_command.cmd_runs(args) if args.command == "runs" else runs_command.cmd_replay(args)
         if args.command in ("watch", "report"):
             from monitoring.telemetry import TelemetryError
 
@@ -286,6 +293,13 @@ def _where_to_continue(run) -> str:
 
 
 def cmd_run(args) -> int:
+    job, run, resume = _resolve_run(args)
+    return run_job(job, run, resume, args)
+
+
+def run_job(job, run, resume, args) -> int:
+    """Train `job` in `run` (None: a new run dir, at args.run_dir if given) from `resume` (None:
+    from step 0); `gearshift replay` comes here too."""
     from monitoring.progress import ProgressView
     from orchestrator.controller import Controller
     from orchestrator.job import dump_job
@@ -293,7 +307,6 @@ def cmd_run(args) -> int:
     from workers.checkpoint import write_file_atomic
     from orchestrator.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
 
-    job, run, resume = _resolve_run(args)
     if resume and resume[1]["step"] >= job.train.steps:
         if not run.final.exists():  # stopped between its last checkpoint and final.pt
             from orchestrator.checkpoints import Checkpoints

@@ -45,6 +45,7 @@ class RunDir:
     log = property(lambda self: self.path / "gearshift.log")
     meta = property(lambda self: self.path / "run.json")  # what job.yaml cannot say: where the job came from
     driver = property(lambda self: self.path / "driver.json")  # which process is running it now
+    source = property(lambda self: self.path / "source.json")  # versions and module hashes it ran with
 
     def write_driver(self) -> None:
         """Record the process driving the run, so `gearshift watch` can tell a killed run from a slow one."""
@@ -90,8 +91,11 @@ class RunDir:
         run = cls(path)
         run.checkpoints.mkdir(exist_ok=True)  # before the workers start: they check they can see it
         checkpoint.write_file_atomic(run.job_file, dump_job(job).encode())
-        meta = {"base_dir": job.base_dir, "fingerprint": job.fingerprint(), "created": time.time()}
+        meta = {"base_dir": job.base_dir, "fingerprint": job.fingerprint(), "name": job.name, "created": time.time()}
         checkpoint.write_file_atomic(run.meta, json.dumps(meta, indent=2).encode())
+        from orchestrator import provenance
+
+        provenance.write(run.source, job)
         return run
 
     def load_job(self) -> Job:

@@ -1,0 +1,201 @@
+"""`gearshift runs`, `runs diff` and `replay`: a run is reproducible from its record."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import socket
+import time
+
+import pytest
+import torch
+
+from orchestrator import cli, runs_command
+from orchestrator.job import load_job
+from orchestrator.rundir import RunDir
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+TINY = ["train.steps=4", "train.global_batch_size=32", "data.kwargs.size=512", "checkpoint.every=0"]
+
+
+def make_run(root: pathlib.Path, overrides=(), summary: dict | None = None) -> RunDir:
+    job = load_job(ROOT / "examples/mlp.yaml", TINY + list(overrides))
+    run = RunDir.create(job, root=str(root))
+    if summary is not None:
+        run.write_summary({"job": job.name, "fingerprint": job.fingerprint(), **summary})
+    return run
+
+
+def user_job(tmp_path: pathlib.Path) -> pathlib.Path:
+    shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
+    job = tmp_path / "user.yaml"
+    job.write_text("name: user\n"
+                   "model: {entrypoint: 'user_model:build', kwargs: {width: 16}}\n"
+                   "data: {entrypoint: 'user_model:waves', kwargs: {size: 64}}\n"
+                   "loss: {entrypoint: 'user_model:smooth_l1'}\n"
+                   "train: {steps: 2, global_batch_size: 8}\n"
+                   "cluster: {num_workers: 1}\n")
+    return job
+
+
+# ----------------------------------------------------------------------------- diff
+
+
+def test_diff_of_two_runs_that_differ_in_one_field_shows_that_field_only(tmp_path, capsys):
+    a = make_run(tmp_path)
+    b = make_run(tmp_path, ["optimizer.lr=0.002"])
+    assert cli.main(["runs", "diff", str(a.path), str(b.path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = out[out.index(next(line for line in out if line.startswith("FIELD"))) + 1:]
+    assert len(rows) == 1 and rows[0].split() == ["optimizer.lr", "0.001", "0.002"]
+
+    # by fingerprint prefix, with --root given after diff
+    fa, fb = a.load_job().fingerprint(), b.load_job().fingerprint()
+    assert cli.main(["runs", "diff", fa[:6], fb, "--root", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("optimizer.lr") == 1
+    # by the name the table's RUN DIR column shows
+    assert cli.main(["runs", "--root", str(tmp_path), "diff", a.path.name, b.path.name]) == 0
+    assert capsys.readouterr().out.count("optimizer.lr") == 1
+
+
+def test_diff_of_the_same_job_says_so(tmp_path, capsys):
+    a, b = make_run(tmp_path), make_run(tmp_path)
+    assert cli.main(["runs", "diff", str(a.path), str(b.path)]) == 0
+    assert "same in every field" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- finding a run
+
+
+def test_replay_of_a_directory_that_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "stuff").mkdir()
+    assert cli.main(["replay", str(tmp_path / "stuff")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a gearshift run directory" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_unknown_and_ambiguous_fingerprints_list_the_candidates(tmp_path, capsys):
+    a, b = make_run(tmp_path), make_run(tmp_path)  # the same job twice: one fingerprint, two runs
+    fp = a.load_job().fingerprint()
+    assert cli.main(["replay", fp[:4], "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "ambiguous" in err and str(a.path) in err and str(b.path) in err and "Traceback" not in err
+
+    unknown = "0" * 8 if not fp.startswith("0") else "f" * 8
+    assert cli.main(["runs", "diff", unknown, str(a.path), "--root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no run under" in err and fp in err
+
+    assert cli.main(["replay", "not-a-run", "--root", str(tmp_path)]) == 2
+    assert "neither a directory nor a fingerprint" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_table_shows_finished_failed_running_and_killed_runs(tmp_path, capsys):
+    done = make_run(tmp_path, summary={"status": "done", "steps_done": 4, "steps_target": 4, "final_loss": 2.25,
+                                       "best_eval_loss": 2.5, "samples_per_s": 1234.5,
+                                       "strategy_history": [{"step": 0, "strategy": "data", "dp": 2, "tp": 1},
+                                                            {"step": 2, "strategy": "tensor", "dp": 1, "tp": 2}]})
+    failed = make_run(tmp_path, ["train.seed=1"], summary={"status": "failed", "steps_done": 1, "steps_target": 4})
+    running = make_run(tmp_path, ["train.seed=2"])
+    running.write_driver()  # this process: alive
+    data_2x1 = {"strategy": "data", "dp": 2, "tp": 1}
+    records = [{"type": "event", "event": "state", "state": "starting", "layout": data_2x1},
+               {"type": "event", "event": "state", "state": "training", "steps_target": 4},
+               {"type": "step", "step": 3, "loss": 2.125, "strategy": "data", "dp": 2, "tp": 1}]
+    running.telemetry.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"type": "st')  # mid-write
+    killed = make_run(tmp_path, ["train.seed=3"])
+    killed.driver.write_text(json.dumps({"pid": 2 ** 22 + 12345, "host": socket.gethostname(), "started": 0}))
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "job.yaml").write_text("{ not yaml")
+
+    assert cli.main(["runs", "--root", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and lines[-1].endswith("damaged") and " unknown " in lines[-1]
+    assert lines[0].split()[:4] == ["FINGERPRINT", "NAME", "STARTED", "STATUS"]
+    row = {r.path.name: next(line for line in lines if line.endswith(r.path.name))
+           for r in (done, failed, running, killed)}
+    assert " done " in row[done.path.name] and "2.2500" in row[done.path.name] and "2.5000" in row[done.path.name]
+    assert "1,234" in row[done.path.name] and "data 2x1, tensor 1x2" in row[done.path.name]
+    assert " failed " in row[failed.path.name] and "1/4" in row[failed.path.name]
+    assert " running " in row[running.path.name] and "3/4" in row[running.path.name]
+    assert "2.1250" in row[running.path.name] and "data 2x1" in row[running.path.name]
+    assert " killed " in row[killed.path.name]
+    assert row[done.path.name].startswith(done.load_job().fingerprint())
+
+
+def test_table_of_a_hundred_runs_is_instant(tmp_path, capsys):
+    big = {"type": "step", "step": 1, "loss": 1.0, "strategy": "data", "dp": 2, "tp": 1, "pad": "x" * 2000}
+    first = make_run(tmp_path / "runs")
+    first.telemetry.write_text((json.dumps(big) + "\n") * 5000)  # 10 MB that must not be read whole
+    for i in range(99):
+        shutil.copytree(first.path, tmp_path / "runs" / f"copy-{i}")
+    t0 = time.perf_counter()
+    assert cli.main(["runs", "--root", str(tmp_path / "runs")]) == 0
+    assert time.perf_counter() - t0 < 2.0
+    assert len(capsys.readouterr().out.splitlines()) == 101
+
+
+# ----------------------------------------------------------------------------- source.json
+
+
+def test_a_run_records_its_source(tmp_path):
+    run = RunDir.create(load_job(user_job(tmp_path)), root=str(tmp_path / "runs"))
+    source = json.loads(run.source.read_text())
+    assert source["base_dir"] == str(tmp_path.resolve())
+    assert source["packages"]["torch"] and source["python"] and source["gearshift"]["version"]
+    assert list(source["modules"]) == ["user_model"]
+    assert source["modules"]["user_model"]["path"] == str((tmp_path / "user_model.py").resolve())
+    assert runs_command.source_warnings(run) == []
+
+
+def test_replay_warns_when_a_user_module_or_a_version_changed(tmp_path, capsys, monkeypatch):
+    run = RunDir.create(load_job(user_job(tmp_path)), root=str(tmp_path / "runs"))
+    with open(tmp_path / "user_model.py", "a") as f:
+        f.write("\n# edited after the run\n")
+    source = json.loads(run.source.read_text())
+    source["packages"]["numpy"] = "0.0.1"
+    run.source.write_text(json.dumps(source))
+
+    started = []
+    monkeypatch.setattr(cli, "run_job", lambda job, new, resume, args: started.append(new) or 0)
+    assert cli.main(["replay", str(run.path), "--run-dir", str(tmp_path / "again")]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("gearshift: warning:")]
+    assert len(warnings) == 2
+    assert any("module user_model" in w and "has changed since the run" in w for w in warnings)
+    assert any("numpy: 0.0.1 then" in w for w in warnings)
+    assert started and started[0].path == tmp_path / "again"  # it warns, then goes on
+    assert json.loads(started[0].meta.read_text())["replay_of"] == str(run.path.resolve())
+
+
+# ----------------------------------------------------------------------------- replay on Ray
+
+
+@pytest.mark.ray
+def test_replay_of_a_finished_run_is_bit_equal(tmp_path, ray_cluster, capsys):
+    root = tmp_path / "runs"
+    original = root / "original"
+    args = ["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(original)]
+    assert cli.main(args + [a for o in TINY + ["cluster.num_workers=2"] for a in ("--set", o)]) == 0
+    capsys.readouterr()
+
+    fingerprint = json.loads((original / "summary.json").read_text())["fingerprint"]
+    replayed = tmp_path / "replayed"
+    assert cli.main(["replay", fingerprint[:5], "--root", str(root), "--run-dir", str(replayed)]) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and "bit-equal to the original's" in err
+
+    a = torch.load(original / "final.pt", weights_only=True)
+    b = torch.load(replayed / "final.pt", weights_only=True)
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert json.loads((replayed / "summary.json").read_text())["fingerprint"] == fingerprint
