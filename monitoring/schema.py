@@ -86,6 +86,9 @@ EVENTS = {
     "checkpoint": "a checkpoint was written (`step`, `path`)",
     "best": "checkpoint.keep_best: the checkpoint of `step` has the lowest eval loss so far (`eval_loss`, "
             "`path`); checkpoints/best.json names it and pruning keeps it",
+    "startup": "the path from the command to the first step (`stages`: [{stage, at, took}] in seconds since the "
+               "command's process started: imports, job, ray, placement, workers, rendezvous, build, first_step; "
+               "`seconds`: to the first step)",
     "sampler": "which device sampler a worker uses (`rank`, `source`, `reason` when it fell back to psutil)",
     "metrics": "the /metrics endpoint is serving (`url`)",
     "policy": "the adaptive policy's set-up (`candidates` in order, `node_sizes`, `threshold`, `window`, `cooldown`, "

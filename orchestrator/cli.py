@@ -17,6 +17,7 @@ import traceback
 
 from orchestrator.errors import GearshiftError, UsageError, WorkerFailed
 from orchestrator.job import JobError
+from orchestrator.startup import STARTUP  # first: its clock starts with the process
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -293,7 +294,10 @@ def _where_to_continue(run) -> str:
 
 
 def cmd_run(args) -> int:
+    STARTUP.begin()
+    STARTUP.mark("imports")
     job, run, resume = _resolve_run(args)
+    STARTUP.mark("job")
     return run_job(job, run, resume, args)
 
 

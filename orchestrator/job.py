@@ -474,12 +474,15 @@ def _bucket_values(v, path):
     return sorted(out)
 
 
+# strategies.builtin_names(), written out: importing strategies imports torch, and the CLI reads
+# and checks a job file's fields before torch is needed (tests/test_job.py holds them equal)
+BUILTIN_STRATEGIES = ("data", "tensor", "hybrid", "fsdp", "hsdp")
+
+
 def _strategy(allow_auto: bool):
     """A built-in layout by name (or auto), or "module:name" naming the user's own
     strategies.Strategy (imported and checked with the other components)."""
-    from strategies import builtin_names
-
-    names = builtin_names() + (("auto",) if allow_auto else ())
+    names = BUILTIN_STRATEGIES + (("auto",) if allow_auto else ())
 
     @_schema({"anyOf": [{"type": "string", "enum": list(names)},
                         {"type": "string", "pattern": _ENTRYPOINT_PATTERN}]})

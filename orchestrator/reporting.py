@@ -21,6 +21,7 @@ from monitoring.telemetry import JsonlSink, LogEcho
 from orchestrator.errors import GearshiftError
 from orchestrator.job import Job
 from orchestrator.rundir import RunDir
+from orchestrator.startup import STARTUP
 from workers import checkpoint
 
 log = logging.getLogger("gearshift")
@@ -251,10 +252,20 @@ class Reporter:
     def step(self, record: dict) -> None:
         """A merged step: into the running figures, the telemetry and the progress line."""
         self.stats.add(record)
+        if not STARTUP.reported and record.get("ended_at"):
+            self._startup(record["ended_at"])
         self.emit(record)
         if self.view:
             self.view.update(record["step"], record["loss"], self.stats.recent_rate(self.job.train.global_batch_size),
                              self.stats.recent_comm_wait())
+
+    def _startup(self, first_step_end: float) -> None:
+        """The path to the first step, once a run (orchestrator/startup.py)."""
+        STARTUP.mark("first_step", at=first_step_end)
+        STARTUP.reported = True
+        if STARTUP.marks.get("imports") is not None:  # started by the CLI, not a test's own controller
+            self.event("startup", stages=STARTUP.stages(), seconds=STARTUP.stages()[-1]["at"])
+            self.say(STARTUP.text())
 
     def samples(self, samples) -> None:
         for sample in samples:

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 
 from orchestrator.errors import GearshiftError, UsageError, WorkerFailed
 from orchestrator.job import Job
+from orchestrator.startup import STARTUP
 
 log = logging.getLogger("gearshift")
 
@@ -55,16 +56,10 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
                              "(port 6379 by default).") from None
 
 
-@contextlib.contextmanager
-def ray_session(address: str | None, num_cpus: int | None = None):
-    """Join `address` (or RAY_ADDRESS) if given, else start an embedded Ray sized to this machine.
-    Ray is shut down on exit either way (for a joined cluster that only disconnects)."""
+def start_ray(address: str | None, num_cpus: int | None) -> None:
+    """ray.init: join `address`, or start an embedded Ray; GearshiftError when neither works."""
     import ray
 
-    if ray.is_initialized():  # someone (a test, a notebook) already connected: use theirs, leave it up
-        yield {"address": "existing", "embedded": False}
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or None
     for name in ("ray", "ray._private.authentication.authentication_token_setup"):
         logging.getLogger(name).addFilter(_QuietTokenNotice())
     try:
@@ -84,6 +79,21 @@ def ray_session(address: str | None, num_cpus: int | None = None):
         with contextlib.suppress(Exception):
             ray.shutdown()
         raise
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, num_cpus: int | None = None):
+    """Join `address` (or RAY_ADDRESS) if given, else start an embedded Ray sized to this machine.
+    Ray is shut down on exit either way (for a joined cluster that only disconnects)."""
+    import ray
+
+    if ray.is_initialized():  # someone (a test, a notebook) already connected: use theirs, leave it up
+        yield {"address": "existing", "embedded": False}
+        return
+    else:
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        start_ray(address, num_cpus)
+    STARTUP.mark("ray")
     try:
         yield {"address": address or "local", "embedded": not address}
     finally:
@@ -95,8 +105,9 @@ def embedded_cpus(job: Job) -> int:
     that Ray Data's read tasks (1 CPU each) can run beside workers that reserve every core. The
     tasks share the cores with the workers, as any reading in the step loop would."""
     cores = os.cpu_count() or 1
-    streamed = job.data.ray_dataset or job.data.read or (job.eval.every and job.eval.data and (
-        job.eval.data.get("ray_dataset") or job.eval.data.get("read")))
+    data, ev = job.data, job.eval.data
+    streamed = data.ray_dataset or data.read or (job.eval.every and isinstance(ev, dict) and (
+        ev.get("ray_dataset") or ev.get("read")))
     if not streamed:
         return cores
     return max(cores, int(-(-job.cluster.num_workers * job.cluster.cpus_per_worker // 1)) + 2)
@@ -191,6 +202,7 @@ class RayWorkerGroup:
                 f"({job.cluster.placement}) within cluster.placement_timeout_s = {job.cluster.placement_timeout_s:g} s"
                 f"{': ' + short if short else ''}. Available now: {ray.available_resources()}.") from None
 
+        STARTUP.mark("placement")
         actor_cls = ray.remote(TrainWorker)
         search_paths = [job.base_dir]
         handles = [
@@ -204,6 +216,7 @@ class RayWorkerGroup:
         ]
         self.workers = handles
         infos = self._get([h.node_info.remote() for h in handles], "start")
+        STARTUP.mark("workers")
         # ranks grouped by node (stable within a node): the ranks on one node are contiguous,
         # which later lets tensor-parallel groups stay on the fast local link
         order = sorted(range(len(handles)), key=lambda i: (infos[i]["node_ip"], infos[i]["node_id"], i))
@@ -216,7 +229,9 @@ class RayWorkerGroup:
         world = len(self.workers)
         backends = self._get([w.setup.remote(r, world, master_addr, port, job.fault.collective_timeout_s)
                               for r, w in enumerate(self.workers)], "rendezvous")
+        STARTUP.mark("rendezvous")
         builds = self.call("build", self._layout().to_dict())
+        STARTUP.mark("build")
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos

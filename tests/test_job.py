@@ -66,3 +66,10 @@ def test_error_carries_field_value_and_allowed():
     err = info.value
     assert (err.field_path, err.value) == ("cluster.placement", "scatter")
     assert "'pack', 'spread'" in err.allowed and "mlp.yaml" in str(err)
+
+
+def test_the_job_knows_the_built_in_strategies_without_importing_torch():
+    import strategies
+    from orchestrator.job import BUILTIN_STRATEGIES
+
+    assert BUILTIN_STRATEGIES == strategies.builtin_names()

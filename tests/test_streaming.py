@@ -290,3 +290,21 @@ def test_a_killed_worker_recovers_at_the_exact_sample(ray_cluster, tmp_path):
     [restored] = events(tmp_path / "killed", "restored")
     assert restored["step"] % 6, "the restored step is inside a pass (6 steps a pass)"
     assert max_diff(final(tmp_path / "clean"), final(tmp_path / "killed")) <= 1e-6
+
+
+def test_read_images_labels_each_file_by_its_folder(ray_cluster, tmp_path):
+    from PIL import Image
+
+    from workers.streaming import Stream, build_ray_dataset
+
+    for label, (name, shade) in enumerate((("cat", 40), ("dog", 200))):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (6, 4), (shade, shade, shade)).save(tmp_path / "images" / name / f"{i}.png")
+    spec = {"read": "images", "paths": "images", "input": "image", "target": "label", "kwargs": {}}
+    ds = build_ray_dataset(spec, [str(tmp_path)])
+    [(step, x, y)] = list(Stream(ds, 6, "image", "label", batch=6, seed=0, shuffle_buffer=0, cycle=False).batches(0))
+    assert x.shape == (6, 3, 4, 6) and x.dtype == np.float32 and y.dtype == np.int64
+    for image, label in zip(x, y, strict=True):  # cat (0) is dark, dog (1) light: the label follows the folder
+        assert round(float(image.mean()) * 255) == (40, 200)[label]
+    assert sorted(y.tolist()) == [0, 0, 0, 1, 1, 1]

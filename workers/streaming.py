@@ -69,11 +69,11 @@ def build_ray_dataset(spec: dict, search_paths: Iterable[str] = (), field: str =
     kwargs = dict(spec.get("kwargs") or {})
     if spec.get("read"):
         paths = _rooted(spec["paths"], search_paths)
-        local_matches(paths)
+        files = local_matches(paths)  # Ray Data's readers take files and folders, not globs
         if spec["read"] == "images":
-            return _read_images(paths, kwargs)
+            return _read_images(files, kwargs)
         reader = {"parquet": ray.data.read_parquet, "json": ray.data.read_json, "csv": ray.data.read_csv}[spec["read"]]
-        return _call(field, f"ray.data.read_{spec['read']}", reader, {"paths": paths, **kwargs})
+        return _call(field, f"ray.data.read_{spec['read']}", reader, {"paths": files, **kwargs})
     func = resolve(f"{field}.ray_dataset", spec["ray_dataset"], search_paths)
     with _on_path(search_paths):
         ds = _call(field, spec["ray_dataset"], func, kwargs)
@@ -100,14 +100,15 @@ def _read_images(paths, kwargs: dict):
     (a class per folder, sorted by name), as torchvision's ImageFolder labels them."""
     import ray.data
 
-    files = [f for f in local_matches(paths) if os.path.isfile(f)] + [
-        f for d in local_matches(paths) if os.path.isdir(d)
+    files = [f for f in paths if os.path.isfile(f)] + [
+        f for d in paths if os.path.isdir(d)
         for f in glob.glob(os.path.join(d, "**", "*"), recursive=True) if f.lower().rsplit(".", 1)[-1] in _IMAGE_EXTENSIONS]
     classes = sorted({os.path.basename(os.path.dirname(f)) for f in files})
     if not classes:
         raise ComponentError("data.paths", paths, "holds no image files (" + ", ".join(_IMAGE_EXTENSIONS) + ")")
     index = {c: i for i, c in enumerate(classes)}
-    ds = _call("data", "ray.data.read_images", ray.data.read_images, {"paths": paths, "include_paths": True, **kwargs})
+    ds = _call("data", "ray.data.read_images", ray.data.read_images, {"paths": list(paths), "include_paths": True,
+                                                                      **kwargs})
 
     def label(batch: dict) -> dict:
         batch["label"] = np.array([index.get(os.path.basename(os.path.dirname(p)), -1) for p in batch["path"]],
@@ -341,7 +342,8 @@ class Feeder:
                         self._cv.wait(1.0)
                     if generation != self._generation:
                         return
-                    self._held[step] = (x, y)
+                    # a copy: a view would keep its whole window or block alive while the step is held
+                    self._held[step] = (np.array(x), np.array(y))
                     self._next = step + 1
                     while len(self._held) > 2 * self.ahead + 2 and next(iter(self._held)) < self._asked - self.ahead:
                         self._held.popitem(last=False)

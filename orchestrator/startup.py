@@ -1,0 +1,60 @@
+"""The path from the command to the first step, stage by stage.
+
+Each stage is marked when it ends, in seconds since the command's process started (so Python's
+own start and the imports count too): the job checked, Ray up, the workers placed, their
+processes up (Python, Ray and torch imported), the process group joined, the model built, the
+first step done. The controller reports them once, as the `startup` event and a terminal line.
+"""
+
+from __future__ import annotations
+
+import time
+
+_ORDER = ("imports", "job", "ray", "placement", "workers", "rendezvous", "build", "first_step")
+
+
+def _process_start() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # no psutil, or no /proc: count from the first mark instead
+        return time.time()
+
+
+class Startup:
+    def __init__(self) -> None:
+        self.origin = _process_start()
+        self.marks: dict[str, float] = {}
+        self.reported = False
+
+    def begin(self) -> None:
+        """A new run in this process: the first counts from the process's start (its imports
+        included), a later one (a test, a notebook) from now."""
+        if self.marks or self.reported:
+            self.origin = time.time()
+        self.marks, self.reported = {}, False
+
+    def mark(self, stage: str, at: float | None = None) -> None:
+        """`stage` ended now (or at `at`, Unix seconds); the first mark of a stage counts."""
+        self.marks.setdefault(stage, (at or time.time()) - self.origin)
+
+    def stages(self) -> list[dict]:
+        """[{stage, at, took}] in order, `took` since the stage before it."""
+        out, before = [], 0.0
+        for stage in _ORDER:
+            if stage in self.marks:
+                at = self.marks[stage]
+                out.append({"stage": stage, "at": round(at, 3), "took": round(at - before, 3)})
+                before = at
+        return out
+
+    def text(self) -> str:
+        stages = self.stages()
+        if not stages:
+            return ""
+        parts = ", ".join(f"{s['stage'].replace('_', ' ')} {s['took']:.1f}" for s in stages)
+        return f"startup: {stages[-1]['at']:.1f} s to the first step ({parts})"
+
+
+STARTUP = Startup()
