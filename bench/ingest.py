@@ -26,19 +26,26 @@ Each run is `gearshift run` in a subprocess (its own embedded Ray), cluster.cpus
   waiting on the feeder's slice and copying it out of the object store);
 - memory: the bench polls every TrainWorker process (a descendant of the CLI whose title reads
   `ray::TrainWorker...`) every ~0.2 s: RSS, and RssAnon / RssShmem from /proc/PID/status.
-  growth = peak RSS during the run - the worker's RSS just before its `build` (the last sample
-  while Ray's process title did not yet read `ray::TrainWorker.build`): before the worker holds
-  the job's data, model or optimizer, so the map path's load counts (it happens in build, before
-  the model). `peak_rss_growth_over_dataset` = the larger worker's growth / the dataset's bytes on
-  disk (the Parquet files; uncompressed, so ~ the data's bytes in memory). The growth over the
-  worker's RSS at its first step (telemetry's step 1 `ended_at`) is shown too.
+  growth = peak RSS during training - (the worker's RSS at its first step - the data it loaded
+  before that step). The first step (telemetry's step 1 `ended_at`; the first sample after it) is
+  the baseline because by then the model, optimizer, DDP buckets and gloo buffers exist and
+  have been touched once: build alone grows a worker by ~100-150 MB here whatever the data, which
+  would be 0.1x of the full dataset (and 0.5x of --quick's) and is no cost of ingest. The map
+  path loads its data inside build, before the first step, so that load is added back: the map
+  dataset writes its process's RSS just before and after reading the files (ingest_data.py's
+  `rss_report`); the ray path loads nothing before its first step (0). So the map path is ~1x
+  by construction and the ray path is what streaming holds at its peak.
+  `peak_rss_growth_over_dataset` = the larger worker's growth / the dataset's bytes on disk (the
+  Parquet files, uncompressed: ~ the data's bytes in memory). Shown beside it: the growth in
+  training alone, the load, the growth over the RSS just before build (everything together), and
+  build's own cost.
   RSS counts the shared-memory pages a process has touched, and Ray's object store is shared
   memory: a slice the worker reads zero-copy out of the store counts in its RSS (as RssShmem)
-  while it is mapped. The goal uses RSS (the conservative figure); anon growth (RssAnon: the
-  process's private heap, what USS would mostly be) is reported beside it. Where the rest of the
-  memory lives is reported too: the feeder actor's peak RSS and the Ray Data task processes'.
-  CPU seconds per role (workers, feeder, Ray Data tasks, Ray's own daemons) say where the time
-  goes on a machine whose 2 cores the two workers already fill.
+  while it is mapped. The goal uses RSS (the conservative figure); the anon growth (RssAnon:
+  the private heap, what USS mostly is) is reported beside it. Where the rest of the memory
+  lives is reported too: the feeder actor's peak RSS and the Ray Data task processes' (sum of
+  peaks). CPU seconds per role (workers, feeder, Ray Data tasks, Ray's own daemons, the driver)
+  say where the time goes on a machine whose 2 cores the two workers already fill.
 
 Goals: peak_rss_growth_over_dataset <= 0.10 (the ray path; the map path is ~1x by construction),
 samples_per_s_ray_over_map >= 0.90.
@@ -78,7 +85,7 @@ MIB = 2**20
 # ----------------------------------------------------------------------------- the dataset
 
 def write_dataset(folder: pathlib.Path, rows: int, features: int, seed: int = 0,
-                  file_mb: float = 32.0, row_group: int = 1024) -> dict:
+                  file_mb: float = 32.0, row_group: int = 512) -> dict:
     """Parquet files of `x` (float32 tensor column, Ray's extension type) and `y` (int64), a file
     at a time (the bench's own memory stays one file)."""
     import numpy as np
@@ -87,7 +94,8 @@ def write_dataset(folder: pathlib.Path, rows: int, features: int, seed: int = 0,
     from ray.data.extensions import ArrowTensorArray
 
     folder.mkdir(parents=True)
-    per_file = max(row_group, int(file_mb * MIB // (features * 4)) // row_group * row_group)
+    per_file = min(int(file_mb * MIB // (features * 4)), -(-rows // 8))  # at least 8 files
+    per_file = max(row_group, per_file // row_group * row_group)
     rng = np.random.default_rng(seed)
     done, i = 0, 0
     while done < rows:
@@ -105,7 +113,7 @@ def write_dataset(folder: pathlib.Path, rows: int, features: int, seed: int = 0,
 
 CHECK = """
 import json, logging, sys, ray
-ray.init(num_cpus=1, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
 try:
     ray.data.DataContext.get_current().enable_progress_bars = False
     b = ray.data.read_parquet(sys.argv[1]).take_batch(2, batch_format="numpy")
@@ -213,29 +221,35 @@ class Watcher:
         return left
 
 
-def worker_memory(series: list[tuple], first_step_at: float | None) -> dict:
-    """Peak, and growth over the RSS just before `build` (and over the RSS at the first step)."""
+def worker_memory(series: list[tuple], first_step_at: float | None, load: dict | None) -> dict:
+    """growth = peak RSS - (RSS at the first step - what the worker loaded before it); also the
+    growth over the RSS just before `build` (data, model, optimizer and build's imports together)."""
     i_build = next((i for i, s in enumerate(series) if ".build" in s[1]), None)
-    base_i = max(0, i_build - 1) if i_build is not None else 0
-    base = series[base_i]
-    peak = max(series, key=lambda s: s[2])
+    base = series[max(0, i_build - 1) if i_build is not None else 0]
+    peak_rss, peak_anon = max(s[2] for s in series), max(s[3] for s in series)
     after = [s for s in series if first_step_at is not None and s[0] >= first_step_at]
     at_step = after[0] if after else None
-    return {"rss_before_build": base[2], "anon_before_build": base[3], "baseline_seen_before_build": i_build is not None
-            and i_build > 0, "rss_peak": peak[2], "anon_peak": max(s[3] for s in series),
-            "shmem_peak": max(s[4] for s in series),
-            "growth": peak[2] - base[2], "anon_growth": max(s[3] for s in series) - base[3],
-            "rss_at_first_step": at_step[2] if at_step else None,
-            "growth_since_first_step": peak[2] - at_step[2] if at_step else None,
-            "anon_growth_since_first_step": max(s[3] for s in after) - at_step[3] if at_step else None,
-            "samples": len(series)}
+    loaded = (load["rss_after"] - load["rss_before"]) if load else 0
+    loaded_anon = (load["anon_after"] - load["anon_before"]) if load else 0
+    out = {"rss_before_build": base[2], "baseline_seen_before_build": bool(i_build), "rss_peak": peak_rss,
+           "anon_peak": peak_anon, "shmem_peak": max(s[4] for s in series), "loaded_before_training": loaded,
+           "growth_since_before_build": peak_rss - base[2], "anon_growth_since_before_build": peak_anon - base[3],
+           "rss_at_first_step": at_step[2] if at_step else None, "samples": len(series),
+           "growth": None, "anon_growth": None, "growth_in_training": None}
+    if at_step:
+        out["growth_in_training"] = max(s[2] for s in after) - at_step[2]
+        out["growth"] = out["growth_in_training"] + loaded
+        out["anon_growth"] = max(s[3] for s in after) - at_step[3] + loaded_anon
+        # build's own cost without the data: model, optimizer, DDP/gloo set-up, lazy imports
+        out["build_overhead"] = at_step[2] - base[2] - loaded
+    return out
 
 
 # ----------------------------------------------------------------------------- one run
 
-def job_for(path: str, data_glob: str, steps: int, args) -> dict:
+def job_for(path: str, data_glob: str, steps: int, args, loads: pathlib.Path) -> dict:
     data = ({"read": "parquet", "paths": data_glob, "input": "x", "target": "y"} if path == "ray" else
-            {"entrypoint": "ingest_data:parquet_in_memory", "kwargs": {"paths": data_glob}})
+            {"entrypoint": "ingest_data:parquet_in_memory", "kwargs": {"paths": data_glob, "rss_report": str(loads)}})
     return {"name": f"ingest-{path}",
             "model": {"name": "mlp", "kwargs": {"in_features": args.features, "hidden": args.hidden,
                                                 "out_features": 10, "layers": args.layers}},
@@ -271,7 +285,8 @@ def stop_cli(proc: subprocess.Popen, watcher: Watcher) -> None:
 def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, dataset_bytes: int, args,
             env: dict) -> dict:
     job_file = tmp / f"{path}-{tag}.yaml"
-    job_file.write_text(json.dumps(job_for(path, data_glob, steps, args), indent=1))  # JSON is YAML
+    loads_dir = tmp / f"loads-{path}-{tag}"
+    job_file.write_text(json.dumps(job_for(path, data_glob, steps, args, loads_dir), indent=1))  # JSON is YAML
     run_dir = tmp / f"run-{path}-{tag}"
     log = tmp / f"{path}-{tag}.log"
     start = time.time()
@@ -299,10 +314,17 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
     share = (sum(r["data_time_mean"] for r in timed) / sum(r["step_time_mean"] for r in timed)) if timed else None
     share_max = (sum(r["data_time_max"] for r in timed) / sum(r["step_time_max"] for r in timed)) if timed else None
     first_step_at = steps_r[0]["ended_at"] if steps_r else None
-    workers = {pid: worker_memory(s, first_step_at) for pid, s in watcher.series.items() if s}
+    loads = {}
+    for f in (loads_dir.glob("load-*.json") if loads_dir.is_dir() else []):
+        rec = json.loads(f.read_text())
+        loads[rec["pid"]] = rec
+    if path == "map" and len(loads) != WORKERS:
+        print(f"  warning: {len(loads)} load reports from the map dataset, not {WORKERS}", flush=True)
+    workers = {pid: worker_memory(s, first_step_at, loads.get(pid)) for pid, s in watcher.series.items() if s}
     if len(workers) != WORKERS:
         print(f"  warning: saw {len(workers)} TrainWorker processes, not {WORKERS}", flush=True)
-    worst = max(workers.values(), key=lambda w: w["growth"]) if workers else None
+    measured = [w for w in workers.values() if w["growth"] is not None]
+    worst = max(measured, key=lambda w: w["growth"]) if len(measured) == len(workers) and workers else None
     cpu: dict[str, float] = {}
     for role, secs in watcher.cpu.values():
         cpu[role] = cpu.get(role, 0.0) + secs
@@ -319,10 +341,14 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
         "first_step_after_s": first_step_at - start if first_step_at else None,
         "growth_bytes": worst["growth"] if worst else None,
         "peak_rss_growth_over_dataset": worst["growth"] / dataset_bytes if worst else None,
-        "anon_growth_over_dataset": max(w["anon_growth"] for w in workers.values()) / dataset_bytes if worst else None,
-        "growth_since_first_step_over_dataset": (max(w["growth_since_first_step"] for w in workers.values())
-                                                 / dataset_bytes) if worst and all(
-            w["growth_since_first_step"] is not None for w in workers.values()) else None,
+        "anon_growth_over_dataset": max(w["anon_growth"] for w in measured) / dataset_bytes if worst else None,
+        "growth_in_training_over_dataset": max(w["growth_in_training"] for w in measured) / dataset_bytes
+        if worst else None,
+        "loaded_before_training_over_dataset": max(w["loaded_before_training"] for w in measured) / dataset_bytes
+        if worst else None,
+        "growth_since_before_build_over_dataset": max(w["growth_since_before_build"] for w in workers.values())
+        / dataset_bytes if workers else None,
+        "build_overhead_bytes": max(w["build_overhead"] for w in measured) if worst else None,
         "workers": list(workers.values()),
         "feeder_peak_rss": peaks.get("feeder"), "ray_data_task_peak_rss": peaks.get("ray_data"),
         "ray_data_task_peak_rss_sum": ray_data_sum or None,
@@ -355,7 +381,7 @@ def main() -> None:
     ap.add_argument("--features", type=int, default=1024, help="float32 features per row")
     ap.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden width")
     ap.add_argument("--layers", type=int, default=2, help="the MLP's hidden layers")
-    ap.add_argument("--batch", type=int, default=256, help="global batch")
+    ap.add_argument("--batch", type=int, default=512, help="global batch")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     ap.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)  # keep the temp dir (debugging)
     args = ap.parse_args()
@@ -385,7 +411,9 @@ def main() -> None:
               f"{got['x_shape']}); MLP {args.features}-{args.hidden}x{args.layers}-10, global batch {args.batch}, "
               f"one pass = {steps} steps; {repeats} repeat(s), alternating", flush=True)
         shutil.copy(BENCH / "ingest_data.py", tmp / "ingest_data.py")  # the job's folder is its search path
-        data_glob = str(tmp / "data" / "*.parquet")
+        # the folder, not a glob: workers/streaming.py checks a glob with glob.glob but hands it to
+        # ray.data.read_parquet unexpanded, which takes it for a file name (FileNotFoundError)
+        data_glob = str(tmp / "data")
         runs: dict[str, list[dict]] = {p: [] for p in PATHS}
         ratios = []
         for r in range(repeats):
@@ -395,7 +423,8 @@ def main() -> None:
                 runs[path].append(res)
                 got_r[path] = res
                 print(f"  repeat {r + 1} {path:<4}{fmt(res['samples_per_s'], '>9.1f')} samples/s  data share "
-                      f"{fmt(res['data_share'], '.3f')}  peak RSS growth {res['growth_bytes'] / MIB:>7.1f} MiB "
+                      f"{fmt(res['data_share'], '.3f')}  peak RSS growth "
+                      f"{fmt(res['growth_bytes'] / MIB if res['growth_bytes'] is not None else None, '>7.1f')} MiB "
                       f"({fmt(res['peak_rss_growth_over_dataset'], '.3f')} x dataset)  pass "
                       f"{fmt(res['pass_s'], '.1f')} s  wall {res['wall_s']:.1f} s", flush=True)
             if got_r["ray"]["samples_per_s"] and got_r["map"]["samples_per_s"]:
@@ -407,7 +436,8 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"\n{'path':<6}{'samples/s':>11}{'data share':>12}{'RSS growth MiB':>16}{'/dataset':>10}"
-          f"{'anon/dataset':>14}{'since step 1':>14}{'feeder MiB':>12}{'RD tasks MiB':>14}   (medians)")
+          f"{'anon/dataset':>14}{'loaded/ds':>11}{'in training/ds':>16}{'since build/ds':>16}{'build MiB':>11}"
+          f"{'feeder MiB':>12}{'RD tasks MiB':>14}   (medians)")
     for path in PATHS:
         rr = runs[path]
         gb = med(rr, "growth_bytes")
@@ -416,7 +446,10 @@ def main() -> None:
               f"{fmt(gb / MIB if gb is not None else None, '>16.1f')}"
               f"{fmt(med(rr, 'peak_rss_growth_over_dataset'), '>10.3f')}"
               f"{fmt(med(rr, 'anon_growth_over_dataset'), '>14.3f')}"
-              f"{fmt(med(rr, 'growth_since_first_step_over_dataset'), '>14.3f')}"
+              f"{fmt(med(rr, 'loaded_before_training_over_dataset'), '>11.3f')}"
+              f"{fmt(med(rr, 'growth_in_training_over_dataset'), '>16.3f')}"
+              f"{fmt(med(rr, 'growth_since_before_build_over_dataset'), '>16.3f')}"
+              f"{fmt(med(rr, 'build_overhead_bytes') / MIB if med(rr, 'build_overhead_bytes') is not None else None, '>11.0f')}"
               f"{fmt(fe / MIB if fe else None, '>12.0f')}{fmt(rd / MIB if rd else None, '>14.0f')}")
     print("CPU seconds by process role (median run):")
     for path in PATHS:
@@ -433,8 +466,11 @@ def main() -> None:
         "peak_rss_growth_over_dataset_map": med(runs["map"], "peak_rss_growth_over_dataset"),
         "anon_growth_over_dataset": med(runs["ray"], "anon_growth_over_dataset"),
         "anon_growth_over_dataset_map": med(runs["map"], "anon_growth_over_dataset"),
-        "growth_since_first_step_over_dataset": med(runs["ray"], "growth_since_first_step_over_dataset"),
-        "growth_since_first_step_over_dataset_map": med(runs["map"], "growth_since_first_step_over_dataset"),
+        "growth_in_training_over_dataset": med(runs["ray"], "growth_in_training_over_dataset"),
+        "growth_in_training_over_dataset_map": med(runs["map"], "growth_in_training_over_dataset"),
+        "growth_since_before_build_over_dataset": med(runs["ray"], "growth_since_before_build_over_dataset"),
+        "growth_since_before_build_over_dataset_map": med(runs["map"], "growth_since_before_build_over_dataset"),
+        "build_overhead_bytes": med(runs["ray"], "build_overhead_bytes"),
         "samples_per_s_ray_over_map": ratio,
         "samples_per_s_ray_over_map_min": min(ratios) if ratios else None,
         "samples_per_s_ray_over_map_max": max(ratios) if ratios else None,

@@ -25,9 +25,24 @@ def _column_array(chunk, rows: int) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False)
 
 
+def _rss() -> dict:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS", "RssAnon")):
+                key, val = line.split(":", 1)
+                out[key] = int(val.split()[0]) * 1024
+    return out
+
+
 class ParquetInMemory(Dataset):
-    def __init__(self, files: list[str], input_col: str, target_col: str):
+    def __init__(self, files: list[str], input_col: str, target_col: str, rss_report: str | None = None):
+        import json
+        import time
+
         import pyarrow.parquet as pq
+
+        before, t0 = _rss(), time.time()
 
         counts = [pq.ParquetFile(f).metadata.num_rows for f in files]
         total = sum(counts)
@@ -48,6 +63,13 @@ class ParquetInMemory(Dataset):
             del table
         self.inputs = torch.from_numpy(self.x)
         self.targets = torch.from_numpy(self.y)
+        if rss_report:  # the bench's record of what loading cost this process
+            after = _rss()
+            os.makedirs(rss_report, exist_ok=True)
+            with open(os.path.join(rss_report, f"load-{os.getpid()}.json"), "w") as f:
+                json.dump({"pid": os.getpid(), "rss_before": before.get("VmRSS"), "rss_after": after.get("VmRSS"),
+                           "anon_before": before.get("RssAnon"), "anon_after": after.get("RssAnon"),
+                           "started": t0, "ended": time.time(), "bytes": self.x.nbytes + self.y.nbytes}, f)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -60,9 +82,10 @@ class ParquetInMemory(Dataset):
         return self.inputs[idx], self.targets[idx]
 
 
-def parquet_in_memory(paths: str, input: str = "x", target: str = "y") -> ParquetInMemory:
+def parquet_in_memory(paths: str, input: str = "x", target: str = "y", rss_report: str | None = None) -> ParquetInMemory:
+    """`rss_report`: a folder where each process writes its RSS just before and after the load."""
     files = sorted(glob.glob(os.path.expanduser(paths))) if not os.path.isdir(paths) else sorted(
         glob.glob(os.path.join(paths, "*.parquet")))
     if not files:
         raise FileNotFoundError(f"no Parquet files match {paths!r}")
-    return ParquetInMemory(files, input, target)
+    return ParquetInMemory(files, input, target, rss_report)
