@@ -61,6 +61,9 @@ class ParquetInMemory(Dataset):
             self.y[at : at + n] = table.column(target_col).to_numpy()
             at += n
             del table
+        import pyarrow as pa
+
+        pa.default_memory_pool().release_unused()  # the files' read buffers, freed but kept by arrow's pool
         self.inputs = torch.from_numpy(self.x)
         self.targets = torch.from_numpy(self.y)
         if rss_report:  # the bench's record of what loading cost this process
