@@ -103,7 +103,9 @@ def write_dataset(folder: pathlib.Path, rows: int, features: int, seed: int = 0,
         x = rng.standard_normal((n, features), dtype=np.float32)
         y = np.argmax(x[:, :10], axis=1).astype(np.int64)
         table = pa.table({"x": ArrowTensorArray.from_numpy(x), "y": pa.array(y)})
-        pq.write_table(table, folder / f"part-{i:04d}.parquet", row_group_size=row_group, compression="none")
+        # no dictionary: random floats would leave a 1 MB dictionary page per row group (+30% on disk)
+        pq.write_table(table, folder / f"part-{i:04d}.parquet", row_group_size=row_group, compression="none",
+                       use_dictionary=False)
         done += n
         i += 1
     files = sorted(folder.glob("*.parquet"))
@@ -161,6 +163,22 @@ def role_of(title: str) -> str:
     return "driver" if "orchestrator.cli" in title else "ray_daemons"
 
 
+def detail_of(title: str) -> str:
+    """A finer name for the CPU breakdown: the Ray task/actor, or the daemon's program."""
+    if title.startswith("ray::"):
+        return title.split()[0].split(".")[0][:40]
+    args = title.split()
+    if not args:
+        return "?"
+    prog = os.path.basename(args[0])
+    if prog.startswith("python") and len(args) > 1:
+        script = next((a for a in args[1:] if not a.startswith("-")), "")
+        if "orchestrator.cli" in title:
+            return "driver (gearshift run)"
+        return os.path.basename(script)[:40] or prog
+    return prog[:40]
+
+
 class Watcher:
     """Polls the CLI's descendants every POLL_S: the TrainWorkers' RSS series (with their titles),
     every other process's peak RSS and CPU seconds, by role."""
@@ -171,8 +189,8 @@ class Watcher:
         self.psutil = psutil
         self.root = psutil.Process(root_pid)
         self.series: dict[int, list[tuple]] = {}  # worker pid -> [(t, title, rss, anon, shmem)]
-        self.peaks: dict[int, tuple[str, int]] = {}  # pid -> (role, peak rss)
-        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, cpu seconds, last seen)
+        self.peaks: dict[int, tuple[str, int, int, int]] = {}  # pid -> (role, peak rss, peak anon, peak shmem)
+        self.cpu: dict[int, tuple[str, str, float]] = {}  # pid -> (role, detail, cpu seconds, last seen)
         self.seen: dict[int, float] = {}  # pid -> create_time: for the clean-up
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ingest-watcher")
@@ -196,9 +214,11 @@ class Watcher:
                 except (self.psutil.Error, OSError):
                     continue
                 rss = st.get("VmRSS", 0)
-                self.cpu[p.pid] = (role, ct.user + ct.system)
-                prev = self.peaks.get(p.pid, (role, 0))[1]
-                self.peaks[p.pid] = (role, max(prev, rss))
+                detail = detail_of(title) if p.pid not in self.cpu or role != self.cpu[p.pid][0] \
+                    or title.startswith("ray::") else self.cpu[p.pid][1]
+                self.cpu[p.pid] = (role, detail, ct.user + ct.system)
+                _, r0, a0, s0 = self.peaks.get(p.pid, (role, 0, 0, 0))
+                self.peaks[p.pid] = (role, max(r0, rss), max(a0, st.get("RssAnon", 0)), max(s0, st.get("RssShmem", 0)))
                 if role == "worker":
                     self.series.setdefault(p.pid, []).append(
                         (t, title, rss, st.get("RssAnon", 0), st.get("RssShmem", 0)))
@@ -326,12 +346,15 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
     measured = [w for w in workers.values() if w["growth"] is not None]
     worst = max(measured, key=lambda w: w["growth"]) if len(measured) == len(workers) and workers else None
     cpu: dict[str, float] = {}
-    for role, secs in watcher.cpu.values():
+    detail: dict[str, float] = {}
+    for role, name, secs in watcher.cpu.values():
         cpu[role] = cpu.get(role, 0.0) + secs
-    peaks: dict[str, int] = {}
-    for role, rss in watcher.peaks.values():
-        peaks[role] = max(peaks.get(role, 0), rss)
-    ray_data_sum = sum(rss for role, rss in watcher.peaks.values() if role == "ray_data")
+        detail[name] = detail.get(name, 0.0) + secs
+    peaks: dict[str, tuple] = {}
+    for role, rss, anon, shm in watcher.peaks.values():
+        if rss >= peaks.get(role, (0, 0, 0))[0]:
+            peaks[role] = (rss, anon, shm)
+    ray_data_sum = sum(v[1] for v in watcher.peaks.values() if v[0] == "ray_data")
     pass_s = (steps_r[-1]["ended_at"] - steps_r[0]["ended_at"]) if len(steps_r) > 1 else None
     out = {
         "path": path, "steps": len(steps_r), "samples_per_s": summary.get("samples_per_s"),
@@ -350,9 +373,13 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
         / dataset_bytes if workers else None,
         "build_overhead_bytes": max(w["build_overhead"] for w in measured) if worst else None,
         "workers": list(workers.values()),
-        "feeder_peak_rss": peaks.get("feeder"), "ray_data_task_peak_rss": peaks.get("ray_data"),
+        "feeder_peak_rss": peaks.get("feeder", (None,))[0],
+        "feeder_peak_anon": peaks.get("feeder", (None, None))[1],
+        "feeder_peak_shmem": peaks.get("feeder", (None, None, None))[2],
+        "ray_data_task_peak_rss": peaks.get("ray_data", (None,))[0],
         "ray_data_task_peak_rss_sum": ray_data_sum or None,
         "cpu_s": {k: round(v, 1) for k, v in sorted(cpu.items())},
+        "cpu_s_detail": {k: round(v, 1) for k, v in sorted(detail.items(), key=lambda kv: -kv[1])[:10]},
     }
     return out
 
@@ -379,9 +406,9 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=None, help="dataset size on disk in MB (default 1500, --quick 300)")
     ap.add_argument("--rows", type=int, default=None, help="rows (overrides --mb)")
     ap.add_argument("--features", type=int, default=1024, help="float32 features per row")
-    ap.add_argument("--hidden", type=int, default=1024, help="the MLP's hidden width")
+    ap.add_argument("--hidden", type=int, default=1536, help="the MLP's hidden width")
     ap.add_argument("--layers", type=int, default=2, help="the MLP's hidden layers")
-    ap.add_argument("--batch", type=int, default=512, help="global batch")
+    ap.add_argument("--batch", type=int, default=1024, help="global batch")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     ap.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)  # keep the temp dir (debugging)
     args = ap.parse_args()
@@ -451,11 +478,15 @@ def main() -> None:
               f"{fmt(med(rr, 'growth_since_before_build_over_dataset'), '>16.3f')}"
               f"{fmt(med(rr, 'build_overhead_bytes') / MIB if med(rr, 'build_overhead_bytes') is not None else None, '>11.0f')}"
               f"{fmt(fe / MIB if fe else None, '>12.0f')}{fmt(rd / MIB if rd else None, '>14.0f')}")
-    print("CPU seconds by process role (median run):")
+    fa, fs = med(runs["ray"], "feeder_peak_anon"), med(runs["ray"], "feeder_peak_shmem")
+    if fa is not None:
+        print(f"feeder actor peak: RssAnon {fa / MIB:.0f} MiB, RssShmem (object store pages touched) {fs / MIB:.0f} MiB")
+    print("CPU seconds by process role (median over runs), and the largest single consumers of the last run:")
     for path in PATHS:
         roles = sorted({k for r in runs[path] for k in r["cpu_s"]})
         print(f"  {path:<5}" + "  ".join(f"{k} {statistics.median(r['cpu_s'].get(k, 0.0) for r in runs[path]):.1f}"
                                          for k in roles))
+        print(f"  {'':<5}" + ", ".join(f"{k} {v:.1f}" for k, v in list(runs[path][-1]["cpu_s_detail"].items())[:7]))
     growth = med(runs["ray"], "peak_rss_growth_over_dataset")
     ratio = statistics.median(ratios) if ratios else None
     print(f"ray/map samples/s = {fmt(ratio, '.3f')} ({fmt(min(ratios) if ratios else None, '.3f')}.."
