@@ -190,7 +190,9 @@ class Watcher:
         self.root = psutil.Process(root_pid)
         self.series: dict[int, list[tuple]] = {}  # worker pid -> [(t, title, rss, anon, shmem)]
         self.peaks: dict[int, tuple[str, int, int, int]] = {}  # pid -> (role, peak rss, peak anon, peak shmem)
-        self.cpu: dict[int, tuple[str, str, float]] = {}  # pid -> (role, detail, cpu seconds, last seen)
+        self.cpu_seen: dict[int, float] = {}  # pid -> its CPU seconds at the last look
+        self.cpu_role: dict[str, float] = {}  # role -> CPU seconds
+        self.cpu_detail: dict[str, float] = {}  # finer name -> CPU seconds
         self.seen: dict[int, float] = {}  # pid -> create_time: for the clean-up
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ingest-watcher")
@@ -214,9 +216,14 @@ class Watcher:
                 except (self.psutil.Error, OSError):
                     continue
                 rss = st.get("VmRSS", 0)
-                detail = detail_of(title) if p.pid not in self.cpu or role != self.cpu[p.pid][0] \
-                    or title.startswith("ray::") else self.cpu[p.pid][1]
-                self.cpu[p.pid] = (role, detail, ct.user + ct.system)
+                # CPU used since the last look, charged to what the process is now (pooled Ray
+                # workers run Ray Data's tasks and go back to ray::IDLE between them)
+                used = ct.user + ct.system
+                delta = used - self.cpu_seen.get(p.pid, 0.0)
+                self.cpu_seen[p.pid] = used
+                name = detail_of(title) if title else f"({p.name()})"
+                self.cpu_role[role] = self.cpu_role.get(role, 0.0) + delta
+                self.cpu_detail[name] = self.cpu_detail.get(name, 0.0) + delta
                 _, r0, a0, s0 = self.peaks.get(p.pid, (role, 0, 0, 0))
                 self.peaks[p.pid] = (role, max(r0, rss), max(a0, st.get("RssAnon", 0)), max(s0, st.get("RssShmem", 0)))
                 if role == "worker":
@@ -345,11 +352,7 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
         print(f"  warning: saw {len(workers)} TrainWorker processes, not {WORKERS}", flush=True)
     measured = [w for w in workers.values() if w["growth"] is not None]
     worst = max(measured, key=lambda w: w["growth"]) if len(measured) == len(workers) and workers else None
-    cpu: dict[str, float] = {}
-    detail: dict[str, float] = {}
-    for role, name, secs in watcher.cpu.values():
-        cpu[role] = cpu.get(role, 0.0) + secs
-        detail[name] = detail.get(name, 0.0) + secs
+    cpu, detail = watcher.cpu_role, watcher.cpu_detail
     peaks: dict[str, tuple] = {}
     for role, rss, anon, shm in watcher.peaks.values():
         if rss >= peaks.get(role, (0, 0, 0))[0]:
