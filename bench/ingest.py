@@ -264,6 +264,14 @@ def worker_memory(series: list[tuple], first_step_at: float | None, load: dict |
            "rss_at_first_step": at_step[2] if at_step else None, "samples": len(series),
            "growth": None, "anon_growth": None, "growth_in_training": None}
     if at_step:
+        # the growth's course: the peak over each quarter of training, over the first-step RSS
+        # (flat: bounded; climbing: something grows with the data read)
+        t0, t1 = after[0][0], after[-1][0]
+        quarters = [[s[2] for s in after if t0 + k * (t1 - t0) / 4 <= s[0] <= t0 + (k + 1) * (t1 - t0) / 4]
+                    for k in range(4)]
+        out["growth_by_quarter"] = [max(q) - at_step[2] if q else None for q in quarters]
+        out["shmem_by_quarter"] = [max((s[4] for s in after if t0 + k * (t1 - t0) / 4 <= s[0]
+                                        <= t0 + (k + 1) * (t1 - t0) / 4), default=None) for k in range(4)]
         out["growth_in_training"] = max(s[2] for s in after) - at_step[2]
         out["growth"] = out["growth_in_training"] + loaded
         out["anon_growth"] = max(s[3] for s in after) - at_step[3] + loaded_anon
@@ -316,6 +324,9 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
     job_file.write_text(json.dumps(job_for(path, data_glob, steps, args, loads_dir), indent=1))  # JSON is YAML
     run_dir = tmp / f"run-{path}-{tag}"
     log = tmp / f"{path}-{tag}.log"
+    import psutil
+
+    host0 = psutil.cpu_times()
     start = time.time()
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(job_file),
@@ -328,6 +339,7 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
             rc = None
         finally:
             wall = time.time() - start
+            host1 = psutil.cpu_times()
             watcher.stop()
             stop_cli(proc, watcher)
     if rc != 0:
@@ -353,6 +365,8 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
     measured = [w for w in workers.values() if w["growth"] is not None]
     worst = max(measured, key=lambda w: w["growth"]) if len(measured) == len(workers) and workers else None
     cpu, detail = watcher.cpu_role, watcher.cpu_detail
+    busy = lambda c: c.user + c.nice + c.system + c.irq + c.softirq + getattr(c, "steal", 0.0)  # noqa: E731
+    host_busy = busy(host1) - busy(host0)
     peaks: dict[str, tuple] = {}
     for role, rss, anon, shm in watcher.peaks.values():
         if rss >= peaks.get(role, (0, 0, 0))[0]:
@@ -382,6 +396,11 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
         "ray_data_task_peak_rss": peaks.get("ray_data", (None,))[0],
         "ray_data_task_peak_rss_sum": ray_data_sum or None,
         "cpu_s": {k: round(v, 1) for k, v in sorted(cpu.items())},
+        # the machine's busy CPU seconds during the run that this run's processes did not use:
+        # other load on a shared machine (it slows either path; compare the two runs' figures)
+        "host_busy_cpu_s": round(host_busy, 1), "other_cpu_s": round(host_busy - sum(cpu.values()), 1),
+        "growth_by_quarter_mib": [[None if g is None else round(g / MIB, 1) for g in w.get("growth_by_quarter", [])]
+                                  for w in workers.values()],
         "cpu_s_detail": {k: round(v, 1) for k, v in sorted(detail.items(), key=lambda kv: -kv[1])[:10]},
     }
     return out
@@ -456,7 +475,8 @@ def main() -> None:
                       f"{fmt(res['data_share'], '.3f')}  peak RSS growth "
                       f"{fmt(res['growth_bytes'] / MIB if res['growth_bytes'] is not None else None, '>7.1f')} MiB "
                       f"({fmt(res['peak_rss_growth_over_dataset'], '.3f')} x dataset)  pass "
-                      f"{fmt(res['pass_s'], '.1f')} s  wall {res['wall_s']:.1f} s", flush=True)
+                      f"{fmt(res['pass_s'], '.1f')} s  wall {res['wall_s']:.1f} s  other load "
+                      f"{res['other_cpu_s']:.0f} cpu-s", flush=True)
             if got_r["ray"]["samples_per_s"] and got_r["map"]["samples_per_s"]:
                 ratios.append(got_r["ray"]["samples_per_s"] / got_r["map"]["samples_per_s"])
     finally:
@@ -481,6 +501,9 @@ def main() -> None:
               f"{fmt(med(rr, 'growth_since_before_build_over_dataset'), '>16.3f')}"
               f"{fmt(med(rr, 'build_overhead_bytes') / MIB if med(rr, 'build_overhead_bytes') is not None else None, '>11.0f')}"
               f"{fmt(fe / MIB if fe else None, '>12.0f')}{fmt(rd / MIB if rd else None, '>14.0f')}")
+    for path in PATHS:
+        print(f"{path} workers' RSS growth over their first step, peak per quarter of training (MiB), last run: "
+              + "; ".join(str(g) for g in runs[path][-1]["growth_by_quarter_mib"]))
     fa, fs = med(runs["ray"], "feeder_peak_anon"), med(runs["ray"], "feeder_peak_shmem")
     if fa is not None:
         print(f"feeder actor peak: RssAnon {fa / MIB:.0f} MiB, RssShmem (object store pages touched) {fs / MIB:.0f} MiB")
