@@ -44,8 +44,12 @@ Each run is `gearshift run` in a subprocess (its own embedded Ray), cluster.cpus
   while it is mapped. The goal uses RSS (the conservative figure); the anon growth (RssAnon:
   the private heap, what USS mostly is) is reported beside it. Where the rest of the memory
   lives is reported too: the feeder actor's peak RSS and the Ray Data task processes' (sum of
-  peaks). CPU seconds per role (workers, feeder, Ray Data tasks, Ray's own daemons, the driver)
-  say where the time goes on a machine whose 2 cores the two workers already fill.
+  peaks). CPU seconds per role (workers, feeder, Ray Data tasks, Ray's own daemons and pooled
+  workers, the driver) say where the time goes on a machine whose 2 cores the two workers already
+  fill; each look charges the CPU used since the last one to what the process is titled now, so
+  `ray::IDLE` holds Ray Data tasks shorter than the poll and worker processes' start-up.
+  `other_cpu_s` is the machine's busy CPU during a run that the run's own processes did not use:
+  other load on a shared machine, which distorts the samples/s comparison.
 
 Goals: peak_rss_growth_over_dataset <= 0.10 (the ray path; the map path is ~1x by construction),
 samples_per_s_ray_over_map >= 0.90.
@@ -153,8 +157,9 @@ def _status(pid: int) -> dict:
 def role_of(title: str) -> str:
     if title.startswith("ray::TrainWorker"):
         return "worker"
-    if title.startswith("ray::Feeder"):
-        return "feeder"
+    if title.startswith("ray::") and title.split()[0].endswith(("Feeder", "Feeder.take", "Feeder.describe")) \
+            or title.startswith("ray::Feeder"):
+        return "feeder"  # titled ray::Feeder.method, or ray::NAME:Feeder for the named actor
     if title.startswith("ray::") and not title.startswith(("ray::IDLE", "ray::_StatsActor")):
         return "ray_data"  # Ray Data's read / map tasks and its own actors
     if "raylet" in title or "gcs_server" in title or "dashboard" in title or "ray/_private" in title \
@@ -166,7 +171,8 @@ def role_of(title: str) -> str:
 def detail_of(title: str) -> str:
     """A finer name for the CPU breakdown: the Ray task/actor, or the daemon's program."""
     if title.startswith("ray::"):
-        return title.split()[0].split(".")[0][:40]
+        name = title.split()[0].split(".")[0]
+        return "ray::Feeder" if name.endswith(":Feeder") else name[:40]
     args = title.split()
     if not args:
         return "?"
