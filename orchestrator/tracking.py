@@ -346,8 +346,8 @@ def start(job, run_dir: pathlib.Path, report) -> list[Pump]:
         pump.attempted.wait(max(0.0, deadline - time.monotonic()))
         where = getattr(pump.sink, "uri", None) or str(getattr(pump.sink, "log_dir", ""))
         if pump.connected:
-            report.event("tracking", tracker=pump.name, status="started", uri=where,
-                         run_id=getattr(pump.sink, "run_id", None))
+            run_id = {"run_id": pump.sink.run_id} if getattr(pump.sink, "run_id", None) else {}
+            report.event("tracking", tracker=pump.name, status="started", uri=where, **run_id)
             report.say(f"tracking: {pump.name} -> {where}")
             continue
         status = "unreachable" if pump.attempted.is_set() else "connecting"
