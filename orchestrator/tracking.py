@@ -142,7 +142,7 @@ class Pump:
     # ------------------------------------------------------------------ the thread
 
     def _serve(self) -> None:
-        backoff = 1.0
+        backoff = min(1.0, MAX_BACKOFF_S)
         while True:
             ok = self._attempt()
             if ok and self.closing and not self.queue:
@@ -151,7 +151,7 @@ class Pump:
             if not ok and self.closing:  # down at the end: one try was all it gets
                 return
             if ok:
-                backoff = 1.0
+                backoff = min(1.0, MAX_BACKOFF_S)
                 self.wake.wait(self.interval_s)
             else:
                 self.wake.wait(backoff)
