@@ -293,6 +293,8 @@ class MlflowSink:
         from monitoring import report
         from monitoring.telemetry import TelemetryError
 
+        if not (self.run_dir / "telemetry.jsonl").is_file():
+            return []
         try:
             return [pathlib.Path(p) for p in report.make_report(self.run_dir).paths]
         except (TelemetryError, OSError, ValueError) as err:  # a run with no steps has nothing to plot
