@@ -249,7 +249,10 @@ class Reporter:
         if self.trackers:  # before the sink closes: what a tracker did not take is said in the telemetry
             from orchestrator import tracking
 
-            tracking.finish(self.trackers, self.job.tracking.close_timeout_s, self)
+            try:
+                tracking.finish(self.trackers, self.job.tracking.close_timeout_s, self)
+            except Exception as err:  # never hide how the run ended
+                log.warning("tracking: could not close the trackers: %s", err)
         self.sink.close()
         for observer in self.observers:
             with contextlib.suppress(Exception):  # never hide how the run ended
