@@ -621,7 +621,7 @@ class MlflowSpec:
 
 @_schema(_nullable({"anyOf": [{"type": "boolean"}, {
     "type": "object", "additionalProperties": False,
-    "properties": {"tracking_uri": _nullable({"type": "string"}), "experiment": {"type": "string"}}}]}))
+    "properties": {"tracking_uri": _nullable({"type": "string"}), "experiment": _name.schema}}]}))
 def _mlflow(v, path):
     """null or false (off), true (the defaults), or {tracking_uri, experiment}; normalised to None
     or the mapping. A value rather than a section: its absence, not a default, means off."""
