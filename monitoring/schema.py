@@ -116,6 +116,10 @@ EVENTS = {
     "profile": "train.profile's window ended on a rank and its files were written under RUN_DIR/profile/ (`rank`, "
                "`trace`: the Chrome/Perfetto trace, `table`: top operators and modules by time and memory, `steps`: "
                "[first, last] profiled update, 1-based)",
+    "tracking": "an experiment tracker (`tracker`: mlflow or tensorboard) at the start (`status`: started, with "
+                "`uri` and the MLflow `run_id`; unreachable or connecting, with `error`: training goes on and records "
+                "are buffered and retried) and at the end (`status`: done or incomplete; `sent`, `unsent` and "
+                "`dropped` records, `artifacts` sent or not, the last `error`)",
     "non_finite": "a step's loss or gradient norm was NaN or Inf: its update was not applied and its batch skipped "
                   "(`step`, `loss`, `grad_norm`, `layer`: the first module whose output was not finite, `action`)",
 }

@@ -311,6 +311,9 @@ def run_job(job, run, resume, args) -> int:
     from workers.checkpoint import write_file_atomic
     from orchestrator.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
 
+    from orchestrator.tracking import check_installed
+
+    check_installed(job)  # tracking asked for, its package missing: before a run dir or Ray
     if resume and resume[1]["step"] >= job.train.steps:
         if not run.final.exists():  # stopped between its last checkpoint and final.pt
             from orchestrator.checkpoints import Checkpoints

@@ -615,6 +615,42 @@ class TelemetrySpec:
 
 
 @dataclass(frozen=True)
+class MlflowSpec:
+    tracking_uri: str | None = _f(None, _str_or_none, "where runs go: sqlite:///PATH or file:PATH (no server), or "
+                                  "http://HOST:PORT (an `mlflow server`); null: $MLFLOW_TRACKING_URI, else "
+                                  "sqlite:///RUNS_ROOT/mlflow.db")
+    experiment: str = _f("gearshift", _name, "the MLflow experiment the run is logged under (created if missing)")
+
+
+@_schema(_nullable({"anyOf": [{"type": "boolean"}, {
+    "type": "object", "additionalProperties": False,
+    "properties": {"tracking_uri": _nullable({"type": "string"}), "experiment": _name.schema}}]}))
+def _mlflow(v, path):
+    """null or false (off), true (the defaults), or {tracking_uri, experiment}; normalised to None
+    or the mapping. A value rather than a section: its absence, not a default, means off."""
+    if v is None or v is False:
+        return None
+    if v is True:
+        v = {}
+    if not isinstance(v, dict):
+        raise JobError(path, v, "must be true, false, null, or {tracking_uri: URI, experiment: NAME}")
+    return dataclasses.asdict(_build(MlflowSpec, v, path))
+
+
+@dataclass(frozen=True)
+class TrackingSpec:
+    """Experiment trackers fed from the controller, off the workers' hot path (orchestrator/tracking.py).
+    A tracker that is down or slow never stops or slows training."""
+
+    mlflow: dict | None = _f(None, _mlflow, "log the run to MLflow: true, or {tracking_uri, experiment}; null: off")
+    tensorboard: bool = _f(False, _bool, "write TensorBoard event files to RUN_DIR/tensorboard/")
+    buffer: int = _f(10000, _int(100, 10_000_000), "records held for a slow or unreachable tracker; beyond it the "
+                     "oldest are dropped (and counted)")
+    close_timeout_s: float = _f(30.0, _float(0.0, 3600.0), "at the end of the run, how long to wait for the "
+                                "trackers to catch up and take the artifacts")
+
+
+@dataclass(frozen=True)
 class InjectSpec:
     """A simulated network, for trying adaptive mode on one machine (workers/simnet.py): the
     workers grouped into simulated nodes, a slow link between them, a delay on every collective."""
@@ -705,6 +741,7 @@ class Job:
     checkpoint: CheckpointSpec = _section(CheckpointSpec, "how often the training state is saved")
     eval: EvalSpec = _section(EvalSpec, "held-out loss while training: every N steps and at the end")
     telemetry: TelemetrySpec = _section(TelemetrySpec, "per-step timing, device sampling and metrics endpoints")
+    tracking: TrackingSpec = _section(TrackingSpec, "experiment tracking: MLflow and TensorBoard")
     inject: InjectSpec = _section(InjectSpec, "for tests: make a fast machine behave like a slow cluster")
     # Where the job file lies: entry-point modules next to it are importable. Not a YAML key.
     base_dir: str = field(default=".", metadata={"internal": True}, compare=False)
@@ -740,6 +777,7 @@ class Job:
         """A short hash of everything that changes the result; same config, same fingerprint."""
         data = self.to_dict()
         data.pop("name")
+        data.pop("tracking")  # where the run is reported, not what it computes
         blob = json.dumps(data, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:8]
 

@@ -194,6 +194,8 @@ class Reporter:
         self.metrics = None
         self.skipped: list[dict] = []  # steps whose loss or gradient norm was not finite
         self.profile_dir = run.profile
+        self.run_path = run.path
+        self.trackers: list = []  # MLflow, TensorBoard (orchestrator/tracking.py): observers too
 
     # ------------------------------------------------------------------ where records go
 
@@ -230,6 +232,10 @@ class Reporter:
             self.observers.append(LogEcho())
         if self.metrics:
             self.event("metrics", url=self.metrics.url)
+        from orchestrator import tracking
+
+        self.trackers = tracking.start(self.job, self.run_path, self)
+        self.observers.extend(self.trackers)
 
     def start_view(self, start_step: int) -> None:
         if self.view:
@@ -241,6 +247,13 @@ class Reporter:
             self.view.close()
 
     def close(self) -> None:
+        if self.trackers:  # before the sink closes: what a tracker did not take is said in the telemetry
+            from orchestrator import tracking
+
+            try:
+                tracking.finish(self.trackers, self.job.tracking.close_timeout_s, self)
+            except Exception as err:  # never hide how the run ended
+                log.warning("tracking: could not close the trackers: %s", err)
         self.sink.close()
         for observer in self.observers:
             with contextlib.suppress(Exception):  # never hide how the run ended

@@ -24,7 +24,8 @@ _RESUMABLE_PREFIXES = {("train", "profile")}
 # Whole sections that may change too: global batches do not depend on the worker count, and
 # checkpoints hold full tensors, so any layout continues what any other started.
 # Evaluation reads the model and changes nothing in it: it may change on resume too.
-_RESUMABLE_SECTIONS = {"cluster", "parallel", "telemetry", "inject", "adapt", "tune", "fault", "eval"}
+_RESUMABLE_SECTIONS = {"cluster", "parallel", "telemetry", "inject", "adapt", "tune", "fault", "eval",
+                      "tracking"}
 
 
 def runs_root(root: str | None = None) -> str:

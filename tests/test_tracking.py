@@ -1,0 +1,272 @@
+"""Experiment tracking (orchestrator/tracking.py) with the real parts: a real `mlflow server`
+process on 127.0.0.1, read back through MlflowClient; TensorBoard event files read back with
+TensorBoard's own reader; a server killed mid-run; a URI that does not answer at the start."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from orchestrator import cli, tracking
+from orchestrator.job import JobError, job_from_dict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MLP = ROOT / "examples/mlp.yaml"
+BASE = ["train.steps=12", "train.global_batch_size=32", "checkpoint.every=0"]
+
+mlflow = pytest.importorskip("mlflow")
+pytest.importorskip("tensorboard")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """`mlflow server` on a free port, in its own process group so that stopping it by its pid
+    also stops the uvicorn process it starts."""
+
+    def __init__(self, root: pathlib.Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.log = open(root / "server.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--artifacts-destination", str(root / "artifacts")],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return
+            except OSError:
+                assert self.proc.poll() is None, (root / "server.log").read_text()[-2000:]
+                time.sleep(0.5)
+        self.stop()
+        raise AssertionError("mlflow server did not answer within 120 s")
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)  # the group started above: the server and its uvicorn
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
+        self.log.close()
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = MlflowServer(tmp_path)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def run(run_dir, *overrides) -> int:
+    args = ["run", str(MLP), "--run-dir", str(run_dir)]
+    for o in [*BASE, *overrides]:
+        args += ["--set", o]
+    return cli.main(args)
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+
+
+def tracking_events(run_dir) -> list[dict]:
+    return [r for r in records(run_dir) if r.get("event") == "tracking"]
+
+
+# ---------------------------------------------------------------------- bad input, no Ray
+
+
+def test_unknown_tracking_keys_are_rejected():
+    with pytest.raises(JobError, match=r"tracking.tensorbord .*Did you mean 'tracking.tensorboard'"):
+        job_from_dict({"model": "mlp", "tracking": {"tensorbord": True}})
+    with pytest.raises(JobError, match=r"tracking.mlflow.uri .*takes tracking_uri, experiment"):
+        job_from_dict({"model": "mlp", "tracking": {"mlflow": {"uri": "sqlite:///x.db"}}})
+    with pytest.raises(JobError, match=r"tracking.mlflow = 3"):
+        job_from_dict({"model": "mlp", "tracking": {"mlflow": 3}})
+    job = job_from_dict({"model": "mlp", "tracking": {"mlflow": True}})
+    assert job.tracking.mlflow == {"tracking_uri": None, "experiment": "gearshift"}
+    # where a run is reported is not what it computes
+    assert job.fingerprint() == job_from_dict({"model": "mlp"}).fingerprint()
+
+
+def test_tracking_without_the_package_is_exit_2_before_anything_starts(tmp_path, monkeypatch, capsys):
+    real = tracking.importlib.util.find_spec
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None if name == "mlflow" else real(name))
+    assert run(tmp_path / "run", "tracking.mlflow=true") == 2
+    err = capsys.readouterr().err
+    assert "pip install 'gearshift[tracking]'" in err and "tracking.mlflow" in err
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------- the pump, no Ray
+
+
+class FlakySink:
+    name = "flaky"
+
+    def __init__(self, fail_first=0, block: threading.Event | None = None):
+        self.fail_first, self.block, self.got, self.finished = fail_first, block, [], False
+
+    def connect(self):
+        pass
+
+    def send(self, batch):
+        if self.block is not None:
+            self.block.wait()
+        if self.fail_first:
+            self.fail_first -= 1
+            raise ConnectionError("tracker down")
+        self.got += batch
+
+    def finish(self):
+        self.finished = True
+
+
+def test_pump_retries_until_the_tracker_takes_the_records(monkeypatch):
+    monkeypatch.setattr(tracking, "MAX_BACKOFF_S", 0.05)
+    sink = FlakySink(fail_first=2)
+    pump = tracking.Pump(sink, capacity=100, interval_s=0.01).start()
+    for i in range(50):
+        pump.observe({"type": "step", "step": i})
+    time.sleep(0.5)
+    out = pump.close(5)
+    assert [r["step"] for r in sink.got] == list(range(50)) and sink.finished
+    assert out == {"tracker": "flaky", "sent": 50, "unsent": 0, "dropped": 0, "artifacts": True, "error": None}
+
+
+def test_a_slow_tracker_drops_the_oldest_and_close_waits_a_bounded_time():
+    block = threading.Event()
+    pump = tracking.Pump(FlakySink(block=block), capacity=100, interval_s=0.01).start()
+    pump.observe({"type": "step", "step": 0})
+    time.sleep(0.2)  # the thread is now stuck in send
+    t0 = time.perf_counter()
+    for i in range(1, 1001):
+        pump.observe({"type": "step", "step": i})
+    assert time.perf_counter() - t0 < 0.5  # observing never waits for the tracker
+    t0 = time.perf_counter()
+    out = pump.close(0.5)
+    assert time.perf_counter() - t0 < 2
+    assert out["dropped"] == 900 and out["unsent"] == 100 and not out["artifacts"]
+    assert [r["step"] for r in pump.queue] == list(range(901, 1001))  # the newest are kept
+    block.set()
+
+
+def test_sqlite_needs_no_server(tmp_path):
+    """The embedded default: a local sqlite database, artifacts beside it."""
+    job = job_from_dict({"model": "mlp", "tracking": {"mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'm.db'}"}}})
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"status": "done"}))
+    sink = tracking.MlflowSink(job, run_dir)
+    pump = tracking.Pump(sink, capacity=100, interval_s=0.01).start()
+    for step in range(1, 6):
+        pump.observe({"type": "step", "time": time.time(), "step": step, "loss": 1.0 / step, "lr": 0.1})
+    assert pump.close(60)["artifacts"]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    got = client.get_run(sink.run_id)
+    assert got.info.status == "FINISHED" and got.data.params["optimizer.lr"] == "0.001"
+    assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "loss")] == \
+        [(s, 1.0 / s) for s in range(1, 6)]
+    assert (tmp_path / "mlartifacts").is_dir()
+
+
+# ---------------------------------------------------------------------- real runs, on Ray
+
+
+@pytest.mark.ray
+def test_a_run_logged_to_a_real_mlflow_server_and_tensorboard(ray_cluster, tmp_path, server):
+    run_dir = tmp_path / "run"
+    uri = f'{{mlflow: {{tracking_uri: "{server.url}", experiment: test}}, tensorboard: true}}'
+    assert run(run_dir, f"tracking={uri}", "eval.every=5", "eval.data=synthetic_digits", "eval.batches=2",
+               "adapt.schedule=[{step: 6, strategy: tensor}]", "parallel.strategy=data") == 0
+    recs = records(run_dir)
+    losses = {r["step"]: r["loss"] for r in recs if r["type"] == "step"}
+    evals = {r["step"]: r["loss"] for r in recs if r["type"] == "eval"}
+    assert len(losses) == 12 and set(evals) == {5, 10, 12}
+
+    client = mlflow.MlflowClient(server.url)
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    got = client.get_run(run_id)
+    fingerprint = json.loads((run_dir / "summary.json").read_text())["fingerprint"]
+    assert got.info.run_name == f"mlp-{fingerprint}" and got.info.status == "FINISHED"
+    assert got.data.params["optimizer.lr"] == "0.001" and got.data.params["train.steps"] == "12"
+    history = client.get_metric_history(run_id, "loss")
+    assert {m.step: m.value for m in history} == pytest.approx(losses) and len(history) == 12
+    assert {m.step: m.value for m in client.get_metric_history(run_id, "eval_loss")} == pytest.approx(evals)
+    assert len(client.get_metric_history(run_id, "samples_per_s")) == 12
+    assert got.data.tags["gearshift.switch.6"].startswith("data 2x1 -> tensor 1x2")
+    names = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id, "report")}
+    assert {"summary.json", "final.pt", "switches.json", "report/loss.png"} <= names
+    assert any(e["status"] == "done" and e["tracker"] == "mlflow" for e in tracking_events(run_dir))
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert {"loss", "lr", "samples_per_s", "comm_wait_frac", "eval_loss"} <= set(acc.Tags()["scalars"])
+    assert {e.step: e.value for e in acc.Scalars("loss")} == pytest.approx(losses, rel=1e-6)  # float32 on disk
+    assert {e.step: e.value for e in acc.Scalars("eval_loss")} == pytest.approx(evals, rel=1e-6)
+
+
+@pytest.mark.ray
+def test_the_server_killed_mid_run_does_not_stop_the_run(ray_cluster, tmp_path, server, caplog):
+    run_dir = tmp_path / "run"
+
+    def kill_at_first_step():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            path = run_dir / "telemetry.jsonl"
+            if path.exists() and '"type": "step"' in path.read_text():
+                server.stop(signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_at_first_step, daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    assert run(run_dir, f'tracking.mlflow={{tracking_uri: "{server.url}"}}', "train.steps=30",
+               "inject.comm_delay_ms=20") == 0
+    killer.join(10)
+    assert server.proc.poll() is not None  # it was killed while the run went on
+    assert time.monotonic() - t0 < 120
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "done"
+    end = [e for e in tracking_events(run_dir) if e.get("status") in ("done", "incomplete")]
+    assert end[0]["status"] == "incomplete" and not end[0]["artifacts"] and end[0]["error"]
+    assert any("tracking: mlflow" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+
+
+@pytest.mark.ray
+def test_an_unreachable_uri_at_the_start_is_a_warning_and_the_run_goes_on(ray_cluster, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    assert run(run_dir, f'tracking.mlflow={{tracking_uri: "{url}"}}', "train.steps=5") == 0
+    assert time.monotonic() - t0 < 120
+    events = tracking_events(run_dir)
+    assert events[0]["status"] == "unreachable" and events[0]["uri"] == url and events[0]["error"]
+    assert events[-1]["status"] == "incomplete" and events[-1]["unsent"] > 0
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "done"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("unreachable" in w and "training goes on" in w for w in warned)
+    assert any("not sent" in w for w in warned)
