@@ -56,6 +56,9 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
                              "(port 6379 by default).") from None
 
 
+INLINE_BYTES = 64 << 20
+
+
 def start_ray(address: str | None, num_cpus: int | None) -> None:
     """ray.init: join `address`, or start an embedded Ray; GearshiftError when neither works."""
     import ray
@@ -66,8 +69,13 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
         if address:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         else:
+            # A streamed dataset's slices (a few MB) come back from its feeder inline, in the reply,
+            # rather than through the shared object store: mapped store pages would count in a
+            # worker's memory for as long as it runs (Ray's default inlines up to 100 KB)
             ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                     logging_level=logging.WARNING, log_to_driver=True)
+                     logging_level=logging.WARNING, log_to_driver=True,
+                     _system_config={"max_direct_call_object_size": INLINE_BYTES,
+                                     "task_rpc_inlined_bytes_limit": 2 * INLINE_BYTES})
     except (ConnectionError, RuntimeError, ValueError) as err:
         with contextlib.suppress(Exception):
             ray.shutdown()

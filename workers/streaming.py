@@ -253,7 +253,11 @@ class Feeder:
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # one line per execution otherwise
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
         try:
-            ray.data.DataContext.get_current().execution_options.preserve_order = True
+            ctx = ray.data.DataContext.get_current()
+            ctx.execution_options.preserve_order = True
+            # Parquet through Ray Data's first datasource: the second reads footers in a pool of
+            # actors, a process each, which on a small machine costs more CPU than the reading
+            ctx.use_datasource_v2 = False
             ray.data.DataContext.get_current().enable_progress_bars = False
             ds = build_ray_dataset(spec, search_paths, field)
             self.info = self._check(ds, spec, field)
