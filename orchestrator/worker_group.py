@@ -56,10 +56,36 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
                              "(port 6379 by default).") from None
 
 
-INLINE_BYTES = 64 << 20
+# The module an embedded Ray's worker processes import as they start (Ray starts idle ones as
+# the driver connects): the workers' torch import then runs while the driver checks the job,
+# not after placement. Not with a streamed dataset, whose Ray Data tasks need no torch.
+PRELOAD = "workers.worker"
 
 
-def start_ray(address: str | None, num_cpus: int | None) -> None:
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """`name` set to `value` (None: left as it is) while Ray starts its processes, which inherit it."""
+    saved = os.environ.get(name)
+    if value is not None and saved is None and os.environ.get("GEARSHIFT_PRELOAD", "1") != "0":
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+
+
+def early_ray_wanted(address: str | None) -> bool:
+    """Whether `gearshift run` starts an embedded Ray while it checks the job: not when it joins
+    a cluster, nor when this process is connected already (a test, a notebook), nor with
+    GEARSHIFT_EARLY_RAY=0 (then Ray starts once the job is checked)."""
+    import ray
+
+    return not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()
+                or os.environ.get("GEARSHIFT_EARLY_RAY", "1") == "0")
+
+
+def start_ray(address: str | None, num_cpus: int | None, preload: bool = True) -> None:
     """ray.init: join `address`, or start an embedded Ray; GearshiftError when neither works."""
     import ray
 
@@ -69,13 +95,9 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
         if address:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         else:
-            # A streamed dataset's slices (a few MB) come back from its feeder inline, in the reply,
-            # rather than through the shared object store: mapped store pages would count in a
-            # worker's memory for as long as it runs (Ray's default inlines up to 100 KB)
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                     logging_level=logging.WARNING, log_to_driver=True,
-                     _system_config={"max_direct_call_object_size": INLINE_BYTES,
-                                     "task_rpc_inlined_bytes_limit": 2 * INLINE_BYTES})
+            with _env("RAY_preload_python_modules", PRELOAD if preload else None):
+                ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                         logging_level=logging.WARNING, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as err:
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -90,17 +112,20 @@ def start_ray(address: str | None, num_cpus: int | None) -> None:
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, num_cpus: int | None = None):
-    """Join `address` (or RAY_ADDRESS) if given, else start an embedded Ray sized to this machine.
-    Ray is shut down on exit either way (for a joined cluster that only disconnects)."""
+def ray_session(address: str | None, num_cpus: int | None = None, started: bool = False, preload: bool = True):
+    """Join `address` (or RAY_ADDRESS) if given, else start an embedded Ray sized to this machine
+    (`started`: the caller has started it already). Ray is shut down on exit either way (for a
+    joined cluster that only disconnects)."""
     import ray
 
-    if ray.is_initialized():  # someone (a test, a notebook) already connected: use theirs, leave it up
+    if started:
+        address = None
+    elif ray.is_initialized():  # someone (a test, a notebook) already connected: use theirs, leave it up
         yield {"address": "existing", "embedded": False}
         return
     else:
         address = address or os.environ.get("RAY_ADDRESS") or None
-        start_ray(address, num_cpus)
+        start_ray(address, num_cpus, preload)
     STARTUP.mark("ray")
     try:
         yield {"address": address or "local", "embedded": not address}
@@ -108,15 +133,19 @@ def ray_session(address: str | None, num_cpus: int | None = None):
         ray.shutdown()
 
 
+def streams_data(job: Job) -> bool:
+    """Whether the job reads a Ray Dataset (data or eval.data)."""
+    data, ev = job.data, job.eval.data
+    return bool(data.ray_dataset or data.read or (job.eval.every and isinstance(ev, dict) and (
+        ev.get("ray_dataset") or ev.get("read"))))
+
+
 def embedded_cpus(job: Job) -> int:
     """The CPUs an embedded Ray offers: this machine's, and with a streamed dataset enough more
     that Ray Data's read tasks (1 CPU each) can run beside workers that reserve every core. The
     tasks share the cores with the workers, as any reading in the step loop would."""
     cores = os.cpu_count() or 1
-    data, ev = job.data, job.eval.data
-    streamed = data.ray_dataset or data.read or (job.eval.every and isinstance(ev, dict) and (
-        ev.get("ray_dataset") or ev.get("read")))
-    if not streamed:
+    if not streams_data(job):
         return cores
     return max(cores, int(-(-job.cluster.num_workers * job.cluster.cpus_per_worker // 1)) + 2)
 

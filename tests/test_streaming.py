@@ -81,6 +81,11 @@ def test_a_ray_dataset_trains_like_single_process_pytorch(ray_cluster, tmp_path,
     x, y = tensors(size=ROWS)
     ref = full_batch_reference(load_job(path), x, y, steps=8)
     assert max_diff(final(tmp_path / "run"), ref) <= 1e-5
+    records = [json.loads(line) for line in (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines()]
+    [startup] = [r for r in records if r.get("event") == "startup"]
+    stages = [s["stage"] for s in startup["stages"]]
+    assert stages[0] == "imports" and stages[-1] == "first_step" and "build" in stages, stages
+    assert all(s["took"] >= 0 for s in startup["stages"]) and startup["seconds"] == startup["stages"][-1]["at"]
 
 
 def test_same_seed_is_bit_equal_and_the_worker_count_does_not_change_the_batches(ray_cluster, tmp_path):
@@ -310,3 +315,22 @@ def test_read_images_labels_each_file_by_its_folder(ray_cluster, tmp_path):
     for image, label in zip(x, y, strict=True):  # cat (0) is dark, dog (1) light: the label follows the folder
         assert round(float(image.mean()) * 255) == (40, 200)[label]
     assert sorted(y.tolist()) == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_slice_travels_in_pieces_small_enough_to_come_back_inline(ray_cluster):
+    """A rank's slice is cut into pieces under Ray's inline limit, so it never passes through
+    the shared object store (whose mapped pages would count in a worker's memory), and joined
+    again it is the slice itself."""
+    from workers.streaming import PIECE_BYTES, Feeder, _joined, parts_for
+
+    spec = {"ray_dataset": "streamed:ray_style", "kwargs": {"size": 96}, "input": "x", "target": "label",
+            "shuffle_buffer": 40}
+    feeder = Feeder(spec, [str(FIXTURES)], batch=96, seed=0, cycle=True, ahead=4)
+    assert feeder.describe()["row_bytes"] == 8 * 4 + 8
+    whole = feeder.take(1, 10, 58)
+    pieces = feeder.take(1, 10, 58, parts=5)
+    assert len(pieces) == 5 and all(len(y) in (9, 10) for _, y in pieces)
+    x, y = _joined(list(pieces), 5)
+    assert np.array_equal(x, whole[0]) and np.array_equal(y, whole[1])
+    assert parts_for(512, 4096 + 8) == -(-512 * 4104 // PIECE_BYTES) and parts_for(10, 8) == 1
+    assert parts_for(3, 10 * PIECE_BYTES) == 3, "never more pieces than rows"

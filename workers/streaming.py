@@ -258,6 +258,10 @@ class Feeder:
             # Parquet through Ray Data's first datasource: the second reads footers in a pool of
             # actors, a process each, which on a small machine costs more CPU than the reading
             ctx.use_datasource_v2 = False
+            # Ray Data reads ahead of the step by this much at most (its own default is a share of
+            # the object store, GBs): the rest of the dataset waits where it lies
+            ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
+                object_store_memory=READ_AHEAD_BYTES)
             ray.data.DataContext.get_current().enable_progress_bars = False
             ds = build_ray_dataset(spec, search_paths, field)
             self.info = self._check(ds, spec, field)
@@ -289,14 +293,16 @@ class Feeder:
         first = ds.take_batch(1, batch_format="numpy")
         x, y = to_arrays(first, spec["input"], spec["target"])
         tokens = int(y[0].size) if y.ndim >= 2 and np.issubdtype(y.dtype, np.integer) else None
-        return {"rows": rows, "columns": names, "input_shape": list(x.shape[1:]), "input_dtype": str(x.dtype),
+        return {"rows": rows, "columns": names, "row_bytes": int(x[0].nbytes + y[0].nbytes),
+                "input_shape": list(x.shape[1:]), "input_dtype": str(x.dtype),
                 "target_shape": list(y.shape[1:]), "target_dtype": str(y.dtype), "tokens_per_sample": tokens}
 
     def describe(self) -> dict:
         return {"error": self.error} if self.error else dict(self.info)
 
-    def take(self, step: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows [lo, hi) of global batch `step` (eval: batch `step` of the one pass)."""
+    def take(self, step: int, lo: int, hi: int, parts: int = 1):
+        """Rows [lo, hi) of global batch `step` (eval: batch `step` of the one pass); with parts > 1,
+        as that many (inputs, targets) pieces, each its own return value (see `parts_for`)."""
         if self.error:
             raise RuntimeError(f"{self.error['field']} = {self.error['value']!r}: {self.error['allowed']}")
         if self._end is not None and step >= self._end:
@@ -320,7 +326,10 @@ class Feeder:
                                        "(leave CPUs free on the cluster, or lower cluster.cpus_per_worker)")
                 self._cv.wait(min(left, 1.0))
             x, y = self._held[step]
-        return x[lo:hi], y[lo:hi]
+        if parts <= 1:
+            return x[lo:hi], y[lo:hi]
+        cuts = np.linspace(lo, hi, parts + 1).astype(int)
+        return tuple((x[a:b], y[a:b]) for a, b in zip(cuts[:-1], cuts[1:]))
 
     def _low(self) -> int:
         return next(iter(self._held)) if self._held else self._next
@@ -359,6 +368,19 @@ class Feeder:
                     self._cv.notify_all()
 
 
+# A rank's slice of a step (a few MB) comes back in pieces small enough that Ray returns each
+# inline, in the reply (Ray inlines up to 100 KB), not through the shared object store: store
+# pages a worker has mapped count in its memory for as long as it runs, and the store keeps
+# handing out fresh ones. A single row larger than a piece still goes through the store.
+PIECE_BYTES = 90 << 10
+READ_AHEAD_BYTES = 256 << 20
+
+
+def parts_for(rows: int, row_bytes: int) -> int:
+    """How many pieces `rows` rows of `row_bytes` each travel in (see PIECE_BYTES)."""
+    return max(1, min(rows, -(-rows * row_bytes // PIECE_BYTES)))
+
+
 def start_feeder(spec: dict, search_paths: list[str], batch: int, seed: int, cycle: bool, ahead: int,
                  name: str, field: str = "data"):
     """The feeder actor for `spec`, named so the workers find it, on the driver's node."""
@@ -374,6 +396,12 @@ def start_feeder(spec: dict, search_paths: list[str], batch: int, seed: int, cyc
 
 # ---------------------------------------------------------------- the worker's side
 
+def _joined(got, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    if parts == 1:
+        return got
+    return np.concatenate([x for x, _ in got]), np.concatenate([y for _, y in got])
+
+
 def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(a, copy=True)) if not a.flags.writeable else torch.from_numpy(a)
 
@@ -382,17 +410,24 @@ class StreamedLoader:
     """This rank's slice of each step from `start` on, `prefetch` steps in flight; the same
     interface as loader.StepLoader."""
 
-    def __init__(self, feeder, start: int, lo: int, hi: int, prefetch: int, timeout_s: float = TAKE_TIMEOUT_S + 30):
+    def __init__(self, feeder, start: int, lo: int, hi: int, prefetch: int, row_bytes: int = 0,
+                 timeout_s: float = TAKE_TIMEOUT_S + 30):
         self.feeder, self.lo, self.hi, self.timeout_s = feeder, lo, hi, timeout_s
+        self.parts = parts_for(hi - lo, row_bytes)
         self.next_step = start
         self._refs: collections.deque = collections.deque()
         self._asked = start
         self.prefetch = max(1, prefetch)
         self._top_up()
 
+    def _take(self, step: int):
+        if self.parts == 1:
+            return self.feeder.take.remote(step, self.lo, self.hi)
+        return self.feeder.take.options(num_returns=self.parts).remote(step, self.lo, self.hi, self.parts)
+
     def _top_up(self) -> None:
         while len(self._refs) < self.prefetch + 1:
-            self._refs.append(self.feeder.take.remote(self._asked, self.lo, self.hi))
+            self._refs.append(self._take(self._asked))
             self._asked += 1
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,7 +435,7 @@ class StreamedLoader:
 
         ref = self._refs.popleft()
         self._top_up()
-        x, y = ray.get(ref, timeout=self.timeout_s)
+        x, y = _joined(ray.get(ref, timeout=self.timeout_s), self.parts)
         self.next_step += 1
         return _tensor(x), _tensor(y)
 
@@ -427,7 +462,8 @@ class StreamedData:
 
     def loader(self, start: int, dp_rank: int, dp: int, prefetch: int) -> StreamedLoader:
         per = self.batch // dp
-        return StreamedLoader(self.feeder, start, dp_rank * per, (dp_rank + 1) * per, prefetch)
+        return StreamedLoader(self.feeder, start, dp_rank * per, (dp_rank + 1) * per, prefetch,
+                              self.info.get("row_bytes", 0))
 
     def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval: rows `indices` (contiguous, inside one global batch) of the one pass."""
