@@ -437,6 +437,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=None, help="dataset size on disk in MB (default 1500, --quick 300)")
     ap.add_argument("--rows", type=int, default=None, help="rows (overrides --mb)")
     ap.add_argument("--features", type=int, default=1024, help="float32 features per row")
+    ap.add_argument("--row-group", type=int, default=512, help="rows per Parquet row group")
     ap.add_argument("--hidden", type=int, default=1536, help="the MLP's hidden width")
     ap.add_argument("--layers", type=int, default=2, help="the MLP's hidden layers")
     ap.add_argument("--batch", type=int, default=1024, help="global batch")
@@ -459,7 +460,7 @@ def main() -> None:
                     "model": f"mlp {args.features}-{args.hidden}x{args.layers}-10", "global_batch_size": args.batch,
                     "steps": steps}
     try:
-        ds = write_dataset(tmp / "data", rows, args.features)
+        ds = write_dataset(tmp / "data", rows, args.features, row_group=args.row_group)
         result.update(dataset_mb=round(ds["bytes"] / 1e6, 1), dataset_bytes=ds["bytes"], rows=rows,
                       files=ds["files"], row_group=ds["row_group"])
         got = check_tensor_column(sorted((tmp / "data").glob("*.parquet"))[0], env)

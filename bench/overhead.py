@@ -246,10 +246,28 @@ def main() -> None:
                       f"{result['first_step_s']:>5.2f} s  wall {result['wall_s']:>6.2f} s", flush=True)
     med = {name: {k: statistics.median(x[k] for x in rs) for k in ("samples_per_s", "first_step_s", "wall_s")}
            for name, rs in runs.items()}
-    print(f"\n{'':<12}{'samples/s':>11}{'first step s':>14}{'wall s':>9}   (medians)")
-    for name, m in med.items():
-        print(f"{name:<12}{m['samples_per_s']:>11.1f}{m['first_step_s']:>14.2f}{m['wall_s']:>9.2f}")
+    print(f"\n{'':<18}{'samples/s':>20}{'first step s':>22}{'wall s':>22}   (medians [min..max])")
+    for name, rs in runs.items():
+        cells = []
+        for key, fmt in (("samples_per_s", ".1f"), ("first_step_s", ".2f"), ("wall_s", ".2f")):
+            vals = [x[key] for x in rs]
+            cells.append(f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}..{max(vals):{fmt}}]")
+        print(f"{name:<18}{cells[0]:>20}{cells[1]:>22}{cells[2]:>22}")
     ratios = {}
+    # per-repeat ratios (the systems of one repeat ran back to back): their min..max is the spread
+    def per_repeat(a: str, b: str, key: str, invert: bool = False) -> list[float]:
+        return sorted((y[key] / x[key]) if invert else (x[key] / y[key]) for x, y in zip(runs[a], runs[b]))
+
+    for a, b, key, name, inv in (("gearshift", "torchrun", "samples_per_s", "ratio_gearshift_vs_torchrun", False),
+                                 ("gearshift", "torchrun", "first_step_s", "first_step_gearshift_over_torchrun", False),
+                                 ("gearshift", "torchrun", "wall_s", "wall_gearshift_over_torchrun", False),
+                                 ("gearshift", "raytrain", "samples_per_s", "ratio_gearshift_vs_raytrain", False),
+                                 ("gearshift", "raytrain", "first_step_s", "first_step_raytrain_over_gearshift", True),
+                                 ("gearshift", "raytrain", "wall_s", "wall_raytrain_over_gearshift", True)):
+        if a in runs and b in runs:
+            r = per_repeat(a, b, key, inv)
+            ratios[f"{name}_min"], ratios[f"{name}_max"] = r[0], r[-1]
+            ratios[f"{name}_median_of_repeats"] = statistics.median(r)
     g = med.get("gearshift")
     if g and "torchrun" in med:
         ratios["ratio_gearshift_vs_torchrun"] = g["samples_per_s"] / med["torchrun"]["samples_per_s"]
@@ -263,7 +281,10 @@ def main() -> None:
         ratios["first_step_raytrain_over_gearshift"] = med["raytrain"]["first_step_s"] / g["first_step_s"]
         ratios["wall_raytrain_over_gearshift"] = med["raytrain"]["wall_s"] / g["wall_s"]
     for k, v in ratios.items():
-        print(f"{k:<40}{v:.3f}")
+        if not k.endswith(("_min", "_max", "_median_of_repeats")):
+            lo, hi = ratios.get(f"{k}_min"), ratios.get(f"{k}_max")
+            spread = f"  [{lo:.3f}..{hi:.3f} over repeats]" if lo is not None else ""
+            print(f"{k:<40}{v:.3f}{spread}")
     print(json.dumps({"bench": "overhead", "world": WORLD, "batch": args.batch, "steps": steps, "repeats": repeats,
                       "medians": med, "runs": runs, **ratios}))
 

@@ -355,8 +355,7 @@ class Feeder:
                         self._cv.wait(1.0)
                     if generation != self._generation:
                         return
-                    # a copy: a view would keep its whole window or block alive while the step is held
-                    self._held[step] = (np.array(x), np.array(y))
+                    self._held[step] = (_own(x), _own(y))
                     self._next = step + 1
                     while len(self._held) > 2 * self.ahead + 2 and next(iter(self._held)) < self._asked - self.ahead:
                         self._held.popitem(last=False)
@@ -395,6 +394,13 @@ def start_feeder(spec: dict, search_paths: list[str], batch: int, seed: int, cyc
 
 
 # ---------------------------------------------------------------- the worker's side
+
+def _own(a: np.ndarray) -> np.ndarray:
+    """`a`, copied when it is a small view of a much larger array (a whole block, when the dataset
+    is not shuffled), which holding the view would keep alive; a view of a shuffle window stays."""
+    base = a.base if isinstance(a.base, np.ndarray) else None
+    return a.copy() if base is not None and base.nbytes > 8 * max(1, a.nbytes) else a
+
 
 def _joined(got, parts: int) -> tuple[np.ndarray, np.ndarray]:
     if parts == 1:
