@@ -1,19 +1,15 @@
-"""The path from `gearshift run` to the first step, stage by stage, with and without the ways
-gearshift shortens it, interleaved.
+"""The path from `gearshift run` to the first step, stage by stage, over repeats.
 
-    python bench/startup.py               # 3 repeats of each variant
+    python bench/startup.py               # 3 repeats
     python bench/startup.py --repeats 5
 
-Variants (environment of the command):
-- before: GEARSHIFT_EARLY_RAY=0 GEARSHIFT_PRELOAD=0: Ray starts once the job is checked, and its
-  worker processes import torch only when the workers are created;
-- preload: Ray's worker processes import gearshift's worker module (and torch) as they start;
-- now: the default: the embedded Ray starts while another thread checks the job, and its worker
-  processes import torch meanwhile.
-
-Each run is `gearshift run examples/gpt.yaml` (2 workers, 5 steps) in a subprocess; the stages
-come from the run's `startup` event (seconds since the command's process started). The last
-line is JSON: per variant and stage, the median and min..max.
+Each run is `gearshift run examples/gpt.yaml` (2 workers, 5 steps) in a subprocess, with an
+embedded Ray; the stages come from the run's `startup` event (orchestrator/startup.py: seconds
+since the command's process started: imports, job checked, Ray up, placement, worker processes
+up, rendezvous, model built, first step). A variant is an environment to run under, given as
+NAME:VAR=VALUE,VAR=VALUE with --variant (repeatable), interleaved with the others; without any,
+one variant, the plain command. The last line is JSON: per variant and stage, the median and
+min..max.
 """
 
 from __future__ import annotations
@@ -31,9 +27,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "gpt.yaml"
-VARIANTS = {"before": {"GEARSHIFT_EARLY_RAY": "0", "GEARSHIFT_PRELOAD": "0"},
-            "preload": {"GEARSHIFT_EARLY_RAY": "0", "GEARSHIFT_PRELOAD": "1"},
-            "now": {"GEARSHIFT_EARLY_RAY": "1", "GEARSHIFT_PRELOAD": "1"}}
+VARIANTS = {"default": {}}
 STAGES = ("imports", "job", "ray", "placement", "workers", "rendezvous", "build", "first_step")
 
 
@@ -57,9 +51,14 @@ def run_once(env: dict, tmp: pathlib.Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variant", action="append", default=[], help="NAME:VAR=VALUE,VAR=VALUE")
     args = ap.parse_args()
-    names = args.variants.split(",")
+    for spec in args.variant:
+        name, _, env = spec.partition(":")
+        VARIANTS[name] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
+    if args.variant:
+        VARIANTS.pop("default")
+    names = list(VARIANTS)
     print(f"gearshift run examples/gpt.yaml, 2 workers, 5 steps; {args.repeats} repeat(s), interleaved; "
           f"{platform.machine()} with {os.cpu_count()} cores", flush=True)
     runs: dict[str, list[dict]] = {n: [] for n in names}

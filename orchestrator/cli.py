@@ -296,86 +296,21 @@ def _where_to_continue(run) -> str:
 def cmd_run(args) -> int:
     STARTUP.begin()
     STARTUP.mark("imports")
-    ray_cpus = _early_ray_cpus(args)
-    if ray_cpus is None:
-        job, run, resume = _resolve_run(args)
-        STARTUP.mark("job")
-        return run_job(job, run, resume, args)
-    job, run, resume = _checked_while_ray_starts(args, ray_cpus)
-    return run_job(job, run, resume, args, ray_cpus=ray_cpus)
+    job, run, resume = _resolve_run(args)
+    STARTUP.mark("job")
+    return run_job(job, run, resume, args)
 
 
-def _early_ray_cpus(args) -> int | None:
-    """The size of an embedded Ray to start at once, while the job is checked; None when the run
-    joins a cluster or resumes, or the file does not even read: then Ray starts once the job is
-    checked."""
-    from orchestrator.job import peek_job
-    from orchestrator.worker_group import early_ray_wanted, embedded_cpus, streams_data
-
-    if args.job is None or args.resume or not early_ray_wanted(args.address):
-        return None
-    job = peek_job(args.job, args.overrides)
-    if job is None or streams_data(job):  # a streamed dataset's feeder checks it once Ray is up anyway
-        return None
-    return embedded_cpus(job)
-
-
-def _checked_while_ray_starts(args, num_cpus: int):
-    """_resolve_run's (job, run, resume), worked out in a thread (it imports torch and the user's
-    modules) while this thread starts the embedded Ray; a job refused stops that Ray again, and
-    its mistake is what is reported."""
-    import threading
-
-    import ray
-
-    from orchestrator.worker_group import start_ray
-
-    box: dict = {}
-
-    def check() -> None:
-        try:
-            box["ok"] = _resolve_run(args)
-            STARTUP.mark("job")
-        except BaseException as err:  # handed over below
-            box["err"] = err
-
-    checker = threading.Thread(target=check, name="gearshift-check-job", daemon=True)
-    checker.start()
-    try:
-        start_ray(None, num_cpus)
-    except BaseException:
-        checker.join(300)
-        if "err" in box:
-            raise box["err"] from None
-        raise
-    checker.join()
-    if "err" in box:
-        ray.shutdown()
-        raise box["err"]
-    return box["ok"]
-
-
-def run_job(job, run, resume, args, ray_cpus: int | None = None) -> int:
+def run_job(job, run, resume, args) -> int:
     """Train `job` in `run` (None: a new run dir, at args.run_dir if given) from `resume` (None:
-    from step 0); `gearshift replay` comes here too. `ray_cpus`: an embedded Ray of that size is
-    up already (cmd_run started it while the job was checked)."""
-    try:
-        return _train(job, run, resume, args, ray_cpus)
-    finally:
-        if ray_cpus is not None:  # stopped by the session in the end; here if it never began
-            import ray
-
-            ray.shutdown()
-
-
-def _train(job, run, resume, args, ray_cpus: int | None) -> int:
+    from step 0); `gearshift replay` comes here too."""
     from monitoring.progress import ProgressView
     from orchestrator.controller import Controller
     from orchestrator.job import dump_job
     from orchestrator.rundir import RunDir
     from workers.checkpoint import write_file_atomic
     from orchestrator.tracking import check_installed
-    from orchestrator.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session, streams_data
+    from orchestrator.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
 
     check_installed(job)  # tracking asked for, its package missing: before a run dir or Ray
     if resume and resume[1]["step"] >= job.train.steps:
@@ -398,13 +333,7 @@ def _train(job, run, resume, args, ray_cpus: int | None) -> int:
     resuming_at = f", resuming at step {resume[1]['step']}" if resume else ""
     view.say(f"gearshift: {job.name} ({job.fingerprint()}): {job.cluster.num_workers} worker(s), "
              f"strategy {job.parallel.strategy}, {job.train.steps} steps{resuming_at}; run dir {run.path}")
-    started = ray_cpus is not None
-    if started and ray_cpus != embedded_cpus(job):  # the checked job needs another size: start again
-        import ray
-
-        ray.shutdown()
-        started = False
-    with ray_session(address, num_cpus=embedded_cpus(job), started=started, preload=not streams_data(job)) as session:
+    with ray_session(address, num_cpus=embedded_cpus(job)) as session:
         def group_factory(j):
             return RayWorkerGroup(j, embedded=session["embedded"], checkpoint_dir=run.checkpoints.resolve())
 

@@ -886,18 +886,6 @@ def job_from_dict(raw: Mapping, base_dir: str | pathlib.Path = ".", default_name
     return job
 
 
-def peek_job(path: str | pathlib.Path, overrides: list[str] | None = None) -> Job | None:
-    """The job's fields, read and checked one by one, without the checks that import torch or
-    the user's modules (load_job does those); None when even that fails. For work that may begin
-    before the job is wholly checked (starting Ray), and is undone if it then fails."""
-    try:
-        raw = dict(apply_overrides(read_yaml(pathlib.Path(path)), overrides or []))
-        raw.setdefault("name", "job")
-        return _build(Job, raw, "")
-    except Exception:
-        return None
-
-
 def load_job(path: str | pathlib.Path, overrides: list[str] | None = None) -> Job:
     """Read, override, validate. Raises JobError naming the file and the field."""
     path = pathlib.Path(path)

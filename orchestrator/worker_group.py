@@ -56,36 +56,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
                              "(port 6379 by default).") from None
 
 
-# The module an embedded Ray's worker processes import as they start (Ray starts idle ones as
-# the driver connects): the workers' torch import then runs while the driver checks the job,
-# not after placement. Not with a streamed dataset, whose Ray Data tasks need no torch.
-PRELOAD = "workers.worker"
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None):
-    """`name` set to `value` (None: left as it is) while Ray starts its processes, which inherit it."""
-    saved = os.environ.get(name)
-    if value is not None and saved is None and os.environ.get("GEARSHIFT_PRELOAD", "1") != "0":
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-
-
-def early_ray_wanted(address: str | None) -> bool:
-    """Whether `gearshift run` starts an embedded Ray while it checks the job: not when it joins
-    a cluster, nor when this process is connected already (a test, a notebook), nor with
-    GEARSHIFT_EARLY_RAY=0 (then Ray starts once the job is checked)."""
-    import ray
-
-    return not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()
-                or os.environ.get("GEARSHIFT_EARLY_RAY", "1") == "0")
-
-
-def start_ray(address: str | None, num_cpus: int | None, preload: bool = True) -> None:
+def start_ray(address: str | None, num_cpus: int | None) -> None:
     """ray.init: join `address`, or start an embedded Ray; GearshiftError when neither works."""
     import ray
 
@@ -95,9 +66,8 @@ def start_ray(address: str | None, num_cpus: int | None, preload: bool = True) -
         if address:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
         else:
-            with _env("RAY_preload_python_modules", PRELOAD if preload else None):
-                ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                         logging_level=logging.WARNING, log_to_driver=True)
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                     logging_level=logging.WARNING, log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as err:
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -112,20 +82,17 @@ def start_ray(address: str | None, num_cpus: int | None, preload: bool = True) -
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, num_cpus: int | None = None, started: bool = False, preload: bool = True):
-    """Join `address` (or RAY_ADDRESS) if given, else start an embedded Ray sized to this machine
-    (`started`: the caller has started it already). Ray is shut down on exit either way (for a
-    joined cluster that only disconnects)."""
+def ray_session(address: str | None, num_cpus: int | None = None):
+    """Join `address` (or RAY_ADDRESS) if given, else start an embedded Ray sized to this machine.
+    Ray is shut down on exit either way (for a joined cluster that only disconnects)."""
     import ray
 
-    if started:
-        address = None
-    elif ray.is_initialized():  # someone (a test, a notebook) already connected: use theirs, leave it up
+    if ray.is_initialized():  # someone (a test, a notebook) already connected: use theirs, leave it up
         yield {"address": "existing", "embedded": False}
         return
     else:
         address = address or os.environ.get("RAY_ADDRESS") or None
-        start_ray(address, num_cpus, preload)
+        start_ray(address, num_cpus)
     STARTUP.mark("ray")
     try:
         yield {"address": address or "local", "embedded": not address}
