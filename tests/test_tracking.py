@@ -127,11 +127,13 @@ class FlakySink:
 
     def __init__(self, fail_first=0, block: threading.Event | None = None):
         self.fail_first, self.block, self.got, self.finished = fail_first, block, [], False
+        self.sending = threading.Event()  # set once a send has begun
 
     def connect(self):
         pass
 
     def send(self, batch):
+        self.sending.set()
         if self.block is not None:
             self.block.wait()
         if self.fail_first:
@@ -157,9 +159,10 @@ def test_pump_retries_until_the_tracker_takes_the_records(monkeypatch):
 
 def test_a_slow_tracker_drops_the_oldest_and_close_waits_a_bounded_time():
     block = threading.Event()
-    pump = tracking.Pump(FlakySink(block=block), capacity=100, interval_s=0.01).start()
+    sink = FlakySink(block=block)
+    pump = tracking.Pump(sink, capacity=100, interval_s=0.01).start()
     pump.observe({"type": "step", "step": 0})
-    time.sleep(0.2)  # the thread is now stuck in send
+    assert sink.sending.wait(30), "the pump never sent"  # the thread is now stuck in send, holding step 0
     t0 = time.perf_counter()
     for i in range(1, 1001):
         pump.observe({"type": "step", "step": i})
