@@ -97,8 +97,6 @@ def test_same_seed_is_bit_equal_and_the_worker_count_does_not_change_the_batches
     assert all(torch.equal(a[k], b[k]) for k in a), "two runs with the same seed differ"
     run(path, tmp_path / "one", *small, "cluster.num_workers=1")
     assert max_diff(a, final(tmp_path / "one")) <= 1e-5  # same batches; only the sum's order differs
-    run(path, tmp_path / "other", *small, "train.seed=1")
-    assert max_diff(a, final(tmp_path / "other")) > 1e-4, "another seed must give another order"
 
 
 def test_resume_after_one_and_a_half_passes_equals_the_uninterrupted_run(ray_cluster, tmp_path):
@@ -244,6 +242,8 @@ def test_the_stream_from_any_step_is_the_stream_from_the_start(ray_cluster):
         assert got == whole[start:start + 3], f"the stream from step {start} differs"
     again = Stream(ray_style(size=50, blocks=4), 50, "x", "id", batch=16, seed=3, shuffle_buffer=20)
     assert next(iter(again.batches(0)))[2].tolist() == whole[0], "the same seed gives the same order"
+    other = Stream(ray_style(size=50, blocks=4), 50, "x", "id", batch=16, seed=4, shuffle_buffer=20)
+    assert next(iter(other.batches(0)))[2].tolist() != whole[0], "another seed gives another order"
 
 
 def test_columns_become_tensors_torch_losses_take():
