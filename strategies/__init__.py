@@ -19,7 +19,6 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from strategies import data, fsdp, hybrid, tensor
 from strategies.base import GRID, MESHES, REPLICATE, SHARD, Options, Parallel, Strategy
 from strategies.layout import GROUPED, REPLICATED, SHARDED, Layout, LayoutError
 from strategies.tp_plan import PlanError
@@ -27,16 +26,28 @@ from strategies.tp_plan import PlanError
 __all__ = ["GRID", "MESHES", "REPLICATE", "SHARD", "STRATEGIES", "Layout", "LayoutError", "Options", "Parallel",
            "PlanError", "Strategy", "builtin_names", "lookup", "parallelize", "register"]
 
+
+def _apply_of(module: str):
+    """The built-in `strategies.<module>.apply`, imported on the first call: the sharded layouts
+    pull in torch.distributed.tensor (0.7 s of CPU), which a data-parallel run never needs, in
+    every worker and in the driver that checks the job."""
+    def apply(model, mesh, layout, plan, options):
+        return importlib.import_module(f"strategies.{module}").apply(model, mesh, layout, plan, options)
+
+    apply.__qualname__ = f"strategies.{module}.apply"
+    return apply
+
+
 STRATEGIES: dict[str, Strategy] = {
-    "data": Strategy("data", REPLICATE, data.apply, "DDP: whole replicas, gradients all-reduced in buckets"),
-    "tensor": Strategy("tensor", SHARD, tensor.apply, "Megatron-style column/row shards over every worker",
+    "data": Strategy("data", REPLICATE, _apply_of("data"), "DDP: whole replicas, gradients all-reduced in buckets"),
+    "tensor": Strategy("tensor", SHARD, _apply_of("tensor"), "Megatron-style column/row shards over every worker",
                        needs_plan=True, meta_ok=True),
-    "hybrid": Strategy("hybrid", GRID, hybrid.apply, "tensor shards inside a group, data parallel across groups "
+    "hybrid": Strategy("hybrid", GRID, _apply_of("hybrid"), "tensor shards inside a group, data parallel across groups "
                        "(or fully sharded across them, parallel.dp_shard)", needs_plan=True,
                        sharding=(REPLICATED, SHARDED), meta_ok=True),
-    "fsdp": Strategy("fsdp", REPLICATE, fsdp.apply, "FSDP2: parameters, gradients and optimizer state sharded "
+    "fsdp": Strategy("fsdp", REPLICATE, _apply_of("fsdp"), "FSDP2: parameters, gradients and optimizer state sharded "
                      "over every worker", sharding=(SHARDED,), meta_ok=True),
-    "hsdp": Strategy("hsdp", REPLICATE, fsdp.apply, "FSDP2 HSDP: sharded inside groups of parallel.shard_size "
+    "hsdp": Strategy("hsdp", REPLICATE, _apply_of("fsdp"), "FSDP2 HSDP: sharded inside groups of parallel.shard_size "
                      "workers, replicated across groups", sharding=(GROUPED, SHARDED, REPLICATED), meta_ok=True),
 }
 _BUILTIN = tuple(STRATEGIES)

@@ -5,19 +5,29 @@ Gathering is a collective: every rank of the tp group must call it at the same p
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def _is_dtensor(t) -> bool:
+    # torch.distributed.tensor costs 0.7 s to import; a process that never imported it (a
+    # data-parallel worker, the driver) holds no DTensor, so it is not imported to ask
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def shard_like(value: torch.Tensor, like):
     """This rank's piece of the full `value`, laid out as `like` is (a DTensor or a plain tensor)."""
-    if not isinstance(like, DTensor):
+    if not _is_dtensor(like):
         return value
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     # DTensor cuts the piece itself (src_data_rank=None: every rank has the full value, nothing
     # is sent), which covers the strided shard FSDP2 puts on top of a tensor-parallel shard
     value = value.to(like.to_local().device, like.dtype)
@@ -39,8 +49,8 @@ def load_model_state(model: nn.Module, state: dict) -> None:
     with torch.no_grad():
         for name, target in own.items():
             piece = shard_like(state[name], target)
-            (target.to_local() if isinstance(target, DTensor) else target).copy_(
-                piece.to_local() if isinstance(piece, DTensor) else piece)
+            (target.to_local() if _is_dtensor(target) else target).copy_(
+                piece.to_local() if _is_dtensor(piece) else piece)
 
 
 class StateMismatch(ValueError):

@@ -73,3 +73,27 @@ def test_the_job_knows_the_built_in_strategies_without_importing_torch():
     from orchestrator.job import BUILTIN_STRATEGIES
 
     assert BUILTIN_STRATEGIES == strategies.builtin_names()
+
+
+def test_checking_a_job_imports_neither_torch_dynamo_nor_dtensor():
+    """The driver checks a job (and a data-parallel worker imports its code) without
+    torch._dynamo (1.4 s of CPU) or torch.distributed.tensor (0.7 s): start-up is CPU-bound."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from orchestrator.job import load_job; load_job('examples/gpt.yaml'); "
+            "load_job('examples/mlp.yaml'); import workers.worker; "
+            "print(sorted(m for m in ('torch', 'torch._dynamo', 'torch.distributed.tensor') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['torch']", done.stdout
+
+
+@pytest.mark.parametrize("limit", [0, 10**9], ids=["on-meta", "on-real-tensors"])
+def test_a_model_that_does_not_fit_its_data_is_refused_on_meta_and_real_tensors(monkeypatch, limit):
+    from workers import components
+
+    monkeypatch.setattr(components, "REAL_CHECK_PARAMS", limit)
+    components.check_builtin_fit({"name": "gpt", "kwargs": {}}, {"name": "chars", "kwargs": {}})
+    with pytest.raises(components.ComponentError, match="do not fit model 'mlp'"):
+        components.check_builtin_fit({"name": "mlp", "kwargs": {}}, {"name": "chars", "kwargs": {}})

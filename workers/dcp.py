@@ -19,9 +19,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from workers.checkpoint import CheckpointError, DCP_DIR, EXTRA, sha256_file
 
@@ -50,6 +48,14 @@ def tmp_folder(root: str | pathlib.Path, step: int) -> pathlib.Path:
     return pathlib.Path(root) / f".step_{step:08d}.tmp-dcp"
 
 
+def _dcp():
+    """torch.distributed.checkpoint, imported when a DCP checkpoint is first written or read: it
+    pulls in torch.distributed.tensor, which a data-parallel worker otherwise never imports."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path, rank: int, world: int,
          extra: dict) -> dict:
     """Write this rank's shards of the model and optimizer under `folder` (all ranks call it at
@@ -61,6 +67,9 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
         for stale in (folder / DCP_DIR).glob("*"):  # a crashed attempt at this step left files behind
             stale.unlink()
     dist.barrier()
+    dcp = _dcp()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     writer = dcp.FileSystemWriter(str(folder / DCP_DIR), sync_files=True, thread_count=1)
     # param_groups stay out: layouts group parameters differently (by mesh), and the
@@ -78,6 +87,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
     """Read this rank's pieces of a DCP checkpoint into the model and optimizer as laid out now;
     returns the extra state (scaler, step). All ranks call it together."""
     folder = pathlib.Path(folder)
+    dcp = _dcp()
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_matches(folder, model_sd)
     state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
@@ -90,7 +102,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
 def check_matches(folder: pathlib.Path, model_sd: dict) -> None:
     """CheckpointError naming the first tensor whose name or global shape differs between the
     checkpoint and the model (DCP's own message would not say which)."""
-    saved = dcp.FileSystemReader(str(pathlib.Path(folder) / DCP_DIR)).read_metadata().state_dict_metadata
+    saved = _dcp().FileSystemReader(str(pathlib.Path(folder) / DCP_DIR)).read_metadata().state_dict_metadata
     shapes = {k[len("model."):]: list(v.size) for k, v in saved.items()
               if k.startswith("model.") and hasattr(v, "size")}
     for name, tensor in model_sd.items():
@@ -126,7 +138,7 @@ def full_state(folder: pathlib.Path) -> dict:
 def _read(folder: pathlib.Path, prefix: str) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    reader = dcp.FileSystemReader(str(pathlib.Path(folder) / DCP_DIR))
+    reader = _dcp().FileSystemReader(str(pathlib.Path(folder) / DCP_DIR))
     keys = {k for k in reader.read_metadata().state_dict_metadata if k.startswith(prefix)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

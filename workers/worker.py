@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 import strategies
-from strategies.relayout import relayout
 from monitoring.comm import CommClock
 from strategies.layout import Layout
 from workers import components, dcp, precision, rendezvous, schedules
@@ -127,6 +126,8 @@ class TrainWorker:
         options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16")
         make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer))  # noqa: E731
         if move_from:
+            from strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
+
             self.parallel, self.optimizer = relayout(*move_from, model, layout, plan, options, make_optimizer)
         else:
             self.parallel = strategies.parallelize(model, layout, plan, options)
