@@ -218,6 +218,40 @@ def test_more_workers_than_the_machine_fails_fast_and_stops_ray(tmp_path):
     assert not (_ray_daemons() - before), "the embedded Ray must be shut down"
 
 
+EMBEDDED_SESSION = """
+import ray
+from ray._private import ray_constants, worker
+from orchestrator.worker_group import ray_session
+
+seen, real = {}, ray.shutdown
+
+def shutdown(*args, **kwargs):
+    procs = worker._global_node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, [])
+    seen["monitors alive"] = [info.process.poll() is None for info in procs]
+    return real(*args, **kwargs)
+
+ray.shutdown = shutdown
+with ray_session(None, 1):
+    seen["monitors at start"] = len(worker._global_node.all_processes[ray_constants.PROCESS_TYPE_MONITOR])
+print(seen, ray.is_initialized())
+"""
+
+
+@pytest.mark.ray
+def test_an_embedded_ray_has_its_autoscaler_monitor_stopped_before_ray_shutdown(tmp_path):
+    """Ray would stop the monitor after its GCS, and wait its 1 s grace for it on every run."""
+    before = _ray_daemons()
+    proc = subprocess.run([sys.executable, "-c", EMBEDDED_SESSION], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "{'monitors at start': 1, 'monitors alive': [False]} False", proc.stdout
+    assert "autoscaler failed" not in proc.stderr
+    deadline = time.monotonic() + 15
+    while _ray_daemons() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (_ray_daemons() - before), "the embedded Ray must be shut down"
+
+
 @pytest.mark.ray
 def test_job_that_cannot_be_placed_on_a_joined_cluster_times_out_cleanly(ray_cluster, tmp_path, capsys):
     """On a cluster gearshift joined (it may grow), it waits placement_timeout_s, then fails."""
