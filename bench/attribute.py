@@ -36,6 +36,7 @@ JOB = ROOT / "examples" / "gpt.yaml"
 # the process kinds of an embedded Ray, by what their command line holds
 KINDS = [("ray::TrainWorker", "worker"), ("ray::Feeder", "data feeder"), ("ray::IDLE", "Ray idle worker"),
          ("gcs_server", "Ray GCS"), ("raylet", "Ray raylet"), ("dashboard/agent.py", "Ray dashboard agent"),
+         ("ray::DashboardAgent", "Ray dashboard agent"), ("ray::RuntimeEnvAgent", "Ray runtime-env agent"),
          ("runtime_env/agent", "Ray runtime-env agent"), ("log_monitor", "Ray log monitor"),
          ("dashboard/dashboard.py", "Ray dashboard"), ("monitor.py", "Ray autoscaler monitor"),
          ("orchestrator.cli", "gearshift driver"), ("ray::", "Ray worker (other)")]
