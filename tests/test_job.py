@@ -97,3 +97,34 @@ def test_a_model_that_does_not_fit_its_data_is_refused_on_meta_and_real_tensors(
     components.check_builtin_fit({"name": "gpt", "kwargs": {}}, {"name": "chars", "kwargs": {}})
     with pytest.raises(components.ComponentError, match="do not fit model 'mlp'"):
         components.check_builtin_fit({"name": "mlp", "kwargs": {}}, {"name": "chars", "kwargs": {}})
+
+
+def test_meta_builds_skip_the_initialisers_in_their_own_thread_only():
+    """on_meta() swaps torch.nn.init's functions for the whole process; another thread building
+    a real model meanwhile must still get initialised weights."""
+    import threading
+
+    import torch
+    from torch import nn
+
+    from workers import components
+
+    original = nn.init.kaiming_uniform_
+    inside, built, out = threading.Event(), threading.Event(), {}
+
+    def build_elsewhere():
+        inside.wait(10)
+        torch.manual_seed(0)
+        out["weight"] = nn.Linear(16, 16).weight.detach().clone()
+        built.set()
+
+    thread = threading.Thread(target=build_elsewhere)
+    thread.start()
+    with components.on_meta():
+        meta = nn.Linear(16, 16)
+        inside.set()
+        assert built.wait(10)
+    thread.join(10)
+    torch.manual_seed(0)
+    assert meta.weight.is_meta and torch.equal(out["weight"], nn.Linear(16, 16).weight)
+    assert nn.init.kaiming_uniform_ is original
