@@ -4,6 +4,7 @@ driver and the workers, as CPU time over a window of steps.
 
     python bench/attribute.py                       # examples/gpt.yaml, 2 workers, 300 steps
     python bench/attribute.py --set telemetry.enabled=false --label "telemetry off"
+    python bench/attribute.py --from 0 --to 1 --steps 40   # from the command to the first step
 
 The job runs as a user would start it (a subprocess, its own embedded Ray). Once its telemetry
 shows step `--from`, every process in its tree is read (psutil: user + system CPU time, and per
