@@ -25,7 +25,7 @@ from workers.data import GlobalBatches
 pytestmark = [pytest.mark.ray]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # 30 ms per collective: long enough a run to kill a worker in the middle of it
-SLOW = ["train.steps=60", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2"]
+SLOW = ["train.steps=40", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2"]
 LAYOUTS = {"data": ["cluster.num_workers=2"],
            "hybrid": ["cluster.num_workers=4", "cluster.cpus_per_worker=1", "parallel.strategy=hybrid",
                       "parallel.tp_size=2"],
@@ -73,7 +73,7 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one
     summary = run_gearshift(MLP[0], overrides, tmp_path / "killed")
     killer.join(timeout=5)
     assert killer.killed, "the worker was never killed"
-    assert summary["status"] == "done" and summary["steps_done"] == 60
+    assert summary["status"] == "done" and summary["steps_done"] == 40
     [failure] = events(tmp_path / "killed", "failure")
     # the first to tell may be the killed rank's actor, or a peer whose collective lost it
     assert failure["kind"] in ("died", "raised") and failure["dead_ranks"] == [1], failure
