@@ -40,7 +40,7 @@ KINDS = [("ray::TrainWorker", "worker"), ("ray::Feeder", "data feeder"), ("ray::
          ("ray::DashboardAgent", "Ray dashboard agent"), ("ray::RuntimeEnvAgent", "Ray runtime-env agent"),
          ("runtime_env/agent", "Ray runtime-env agent"), ("log_monitor", "Ray log monitor"),
          ("dashboard/dashboard.py", "Ray dashboard"), ("monitor.py", "Ray autoscaler monitor"),
-         ("orchestrator.cli", "gearshift driver"), ("ray::", "Ray worker (other)")]
+         ("-m gearshift", "gearshift driver"), ("ray::", "Ray worker (other)")]
 
 
 def kind_of(proc: psutil.Process) -> str:
@@ -121,7 +121,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gs-attribute-") as tmp:
         run_dir = pathlib.Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(JOB), "--run-dir", str(run_dir),
+        cmd = [sys.executable, "-m", "gearshift", "run", str(JOB), "--run-dir", str(run_dir),
                "--set", "cluster.num_workers=2", "--set", f"train.steps={args.steps}", "--set",
                f"train.global_batch_size={args.batch}", "--set", "checkpoint.every=0", "--set",
                "parallel.strategy=data"] + [a for s in args.set for a in ("--set", s)]

@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from orchestrator import cli, costmodel  # noqa: E402
-from orchestrator.job import load_job  # noqa: E402
+from gearshift.orchestrator.job import load_job  # noqa: E402
 
 JOB = ROOT / "examples" / "gpt.yaml"
 BATCH = 32

@@ -168,7 +168,7 @@ def role_of(title: str) -> str:
     if "raylet" in title or "gcs_server" in title or "dashboard" in title or "ray/_private" in title \
             or "ray::IDLE" in title or "log_monitor" in title or "_StatsActor" in title:
         return "ray_daemons"
-    return "driver" if "orchestrator.cli" in title else "ray_daemons"
+    return "driver" if "-m gearshift" in title else "ray_daemons"
 
 
 def detail_of(title: str) -> str:
@@ -182,7 +182,7 @@ def detail_of(title: str) -> str:
     prog = os.path.basename(args[0])
     if prog.startswith("python") and len(args) > 1:
         script = next((a for a in args[1:] if not a.startswith("-")), "")
-        if "orchestrator.cli" in title:
+        if "-m gearshift" in title:
             return "driver (gearshift run)"
         return os.path.basename(script)[:40] or prog
     return prog[:40]
@@ -338,7 +338,7 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
     host0 = psutil.cpu_times()
     start = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(job_file),
+        proc = subprocess.Popen([sys.executable, "-m", "gearshift", "run", str(job_file),
                                  "--run-dir", str(run_dir)], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
         watcher = Watcher(proc.pid)

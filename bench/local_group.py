@@ -15,7 +15,7 @@ from typing import Any
 
 
 def _serve(conn, job: dict, search_paths: list[str], rank: int, world: int, port: int, cpus: float) -> None:
-    from workers.worker import TrainWorker, WorkerConfig
+    from gearshift.workers.worker import TrainWorker, WorkerConfig
 
     worker = TrainWorker(WorkerConfig.from_job(job, search_paths), cpus)
     try:

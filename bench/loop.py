@@ -55,7 +55,7 @@ GPT = {"name": "gpt", "kwargs": {"n_layer": 2, "n_embd": 128, "n_head": 4, "bloc
 
 
 def make_job(raw: dict, base_dir: pathlib.Path) -> dict:
-    from orchestrator.job import job_from_dict
+    from gearshift.orchestrator.job import job_from_dict
 
     raw = {**raw, "cluster": {"num_workers": WORKERS}, "telemetry": {"ray_metrics": False, **raw.get("telemetry", {})}}
     return job_from_dict(raw, base_dir=str(base_dir)).to_dict()

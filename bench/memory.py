@@ -193,7 +193,7 @@ def mem_stats(worker) -> dict:
 def full_gather_switch(worker, layout: dict) -> dict:
     """The switch as earlier versions did it: every rank gathers the whole model and optimizer
     state, drops the old layout, builds the new one and loads its part of the full tensors."""
-    from strategies.layout import Layout
+    from gearshift.strategies.layout import Layout
 
     start = time.perf_counter()
     w = worker
@@ -209,7 +209,7 @@ def full_gather_switch(worker, layout: dict) -> dict:
 
 def set_checkpoints(worker, fmt: str, root: str) -> str:
     """Write checkpoints as `fmt` (full or dcp) under `root` from now on (a collective)."""
-    from workers import dcp
+    from gearshift.workers import dcp
 
     worker.config = dataclasses.replace(worker.config, checkpoint_dir=root, checkpoint_format=fmt)
     worker.dcp_root = dcp.root_for(root, fmt, worker.device)
@@ -219,7 +219,7 @@ def set_checkpoints(worker, fmt: str, root: str) -> str:
 # ------------------------------------------------------------------ the driver
 
 def make_job(world: int, strategy: str = "data", extra_parallel: dict | None = None, as_dict: bool = True):
-    from orchestrator.job import job_from_dict
+    from gearshift.orchestrator.job import job_from_dict
 
     raw = {"model": GPT, "data": "chars", "optimizer": {"name": "adam"},
            "parallel": {"strategy": strategy, **(extra_parallel or {})},
@@ -263,8 +263,8 @@ def gib(n: float | None) -> str:
 def available_layouts() -> list[str]:
     """The layouts this checkout can build: a registered strategy that implements its sharding
     (hybrid's dp_shard needs a hybrid that reads layout.shard)."""
-    import strategies
-    from strategies.layout import Layout
+    from gearshift import strategies
+    from gearshift.strategies.layout import Layout
 
     out = []
     for name, d in LAYOUTS.items():
@@ -274,7 +274,7 @@ def available_layouts() -> list[str]:
         except Exception:
             continue
         if name == "hybrid_shard":
-            import strategies.hybrid as hybrid
+            import gearshift.strategies.hybrid as hybrid
 
             if "layout.shard" not in inspect.getsource(hybrid):
                 continue
@@ -285,7 +285,7 @@ def available_layouts() -> list[str]:
 def streaming_switch() -> bool:
     """Whether TrainWorker.reshard moves state without gathering the whole of it on every rank
     (earlier versions gathered in reshard itself, then in a gathering stand-in of relayout)."""
-    from workers import worker
+    from gearshift.workers import worker
 
     if "everywhere=True" in inspect.getsource(worker.TrainWorker.reshard):
         return False
@@ -407,7 +407,7 @@ def memory_part(args, log) -> dict:
 def checkpoint_rounds(group, world: int, repeats: int, step: int, log) -> dict:
     """Save and load under each format, alternating (full, dcp), (dcp, full), ...; seconds as the
     driver sees them (a save ends when the checkpoint is committed, a load when every rank has its state)."""
-    from workers import checkpoint
+    from gearshift.workers import checkpoint
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-bench-memory-"))
     times: dict[str, list[float]] = {f"{k}_{f}": [] for k in ("save", "load") for f in ("full", "dcp")}
@@ -471,7 +471,7 @@ def cost_model_part(steady: dict) -> dict:
     model, optimizer and micro-batch) against the measured steady state per layout. The prediction
     is taken without its overhead term (MemoryOverhead(0, 0)): that term is the CUDA context and
     the caching allocator's slack, which a CPU process's RSS above its pre-build baseline has not."""
-    from orchestrator import costmodel
+    from gearshift.orchestrator.policy import costmodel
 
     if not hasattr(costmodel, "memory"):
         return {"memory_worst_rel_error": None,

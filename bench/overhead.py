@@ -55,9 +55,9 @@ def plain_loop(rank: int, world: int, steps: int, batch: int, out: str | None) -
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from orchestrator.job import load_job
-    from workers import components
-    from workers.data import GlobalBatches, load_batch
+    from gearshift.orchestrator.job import load_job
+    from gearshift.workers import components
+    from gearshift.workers.data import GlobalBatches, load_batch
 
     torch.set_num_threads(1)
     job = load_job(JOB, [f"train.global_batch_size={batch}"])
@@ -147,7 +147,7 @@ def figures(start: float, wall: float, ends: list[float], batch: int, warmup: in
 
 def run_gearshift(steps: int, batch: int, warmup: int, tmp: pathlib.Path, address: str | None = None) -> dict:
     run_dir = tmp / f"gearshift-{time.monotonic_ns()}"
-    start, wall, _ = timed([sys.executable, "-m", "orchestrator.cli", "run", str(JOB), "--run-dir", str(run_dir),
+    start, wall, _ = timed([sys.executable, "-m", "gearshift", "run", str(JOB), "--run-dir", str(run_dir),
                             "--set", f"cluster.num_workers={WORLD}", "--set", f"train.steps={steps}",
                             "--set", f"train.global_batch_size={batch}", "--set", "checkpoint.every=0",
                             "--set", "parallel.strategy=data", "--set", "telemetry.enabled=true",

@@ -34,7 +34,7 @@ STAGES = ("imports", "job", "ray", "placement", "workers", "rendezvous", "build"
 def run_once(env: dict, tmp: pathlib.Path) -> dict:
     run_dir = tmp / f"run-{time.monotonic_ns()}"
     start = time.time()
-    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(JOB), "--run-dir", str(run_dir),
+    done = subprocess.run([sys.executable, "-m", "gearshift", "run", str(JOB), "--run-dir", str(run_dir),
                            "--set", "cluster.num_workers=2", "--set", "train.steps=5", "--set", "checkpoint.every=0"],
                           cwd=ROOT, env={**os.environ, "RAY_ADDRESS": "", **env}, capture_output=True, text=True,
                           timeout=600)

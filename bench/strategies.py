@@ -37,7 +37,7 @@ MODELS = {"mlp": ROOT / "examples/mlp.yaml", "gpt": ROOT / "examples/gpt.yaml"}
 
 
 def run_once(model: str, world: int, layout: list[str], steps: int, tmp: pathlib.Path) -> dict:
-    from orchestrator import cli
+    from gearshift.orchestrator.commands import cli
 
     run_dir = tmp / f"{model}-{world}-{len(list(tmp.iterdir()))}"
     args = ["run", str(MODELS[model]), "--run-dir", str(run_dir), "--set", f"train.steps={steps}",

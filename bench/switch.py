@@ -42,7 +42,7 @@ def main() -> None:
     cycles = args.cycles or (1 if args.quick else 3)
     steps = args.steps or (4 if args.quick else 8)
 
-    from orchestrator.job import job_from_dict
+    from gearshift.orchestrator.job import job_from_dict
     from bench.local_group import LocalGroup
 
     job = job_from_dict({"model": {"name": "gpt", "kwargs": {"n_embd": args.n_embd, "n_layer": args.n_layer,

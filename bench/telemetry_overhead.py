@@ -52,7 +52,7 @@ CASES = {  # name -> (job mapping, workers)
 
 
 def job_for(spec: dict, workers: int, telemetry: bool, steps: int) -> dict:
-    from orchestrator.job import job_from_dict
+    from gearshift.orchestrator.job import job_from_dict
 
     raw = {**spec, "train": {"steps": steps, "global_batch_size": 32},
            "cluster": {"num_workers": workers},
@@ -110,8 +110,8 @@ class Trackers:
     def __init__(self, spec: dict, workers: int, root: pathlib.Path, period_s: float):
         import types
 
-        from orchestrator import tracking
-        from orchestrator.job import job_from_dict
+        from gearshift.orchestrator.runs import tracking
+        from gearshift.orchestrator.job import job_from_dict
 
         self.tracking = tracking
         raw = {**spec, "cluster": {"num_workers": workers},

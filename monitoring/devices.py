@@ -1,7 +1,7 @@
 """Device samplers for training workers: periodic GPU (NVML) or host (psutil) readings.
 
 Each sampler's `sample()` returns one dict per device in the shape of a "sample" record (see
-`monitoring.schema.SAMPLE`) minus `rank` and `node_ip`, which the worker adds. `make_sampler`
+`gearshift.monitoring.schema.SAMPLE`) minus `rank` and `node_ip`, which the worker adds. `make_sampler`
 picks NVML when this worker was given GPUs that NVML can read and falls back to psutil with a
 one-line reason otherwise; `SamplerThread` runs a sampler in the background so reading devices
 never sits on the training step's critical path.

@@ -17,8 +17,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from monitoring import telemetry
-from monitoring.telemetry import TelemetryError
+from gearshift.monitoring import telemetry
+from gearshift.monitoring.telemetry import TelemetryError
 
 THRESHOLD_PCT = 15.0  # the adaptive policy's default comm-wait threshold (docs/design.md)
 RAW_LIMIT = 3000  # above this many points a series is drawn per bin: median line and min..max band

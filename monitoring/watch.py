@@ -24,7 +24,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from monitoring.telemetry import LOG_PREFIX, TelemetryError
+from gearshift.monitoring.telemetry import LOG_PREFIX, TelemetryError
 
 COMM_WAIT_HIGH_PCT = 15.0  # the adaptive policy's default threshold (docs/design.md)
 NOTABLE = ("decision", "switch", "checkpoint", "resumed", "failed")

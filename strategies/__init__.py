@@ -6,7 +6,7 @@ global norm and clipping, the fp16 scaler, full state, where comm timing attache
 layout is one new file plus one entry in `STRATEGIES`; a user's own layout is a `Strategy`
 object named in the job as "module:name" (or `register`ed in-process). Strategies import
 neither the orchestrator nor the workers. A switch between layouts moves the live state one
-tensor at a time with `strategies.relayout.relayout`.
+tensor at a time with `gearshift.strategies.relayout.relayout`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from strategies.base import GRID, MESHES, REPLICATE, SHARD, Options, Parallel, Strategy
-from strategies.layout import GROUPED, REPLICATED, SHARDED, Layout, LayoutError
-from strategies.tp_plan import PlanError
+from gearshift.strategies.base import GRID, MESHES, REPLICATE, SHARD, Options, Parallel, Strategy
+from gearshift.strategies.layout import GROUPED, REPLICATED, SHARDED, Layout, LayoutError
+from gearshift.strategies.registry import STRATEGIES, register
+from gearshift.strategies.tp_plan import PlanError
 
 __all__ = ["GRID", "MESHES", "REPLICATE", "SHARD", "STRATEGIES", "Layout", "LayoutError", "Options", "Parallel",
            "PlanError", "Strategy", "builtin_names", "lookup", "parallelize", "register"]
@@ -38,7 +39,7 @@ def _apply_of(module: str):
     return apply
 
 
-STRATEGIES: dict[str, Strategy] = {
+STRATEGIES.update({
     "data": Strategy("data", REPLICATE, _apply_of("data"), "DDP: whole replicas, gradients all-reduced in buckets"),
     "tensor": Strategy("tensor", SHARD, _apply_of("tensor"), "Megatron-style column/row shards over every worker",
                        needs_plan=True, meta_ok=True),
@@ -49,18 +50,12 @@ STRATEGIES: dict[str, Strategy] = {
                      "over every worker", sharding=(SHARDED,), meta_ok=True),
     "hsdp": Strategy("hsdp", REPLICATE, _apply_of("fsdp"), "FSDP2 HSDP: sharded inside groups of parallel.shard_size "
                      "workers, replicated across groups", sharding=(GROUPED, SHARDED, REPLICATED), meta_ok=True),
-}
+})
 _BUILTIN = tuple(STRATEGIES)
 
 
 def builtin_names() -> tuple[str, ...]:
     return _BUILTIN
-
-
-def register(strategy: Strategy, name: str | None = None) -> Strategy:
-    """Make `strategy` available under `name` (default: its own) in this process."""
-    STRATEGIES[name or strategy.name] = strategy
-    return strategy
 
 
 @contextlib.contextmanager

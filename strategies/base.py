@@ -16,8 +16,8 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
-from strategies import state
-from strategies.layout import GROUPED, REPLICATED, SHARDED, Layout
+from gearshift.strategies import state
+from gearshift.strategies.layout import GROUPED, REPLICATED, SHARDED, Layout
 
 # How a strategy uses the workers, which decides the (dp, tp) a job's worker count gives it.
 REPLICATE = "replicate"  # every worker a replica: dp = workers, tp = 1

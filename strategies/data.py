@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.base import Options, Parallel
-from strategies.layout import Layout
+from gearshift.strategies.base import Options, Parallel
+from gearshift.strategies.layout import Layout
 
 
 def allreduce_hook(process_group, bucket):

@@ -31,9 +31,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
-from strategies import grads, tensor
-from strategies.base import Options, Parallel
-from strategies.layout import Layout
+from gearshift.strategies import grads, tensor
+from gearshift.strategies.base import Options, Parallel
+from gearshift.strategies.layout import Layout
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from strategies import fsdp, tensor
-from strategies.base import Options, Parallel
-from strategies.grads import GradAverager
-from strategies.layout import Layout
+from gearshift.strategies import fsdp, tensor
+from gearshift.strategies.base import Options, Parallel
+from gearshift.strategies.grads import GradAverager
+from gearshift.strategies.layout import Layout
 
 
 class HybridParallel(tensor.TensorParallel):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gearshift.strategies.registry import STRATEGIES
+
 
 class LayoutError(ValueError):
     """The numbers do not add up; the message prints the equation."""
@@ -136,8 +138,6 @@ def _shard_for(strategy: str, dp: int, shard_size: int | None, dp_shard: bool) -
 
 
 def _strategy(strategy: str):
-    from strategies import STRATEGIES  # the registry imports this module
-
     return STRATEGIES.get(strategy)
 
 

@@ -26,14 +26,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from strategies import lookup, parallelize
-from strategies.base import Options, Parallel
-from strategies.layout import Layout
+from gearshift.strategies import lookup, parallelize
+from gearshift.strategies.base import Options, Parallel
+from gearshift.strategies.layout import Layout
 
 # Gathering a tensor that FSDP shards on top of tensor parallelism takes two all-gathers, and
 # torch warns about it on every such tensor; one gather per tensor is what a switch is.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-from strategies.state import full, shard_like
+from gearshift.strategies.state import full, shard_like
 
 
 def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout,

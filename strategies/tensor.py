@@ -12,10 +12,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from strategies import grads
-from strategies import tp_plan as plans
-from strategies.base import Options, Parallel
-from strategies.layout import Layout
+from gearshift.strategies import grads
+from gearshift.strategies import tp_plan as plans
+from gearshift.strategies.base import Options, Parallel
+from gearshift.strategies.layout import Layout
 
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from orchestrator import cli
+from gearshift.orchestrator.commands import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -158,12 +158,12 @@ def test_bad_job_is_one_paragraph_and_nothing_starts(tmp_path, monkeypatch, caps
     shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
     (tmp_path / "job.yaml").write_text(text)
     monkeypatch.chdir(tmp_path)
-    import orchestrator.worker_group
+    import gearshift.orchestrator.cluster.worker_group
 
     def no_ray(*args, **kwargs):
         pytest.fail("an invalid job must fail before Ray is started or joined")
 
-    monkeypatch.setattr(orchestrator.worker_group, "ray_session", no_ray)
+    monkeypatch.setattr(gearshift.orchestrator.cluster.worker_group, "ray_session", no_ray)
     code = cli.main(["run", "job.yaml"] + [a for o in overrides for a in ("--set", o)])
     err = capsys.readouterr().err.strip()
     assert code == cli.EXIT_BAD_INPUT, err
@@ -203,7 +203,7 @@ def test_more_workers_than_the_machine_fails_fast_and_stops_ray(tmp_path):
     (tmp_path / "job.yaml").write_text(MLP)
     before = _ray_daemons()
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "job.yaml",
+    proc = subprocess.run([sys.executable, "-m", "gearshift", "run", "job.yaml",
                            "--set", "cluster.num_workers=64", "--set", "train.global_batch_size=64"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
@@ -221,7 +221,7 @@ def test_more_workers_than_the_machine_fails_fast_and_stops_ray(tmp_path):
 EMBEDDED_SESSION = """
 import ray
 from ray._private import ray_constants, worker
-from orchestrator.worker_group import ray_session
+from gearshift.orchestrator.cluster.worker_group import ray_session
 
 seen, real = {}, ray.shutdown
 

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from workers import checkpoint
+from gearshift.workers import checkpoint
 
 
 def state(step: int) -> dict:

@@ -8,15 +8,15 @@ import pathlib
 import pytest
 import torch
 
-from monitoring.schema import validate
-from monitoring.telemetry import read
-from orchestrator.controller import Controller
-from orchestrator.errors import WorkerFailed
-from orchestrator.job import load_job
-from orchestrator.reporting import StepMerger
-from orchestrator.rundir import RunDir
-from orchestrator.worker_group import WorkerGroup
-from workers import checkpoint
+from gearshift.monitoring.schema import validate
+from gearshift.monitoring.telemetry import read
+from gearshift.orchestrator.control.controller import Controller
+from gearshift.orchestrator.errors import WorkerFailed
+from gearshift.orchestrator.job import load_job
+from gearshift.orchestrator.control.reporting import StepMerger
+from gearshift.orchestrator.runs.rundir import RunDir
+from gearshift.orchestrator.cluster.worker_group import WorkerGroup
+from gearshift.workers import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -264,7 +264,7 @@ def test_the_controller_leaves_ray_to_the_worker_group():
     import subprocess
     import sys
 
-    code = ("import sys, orchestrator.controller, orchestrator.recovery, orchestrator.bucket_tuning; "
+    code = ("import sys, gearshift.orchestrator.control.controller, gearshift.orchestrator.control.recovery, gearshift.orchestrator.control.bucket_tuning; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -303,8 +303,8 @@ def test_a_lost_worker_is_restarted_from_the_latest_checkpoint_without_ray(tmp_p
 
 
 def test_the_policy_is_passed_in_and_told_of_the_switch_it_asked_for(tmp_path):
-    from orchestrator.policy import KEEP, AdaptConfig, Switch
-    from strategies.layout import Layout
+    from gearshift.orchestrator.policy.adaptive import KEEP, AdaptConfig, Switch
+    from gearshift.strategies.layout import Layout
 
     made = []
 
@@ -339,14 +339,14 @@ def test_the_policy_is_passed_in_and_told_of_the_switch_it_asked_for(tmp_path):
 # ---- what happens at a step boundary
 
 def _layouts():
-    from strategies.layout import Layout
+    from gearshift.strategies.layout import Layout
 
     return Layout("data", 2, 1), Layout("tensor", 1, 2)
 
 
 def test_next_boundary_stops_when_the_steps_or_the_grid_are_done():
-    from orchestrator.boundary import next_boundary
-    from orchestrator.policy import Switch
+    from gearshift.orchestrator.control.boundary import next_boundary
+    from gearshift.orchestrator.policy.adaptive import Switch
 
     data, tensor = _layouts()
     assert next_boundary(10, 10, tensor, Switch(tensor, {})).stop
@@ -355,8 +355,8 @@ def test_next_boundary_stops_when_the_steps_or_the_grid_are_done():
 
 
 def test_next_boundary_puts_the_schedule_before_the_policy():
-    from orchestrator.boundary import Then, next_boundary
-    from orchestrator.policy import Revert, Switch
+    from gearshift.orchestrator.control.boundary import Then, next_boundary
+    from gearshift.orchestrator.policy.adaptive import Revert, Switch
 
     data, tensor = _layouts()
     b = next_boundary(4, 10, tensor, Switch(data, {"x": 1}), judged=True, tuning=True)
@@ -370,8 +370,8 @@ def test_next_boundary_puts_the_schedule_before_the_policy():
 
 
 def test_next_boundary_carries_out_the_policy_and_tunes_what_it_kept():
-    from orchestrator.boundary import Then, next_boundary
-    from orchestrator.policy import Revert, Switch
+    from gearshift.orchestrator.control.boundary import Then, next_boundary
+    from gearshift.orchestrator.policy.adaptive import Revert, Switch
 
     data, tensor = _layouts()
     b = next_boundary(4, 10, None, Switch(tensor, {"w": 0.3}), judged=True)

@@ -8,9 +8,10 @@ import re
 
 import pytest
 
-from orchestrator import cli, costmodel
-from orchestrator.costmodel import Hardware, Link, ModelShape, allgather_time, allreduce_time, overlap, predict
-from orchestrator.policy import AdaptConfig
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy.costmodel import Hardware, Link, ModelShape, allgather_time, allreduce_time, overlap, predict
+from gearshift.orchestrator.policy.adaptive import AdaptConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -144,7 +145,7 @@ def test_the_real_policy_on_a_simulated_128_gpu_vit_huge_run():
     """ViT-Huge/14 (630 M parameters) on 16 nodes x 8 A100 joined by 2 x 100 GbE (25 GB/s a node),
     global batch 4096; the link between nodes drops to a quarter at step 1000 and recovers at 3000.
     The same Policy the controller uses, fed by the cost model's step records."""
-    from orchestrator.simulate import Scenario, simulate
+    from gearshift.orchestrator.policy.simulate import Scenario, simulate
 
     assert VIT_H.params == pytest.approx(632e6, rel=0.01)
     hw = Hardware(nodes=16, per_node=8, flops=150e12, intra=Link(230e9, 3e-6), inter=Link(25e9, 10e-6))
@@ -165,7 +166,7 @@ def test_the_real_policy_on_a_simulated_128_gpu_vit_huge_run():
 def test_the_trial_policy_is_still_there_and_predicting_beats_it():
     """adapt.decide: trial is the rule before prediction: on the ViT run it tries layouts it then
     reverts; prediction does no worse, with fewer reverts."""
-    from orchestrator.simulate import Scenario, simulate
+    from gearshift.orchestrator.policy.simulate import Scenario, simulate
 
     hw = Hardware(nodes=16, per_node=8, flops=150e12, intra=Link(230e9, 3e-6), inter=Link(25e9, 10e-6))
     scenario = Scenario(5000, ((0, 1.0), (1000, 0.25), (3000, 1.0)))
@@ -250,7 +251,7 @@ def test_calibration_reads_the_slowest_compute_and_the_last_arrivals_wait():
 
 
 def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
-    from orchestrator.job import load_job
+    from gearshift.orchestrator.job import load_job
 
     model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
     truth = Hardware(nodes=1, per_node=2, flops=5e10, intra=Link(4e8, 5e-4), inter=Link(4e8, 5e-4))
@@ -321,7 +322,7 @@ def test_runs_that_cannot_calibrate_are_named_with_the_reason():
 
 def test_plan_lists_only_layouts_the_model_can_split_into():
     # the built-in GPT splits attention by whole heads: 4 heads, so no tp of 8 or more
-    from orchestrator.job import load_job
+    from gearshift.orchestrator.job import load_job
 
     model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
     assert model.tp_divides == 4

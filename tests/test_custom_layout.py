@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-import strategies
-from orchestrator.job import JobError, load_job
+from gearshift import strategies
+from gearshift.orchestrator.job import JobError, load_job
 from test_train_equivalence import FIXTURES, MLP, max_diff, reference, run_gearshift, step_losses
 
 

@@ -11,8 +11,8 @@ import pathlib
 import pytest
 import torch
 
-from workers import checkpoint, dcp
-from workers.models import mlp
+from gearshift.workers import checkpoint, dcp
+from gearshift.workers.models import mlp
 
 
 def _trained(seed: int = 0, steps: int = 2):
@@ -108,7 +108,7 @@ def test_full_format_checkpoints_of_earlier_versions_still_load(tmp_path):
 
 
 def test_a_full_format_state_of_another_model_names_the_first_mismatch():
-    from strategies import state
+    from gearshift.strategies import state
 
     model, _ = _trained()
     saved = state.model_state(model)

@@ -13,15 +13,15 @@ import types
 import psutil
 import pytest
 
-from monitoring import devices
-from monitoring.devices import (
+from gearshift.monitoring import devices
+from gearshift.monitoring.devices import (
     MIN_PERIOD_S,
     NvmlSampler,
     PsutilSampler,
     SamplerThread,
     make_sampler,
 )
-from monitoring.schema import validate
+from gearshift.monitoring.schema import validate
 
 UUID = "GPU-5a3c0e1d-0000-1111-2222-333344445555"
 

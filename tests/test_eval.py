@@ -14,16 +14,17 @@ import pathlib
 import pytest
 import torch
 
-from monitoring.report import make_report
-from monitoring.schema import validate
-from monitoring.telemetry import read
-from monitoring.watch import WatchState, render
-from orchestrator.controller import Controller
-from orchestrator.job import load_job
+from gearshift.monitoring.report import make_report
+from gearshift.monitoring.schema import validate
+from gearshift.monitoring.telemetry import read
+from gearshift.monitoring.watch import WatchState, render
+from gearshift.orchestrator.control.controller import Controller
+from gearshift.orchestrator.job import load_job
 from test_controller import make
 from test_train_equivalence import GPT, MLP, run_gearshift
-from workers import checkpoint, components
-from workers.data import load_batch
+from gearshift.workers import checkpoint, components
+from gearshift.workers import dcp
+from gearshift.workers.data import load_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # 100 held-out samples in batches of 32: the last batch is short (4 samples, 2 per dp rank)
@@ -52,7 +53,7 @@ def check_against_checkpoints(job, run_dir, tolerance) -> list[dict]:
     evals = eval_records(run_dir)
     assert [p for r in read(run_dir / "telemetry.jsonl") for p in validate(r)] == []
     for r in evals:
-        state = checkpoint.load_full(run_dir / "checkpoints" / f"step_{r['step']:08d}")
+        state = dcp.load_full(run_dir / "checkpoints" / f"step_{r['step']:08d}")
         assert state["step"] == r["step"]
         want, n = plain_eval_loss(job, state, job.eval.batches)
         assert r["samples"] == n
@@ -70,7 +71,7 @@ def test_eval_loss_equals_plain_pytorch_under_data_then_tensor(ray_cluster, tmp_
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
     evals = check_against_checkpoints(job, tmp_path / "run", 1e-4)
     assert [(r["step"], r["strategy"], r["dp"]) for r in evals] == [(4, "data", 2), (8, "tensor", 1), (12, "tensor", 1)]
-    assert abs(evals[0]["loss"] - plain_eval_loss(job, checkpoint.load_full(tmp_path / "run/checkpoints/step_00000004"),
+    assert abs(evals[0]["loss"] - plain_eval_loss(job, dcp.load_full(tmp_path / "run/checkpoints/step_00000004"),
                                                   None)[0]) <= 1e-5  # data parallel: the tighter bound
     assert all(r["perplexity"] is None and r["batches"] == 4 for r in evals)  # class targets: no perplexity
     best = min(evals, key=lambda r: r["loss"])
@@ -158,7 +159,7 @@ def test_a_resumed_run_keeps_the_earlier_best(tmp_path):
                                                 "checkpoint.keep_best=true", "eval.every=4", HELD_OUT])
     Controller(job, run, factory).run()
     assert json.loads((run.checkpoints / "best.json").read_text())["step"] == 8
-    state = checkpoint.load_full(run.checkpoints / "step_00000012")
+    state = dcp.load_full(run.checkpoints / "step_00000012")
     job2 = load_job(ROOT / "examples/mlp.yaml", ["train.steps=16", "checkpoint.every=4", "checkpoint.keep=1",
                                                  "checkpoint.keep_best=true", "eval.every=4", HELD_OUT])
     summary = Controller(job2, run, factory, resume=("step_00000012", state)).run()

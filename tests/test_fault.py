@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from orchestrator import cli
-from orchestrator.job import load_job
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.job import load_job
 from test_train_equivalence import MLP, max_diff, run_gearshift
-from workers import checkpoint, components
-from workers.data import GlobalBatches
+from gearshift.workers import checkpoint, components
+from gearshift.workers.data import GlobalBatches
 
 pytestmark = [pytest.mark.ray]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ WRITER = r"""
 import sys, time, pathlib
 sys.path.insert(0, sys.argv[2])
 import torch
-from workers import checkpoint
+from gearshift.workers import checkpoint
 root = pathlib.Path(sys.argv[1])
 state = lambda s: {"model": {"w": torch.full((256, 256), float(s))}, "step": s}
 checkpoint.save(root, 10, state(10), keep=5)

@@ -55,7 +55,7 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 # ---------------------------------------------------------------- shared pieces
 
 def tiny_gpt():
-    from workers.models import gpt
+    from gearshift.workers.models import gpt
 
     torch.manual_seed(0)
     return gpt(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
@@ -104,7 +104,7 @@ def train_parallel(par, opt, layout, rank, data, clip=None, micro=1):
 
 def max_diff(par, reference) -> float:
     """Largest difference between the layout's parameters (gathered) and the reference's."""
-    from strategies.state import full
+    from gearshift.strategies.state import full
 
     ref = dict(reference.named_parameters())
     return max(float((full(p.detach()) - ref[n].detach()).abs().max()) for n, p in par.model.named_parameters())
@@ -135,8 +135,7 @@ class CountingComm:
 # ---------------------------------------------------------------- the spawned checks
 
 def _layout_case(rank, world, layout, clip=None, micro=1, comm=None) -> dict:
-    import strategies
-
+    from gearshift import strategies
     data = batches()
     reference = tiny_gpt()
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
@@ -159,8 +158,7 @@ def _layout_case(rank, world, layout, clip=None, micro=1, comm=None) -> dict:
 def _reload_diff(par, opt, layout, plan, rank, reference: tuple, data) -> float:
     """Full state gathered from `par` and loaded into a fresh layout of other weights, then one
     more step on both: the reloaded one must match the reference taking that step too."""
-    import strategies
-
+    from gearshift import strategies
     with torch.no_grad():  # an evaluation first leaves FSDP2's root unit gathered
         par.module(data[0][0][:2])
     full = par.full_state(opt, rank, everywhere=True)
@@ -176,8 +174,8 @@ def _reload_diff(par, opt, layout, plan, rank, reference: tuple, data) -> float:
 
 def _fp16_overflow_on_one_rank(rank, world) -> dict:
     """An inf in one rank's gradient shard: every rank skips the step and lowers the scale."""
-    import strategies
-    from strategies import Layout
+    from gearshift import strategies
+    from gearshift.strategies import Layout
 
     layout = Layout.for_workers("fsdp", world, None)
     par = strategies.parallelize(tiny_gpt(), layout, None, strategies.Options(torch.device("cpu"), fp16=True))
@@ -196,7 +194,7 @@ def _fp16_overflow_on_one_rank(rank, world) -> dict:
 
 
 def _all_cases(rank, world, out_dir):
-    from strategies import Layout
+    from gearshift.strategies import Layout
 
     cases = {
         "fsdp": lambda: _layout_case(rank, world, Layout.for_workers("fsdp", world, None)),
@@ -246,7 +244,7 @@ def test_fp16_ranks_agree_on_an_overflow_in_one_shard(results):
 
 
 def test_layout_rejects_shard_sizes_that_do_not_divide():
-    from strategies import Layout, LayoutError
+    from gearshift.strategies import Layout, LayoutError
 
     with pytest.raises(LayoutError, match=r"groups \* shard_size\(3\) != num_workers\(4\)"):
         Layout.for_workers("hsdp", 4, None, shard_size=3)
@@ -266,8 +264,8 @@ def test_layout_rejects_shard_sizes_that_do_not_divide():
 
 
 def _compiled(rank, world, out_dir):
-    import strategies
-    from strategies import Layout
+    from gearshift import strategies
+    from gearshift.strategies import Layout
 
     data = batches(1)
     reference = tiny_gpt()

@@ -14,8 +14,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator import cli
-from orchestrator.job import Job, JobError, dump_job, load_job
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.job import Job, JobError, dump_job, load_job
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASES = [yaml.safe_load((ROOT / "examples" / name).read_text()) for name in ("mlp.yaml", "gpt.yaml")]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import free_port
-from orchestrator.job import load_job
-from workers.worker import TrainWorker, WorkerConfig
+from gearshift.orchestrator.job import load_job
+from gearshift.workers.worker import TrainWorker, WorkerConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
@@ -68,7 +68,7 @@ def test_gpu_telemetry_reads_nvml_and_times_with_cuda_events():
     injected delay on the one gradient bucket must show up in the measured wait."""
     import statistics
 
-    from monitoring.schema import validate
+    from gearshift.monitoring.schema import validate
 
     delay_ms = 5.0
     job = load_job(ROOT / "examples/mlp.yaml", ["cluster.num_workers=1", "cluster.gpus_per_worker=1",

@@ -7,8 +7,8 @@ import pathlib
 import pytest
 import yaml
 
-from orchestrator.job import JobError, apply_overrides, job_from_dict, load_job
-from orchestrator.rundir import resume_conflicts
+from gearshift.orchestrator.job import JobError, apply_overrides, job_from_dict, load_job
+from gearshift.orchestrator.runs.rundir import resume_conflicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -69,8 +69,8 @@ def test_error_carries_field_value_and_allowed():
 
 
 def test_the_job_knows_the_built_in_strategies_without_importing_torch():
-    import strategies
-    from orchestrator.job import BUILTIN_STRATEGIES
+    from gearshift import strategies
+    from gearshift.orchestrator.job import BUILTIN_STRATEGIES
 
     assert BUILTIN_STRATEGIES == strategies.builtin_names()
 
@@ -81,8 +81,8 @@ def test_checking_a_job_imports_neither_torch_dynamo_nor_dtensor():
     import subprocess
     import sys
 
-    code = ("import sys; from orchestrator.job import load_job; load_job('examples/gpt.yaml'); "
-            "load_job('examples/mlp.yaml'); import workers.worker; "
+    code = ("import sys; from gearshift.orchestrator.job import load_job; load_job('examples/gpt.yaml'); "
+            "load_job('examples/mlp.yaml'); import gearshift.workers.worker; "
             "print(sorted(m for m in ('torch', 'torch._dynamo', 'torch.distributed.tensor') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -91,7 +91,7 @@ def test_checking_a_job_imports_neither_torch_dynamo_nor_dtensor():
 
 @pytest.mark.parametrize("limit", [0, 10**9], ids=["on-meta", "on-real-tensors"])
 def test_a_model_that_does_not_fit_its_data_is_refused_on_meta_and_real_tensors(monkeypatch, limit):
-    from workers import components
+    from gearshift.workers import components
 
     monkeypatch.setattr(components, "REAL_CHECK_PARAMS", limit)
     components.check_builtin_fit({"name": "gpt", "kwargs": {}}, {"name": "chars", "kwargs": {}})
@@ -107,7 +107,7 @@ def test_meta_builds_skip_the_initialisers_in_their_own_thread_only():
     import torch
     from torch import nn
 
-    from workers import components
+    from gearshift.workers import components
 
     original = nn.init.kaiming_uniform_
     inside, built, out = threading.Event(), threading.Event(), {}

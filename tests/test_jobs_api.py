@@ -1,4 +1,4 @@
-"""orchestrator.jobs_api: address resolution, the submission it builds, clean errors.
+"""gearshift.orchestrator.cluster.jobs_api: address resolution, the submission it builds, clean errors.
 
 Everything but the last test runs without Ray; the last one (marked `ray`) starts a
 local Ray with its dashboard and submits through the real Job Submission API.
@@ -25,10 +25,9 @@ import pytest
 import requests
 from ray.job_submission import JobStatus
 
-import orchestrator
 from conftest import free_port
-from orchestrator import jobs_api
-from orchestrator.jobs_api import JobsApiError, build_submission, resolve_address
+from gearshift.orchestrator.cluster import jobs_api
+from gearshift.orchestrator.cluster.jobs_api import JobsApiError, build_submission, resolve_address
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,9 +97,15 @@ def test_runtime_env_ships_working_dir_and_gearshift(job_file):
     assert env["working_dir"] == str(job_file.parent)
     assert set(env["excludes"]) >= {".venv", "runs", ".git", "__pycache__"}
     # The packages this process imports, so the cluster runs the client's gearshift.
-    assert env["py_modules"] == [str(REPO / p) for p in ("orchestrator", "workers", "strategies", "monitoring")]
-    assert env["py_modules"][0] == str(Path(orchestrator.__file__).parent)
-    assert all((Path(p) / "__init__.py").is_file() for p in env["py_modules"])
+    # One py_module, `gearshift`, with its four parts inside (an editable checkout keeps them
+    # beside gearshift/, so they are put together in a copy).
+    [shipped] = map(Path, env["py_modules"])
+    assert shipped.name == "gearshift" and (shipped / "__init__.py").is_file()
+    for part in ("orchestrator", "workers", "strategies", "monitoring"):
+        assert (shipped / part / "__init__.py").read_bytes() == (REPO / part / "__init__.py").read_bytes()
+    assert (shipped / "orchestrator" / "job" / "load.py").is_file()
+    assert not list(shipped.rglob("__pycache__"))
+    assert build_submission(job_file).runtime_env["py_modules"] == [str(shipped)]  # staged once per content
     assert "pip" not in env
     assert build_submission(job_file, pip=["einops==0.8.0"]).runtime_env["pip"] == ["einops==0.8.0"]
     # run dirs must outlive Ray's temporary copy of the working dir
@@ -110,7 +115,7 @@ def test_runtime_env_ships_working_dir_and_gearshift(job_file):
 
 
 def test_runs_root_comes_from_the_environment(monkeypatch, tmp_path):
-    from orchestrator.rundir import runs_root
+    from gearshift.orchestrator.runs.rundir import runs_root
 
     monkeypatch.delenv("GEARSHIFT_RUNS_ROOT", raising=False)
     assert runs_root() == "runs" and runs_root("elsewhere") == "elsewhere"
@@ -122,7 +127,7 @@ def test_entrypoint_runs_the_job_file_with_quoted_overrides(job_file):
     overrides = ["train.steps=5", "model.name=it's a model", "optim.lr=1e-3;rm -rf /"]
     sub = build_submission(job_file, overrides, run_dir="/data/runs/x y")
     argv = shlex.split(sub.entrypoint)
-    assert argv[:5] == ["python", "-m", "orchestrator.cli", "run", "job.yaml"]
+    assert argv[:5] == ["python", "-m", "gearshift", "run", "job.yaml"]
     assert argv[5:] == [
         "--set", "train.steps=5",
         "--set", "model.name=it's a model",
@@ -313,17 +318,17 @@ def test_not_a_dashboard(fake_head):
 # -------------------------------------------------------------- end to end, real Ray
 
 PROBE = """\
-import pathlib, orchestrator.jobs_api
+import pathlib, gearshift.orchestrator.cluster.jobs_api
 here = pathlib.Path(".")
 print("PROBE", (here / "marker.txt").read_text().strip(),
-      "shipped-from=" + str(pathlib.Path(orchestrator.jobs_api.__file__).resolve()),
+      "shipped-from=" + str(pathlib.Path(gearshift.orchestrator.cluster.jobs_api.__file__).resolve()),
       "runs-excluded=" + str(not (here / "runs").exists()))
 """
 
 # Runs in a fresh process: no RAY_AUTH_MODE=token there, unlike this one after ray.init().
 FOLLOWER = """\
 import os, sys
-from orchestrator import jobs_api
+from gearshift.orchestrator.cluster import jobs_api
 url, job_id = sys.argv[1:]
 jobs_api.logs(url, job_id, follow=True)  # returns when the test sends SIGINT
 print("stopped-running-job", jobs_api.stop(url, job_id), flush=True)
@@ -405,7 +410,7 @@ def test_submit_wait_logs_stop_status_against_real_ray(ray_dashboard, tmp_path):
     (work / "probe.py").write_text(PROBE)
     (work / "job.yaml").write_text("name: probe\n")
 
-    # The real runtime_env; only the command differs (orchestrator.cli run would train).
+    # The real runtime_env; only the command differs (`gearshift run` would train).
     # sys.executable: the job's shell has the PATH of whoever started Ray, where `python`
     # need not be this virtualenv's.
     sub = build_submission(work / "job.yaml")
@@ -480,7 +485,7 @@ def test_submit_wait_logs_stop_status_against_real_ray(ray_dashboard, tmp_path):
 def test_gearshift_submit_trains_a_real_job_on_the_cluster(ray_dashboard, tmp_path, capsys):
     """`gearshift submit` through the CLI: the job file's folder travels, the head runs
     `gearshift run` as a Ray job that joins the cluster, trains and writes its run dir."""
-    from orchestrator import cli
+    from gearshift.orchestrator.commands import cli
 
     work = tmp_path / "work"
     work.mkdir()
@@ -517,7 +522,7 @@ def test_gearshift_submit_streams_a_ray_dataset_built_on_the_cluster(ray_dashboa
     and runs on the cluster (in the feeder the head's driver starts), not on this client."""
     import shutil
 
-    from orchestrator import cli
+    from gearshift.orchestrator.commands import cli
 
     work = tmp_path / "work"
     work.mkdir()

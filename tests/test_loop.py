@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from orchestrator.job import load_job
+from gearshift.orchestrator.job import load_job
 from test_train_equivalence import FIXTURES, MLP, max_diff, run_gearshift, step_losses
-from workers import components, schedules
-from workers.data import GlobalBatches
+from gearshift.workers import components, schedules
+from gearshift.workers.data import GlobalBatches
 
 
 def expected_lr(name: str, s: int, total: int, lr: float, warmup: int, m: float) -> float:
@@ -150,8 +150,8 @@ def test_loader_processes_read_the_same_batches(ray_cluster, tmp_path):
 
 
 def test_keep_fp32_modules_compute_in_fp32_under_autocast():
-    from workers.models import gpt
-    from workers.precision import keep_fp32
+    from gearshift.workers.models import gpt
+    from gearshift.workers.precision import keep_fp32
 
     torch.manual_seed(0)
     model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)

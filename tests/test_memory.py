@@ -10,12 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-import strategies
-from orchestrator import cli, costmodel
-from orchestrator.costmodel import GiB, Activations, Hardware, Link, MemoryOverhead, ModelShape, memory, predict
-from orchestrator.policy import AdaptConfig, Policy, Switch, candidate_layouts
-from strategies.base import REPLICATE, Strategy
-from strategies.layout import GROUPED, REPLICATED, SHARDED, Layout
+from gearshift import strategies
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy.costmodel import GiB, Activations, Hardware, Link, MemoryOverhead, ModelShape, memory, predict
+from gearshift.orchestrator.policy.adaptive import AdaptConfig, Policy, Switch, candidate_layouts
+from gearshift.strategies.base import REPLICATE, Strategy
+from gearshift.strategies.layout import GROUPED, REPLICATED, SHARDED, Layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NO_OVERHEAD = MemoryOverhead(0.0, 0.0)
@@ -131,7 +132,7 @@ def test_a_gpt_layer_saves_what_korthikanti_counts_less_dropout():
 
 
 def test_the_built_in_gpt_splits_what_its_plan_shards():
-    from orchestrator.job import load_job
+    from gearshift.orchestrator.job import load_job
 
     model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
     # examples/gpt.yaml: 2 layers of width 128, vocabulary 128, block 64; what tp splits: q, k, v,
@@ -170,8 +171,8 @@ def test_predicted_activations_are_what_autograd_keeps(precision):
     (activations, and under bf16 the weights' casts) within 15 %."""
     import torch
 
-    from orchestrator.job import load_job
-    from workers import components
+    from gearshift.orchestrator.job import load_job
+    from gearshift.workers import components
 
     overrides = [f"train.precision={precision}", "train.global_batch_size=4"]
     for example, x, y in [("gpt.yaml", torch.randint(0, 128, (4, 64)), None),
@@ -261,7 +262,7 @@ def test_plan_marks_what_does_not_fit_and_recommends_what_does(capsys):
 
 
 def test_the_recommendation_names_the_settings_of_a_sharded_layout():
-    from orchestrator.plan_command import recommendation
+    from gearshift.orchestrator.commands.plan import recommendation
 
     hw = Hardware(nodes=2, per_node=8, flops=1e12, intra=Link(1e9), inter=Link(1e9))
     m = ModelShape(params=1e6, flops_per_sample=1e6)
@@ -395,8 +396,8 @@ def test_stepping_back_skips_a_layout_that_does_not_fit(sharded_strategies):
 
 
 def test_job_policy_builds_the_memory_check_from_the_job():
-    from orchestrator.controller import job_policy
-    from orchestrator.job import load_job
+    from gearshift.orchestrator.control.controller import job_policy
+    from gearshift.orchestrator.job import load_job
 
     job = load_job(ROOT / "examples" / "gpt.yaml", ["cluster.num_workers=4", "parallel.strategy=auto", BIG_GPT])
     start = Layout("data", 4, 1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies.tp_plan import PlanError, resolve
-from workers.models import gpt, mlp
+from gearshift.strategies.tp_plan import PlanError, resolve
+from gearshift.workers.models import gpt, mlp
 
 
 @pytest.mark.parametrize("build,make_input,block", [

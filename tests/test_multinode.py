@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from orchestrator.job import load_job
+from gearshift.orchestrator.job import load_job
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -46,7 +46,7 @@ def two_nodes():
 
 def run_on_cluster(cluster, job_file, overrides, run_dir) -> dict:
     """`gearshift run --address` in its own process; returns the run's "starting" event."""
-    args = [sys.executable, "-m", "orchestrator.cli", "run", str(job_file), "--address", cluster.address,
+    args = [sys.executable, "-m", "gearshift", "run", str(job_file), "--address", cluster.address,
             "--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -91,8 +91,8 @@ def test_hybrid_tensor_groups_stay_inside_a_node(two_nodes, tmp_path):
 def test_a_tensor_group_across_nodes_is_refused():
     """Placement gave 3 workers to one node and 1 to the other: tp pairs [0,1],[2,3] would put
     rank 2 and 3 on different nodes. This is checked before any process group exists."""
-    from orchestrator.errors import GearshiftError
-    from orchestrator.worker_group import RayWorkerGroup
+    from gearshift.orchestrator.errors import GearshiftError
+    from gearshift.orchestrator.cluster.worker_group import RayWorkerGroup
 
     job = load_job(ROOT / "examples/gpt.yaml", ["cluster.num_workers=4", "parallel.strategy=hybrid",
                                                 "parallel.tp_size=2"])

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from orchestrator.job import load_job
+from gearshift.orchestrator.job import load_job
 from test_train_equivalence import MLP, max_diff, reference
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -55,7 +55,7 @@ def chaos():
         log.append(("added", time.time()))
 
 threading.Thread(target=chaos, daemon=True).start()
-from orchestrator import cli
+from gearshift.orchestrator.commands import cli
 overrides = json.loads(sys.argv[4])
 code = cli.main(["run", str(pathlib.Path(root) / "examples" / "mlp.yaml"), "--run-dir", str(run_dir),
                  *[a for o in overrides for a in ("--set", o)]])

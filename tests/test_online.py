@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from orchestrator import costmodel
-from orchestrator.costmodel import Hardware, Link, ModelShape
-from orchestrator.online import ChangePoint, OnlineModel
-from orchestrator.policy import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
-from orchestrator.simulate import record
-from strategies.layout import Layout
+from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy.costmodel import Hardware, Link, ModelShape
+from gearshift.orchestrator.policy.online import ChangePoint, OnlineModel
+from gearshift.orchestrator.policy.adaptive import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
+from gearshift.orchestrator.policy.simulate import record
+from gearshift.strategies.layout import Layout
 
 GPT = ModelShape.transformer(layers=24, hidden=2048, seq=1024, vocab=50304, heads=16)
 HW = Hardware(nodes=2, per_node=4, flops=100e12, intra=Link(200e9, 2e-6), inter=Link(10e9, 10e-6))

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from monitoring.schema import validate
-from orchestrator.policy import (
+from gearshift.monitoring.schema import validate
+from gearshift.orchestrator.policy.adaptive import (
     AdaptConfig,
     Keep,
     Policy,
@@ -18,7 +18,7 @@ from orchestrator.policy import (
     Switch,
     candidate_layouts,
 )
-from strategies.layout import Layout
+from gearshift.strategies.layout import Layout
 
 DATA4, HYB2, HYB4 = Layout("data", 4, 1), Layout("hybrid", 2, 2), Layout("hybrid", 1, 4)
 TENSOR4 = Layout("tensor", 1, 4)

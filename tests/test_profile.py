@@ -8,12 +8,12 @@ import pathlib
 import pytest
 import torch
 
-from monitoring import schema
-from orchestrator.rundir import resume_conflicts
-from orchestrator.job import job_from_dict
+from gearshift.monitoring import schema
+from gearshift.orchestrator.runs.rundir import resume_conflicts
+from gearshift.orchestrator.job import job_from_dict
 from tests.test_train_equivalence import MLP, max_diff, run_gearshift
-from workers.config import WorkerConfig
-from workers.profiling import MODULE_PREFIX, StepProfiler
+from gearshift.workers.config import WorkerConfig
+from gearshift.workers.profiling import MODULE_PREFIX, StepProfiler
 
 
 def _loop(prof: StepProfiler, model: torch.nn.Module, steps: int) -> list[int]:
@@ -69,7 +69,7 @@ def test_job_carries_the_window_to_the_workers_and_resume_allows_it():
 
 @pytest.mark.ray
 def test_profile_files_events_report_and_unchanged_math(ray_cluster, tmp_path):
-    from monitoring.report import make_report
+    from gearshift.monitoring.report import make_report
 
     job_file, overrides = MLP[0], MLP[1] + ["cluster.num_workers=2", "train.steps=6"]
     plain = tmp_path / "plain"

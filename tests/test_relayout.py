@@ -26,7 +26,7 @@ def _adam(groups):
 
 
 def _meta_gpt():
-    from workers.models import gpt
+    from gearshift.workers.models import gpt
 
     from test_fsdp import SEQ, VOCAB
 
@@ -35,9 +35,9 @@ def _meta_gpt():
 
 
 def _chain(rank, world, out_dir):
-    import strategies
-    from strategies import Layout
-    from strategies.relayout import relayout
+    from gearshift import strategies
+    from gearshift.strategies import Layout
+    from gearshift.strategies.relayout import relayout
 
     data = batches(STEPS_EACH * len(CHAIN))
     reference = tiny_gpt()
@@ -76,7 +76,7 @@ def test_relayout_chain_trains_like_one_process(tmp_path):
 # ---------------------------------------------------------------- peak memory
 
 def _mlp():
-    from workers.models import mlp
+    from gearshift.workers.models import mlp
 
     torch.manual_seed(0)
     return mlp(in_features=784, hidden=1024, out_features=10, layers=3)  # ~2.9M parameters
@@ -123,9 +123,9 @@ def _at(timeline, t) -> int:
 def _switch(rank, old_name, new_name, streaming: bool) -> dict:
     """Train a step under `old_name`, switch to `new_name` (streaming or by full state), train a
     step; bytes live at each step boundary and the peak during the switch."""
-    import strategies
-    from strategies import Layout
-    from strategies.relayout import relayout
+    from gearshift import strategies
+    from gearshift.strategies import Layout
+    from gearshift.strategies.relayout import relayout
 
     options = strategies.Options(torch.device("cpu"))
     old_layout, new_layout = Layout.for_workers(old_name, 2, None), Layout.for_workers(new_name, 2, None)

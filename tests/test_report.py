@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from monitoring import report, schema
-from monitoring.telemetry import TelemetryError
+from gearshift.monitoring import report, schema
+from gearshift.monitoring.telemetry import TelemetryError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 T0 = 1_800_000_000.0
@@ -250,12 +250,12 @@ def test_errors_say_what_to_do(tmp_path, setup, expected):
 def test_cli_report(made, tmp_path):
     _, run, _ = made
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    ok = subprocess.run([sys.executable, "-m", "orchestrator.cli", "report", str(run), "--out", str(tmp_path)],
+    ok = subprocess.run([sys.executable, "-m", "gearshift", "report", str(run), "--out", str(tmp_path)],
                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "slowest rank rank 1 in 134 of 200 steps" in ok.stdout
     assert f"plots: {tmp_path / 'throughput.png'}" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "orchestrator.cli", "report", str(tmp_path / "nope")],
+    bad = subprocess.run([sys.executable, "-m", "gearshift", "report", str(tmp_path / "nope")],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr and bad.stderr.startswith("gearshift: ")

@@ -10,9 +10,10 @@ import socket
 import pytest
 import torch
 
-from orchestrator import cli, runs_command
-from orchestrator.job import load_job
-from orchestrator.rundir import RunDir
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.commands import runs as runs_command
+from gearshift.orchestrator.job import load_job
+from gearshift.orchestrator.runs.rundir import RunDir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -133,7 +134,7 @@ def test_table_shows_finished_failed_running_and_killed_runs(tmp_path, capsys):
 def test_table_of_a_hundred_runs_reads_only_the_ends_of_their_telemetry(tmp_path, capsys, monkeypatch):
     """A table over many runs must stay quick however long they ran: a run's telemetry is glanced
     at (its first and last few kB), never read whole. Checked by the bytes read, not by a clock."""
-    from orchestrator import runs_command
+    from gearshift.orchestrator.commands import runs as runs_command
 
     big = {"type": "step", "step": 1, "loss": 1.0, "strategy": "data", "dp": 2, "tp": 1, "pad": "x" * 2000}
     first = make_run(tmp_path / "runs")

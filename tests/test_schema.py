@@ -19,9 +19,10 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 
-from orchestrator import cli, job as jobmod
-from orchestrator.job import Job, JobError, job_from_dict, load_job
-from orchestrator.job_schema import SchemaError, _object, job_schema
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.job import fields as jobmod
+from gearshift.orchestrator.job import Job, JobError, job_from_dict, load_job
+from gearshift.orchestrator.job.schema import SchemaError, _object, job_schema
 from test_fuzz import job_documents  # the fuzz test's job files: valid examples with fields changed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from orchestrator.job import JobError, load_job
+from gearshift.orchestrator.job import JobError, load_job
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_the_metrics_endpoint_binds_localhost_unless_told():
 def test_checkpoints_refuse_pickled_code(tmp_path):
     import torch
 
-    from workers import checkpoint
+    from gearshift.workers import checkpoint
 
     class Evil:
         def __reduce__(self):
@@ -45,7 +45,7 @@ def test_checkpoints_refuse_pickled_code(tmp_path):
 
 @pytest.mark.slow
 def test_the_ray_gearshift_starts_keeps_token_authentication_on():
-    code = ("from orchestrator.worker_group import ray_session\n"
+    code = ("from gearshift.orchestrator.cluster.worker_group import ray_session\n"
             "from ray._private.authentication.authentication_utils import is_token_auth_enabled\n"
             "with ray_session(None, num_cpus=1):\n"
             "    print('token auth', is_token_auth_enabled())\n")

@@ -10,10 +10,11 @@ import json
 import pytest
 import torch
 
-from orchestrator import cli
-from orchestrator.job import load_job
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.job import load_job
 from test_train_equivalence import GPT, max_diff, reference, run_gearshift, step_losses
-from workers import checkpoint
+from gearshift.workers import checkpoint
+from gearshift.workers import dcp
 
 pytestmark = [pytest.mark.ray]
 BASE = GPT[1] + ["train.global_batch_size=8", "optimizer.name=adam", "train.grad_clip=0.05"]
@@ -39,7 +40,7 @@ def test_forced_switches_through_every_sharded_layout_equal_plain_pytorch(ray_cl
     assert names == [f"step_{s:08d}" for s in (2, 4, 6, 8, 10, 12)]
     for name in names:
         assert json.loads((run / "checkpoints" / name / "manifest.json").read_text())["format"] == 2
-    last = checkpoint.load_full(run / "checkpoints" / names[-1])
+    last = dcp.load_full(run / "checkpoints" / names[-1])
     assert max_diff(last["model"], final) == 0.0
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies import data as data_strategy
-from workers.models import mlp
+from gearshift.strategies import data as data_strategy
+from gearshift.workers.models import mlp
 
 
 @pytest.mark.parametrize("mb", [1.0, 7.5, 25.0])
 def test_bucket_cap_mb_reaches_ddp(process_group, mb):
-    from strategies import Layout, Options
+    from gearshift.strategies import Layout, Options
 
     ddp = data_strategy.apply(mlp(hidden=64), None, Layout("data", 1, 1), None,
                               Options(torch.device("cpu"), bucket_cap_mb=mb)).module
@@ -23,9 +23,9 @@ def test_bucket_cap_mb_reaches_ddp(process_group, mb):
 def test_param_groups_keep_shards_apart_for_fused_optimizers(process_group):
     """On GPU, Adam's default multi-tensor (foreach) update cannot mix DTensor shards and plain
     tensors in one call; forcing foreach here reproduces that on CPU."""
-    import strategies
-    from strategies.layout import Layout
-    from workers.models import gpt
+    from gearshift import strategies
+    from gearshift.strategies.layout import Layout
+    from gearshift.workers.models import gpt
 
     torch.manual_seed(0)
     model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)

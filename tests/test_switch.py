@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from orchestrator.job import load_job
+from gearshift.orchestrator.job import load_job
 from test_train_equivalence import GPT, MLP, USER_PLAN, max_diff, run_gearshift, user_job
-from workers import checkpoint, components
-from workers.data import GlobalBatches
+from gearshift.workers import components
+from gearshift.workers import dcp
+from gearshift.workers.data import GlobalBatches
 
 pytestmark = [pytest.mark.ray]
 
@@ -61,7 +62,7 @@ def test_forced_switches_reach_the_single_process_result(ray_cluster, tmp_path, 
     assert diff <= 1e-4, f"{which}: max |final - reference| = {diff:.3g} after three switches"
 
     # Adam's moments and step count came through every switch (a reset would restart them)
-    saved = checkpoint.load_full(tmp_path / "run" / "checkpoints" / "step_00000009")["optimizer"]["state"]
+    saved = dcp.load_full(tmp_path / "run" / "checkpoints" / "step_00000009")["optimizer"]["state"]
     assert saved.keys() == ref_adam.keys()
     for name, ref in ref_adam.items():
         assert float(saved[name]["step"]) == float(ref["step"]) == 9

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from monitoring.schema import validate
-from orchestrator import cli
-from orchestrator.job import job_from_dict
+from gearshift.monitoring.schema import validate
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.job import job_from_dict
 from bench.local_group import LocalGroup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ def test_a_ray_run_writes_conforming_telemetry(ray_cluster, tmp_path):
 
 
 def test_the_docs_describe_every_schema_field_and_event():
-    from monitoring import schema
+    from gearshift.monitoring import schema
 
     text = (ROOT / "docs/telemetry.md").read_text()
     names = [*schema.COMMON, *schema.STEP, *schema.SAMPLE, *schema.EVAL, *schema.EVENT, *schema.EVENTS]
@@ -149,7 +149,7 @@ def test_the_docs_describe_every_schema_field_and_event():
 def test_log_echo_throttles_steps_but_never_drops_the_last_one_before_an_event():
     import io
 
-    from monitoring.telemetry import LOG_PREFIX, LogEcho
+    from gearshift.monitoring.telemetry import LOG_PREFIX, LogEcho
 
     out = io.StringIO()
     echo = LogEcho(every_s=3600, stream=out)
@@ -168,7 +168,7 @@ def test_log_echo_throttles_steps_but_never_drops_the_last_one_before_an_event()
 def test_logs_leave_out_telemetry_lines_even_split_across_chunks():
     import io
 
-    from orchestrator.jobs_api import _WithoutTelemetry
+    from gearshift.orchestrator.cluster.jobs_api import _WithoutTelemetry
 
     out = io.StringIO()
     w = _WithoutTelemetry(out)
@@ -188,10 +188,10 @@ def test_workers_export_ray_metrics_to_rays_prometheus_endpoint(ray_cluster, tmp
     import ray
     from prometheus_client.parser import text_string_to_metric_families
 
-    from orchestrator.controller import Controller
-    from orchestrator.job import load_job
-    from orchestrator.rundir import RunDir
-    from orchestrator.worker_group import RayWorkerGroup
+    from gearshift.orchestrator.control.controller import Controller
+    from gearshift.orchestrator.job import load_job
+    from gearshift.orchestrator.runs.rundir import RunDir
+    from gearshift.orchestrator.cluster.worker_group import RayWorkerGroup
     from conftest import wait_until
 
     node = ray._private.worker._global_node
@@ -245,7 +245,7 @@ def test_workers_export_ray_metrics_to_rays_prometheus_endpoint(ray_cluster, tmp
 
 
 def test_the_sink_flushes_step_records_by_count_and_by_time(tmp_path, monkeypatch):
-    from monitoring import telemetry
+    from gearshift.monitoring import telemetry
 
     now = [100.0]
     monkeypatch.setattr(telemetry.time, "monotonic", lambda: now[0])

@@ -17,8 +17,9 @@ import urllib.request
 
 import pytest
 
-from orchestrator import cli, tracking
-from orchestrator.job import JobError, job_from_dict
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.runs import tracking
+from gearshift.orchestrator.job import JobError, job_from_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MLP = ROOT / "examples/mlp.yaml"

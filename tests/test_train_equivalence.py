@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from orchestrator import cli
-from orchestrator.job import Job, load_job
-from workers import components
-from workers.data import GlobalBatches
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.job import Job, load_job
+from gearshift.workers import components
+from gearshift.workers.data import GlobalBatches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

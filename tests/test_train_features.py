@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from orchestrator import cli
+from gearshift.orchestrator.commands import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.ray]
 def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, precision, capsys):
     from test_train_equivalence import max_diff, reference
 
-    from orchestrator.job import load_job
-    from workers import checkpoint
+    from gearshift.orchestrator.job import load_job
+    from gearshift.workers import checkpoint, dcp
 
     overrides = ["train.steps=30", "train.log_every=10", "checkpoint.every=0", "train.grad_clip=1.0"]
     code = cli.main(["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(tmp_path / "run"),
@@ -35,7 +35,7 @@ def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, 
     fp32, _ = reference(load_job(ROOT / "examples/mlp.yaml", overrides))
     assert 1e-5 < max_diff(final, fp32) < 0.2
     path, _ = checkpoint.load_latest(tmp_path / "run/checkpoints")
-    scaler = checkpoint.load_full(path)["scaler"]
+    scaler = dcp.load_full(path)["scaler"]
     if precision == "fp16":  # dynamic loss scaling ran and its state is checkpointed
         assert scaler["scale"] > 0 and "_growth_tracker" in scaler
     else:
@@ -87,14 +87,14 @@ def test_ctrl_c_stops_everything_and_the_run_resumes_exactly(tmp_path):
     from test_train_equivalence import max_diff, reference
 
     from conftest import wait_until
-    from orchestrator.job import load_job
-    from workers import checkpoint
+    from gearshift.orchestrator.job import load_job
+    from gearshift.workers import checkpoint
 
     before = _ray_daemons()
     run = tmp_path / "run"
     overrides = ["train.global_batch_size=32", "checkpoint.every=10", "checkpoint.keep=2"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""}
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run"]
+    cmd = [sys.executable, "-m", "gearshift", "run"]
     proc = subprocess.Popen(cmd + [str(ROOT / "examples/mlp.yaml"), "--run-dir", str(run),
                                    "--set", "train.steps=100000"] + [a for o in overrides for a in ("--set", o)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -139,7 +139,7 @@ def test_precision_and_activation_checkpointing_under_every_strategy(ray_cluster
                                                                      precision, recompute):
     from test_train_equivalence import GPT, LAYOUTS, MLP, max_diff, reference, run_gearshift
 
-    from orchestrator.job import load_job
+    from gearshift.orchestrator.job import load_job
 
     job_file, base = {"mlp": MLP, "gpt": GPT}[which]
     overrides = base + LAYOUTS[layout] + ["train.global_batch_size=16", "train.grad_clip=1.0",

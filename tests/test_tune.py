@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from orchestrator import cli
-from orchestrator.job import load_job
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.job import load_job
 from test_train_equivalence import GPT, MLP, max_diff, run_gearshift
 
 pytestmark = [pytest.mark.ray]
@@ -103,7 +103,7 @@ def test_bad_tune_arguments_are_refused_before_anything_starts(tmp_path, capsys,
 
 
 def test_bucket_sizes_that_hold_every_gradient_are_one_setting():
-    from orchestrator.bucket_tuning import distinct_buckets
+    from gearshift.orchestrator.control.bucket_tuning import distinct_buckets
 
     # 437,504 fp32 parameters: 1.67 MB of gradients; 5 and up all make one bucket
     assert distinct_buckets([1, 5, 10, 25, 50, 100], 437_504) == ([1, 5], {10: 5, 25: 5, 50: 5, 100: 5})

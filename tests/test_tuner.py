@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from orchestrator.tuner import Tuner
+from gearshift.orchestrator.policy.tuner import Tuner
 
 VALUES = [1, 5, 10, 25, 50, 100]
 

@@ -22,9 +22,9 @@ import time
 import pytest
 from rich.console import Console
 
-from monitoring import watch
-from monitoring.schema import validate
-from monitoring.telemetry import LOG_PREFIX, TelemetryError
+from gearshift.monitoring import watch
+from gearshift.monitoring.schema import validate
+from gearshift.monitoring.telemetry import LOG_PREFIX, TelemetryError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 T0 = 1_800_000_000.0
@@ -330,7 +330,7 @@ def run_in_pty(args: list[str], timeout_s: float = 30, during=None) -> tuple[int
     env = {k: v for k, v in os.environ.items()
            if k not in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "PYTEST_CURRENT_TEST")}
     env.update(TERM="xterm-256color", COLUMNS="120", LINES="40")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "watch", *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "gearshift", "watch", *args], cwd=REPO, env=env,
                             stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
     os.close(slave)
     raw = b""
@@ -451,7 +451,7 @@ def test_watching_a_run_whose_driver_was_killed_ends_and_says_so(tmp_path):
     dead.wait(timeout=30)  # its pid now names no process
     (run_dir / "driver.json").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "watch", str(run_dir)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "gearshift", "watch", str(run_dir)], capture_output=True,
                           text=True, timeout=60, cwd=pathlib.Path(__file__).resolve().parents[1])
     assert proc.returncode == 1, proc.stderr
     assert "killed" in proc.stderr and f"--resume {run_dir}" in proc.stderr

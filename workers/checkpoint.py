@@ -245,18 +245,6 @@ def load(path: pathlib.Path) -> dict:
     return torch.load(io.BytesIO(files["state.pt"]), map_location="cpu", weights_only=True)
 
 
-def load_full(path: pathlib.Path) -> dict:
-    """A checkpoint's whole state as full tensors in this process, whichever format it has
-    ({"model", "optimizer", "scaler", "step"}); verified first. For tools and tests: a run loads
-    checkpoints with `load`, each worker reading only its pieces."""
-    state = load(path)
-    if "dcp" not in state:
-        return state
-    from workers import dcp  # it imports this module
-
-    return dcp.full_state(pathlib.Path(path))
-
-
 def load_latest(root: pathlib.Path) -> tuple[pathlib.Path, dict] | None:
     """The newest checkpoint that verifies and loads; broken ones are skipped with a warning."""
     for path in reversed(list_checkpoints(root)):

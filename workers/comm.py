@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 
-from monitoring.comm import CommClock, time_functional_collectives
-from workers.simnet import SimulatedNetwork, delay_functional_collectives
+from gearshift.monitoring.comm import CommClock, time_functional_collectives
+from gearshift.workers.simnet import SimulatedNetwork, delay_functional_collectives
 
 
 class CommRoute:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers import data, models
+from gearshift.workers import data, models
 
 
 class ComponentError(ValueError):
@@ -284,7 +284,7 @@ def model_for_checks(model_spec: dict, search_paths: Iterable[str] = ()) -> tupl
 
 def check_tp_plan(model_spec: dict, job_plan: dict | None, tp: int, search_paths: Iterable[str] = ()) -> None:
     """The plan that would shard this model over `tp` ranks, checked on a meta-device copy."""
-    from strategies.tp_plan import PlanError, resolve
+    from gearshift.strategies.tp_plan import PlanError, resolve
 
     model, returned = model_for_checks(model_spec, search_paths)
     plan = tp_plan(model, job_plan, returned, tp)

@@ -3,7 +3,7 @@
 
 The orchestrator validated every field before a worker started; this only picks what the
 step loop needs and names it. Component specs (model, data, loss, optimizer) stay mappings:
-they are what `workers.components` builds from, the same on the driver and the workers.
+they are what `gearshift.workers.components` builds from, the same on the driver and the workers.
 """
 
 from __future__ import annotations

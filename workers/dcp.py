@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workers.checkpoint import CheckpointError, DCP_DIR, EXTRA, sha256_file
+from gearshift.workers import checkpoint
+from gearshift.workers.checkpoint import CheckpointError, DCP_DIR, EXTRA, sha256_file
 
 
 def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device) -> pathlib.Path | None:
@@ -143,3 +144,13 @@ def _read(folder: pathlib.Path, prefix: str) -> dict:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         return _load_state_dict_from_keys(keys, storage_reader=reader)
+
+
+def load_full(path: pathlib.Path) -> dict:
+    """A checkpoint's whole state as full tensors in this process, whichever format it has
+    ({"model", "optimizer", "scaler", "step"}); verified first. For tools and tests: a run loads
+    checkpoints with `checkpoint.load`, each worker reading only its pieces."""
+    state = checkpoint.load(path)
+    if "dcp" not in state:
+        return state
+    return full_state(pathlib.Path(path))

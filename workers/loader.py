@@ -16,8 +16,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from workers import components, streaming
-from workers.data import GlobalBatches, load_batch
+from gearshift.workers import components, streaming
+from gearshift.workers.data import GlobalBatches, load_batch
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from monitoring.comm import wrap_functional_collectives
-from strategies.layout import Layout
+from gearshift.monitoring.comm import wrap_functional_collectives
+from gearshift.strategies.layout import Layout
 
 
 class SimulatedNetwork:

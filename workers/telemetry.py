@@ -7,8 +7,8 @@ import resource
 
 import torch
 
-from monitoring.comm import CommClock
-from workers.config import WorkerConfig
+from gearshift.monitoring.comm import CommClock
+from gearshift.workers.config import WorkerConfig
 
 
 class WorkerTelemetry:
@@ -24,13 +24,13 @@ class WorkerTelemetry:
         self.rank, self.node_ip = rank, node_ip
         if not cfg.telemetry or self.sampler is not None:
             return None
-        from monitoring.devices import SamplerThread, make_sampler
+        from gearshift.monitoring.devices import SamplerThread, make_sampler
 
         sampler, reason = make_sampler(gpu_ids)
         self.sampler = SamplerThread(sampler, cfg.sample_period_s)
         self.sampler.start()
         if cfg.ray_metrics:
-            from monitoring.metrics import RayMetrics
+            from gearshift.monitoring.metrics import RayMetrics
 
             self.ray_metrics = RayMetrics.create(cfg.name, rank)
         return {"source": sampler.source, "reason": reason}

@@ -15,19 +15,19 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-import strategies
-from monitoring.comm import CommClock
-from strategies.layout import Layout
-from workers import components, dcp, precision, rendezvous, schedules
-from workers.comm import CommRoute
-from workers.config import WorkerConfig
-from workers.data import GlobalBatches, tokens_per_sample
-from workers.evaluation import held_out_loss
-from workers.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
-from workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
-from workers.profiling import StepProfiler
-from workers.simnet import SimulatedNetwork
-from workers.telemetry import WorkerTelemetry
+from gearshift import strategies
+from gearshift.monitoring.comm import CommClock
+from gearshift.strategies.layout import Layout
+from gearshift.workers import components, dcp, precision, rendezvous, schedules
+from gearshift.workers.comm import CommRoute
+from gearshift.workers.config import WorkerConfig
+from gearshift.workers.data import GlobalBatches, tokens_per_sample
+from gearshift.workers.evaluation import held_out_loss
+from gearshift.workers.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
+from gearshift.workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
+from gearshift.workers.profiling import StepProfiler
+from gearshift.workers.simnet import SimulatedNetwork
+from gearshift.workers.telemetry import WorkerTelemetry
 
 __all__ = ["NonFiniteStep", "TrainWorker", "WorkerConfig", "step_seed", "to_cpu"]
 
@@ -126,7 +126,7 @@ class TrainWorker:
         options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16")
         make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer))  # noqa: E731
         if move_from:
-            from strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
+            from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
 
             self.parallel, self.optimizer = relayout(*move_from, model, layout, plan, options, make_optimizer)
         else:

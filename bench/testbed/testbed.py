@@ -165,11 +165,11 @@ class Testbed:
 
     def run_driver(self, argv: list[str], scenario: list[Phase] | None = None,
                    timeout_s: float = 3600, capture: bool = False) -> subprocess.CompletedProcess:
-        """Run `python -m orchestrator.cli ARGV --address HEAD` in the head's namespace. With a
+        """Run `python -m gearshift ARGV --address HEAD` in the head's namespace. With a
         scenario the link's rate follows it while the driver runs: phases timed in seconds from
         the driver's start, or starting at a training step, read from the run's telemetry.jsonl
         (ARGV must then give --run-dir). `self.changes` lists (rate, seconds, step) as applied."""
-        cmd = self._in(self.ns[0], sys.executable, "-m", "orchestrator.cli", *argv, "--address", self.address)
+        cmd = self._in(self.ns[0], sys.executable, "-m", "gearshift", *argv, "--address", self.address)
         stop = threading.Event()
         changer = None
         self.changes: list[tuple[str, float, int | None]] = []

@@ -15,9 +15,9 @@ import socket
 import time
 from typing import Any, Iterator, Protocol, runtime_checkable
 
-from orchestrator.errors import GearshiftError, UsageError, WorkerFailed
-from orchestrator.job import Job
-from orchestrator.startup import STARTUP
+from gearshift.orchestrator.errors import GearshiftError, UsageError, WorkerFailed
+from gearshift.orchestrator.job import Job
+from gearshift.orchestrator.control.startup import STARTUP
 
 log = logging.getLogger("gearshift")
 
@@ -204,7 +204,7 @@ class RayWorkerGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from workers.worker import TrainWorker, WorkerConfig
+        from gearshift.workers.worker import TrainWorker, WorkerConfig
 
         job = self.job
         short = _fits(job, ray.cluster_resources())
@@ -267,8 +267,8 @@ class RayWorkerGroup:
 
         import ray
 
-        from orchestrator.job import JobError
-        from workers import streaming
+        from gearshift.orchestrator.job import JobError
+        from gearshift.workers import streaming
 
         job, spec = self.job, self.job.to_dict()
         wanted = {"data": spec["data"]}

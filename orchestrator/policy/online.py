@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass, replace
 from statistics import median
 
-from orchestrator import costmodel
-from orchestrator.costmodel import Hardware, Link, ModelShape
-from strategies.layout import Layout
+from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy.costmodel import Hardware, Link, ModelShape
+from gearshift.strategies.layout import Layout
 
 FREE = 1e15  # bytes/s: a link whose transfers cost nothing (costmodel._solve's upper bound)
 

@@ -26,13 +26,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import re
 import secrets
 import shlex
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -44,7 +47,7 @@ import requests
 import yaml
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
-from monitoring.telemetry import LOG_PREFIX
+from gearshift.monitoring.telemetry import LOG_PREFIX
 
 # (connect, read) seconds for every HTTP request. Read is generous because the head
 # answers a package upload only after storing it; connect is short because a head that
@@ -213,7 +216,7 @@ def _submission_id(name: str) -> str:
 
 def _entrypoint(python: str, job_file: str, overrides: Sequence[str], run_dir: str | None) -> str:
     # No --address: inside a Ray job RAY_ADDRESS is set, so `run` joins this cluster.
-    argv = [python, "-m", "orchestrator.cli", "run", job_file]
+    argv = [python, "-m", "gearshift", "run", job_file]
     for item in overrides:
         argv += ["--set", item]
     if run_dir is not None:
@@ -243,9 +246,12 @@ def _runtime_env(working_dir: Path, pip: Sequence[str], run_dir: str | None = No
 
 
 def gearshift_package_dirs() -> list[Path]:
-    """Directories of the four gearshift packages this process would import."""
-    dirs = []
-    for name in GEARSHIFT_PACKAGES:
+    """One directory named `gearshift` holding the whole package this process imports, for Ray
+    to send as a py_module: the installed package itself, or (an editable checkout, where
+    orchestrator/ and the rest sit beside gearshift/) a copy put together once per content
+    under the temporary directory."""
+    found = {}
+    for name in ("gearshift", *(f"gearshift.{p}" for p in GEARSHIFT_PACKAGES)):
         # find_spec gives the package's __file__ without running its __init__, which may
         # import torch: seconds we need not spend to submit.
         spec = importlib.util.find_spec(name)
@@ -254,8 +260,39 @@ def gearshift_package_dirs() -> list[Path]:
                 f"package {name!r} is not importable here; install gearshift "
                 "(`pip install -e .` in the checkout) before submitting."
             )
-        dirs.append(Path(spec.origin).parent)
-    return dirs
+        found[name] = Path(spec.origin).parent
+    top = found.pop("gearshift")
+    if all(path == top / name.split(".")[1] for name, path in found.items()):
+        return [top]
+    return [_staged_package(top, found)]
+
+
+def _staged_package(top: Path, parts: Mapping[str, Path]) -> Path:
+    sources = {".": top, **{name.split(".")[1]: path for name, path in parts.items()}}
+    files = sorted((str(Path(rel) / f.relative_to(root)), f) for rel, root in sources.items()
+                   for f in root.rglob("*")
+                   if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc")
+    digest = hashlib.sha256()
+    for rel, f in files:
+        st = f.stat()
+        digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    cache = Path(tempfile.gettempdir()) / f"gearshift-submit-{os.getuid()}"
+    target = cache / digest.hexdigest()[:16] / "gearshift"
+    if target.is_dir():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=cache))
+    try:
+        for rel, f in files:
+            dest = stage / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dest)
+        target.parent.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):  # another submit staged the same content meanwhile
+            stage.rename(target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return target
 
 
 # ------------------------------------------------------------------- public commands

@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from orchestrator import costmodel
-from orchestrator.errors import UsageError
-from orchestrator.online import OnlineModel
-from orchestrator.policy import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
-from strategies.layout import Layout
+from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.errors import UsageError
+from gearshift.orchestrator.policy.online import OnlineModel
+from gearshift.orchestrator.policy.adaptive import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
+from gearshift.strategies.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ def simulate(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_b
 
 def _said(decision) -> str | None:
     """What the decision was weighed on, as the run's terminal line says it."""
-    from orchestrator.reporting import describe
+    from gearshift.orchestrator.control.reporting import describe
 
     text = describe(decision)
     return text.split(": ", 1)[1] if ": " in text else None
@@ -154,7 +154,7 @@ def _name(layout: Layout) -> str:
 
 
 def load_scenario(text: str) -> Scenario:
-    from orchestrator.plan_command import read_yaml_arg
+    from gearshift.orchestrator.commands.plan import read_yaml_arg
 
     doc = read_yaml_arg("--scenario", text)
     try:
@@ -164,8 +164,8 @@ def load_scenario(text: str) -> Scenario:
 
 
 def cmd_simulate(args) -> int:
-    from orchestrator.job import load_job
-    from orchestrator.plan_command import calibrated, global_batch, load_cluster
+    from gearshift.orchestrator.job import load_job
+    from gearshift.orchestrator.commands.plan import calibrated, global_batch, load_cluster
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)

@@ -33,7 +33,7 @@ def collect(job_dict: dict, base_dir: str) -> dict:
 
 
 def write(path: pathlib.Path, job) -> None:
-    from workers.checkpoint import write_file_atomic
+    from gearshift.workers.checkpoint import write_file_atomic
 
     write_file_atomic(path, json.dumps(collect(job.to_dict(), job.base_dir), indent=2).encode())
 

@@ -13,7 +13,7 @@ import os
 import pathlib
 import sys
 
-from orchestrator.errors import GearshiftError, UsageError
+from gearshift.orchestrator.errors import GearshiftError, UsageError
 
 PARAMS = {
     "bucket_cap_mb": "gradient bucket size in MB, numbers > 0",
@@ -60,7 +60,7 @@ def parse_params(items: list[str]) -> dict[str, list]:
 
 def check_space(job, space: dict[str, list]) -> None:
     """Every combination must be a layout the job can take: refused here, before anything starts."""
-    from strategies.layout import Layout, LayoutError
+    from gearshift.strategies.layout import Layout, LayoutError
 
     names = list(space)
     w = job.cluster.num_workers
@@ -97,12 +97,12 @@ def _cell(v) -> str:
 
 
 def cmd_tune(args) -> int:
-    from monitoring.progress import ProgressView
-    from orchestrator.bucket_tuning import BucketTuning, distinct_buckets
-    from orchestrator.controller import Controller
-    from orchestrator.job import dump_job, load_job
-    from orchestrator.rundir import RunDir
-    from orchestrator.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
+    from gearshift.monitoring.progress import ProgressView
+    from gearshift.orchestrator.control.bucket_tuning import BucketTuning, distinct_buckets
+    from gearshift.orchestrator.control.controller import Controller
+    from gearshift.orchestrator.job import dump_job, load_job
+    from gearshift.orchestrator.runs.rundir import RunDir
+    from gearshift.orchestrator.cluster.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
 
     if args.warmup < 0 or args.steps < 1:
         raise UsageError(f"--warmup {args.warmup} / --steps {args.steps}: warm-up steps >= 0, timed steps >= 1")

@@ -15,9 +15,9 @@ import sys
 import tempfile
 import traceback
 
-from orchestrator.errors import GearshiftError, UsageError, WorkerFailed
-from orchestrator.job import JobError
-from orchestrator.startup import STARTUP  # first: its clock starts with the process
+from gearshift.orchestrator.errors import GearshiftError, UsageError, WorkerFailed
+from gearshift.orchestrator.job import JobError
+from gearshift.orchestrator.control.startup import STARTUP  # first: its clock starts with the process
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_watch_command(sub)
     _add_planning_commands(sub)
     _add_report_and_status(sub)
-    from orchestrator.runs_command import add_parsers as _add_runs_commands
+    from gearshift.orchestrator.commands.runs import add_parsers as _add_runs_commands
 
     _add_runs_commands(sub)
     _add_schema_command(sub)
@@ -168,27 +168,27 @@ def _dispatch(args) -> int:
         if args.command == "run":
             return cmd_run(args)
         if args.command == "schema":
-            from orchestrator.job_schema import cmd_schema
+            from gearshift.orchestrator.job.schema import cmd_schema
 
             return cmd_schema(args)
         if args.command == "simulate":
-            from orchestrator.simulate import cmd_simulate
+            from gearshift.orchestrator.policy.simulate import cmd_simulate
 
             return cmd_simulate(args)
         if args.command == "plan":
-            from orchestrator.plan_command import cmd_plan
+            from gearshift.orchestrator.commands.plan import cmd_plan
 
             return cmd_plan(args)
         if args.command == "tune":
-            from orchestrator.tune_command import cmd_tune
+            from gearshift.orchestrator.commands.tune import cmd_tune
 
             return cmd_tune(args)
         if args.command in ("runs", "replay"):
-            from orchestrator import runs_command
+            from gearshift.orchestrator.commands import runs as runs_command
 
             return runs_command.cmd_runs(args) if args.command == "runs" else runs_command.cmd_replay(args)
         if args.command in ("watch", "report"):
-            from monitoring.telemetry import TelemetryError
+            from gearshift.monitoring.telemetry import TelemetryError
 
             try:
                 return cmd_watch(args) if args.command == "watch" else cmd_report(args)
@@ -218,11 +218,11 @@ def _dispatch(args) -> int:
 
 def cmd_jobs(args) -> int:
     """submit, logs, stop, status: the commands that talk to Ray's Job Submission API."""
-    from orchestrator import jobs_api
+    from gearshift.orchestrator.cluster import jobs_api
 
     try:
         if args.command == "submit":
-            from orchestrator.job import load_job
+            from gearshift.orchestrator.job import load_job
 
             job = load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
             job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir,
@@ -243,9 +243,9 @@ def cmd_jobs(args) -> int:
 def _resolve_run(args):
     """(job, run dir to continue or None, checkpoint to resume from or None) from the arguments;
     validates everything before anything starts."""
-    from orchestrator.job import load_job
-    from orchestrator.rundir import RunDir, find_resumable, resume_conflicts, runs_root
-    from workers import checkpoint
+    from gearshift.orchestrator.job import load_job
+    from gearshift.orchestrator.runs.rundir import RunDir, find_resumable, resume_conflicts, runs_root
+    from gearshift.workers import checkpoint
 
     resume_dir = args.resume if isinstance(args.resume, str) else None
     if args.job is None and resume_dir is None:
@@ -255,7 +255,7 @@ def _resolve_run(args):
         saved = run.load_job()
         job = saved
         if args.overrides:
-            from orchestrator.job import apply_overrides, job_from_dict
+            from gearshift.orchestrator.job import apply_overrides, job_from_dict
 
             job = job_from_dict(apply_overrides(saved.to_dict(), args.overrides), saved.base_dir, saved.name)
     else:
@@ -284,7 +284,7 @@ def _resolve_run(args):
 
 
 def _where_to_continue(run) -> str:
-    from workers import checkpoint
+    from gearshift.workers import checkpoint
 
     text = f" Details: {run.log}." if run.log.exists() else ""
     found = checkpoint.list_checkpoints(run.checkpoints)
@@ -304,18 +304,18 @@ def cmd_run(args) -> int:
 def run_job(job, run, resume, args) -> int:
     """Train `job` in `run` (None: a new run dir, at args.run_dir if given) from `resume` (None:
     from step 0); `gearshift replay` comes here too."""
-    from monitoring.progress import ProgressView
-    from orchestrator.controller import Controller
-    from orchestrator.job import dump_job
-    from orchestrator.rundir import RunDir
-    from workers.checkpoint import write_file_atomic
-    from orchestrator.tracking import check_installed
-    from orchestrator.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
+    from gearshift.monitoring.progress import ProgressView
+    from gearshift.orchestrator.control.controller import Controller
+    from gearshift.orchestrator.job import dump_job
+    from gearshift.orchestrator.runs.rundir import RunDir
+    from gearshift.workers.checkpoint import write_file_atomic
+    from gearshift.orchestrator.runs.tracking import check_installed
+    from gearshift.orchestrator.cluster.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
 
     check_installed(job)  # tracking asked for, its package missing: before a run dir or Ray
     if resume and resume[1]["step"] >= job.train.steps:
         if not run.final.exists():  # stopped between its last checkpoint and final.pt
-            from orchestrator.checkpoints import Checkpoints
+            from gearshift.orchestrator.control.checkpoints import Checkpoints
 
             Checkpoints(job, run.checkpoints, None).write_final(resume[1]["step"], run.final)
         print(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
@@ -352,7 +352,7 @@ def run_job(job, run, resume, args) -> int:
 
 
 def cmd_report(args) -> int:
-    from monitoring import report
+    from gearshift.monitoring import report
 
     result = report.make_report(args.run_dir, args.out)
     print(result.summary_text)
@@ -363,12 +363,12 @@ def cmd_report(args) -> int:
 def cmd_watch(args) -> int:
     from rich.console import Console
 
-    from monitoring import watch
+    from gearshift.monitoring import watch
 
     console = Console()
     target = args.target
     if target is None or pathlib.Path(target).exists():
-        from orchestrator.rundir import RunDir
+        from gearshift.orchestrator.runs.rundir import RunDir
 
         path = pathlib.Path(target) if target else _newest_run()
         run = RunDir(path if path.is_dir() else path.parent)
@@ -380,7 +380,7 @@ def cmd_watch(args) -> int:
                   f"Continue it with `gearshift run --resume {run.path}`.", file=sys.stderr)
             return EXIT_FAILED
         return code
-    from orchestrator import jobs_api
+    from gearshift.orchestrator.cluster import jobs_api
 
     try:
         lines = jobs_api.iter_log_lines(args.address, target, timeout_s=args.timeout)
@@ -401,7 +401,7 @@ def _ended(run) -> bool:
 
 
 def _newest_run() -> pathlib.Path:
-    from orchestrator.rundir import runs_root
+    from gearshift.orchestrator.runs.rundir import runs_root
 
     root = pathlib.Path(runs_root())
     runs = sorted((p for p in root.glob("*") if (p / "telemetry.jsonl").is_file()),

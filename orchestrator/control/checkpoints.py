@@ -13,9 +13,9 @@ import pathlib
 
 import torch
 
-from orchestrator.job import Job
-from orchestrator.reporting import Reporter
-from workers import checkpoint
+from gearshift.orchestrator.job import Job
+from gearshift.orchestrator.control.reporting import Reporter
+from gearshift.workers import checkpoint
 
 
 class Checkpoints:
@@ -47,7 +47,7 @@ class Checkpoints:
         folder = self.root / f"step_{step:08d}"
         state = checkpoint.load(folder)
         if "dcp" in state:
-            from workers import dcp
+            from gearshift.workers import dcp
 
             model = dcp.full_model(folder)
         else:

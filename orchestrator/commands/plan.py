@@ -7,8 +7,8 @@ import pathlib
 
 import yaml
 
-from orchestrator import costmodel
-from orchestrator.errors import UsageError
+from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.errors import UsageError
 
 
 def read_yaml_arg(flag: str, text: str, what: str = "a file"):
@@ -57,7 +57,7 @@ def calibrated(job, model: costmodel.ModelShape, hw: costmodel.Hardware, run_dir
         return model, hw, []
     import json  # noqa: PLC0415
 
-    from orchestrator.job import JobError, load_job  # noqa: PLC0415
+    from gearshift.orchestrator.job import JobError, load_job  # noqa: PLC0415
 
     runs = []
     for text in run_dirs:
@@ -177,7 +177,7 @@ def _print_table(model, hw, batch, preds, memory) -> None:
 
 
 def cmd_plan(args) -> int:
-    from orchestrator.job import load_job
+    from gearshift.orchestrator.job import load_job
 
     job = load_job(args.job, args.overrides)
     hw = with_device_memory(load_cluster(args.cluster, args.nodes), getattr(args, "device_memory", None))

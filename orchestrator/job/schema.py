@@ -20,7 +20,7 @@ import json
 import pathlib
 import sys
 
-from orchestrator import job as jobmod
+from gearshift.orchestrator.job import spec as jobmod
 
 DIALECT = "http://json-schema.org/draft-07/schema#"
 
@@ -105,8 +105,8 @@ def schema_text() -> str:
 
 
 def cmd_schema(args) -> int:
-    from orchestrator.errors import UsageError
-    from workers.checkpoint import write_file_atomic
+    from gearshift.orchestrator.errors import UsageError
+    from gearshift.workers.checkpoint import write_file_atomic
 
     text = schema_text()
     if args.output is None:

@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from statistics import fmean, median
 from typing import ClassVar
 
-from orchestrator.online import ChangePoint, Estimate, OnlineModel
-from strategies.layout import Layout
+from gearshift.orchestrator.policy.online import ChangePoint, Estimate, OnlineModel
+from gearshift.strategies.layout import Layout
 
 # null when telemetry is off: without them there is nothing to judge
 TIMING_FIELDS = ("comm_wait_frac_mean", "comm_wait_mean", "data_time_mean", "compute_time_mean")

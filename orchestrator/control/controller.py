@@ -35,20 +35,20 @@ import time
 import traceback
 from typing import Callable
 
-from monitoring.progress import ProgressView
-from orchestrator.boundary import Boundary, Then, next_boundary
-from orchestrator.bucket_tuning import BucketTuning, initial_bucket
-from orchestrator.checkpoints import Checkpoints
-from orchestrator.errors import GearshiftError, WorkerFailed
-from orchestrator.evaluation import Evaluation
-from orchestrator.job import Job, accumulation, scheduled
-from orchestrator.online import OnlineModel
-from orchestrator.policy import AdaptConfig, Decision, Policy, candidate_layouts
-from orchestrator.recovery import Recovery
-from orchestrator.reporting import Reporter, StepMerger
-from orchestrator.rundir import RunDir
-from orchestrator.worker_group import WorkerGroup
-from strategies.layout import Layout
+from gearshift.monitoring.progress import ProgressView
+from gearshift.orchestrator.control.boundary import Boundary, Then, next_boundary
+from gearshift.orchestrator.control.bucket_tuning import BucketTuning, initial_bucket
+from gearshift.orchestrator.control.checkpoints import Checkpoints
+from gearshift.orchestrator.errors import GearshiftError, WorkerFailed
+from gearshift.orchestrator.control.evaluation import Evaluation
+from gearshift.orchestrator.job import Job, accumulation, scheduled
+from gearshift.orchestrator.policy.online import OnlineModel
+from gearshift.orchestrator.policy.adaptive import AdaptConfig, Decision, Policy, candidate_layouts
+from gearshift.orchestrator.control.recovery import Recovery
+from gearshift.orchestrator.control.reporting import Reporter, StepMerger
+from gearshift.orchestrator.runs.rundir import RunDir
+from gearshift.orchestrator.cluster.worker_group import WorkerGroup
+from gearshift.strategies.layout import Layout
 
 
 class State(enum.Enum):
@@ -70,10 +70,10 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
     memory, layouts with sharded state join them and no layout predicted not to fit is switched
     to (costmodel.memory_check); without it memory is not judged, and sharded state, whose only
     gain is memory, is not offered."""
-    import strategies
-    from orchestrator import costmodel
-    from workers import components
-    from workers.components import ComponentError
+    from gearshift import strategies
+    from gearshift.orchestrator.policy import costmodel
+    from gearshift.workers import components
+    from gearshift.workers.components import ComponentError
 
     def shardable(tp: int) -> bool:  # a model that cannot be split tp ways is not a candidate
         dp = job.cluster.num_workers // tp  # nor a layout whose dp the micro-batches do not fit

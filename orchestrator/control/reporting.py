@@ -16,13 +16,13 @@ import os
 import statistics
 import time
 
-from monitoring.progress import ProgressView
-from monitoring.telemetry import JsonlSink, LogEcho
-from orchestrator.errors import GearshiftError
-from orchestrator.job import Job
-from orchestrator.rundir import RunDir
-from orchestrator.startup import STARTUP
-from workers import checkpoint
+from gearshift.monitoring.progress import ProgressView
+from gearshift.monitoring.telemetry import JsonlSink, LogEcho
+from gearshift.orchestrator.errors import GearshiftError
+from gearshift.orchestrator.job import Job
+from gearshift.orchestrator.runs.rundir import RunDir
+from gearshift.orchestrator.control.startup import STARTUP
+from gearshift.workers import checkpoint
 
 log = logging.getLogger("gearshift")
 
@@ -219,7 +219,7 @@ class Reporter:
         """Start the observers the job asks for (a port in use is the user's to fix, before training)."""
         tel = self.job.telemetry
         if tel.metrics_port is not None:
-            from monitoring.metrics import MetricsEndpoint
+            from gearshift.monitoring.metrics import MetricsEndpoint
 
             try:
                 self.metrics = MetricsEndpoint(self.job.name, tel.metrics_host, tel.metrics_port)
@@ -232,7 +232,7 @@ class Reporter:
             self.observers.append(LogEcho())
         if self.metrics:
             self.event("metrics", url=self.metrics.url)
-        from orchestrator import tracking
+        from gearshift.orchestrator.runs import tracking
 
         self.trackers = tracking.start(self.job, self.run_path, self)
         self.observers.extend(self.trackers)
@@ -248,7 +248,7 @@ class Reporter:
 
     def close(self) -> None:
         if self.trackers:  # before the sink closes: what a tracker did not take is said in the telemetry
-            from orchestrator import tracking
+            from gearshift.orchestrator.runs import tracking
 
             try:
                 tracking.finish(self.trackers, self.job.tracking.close_timeout_s, self)

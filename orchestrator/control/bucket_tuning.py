@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.job import Job, scheduled
-from orchestrator.reporting import setting_text
-from orchestrator.tuner import Tuner
-from strategies.layout import Layout
+from gearshift.orchestrator.job import Job, scheduled
+from gearshift.orchestrator.control.reporting import setting_text
+from gearshift.orchestrator.policy.tuner import Tuner
+from gearshift.strategies.layout import Layout
 
 if TYPE_CHECKING:
-    from orchestrator.controller import Controller
+    from gearshift.orchestrator.control.controller import Controller
 
 
 def distinct_buckets(values: list[float], parameters: int | None, tp: int = 1) -> tuple[list[float], dict]:

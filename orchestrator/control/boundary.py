@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from strategies.layout import Layout
+from gearshift.strategies.layout import Layout
 
 
 class Then(enum.Enum):

@@ -22,9 +22,9 @@ import pathlib
 import time
 from typing import Callable
 
-from orchestrator.job import Job
-from orchestrator.reporting import Reporter
-from workers import checkpoint
+from gearshift.orchestrator.job import Job
+from gearshift.orchestrator.control.reporting import Reporter
+from gearshift.workers import checkpoint
 
 
 class Evaluation:

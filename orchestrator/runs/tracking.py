@@ -28,7 +28,7 @@ import pathlib
 import threading
 import time
 
-from orchestrator.errors import GearshiftError, UsageError
+from gearshift.orchestrator.errors import GearshiftError, UsageError
 
 log = logging.getLogger("gearshift")
 
@@ -290,8 +290,8 @@ class MlflowSink:
         self.client.set_terminated(self.run_id, status)
 
     def _report_pngs(self) -> list[pathlib.Path]:
-        from monitoring import report
-        from monitoring.telemetry import TelemetryError
+        from gearshift.monitoring import report
+        from gearshift.monitoring.telemetry import TelemetryError
 
         if not (self.run_dir / "telemetry.jsonl").is_file():
             return []

@@ -541,7 +541,7 @@ def shape_of_job(job) -> ModelShape:
     splits is what the model's plan shards."""
     import torch  # noqa: PLC0415
 
-    from workers import components  # noqa: PLC0415
+    from gearshift.workers import components  # noqa: PLC0415
 
     spec = job.to_dict()["model"]
     grad_bytes = 4.0  # parameters and their gradients stay fp32 under autocast
@@ -590,7 +590,7 @@ def _tp_split_params(model, plan: dict | None) -> float:
     column-parallel (a row-parallel layer's bias is added whole on every rank)."""
     if not plan:
         return 0.0
-    from strategies.tp_plan import PlanError, resolve  # noqa: PLC0415
+    from gearshift.strategies.tp_plan import PlanError, resolve  # noqa: PLC0415
 
     try:
         styles = resolve(model, plan, 1)

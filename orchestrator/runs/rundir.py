@@ -10,9 +10,9 @@ import time
 
 import yaml
 
-from orchestrator.errors import GearshiftError, UsageError
-from orchestrator.job import Job, JobError, dump_job, job_from_dict
-from workers import checkpoint
+from gearshift.orchestrator.errors import GearshiftError, UsageError
+from gearshift.orchestrator.job import Job, JobError, dump_job, job_from_dict
+from gearshift.workers import checkpoint
 
 # Keys that may differ between a run and its resume: they change how long or how often,
 # not what the trajectory is.
@@ -94,7 +94,7 @@ class RunDir:
         checkpoint.write_file_atomic(run.job_file, dump_job(job).encode())
         meta = {"base_dir": job.base_dir, "fingerprint": job.fingerprint(), "name": job.name, "created": time.time()}
         checkpoint.write_file_atomic(run.meta, json.dumps(meta, indent=2).encode())
-        from orchestrator import provenance
+        from gearshift.orchestrator.runs import provenance
 
         provenance.write(run.source, job)
         return run

@@ -1,0 +1,322 @@
+"""The rules between fields and against the code a job names (components, layouts, sizes,
+schedules): `check_job` runs them all, before Ray or any worker starts."""
+
+from __future__ import annotations
+
+
+from gearshift.orchestrator.job.fields import JobError, _READERS
+from gearshift.orchestrator.job.spec import Job, _DATA_FORMS
+
+
+def check_job(job: Job) -> None:
+    """Checks that need more than one field, and the components the job names."""
+    from gearshift.workers.components import ComponentError
+
+    try:
+        _check_components(job)
+    except ComponentError as err:
+        raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+    _check_sizes(job)
+
+
+def _check_components(job: Job) -> None:
+    from gearshift.workers import components  # the registry of built-ins lives with the code that builds them
+
+    for section in ("model", "data", "loss"):
+        spec = getattr(job, section)
+        if spec.name and spec.entrypoint:
+            raise JobError(f"{section}", {"name": spec.name, "entrypoint": spec.entrypoint},
+                           "give either name (a built-in) or entrypoint (your own), not both")
+    if not job.model.name and not job.model.entrypoint:
+        raise JobError("model", None, "is required: a built-in name (" + ", ".join(components.MODELS) +
+                       ') or entrypoint: "module:function"')
+
+    search_paths = [job.base_dir]
+    if job.model.name:
+        components.check_builtin("model", job.model.name, job.model.kwargs, components.MODELS)
+    else:
+        components.check_entrypoint("model.entrypoint", job.model.entrypoint, search_paths, job.model.kwargs)
+
+    if _check_streamed(job, "data", job.to_dict()["data"]):
+        pass
+    elif job.data.entrypoint:
+        components.check_entrypoint("data.entrypoint", job.data.entrypoint, search_paths, job.data.kwargs)
+    else:
+        name = job.data.name or components.default_data_for(job.model.name)
+        if name is None:
+            raise JobError("data", None, "is required for a model given by entry point: a built-in name (" +
+                           ", ".join(components.DATASETS) + ') or entrypoint: "module:function"')
+        components.check_builtin("data", name, job.data.kwargs, components.DATASETS)
+
+    if job.model.name and not (job.data.ray_dataset or job.data.read):
+        spec = job.to_dict()
+        components.check_builtin_fit(spec["model"], spec["data"])
+
+    _check_eval(job, components)
+
+    if job.loss.entrypoint:
+        components.check_entrypoint("loss.entrypoint", job.loss.entrypoint, search_paths, job.loss.kwargs)
+    elif job.loss.name:
+        components.check_builtin("loss", job.loss.name, job.loss.kwargs, components.LOSSES)
+
+
+def _check_eval(job: Job, components) -> None:
+    """Eval data is checked as data is (it must load and fit the model), before anything starts."""
+    ev, spec = job.eval, job.eval.data
+    if job.checkpoint.keep_best and ev.every == 0:
+        raise JobError("checkpoint.keep_best", True, "needs eval.every > 0: the best checkpoint is the one "
+                       "with the lowest eval loss")
+    if ev.every == 0:
+        return
+    if spec is None:
+        raise JobError("eval.data", None, f"is required when eval.every > 0 ({ev.every}): {_DATA_FORMS}",
+                       "Use held-out data, not the training data: for the built-ins, the same name with "
+                       "another seed, e.g. {name: synthetic_digits, kwargs: {seed: 99, size: 1024}}.")
+    if _check_streamed(job, "eval.data", spec):
+        return
+    if spec["name"] and spec["entrypoint"]:
+        raise JobError("eval.data", {"name": spec["name"], "entrypoint": spec["entrypoint"]},
+                       "give either name (a built-in) or entrypoint (your own), not both")
+    if not spec["name"] and not spec["entrypoint"]:
+        raise JobError("eval.data", spec, f"names no data: give {_DATA_FORMS}")
+    with _renamed("data", "eval.data"):
+        if spec["entrypoint"]:
+            components.check_entrypoint("data.entrypoint", spec["entrypoint"], [job.base_dir], spec["kwargs"])
+        else:
+            components.check_builtin("data", spec["name"], spec["kwargs"], components.DATASETS)
+            if job.model.name:
+                components.check_builtin_fit(job.to_dict()["model"], spec)
+
+
+def _check_streamed(job: Job, field: str, spec: dict) -> bool:
+    """A Ray Dataset (ray_dataset or read) is complete and alone; False for map-style data.
+    Its columns, rows and files are checked by its feeder once Ray runs, before any worker."""
+    from gearshift.workers import components, streaming
+
+    streamed = {k: spec[k] for k in ("ray_dataset", "read") if spec.get(k)}
+    if not streamed:
+        for key in ("paths", "input", "target"):
+            if spec.get(key) is not None:
+                raise JobError(f"{field}.{key}", spec[key], "applies to a Ray Dataset: give ray_dataset "
+                               '("module:function") or read (' + ", ".join(_READERS) + ") with it")
+        return False
+    if len(streamed) > 1:
+        raise JobError(field, streamed, "give either ray_dataset (your function) or read (files), not both")
+    mapped = {k: spec[k] for k in ("name", "entrypoint") if spec.get(k)}
+    if mapped:
+        raise JobError(field, {**mapped, **streamed}, "give either a map-style dataset (name, entrypoint) or a "
+                       "Ray Dataset (ray_dataset, read), not both")
+    for key in ("input", "target"):
+        if spec.get(key) is None:
+            raise JobError(f"{field}.{key}", None, "is required with a Ray Dataset: the name of its "
+                           f"{key} column", "For example {read: parquet, paths: data/, input: x, target: y}.")
+    if not isinstance(spec["target"], str):
+        raise JobError(f"{field}.target", spec["target"], "must be one column's name")
+    if spec["read"]:
+        if spec.get("paths") is None:
+            raise JobError(f"{field}.paths", None, f"is required with read: {spec['read']}: the files to read")
+        try:
+            streaming.local_matches(streaming._rooted(spec["paths"], [job.base_dir]))
+        except components.ComponentError as err:
+            raise JobError(f"{field}.paths", err.value, err.allowed, err.hint) from None
+    else:
+        if spec.get("paths") is not None:
+            raise JobError(f"{field}.paths", spec["paths"], "applies to read; a ray_dataset function finds its "
+                           "own files (pass them in kwargs)")
+        with _renamed("data", field):
+            components.check_entrypoint("data.ray_dataset", spec["ray_dataset"], [job.base_dir], spec["kwargs"])
+    if field == "data" and job.data.loader.workers:
+        raise JobError("data.loader.workers", job.data.loader.workers, "must be 0 with a Ray Dataset: Ray Data "
+                       "reads in its own tasks (data.loader.prefetch sets how many steps are kept ahead)")
+    return True
+
+
+class _renamed:
+    """components' checks name the `data` section; for eval data the field is `eval.data`."""
+
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        from gearshift.workers.components import ComponentError
+
+        if isinstance(err, ComponentError) and (err.field_path + ".").startswith(self.old + "."):
+            raise ComponentError(self.new + err.field_path[len(self.old):], err.value, err.allowed,
+                                 err.hint) from None
+        return False
+
+
+def _resolve_strategy(job: Job, field_path: str, name: str):
+    """The registered strategy `name` ("auto" starts as data), importing a user's own
+    "module:name" from the job's folder; JobError when it cannot be found."""
+    from gearshift import strategies
+    try:
+        return strategies.lookup("data" if name == "auto" else name, [job.base_dir])
+    except strategies.LayoutError as err:
+        raise JobError(field_path, name, str(err)) from None
+
+
+def _check_layout(job: Job) -> None:
+    from gearshift.strategies.layout import LayoutError
+    from gearshift.workers import components
+    from gearshift.workers.components import ComponentError
+
+    if job.parallel.strategy == "auto" and job.parallel.tp_size is not None:
+        raise JobError("parallel.tp_size", job.parallel.tp_size, "is chosen by the policy under strategy auto; "
+                       "leave it unset (or pin layouts with adapt.schedule)")
+    _resolve_strategy(job, "parallel.strategy", job.parallel.strategy)
+    try:
+        layout = job.layout
+    except LayoutError as err:
+        text = str(err)
+        field = ("parallel.dp_shard" if "dp_shard" in text and job.parallel.dp_shard else
+                 "parallel.shard_size" if "shard_size" in text and job.parallel.shard_size is not None else
+                 "parallel.tp_size" if job.parallel.tp_size is not None else "parallel.strategy")
+        raise JobError(field, getattr(job.parallel, field.split(".")[1]), text) from None
+    if job.train.activation_checkpointing and not job.model.name:
+        raise JobError("train.activation_checkpointing", True, "is available for the built-in models only; "
+                       "a model given by entry point can use torch.utils.checkpoint itself")
+    if job.parallel.tp_plan and job.parallel.strategy == "data" and not job.adapt.schedule:
+        raise JobError("parallel.tp_plan", job.parallel.tp_plan, "only applies with tensor parallelism; "
+                       "strategy data shards nothing")
+    if _resolve_strategy(job, "parallel.strategy", layout.strategy).needs_plan:
+        try:
+            components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
+        except ComponentError as err:
+            raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+
+
+def _check_adapt(job: Job) -> None:
+    """Every layout the run may switch to must fit the workers, the batch and the model."""
+    from gearshift.strategies.layout import LayoutError
+    from gearshift.workers import components
+    from gearshift.workers.components import ComponentError
+
+    w = job.cluster.num_workers
+    if job.inject.nodes > 1 and w % job.inject.nodes:
+        raise JobError("inject.nodes", job.inject.nodes, f"must divide cluster.num_workers ({w}): "
+                       f"{w} % {job.inject.nodes} = {w % job.inject.nodes}")
+    if job.inject.link is not None and job.inject.nodes < 2:
+        raise JobError("inject.link", job.inject.link, "needs inject.nodes >= 2: a link joins simulated nodes")
+    for i, entry in enumerate(job.adapt.schedule):
+        where = f"adapt.schedule[{i}]"
+        if entry["step"] >= job.train.steps:
+            raise JobError(f"{where}.step", entry["step"], f"must be before the last step (train.steps = {job.train.steps})")
+        _resolve_strategy(job, f"{where}.strategy", entry["strategy"])
+        try:
+            layout = scheduled(job, entry)
+        except LayoutError as err:
+            raise JobError(where, entry, str(err)) from None
+        if job.train.global_batch_size % layout.dp:
+            raise JobError(where, entry, f"dp({layout.dp}) must divide train.global_batch_size "
+                                         f"({job.train.global_batch_size})")
+        if _resolve_strategy(job, f"{where}.strategy", layout.strategy).needs_plan:
+            try:
+                components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
+            except ComponentError as err:
+                raise JobError(err.field_path, err.value, err.allowed, f"(needed by {where}) {err.hint}".strip()) from None
+
+
+def _check_tune(job: Job) -> None:
+    t = job.tune
+    if t.start not in t.bucket_values:
+        raise JobError("tune.start", t.start, f"must be one of tune.bucket_values {t.bucket_values}")
+
+
+def _check_sizes(job: Job) -> None:
+    _check_layout(job)
+    _check_adapt(job)
+    _check_tune(job)
+    dp = job.dp_size
+    if job.train.global_batch_size % dp:
+        raise JobError("train.global_batch_size", job.train.global_batch_size,
+                       f"must divide evenly across the data-parallel workers: "
+                       f"{job.train.global_batch_size} % {dp} = {job.train.global_batch_size % dp}",
+                       f"Use a multiple of {dp}, e.g. {dp * max(1, round(job.train.global_batch_size / dp))}.")
+    _check_micro_batch(job, [("parallel.strategy", job.layout)] + _scheduled_layouts(job))
+    _check_lr_schedule(job)
+    _check_keep_fp32(job)
+    _check_profile(job)
+    if job.optimizer.name != "sgd" and (job.optimizer.momentum or job.optimizer.nesterov):
+        raise JobError("optimizer.momentum", job.optimizer.momentum,
+                       f"applies to sgd only; {job.optimizer.name} uses betas")
+    if job.optimizer.nesterov and job.optimizer.momentum <= 0:
+        raise JobError("optimizer.nesterov", True, "needs optimizer.momentum > 0")
+
+
+def _scheduled_layouts(job: Job) -> list:
+
+    return [(f"adapt.schedule[{i}]", scheduled(job, e)) for i, e in enumerate(job.adapt.schedule)]
+
+
+def scheduled(job: Job, entry: dict, workers: int | None = None):
+    """The layout an adapt.schedule entry names (a resumed or shrunk run may have other `workers`)."""
+    from gearshift.strategies.layout import Layout
+
+    n = workers or job.cluster.num_workers
+    shard = entry.get("shard_size")
+    if entry["strategy"] == "hsdp" and shard is None:
+        shard = job.shard_size("hsdp") if n == job.cluster.num_workers else n // max(1, job.inject.nodes)
+    return Layout.for_workers(entry["strategy"], n, entry["tp_size"], shard, entry.get("dp_shard", False))
+
+
+def accumulation(global_batch: int, micro: int | None, dp: int) -> int | None:
+    """Micro-batches per update on each rank, or None when they do not divide the batch."""
+    if micro is None:
+        return 1
+    share, rest = divmod(global_batch, micro * dp)
+    return share if not rest and share >= 1 else None
+
+
+def _check_micro_batch(job: Job, layouts: list) -> None:
+    """Accumulation = global / (micro x dp) must be a whole number under every layout the run
+    may take (a switch changes dp and keeps the micro-batch)."""
+    g, b = job.train.global_batch_size, job.train.micro_batch_size
+    for where, layout in layouts:
+        if accumulation(g, b, layout.dp) is None:
+            raise JobError("train.micro_batch_size", b,
+                           f"global_batch_size({g}) must be a multiple of micro_batch_size({b}) x dp({layout.dp}) "
+                           f"= {b * layout.dp} under {where} = {layout}: {g} % {b * layout.dp} = {g % (b * layout.dp)}",
+                           "Accumulation steps = global_batch_size / (micro_batch_size x dp).")
+
+
+def _check_lr_schedule(job: Job) -> None:
+    sched, steps = job.optimizer.schedule, job.train.steps
+    if sched.warmup_steps and sched.warmup_steps >= steps:
+        raise JobError("optimizer.schedule.warmup_steps", sched.warmup_steps,
+                       f"must be shorter than the run (train.steps = {steps})")
+    if ":" in sched.name:
+        from gearshift.workers import schedules
+        from gearshift.workers.components import ComponentError
+
+        try:
+            schedules.check_user_schedule(sched.name, job.optimizer.lr, steps, [job.base_dir])
+        except ComponentError as err:
+            raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+
+
+def _check_profile(job: Job) -> None:
+    """A window that runs past the last update would never finish: no trace would be written."""
+    p, steps = job.train.profile, job.train.steps
+    if p and p["start_step"] + p["steps"] - 1 > steps:
+        raise JobError("train.profile", p, f"must end by the last update: start_step + steps - 1 = "
+                       f"{p['start_step'] + p['steps'] - 1} > train.steps = {steps}",
+                       f"With steps: {p['steps']}, start_step may be at most {steps - p['steps'] + 1}." if
+                       p["steps"] <= steps else f"At most train.steps = {steps} updates can be profiled.")
+
+
+def _check_keep_fp32(job: Job) -> None:
+    """Each keep_fp32 pattern must name a module of the model, as a tp plan's patterns must."""
+    p = job.train.precision
+    if not isinstance(p, dict) or not p["keep_fp32"]:
+        return
+    from gearshift.workers import precision
+    from gearshift.workers.components import ComponentError
+
+    try:
+        precision.check_patterns(job.to_dict()["model"], p["keep_fp32"], [job.base_dir])
+    except ComponentError as err:
+        raise JobError(err.field_path, err.value, err.allowed, err.hint) from None

@@ -1,0 +1,357 @@
+"""The job as frozen dataclasses, one per section, and how a raw mapping becomes one: unknown
+keys get a "did you mean", each value goes through its field's checker (fields.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _eval_batches, _f, _float, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str | None = _f(None, _builtin("MODELS"), "a built-in model: mlp, gpt")
+    entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning an nn.Module')
+    kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """Batches read ahead by loader processes (a torch DataLoader over gearshift's own order, so
+    the batches are the same whatever the number of processes, and resume is exact)."""
+
+    workers: int = _f(0, _int(0, 64), "loader processes per worker reading batches ahead; 0 reads in the "
+                                      "step loop")
+    prefetch: int = _f(2, _int(1, 64), "batches each loader process keeps ready (with workers > 0)")
+    pin_memory: bool = _f(False, _bool, "page-locked batches for faster copies to a GPU (ignored on CPU)")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Map-style data (name or entrypoint), or a Ray Dataset streamed to the workers (ray_dataset
+    or read, with input and target naming its columns)."""
+
+    name: str | None = _f(None, _builtin("DATASETS"), "a built-in dataset; default: the one for the built-in model")
+    entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning a map-style Dataset')
+    ray_dataset: str | None = _f(None, _entrypoint, '"module:function" returning a ray.data.Dataset, streamed '
+                                                    "to the workers")
+    read: str | None = _f(None, _reader, "read files with Ray Data and stream them: " + ", ".join(_READERS))
+    paths: Any = _f(None, _columns, "the files read reads: a path, a glob, a folder, or a list of them (relative "
+                                    "to the job file)")
+    input: Any = _f(None, _columns, "the Ray Dataset's input column (a list: columns stacked as features)")
+    target: str | None = _f(None, _str_or_none, "the Ray Dataset's target column")
+    shuffle_buffer: int = _f(8192, _int(0), "Ray Dataset: rows shuffled together within a pass (after the "
+                                            "blocks' order is shuffled); 0: the dataset's own order")
+    kwargs: dict = _f({}, _mapping, "passed to the built-in, the entry point, or Ray Data's reader")
+    loader: LoaderSpec = _section(LoaderSpec, "reading batches ahead in loader processes (map-style data); "
+                                              "prefetch also sets how many steps a streamed dataset keeps ahead")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    name: str | None = _f(None, _builtin("LOSSES"), "cross_entropy or mse")
+    entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning loss_fn(output, target)')
+    kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The learning rate of the s-th update (1-based) of a run of T = train.steps updates:
+    lr * s / W during the warm-up (s <= W), then constant, falling linearly (linear), or along a
+    half cosine (warmup_cosine) to min_lr_ratio * lr at s = T."""
+
+    name: str = _f("constant", _lr_schedule, 'constant, linear, warmup_cosine, or "module:function" taking '
+                                            "(step, total_steps, base_lr) and returning the learning rate")
+    warmup_steps: int = _f(0, _int(0), "updates with the learning rate rising linearly to optimizer.lr")
+    min_lr_ratio: float = _f(0.0, _float(0.0, 1.0), "linear and warmup_cosine end at min_lr_ratio x optimizer.lr")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str = _f("adamw", _choice("sgd", "adam", "adamw"), "the torch.optim optimizer")
+    lr: float = _f(1e-3, _float(0.0, lo_open=True), "learning rate")
+    weight_decay: float = _f(0.0, _float(0.0), "decoupled for adamw, L2 for sgd and adam")
+    momentum: float = _f(0.0, _float(0.0, 0.999999), "sgd only")
+    nesterov: bool = _f(False, _bool, "sgd only")
+    betas: tuple = _f((0.9, 0.999), _betas, "adam and adamw")
+    eps: float = _f(1e-8, _float(0.0, lo_open=True), "adam and adamw")
+    schedule: ScheduleSpec = _section(ScheduleSpec, "the learning rate over the run: warm-up and decay")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    steps: int = _f(100, _int(1), "optimizer steps to train")
+    global_batch_size: int = _f(64, _int(1), "samples per optimizer step, over all data-parallel workers")
+    micro_batch_size: int | None = _f(None, _micro_batch, "samples one worker computes at once; gradients "
+                                      "accumulate over global_batch_size / (micro_batch_size x dp) of them; "
+                                      "null: the whole share of the global batch at once")
+    seed: int = _f(0, _int(0, 2**31 - 1), "seeds the model's initial weights, the data order and dropout")
+    precision: str | dict = _f("fp32", _precision, "fp32, bf16 or fp16 (autocast; fp16 adds loss scaling), or "
+                               "phases: {dtype: bf16 | fp16, fp32_warmup_steps: N, keep_fp32: [module patterns]}")
+    grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
+    log_every: int = _f(10, _int(1), "steps between progress lines")
+    activation_checkpointing: bool = _f(False, _bool, "recompute activations in backward (built-in models)")
+    compile: bool | dict = _f(False, _compile, "torch.compile the model under its layout: true, or {mode, "
+                                               "fullgraph}; compiled again after a switch")
+    profile: dict | None = _f(None, _profile, "record updates start_step..start_step+steps-1 (1-based) with "
+                              "torch.profiler on every rank: {start_step: S, steps: K}; null: no profiling. "
+                              "Traces and tables land in RUN_DIR/profile/")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    num_workers: int = _f(2, _int(1, 4096), "worker actors, one per device")
+    cpus_per_worker: float = _f(1.0, _float(0.0, lo_open=True), "Ray CPUs reserved for each worker")
+    gpus_per_worker: float = _f(0.0, _num_gpus, "0: train on CPU; 1: one GPU per worker")
+    placement: str = _f("pack", _choice("pack", "spread"), "Ray placement group strategy: pack workers onto "
+                                                           "few nodes, or spread them")
+    placement_timeout_s: float = _f(60.0, _float(0.0, lo_open=True), "fail when the cluster cannot fit the job by then")
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    strategy: str = _f("data", _strategy(allow_auto=True),
+                       "auto starts data parallel and lets the adaptive policy switch (see adapt)")
+    tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size")
+    tp_plan: dict = _f({}, _tp_plan, "module-name pattern -> colwise | rowwise, for models without a plan")
+    bucket_cap_mb: float | str = _f(25.0, _bucket, "gradient bucket size in MB, or auto: tuned while training "
+                                                    "(see tune)")
+    tp_across_nodes: bool = _f(False, _bool, "allow tensor-parallel groups that span nodes (slow: for comparisons)")
+    shard_size: int | None = _f(None, _tp_size, "hsdp: workers per shard group (state sharded inside a group, "
+                                                "replicated across groups); null: the workers of one node")
+    dp_shard: bool = _f(False, _bool, "hybrid: shard the data dimension's state (FSDP over dp) instead of "
+                                      "replicating it")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    every: int = _f(0, _int(0), "steps between checkpoints; 0 keeps only the final state")
+    keep: int = _f(3, _int(1), "how many recent checkpoints to keep")
+    keep_best: bool = _f(False, _bool, "also keep the checkpoint with the lowest eval loss (needs eval.every > 0); "
+                                       "checkpoints/best.json names it")
+    format: str = _f("auto", _choice("auto", "dcp", "full"), "dcp: every worker writes its own shards "
+                     "(torch.distributed.checkpoint), nothing gathered; full: whole tensors gathered to one worker "
+                     "and written by the driver; auto: dcp when every worker sees the run directory, else full")
+
+
+@dataclass(frozen=True)
+class AdaptSpec:
+    enabled: bool = _f(True, _bool, "with strategy auto: let the policy switch layouts")
+    threshold: float = _f(0.15, _float(0.0, 1.0, lo_open=True), "comm-wait fraction of the step that calls for a switch")
+    window: int = _f(20, _int(2, 100000), "steps averaged before each decision")
+    cooldown: int = _f(40, _int(0), "steps after a switch before the next one")
+    decide: str = _f("predict", _choice("predict", "trial"),
+                     "predict: move to the layout an online cost model predicts best, when it pays; trial: try "
+                     "the next candidate and keep it if it helped")
+    schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K, shard_size: G, "
+                                       "dp_shard: B}, ...]")
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    """Online tuning of parallel.bucket_cap_mb (when it is auto): a climb over `bucket_values`."""
+
+    bucket_values: list = _f([1.0, 5.0, 10.0, 25.0, 50.0, 100.0], _bucket_values, "bucket sizes (MB) to choose from")
+    start: float = _f(25.0, _float(0.0, 4096.0, lo_open=True), "the value training starts with; one of bucket_values")
+    warmup_steps: int = _f(3, _int(0, 10000), "steps discarded after each change (the new buckets warm up)")
+    trial_steps: int = _f(10, _int(1, 100000), "steps timed per trial; the score is their samples/s")
+    max_trials: int = _f(6, _int(1, 1000), "trials per tuning round (one round at the start, one per layout)")
+
+
+@dataclass(frozen=True)
+class TelemetrySpec:
+    enabled: bool = _f(True, _bool, "per-step timing of data, compute and comm wait, and device sampling")
+    sample_period_s: float = _f(1.0, _float(0.2, 3600.0), "device sampling period (NVML takes a driver lock)")
+    metrics_port: int | None = _f(None, _port, "serve Prometheus /metrics on this port; 0 picks a free one")
+    metrics_host: str = _f("127.0.0.1", _host, "address the /metrics endpoint binds")
+    ray_metrics: bool = _f(True, _bool, "also export through ray.util.metrics (Ray's Prometheus endpoint)")
+
+
+@dataclass(frozen=True)
+class MlflowSpec:
+    tracking_uri: str | None = _f(None, _str_or_none, "where runs go: sqlite:///PATH or file:PATH (no server), or "
+                                  "http://HOST:PORT (an `mlflow server`); null: $MLFLOW_TRACKING_URI, else "
+                                  "sqlite:///RUNS_ROOT/mlflow.db")
+    experiment: str = _f("gearshift", _name, "the MLflow experiment the run is logged under (created if missing)")
+
+
+@_schema(_nullable({"anyOf": [{"type": "boolean"}, {
+    "type": "object", "additionalProperties": False,
+    "properties": {"tracking_uri": _nullable({"type": "string"}), "experiment": _name.schema}}]}))
+def _mlflow(v, path):
+    """null or false (off), true (the defaults), or {tracking_uri, experiment}; normalised to None
+    or the mapping. A value rather than a section: its absence, not a default, means off."""
+    if v is None or v is False:
+        return None
+    if v is True:
+        v = {}
+    if not isinstance(v, dict):
+        raise JobError(path, v, "must be true, false, null, or {tracking_uri: URI, experiment: NAME}")
+    return dataclasses.asdict(_build(MlflowSpec, v, path))
+
+
+@dataclass(frozen=True)
+class TrackingSpec:
+    """Experiment trackers fed from the controller, off the workers' hot path (orchestrator/tracking.py).
+    A tracker that is down or slow never stops or slows training."""
+
+    mlflow: dict | None = _f(None, _mlflow, "log the run to MLflow: true, or {tracking_uri, experiment}; null: off")
+    tensorboard: bool = _f(False, _bool, "write TensorBoard event files to RUN_DIR/tensorboard/")
+    buffer: int = _f(10000, _int(100, 10_000_000), "records held for a slow or unreachable tracker; beyond it the "
+                     "oldest are dropped (and counted)")
+    close_timeout_s: float = _f(30.0, _float(0.0, 3600.0), "at the end of the run, how long to wait for the "
+                                "trackers to catch up and take the artifacts")
+
+
+@dataclass(frozen=True)
+class InjectSpec:
+    """A simulated network, for trying adaptive mode on one machine (workers/simnet.py): the
+    workers grouped into simulated nodes, a slow link between them, a delay on every collective."""
+
+    comm_delay_ms: float = _f(0.0, _float(0.0, 60000.0), "extra latency added to every timed collective")
+    nodes: int = _f(1, _int(1, 4096), "group the workers into this many simulated nodes (consecutive ranks)")
+    link: dict | None = _f(None, _link, "a simulated slow link between simulated nodes: {mb_per_s, latency_ms}")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """What happens when a worker, a node or a step goes wrong."""
+
+    max_failures: int = _f(3, _max_failures, "worker or node failures to recover from (restart from the latest "
+                                             "checkpoint); -1: no limit")
+    collective_timeout_s: float = _f(300.0, _float(1.0, 86400.0), "a collective or a worker silent this long is "
+                                                                 "a failure")
+    on_node_loss: str = _f("shrink", _choice("shrink", "wait"), "shrink: continue on the workers that still fit; "
+                                                              "wait: wait for a replacement node")
+    replacement_timeout_s: float = _f(600.0, _float(0.0, 86400.0), "on_node_loss wait: how long, then fail")
+    on_nan: str = _f("skip", _choice("skip", "stop"), "a step with a non-finite loss or gradient norm: skip its "
+                                                    "batch (the update is not applied) or stop the run")
+
+
+_DATA_FORMS = 'a built-in name, "module:function", or {name | entrypoint, kwargs}'
+
+
+@_schema(_nullable({"anyOf": [
+    {"type": "string", "pattern": r"\S"},
+    {"type": "object", "additionalProperties": False,
+     "properties": {"name": _nullable({"type": "string"}), "entrypoint": _entrypoint.schema,
+                    "kwargs": _mapping.schema}}]}))
+def _eval_data(v, path):
+    """The same forms as the top-level data, normalised to {name, entrypoint, kwargs}. One field
+    rather than a nested section: eval.data is a value of eval, as inject.link is of inject."""
+    if v is None:
+        return None
+    if not isinstance(v, (str, dict)):
+        raise JobError(path, v, f"must be {_DATA_FORMS}")
+    spec = _build(DataSpec, _shorthand(DataSpec, v), path)
+    return dataclasses.asdict(spec)
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Held-out loss while training: at every `every`-th step and at the end, the mean loss over
+    eval.data under the layout in force, in batches of train.global_batch_size, in order."""
+
+    every: int = _f(0, _int(0), "steps between evaluations (and one at the end); 0: no evaluation")
+    data: dict | None = _f(None, _eval_data, f"the held-out data: {_DATA_FORMS}; required when every > 0")
+    batches: int | None = _f(None, _eval_batches, "evaluate the first K batches of eval.data; null: all of it")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str = _f("job", _name, "names the run and its directory; default: the job file's name",
+                   schema_default=False)
+    model: ModelSpec = _section(ModelSpec, 'required: a built-in name (mlp, gpt), "module:function", or '
+                                           "{name | entrypoint, kwargs}")
+    data: DataSpec = _section(DataSpec, 'a built-in name, "module:function", or {name | entrypoint, kwargs}; '
+                                        "default: the built-in model's own data")
+    loss: LossSpec = _section(LossSpec, 'a built-in name, "module:function", or {name | entrypoint, kwargs}; '
+                                        "default: cross_entropy")
+    optimizer: OptimizerSpec = _section(OptimizerSpec, "sgd (momentum, nesterov), adam or adamw (betas, eps)")
+    train: TrainSpec = _section(TrainSpec, "how long, how big a batch, which seed and precision")
+    cluster: ClusterSpec = _section(ClusterSpec, "how many workers and what each takes from Ray")
+    parallel: ParallelSpec = _section(ParallelSpec, "the layout training starts with: data, tensor, hybrid, or auto")
+    adapt: AdaptSpec = _section(AdaptSpec, "when the layout changes while training: the policy, or a schedule")
+    tune: TuneSpec = _section(TuneSpec, "online tuning of parallel.bucket_cap_mb when it is auto")
+    fault: FaultSpec = _section(FaultSpec, "what happens when a worker, a node or a step goes wrong")
+    checkpoint: CheckpointSpec = _section(CheckpointSpec, "how often the training state is saved")
+    eval: EvalSpec = _section(EvalSpec, "held-out loss while training: every N steps and at the end")
+    telemetry: TelemetrySpec = _section(TelemetrySpec, "per-step timing, device sampling and metrics endpoints")
+    tracking: TrackingSpec = _section(TrackingSpec, "experiment tracking: MLflow and TensorBoard")
+    inject: InjectSpec = _section(InjectSpec, "for tests: make a fast machine behave like a slow cluster")
+    # Where the job file lies: entry-point modules next to it are importable. Not a YAML key.
+    base_dir: str = field(default=".", metadata={"internal": True}, compare=False)
+
+    @property
+    def layout(self):
+        from gearshift.strategies.layout import Layout
+
+        # auto starts data parallel; the policy moves it from there
+        strategy = "data" if self.parallel.strategy == "auto" else self.parallel.strategy
+        p = self.parallel
+        return Layout.for_workers(strategy, self.cluster.num_workers, p.tp_size, self.shard_size(strategy), p.dp_shard)
+
+    def shard_size(self, strategy: str) -> int | None:
+        """hsdp's shard group: parallel.shard_size, else the workers of one node (the simulated
+        nodes' size here; the placement's own node size once the workers are placed)."""
+        if strategy != "hsdp" or self.parallel.shard_size is not None:
+            return self.parallel.shard_size
+        return self.cluster.num_workers // max(1, self.inject.nodes)
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    def to_dict(self) -> dict:
+        """The resolved job as plain data: what `job.yaml` in the run dir holds."""
+        out = dataclasses.asdict(self)
+        out.pop("base_dir")
+        out["optimizer"]["betas"] = list(out["optimizer"]["betas"])
+        return out
+
+    def fingerprint(self) -> str:
+        """A short hash of everything that changes the result; same config, same fingerprint."""
+        data = self.to_dict()
+        data.pop("name")
+        data.pop("tracking")  # where the run is reported, not what it computes
+        blob = json.dumps(data, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:8]
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+def _build(cls, raw: Any, path: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise JobError(path or "(top level)", raw, f"must be a mapping with keys {', '.join(_fields(cls))}")
+    known = _fields(cls)
+    values = {}
+    for key, value in raw.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.5)
+            hint = f"Did you mean {(path + '.' if path else '') + close[0]!r}?" if close else ""
+            raise JobError(sub, value, f"unknown key; {path or 'the top level'} takes {', '.join(known)}", hint)
+        f = known[key]
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            values[key] = _build(f.default_factory, _shorthand(f.default_factory, value), sub)
+        else:
+            values[key] = f.metadata["check"](value, sub)
+    return cls(**values)
+
+
+def _shorthand(cls, value):
+    """`model: mlp`, `loss: cross_entropy` and `loss: "mod:fn"` are short for the mapping form."""
+    if isinstance(value, str) and cls in (ModelSpec, DataSpec, LossSpec):
+        return {"entrypoint": value} if ":" in value else {"name": value}
+    if isinstance(value, str) and cls is ScheduleSpec:  # `schedule: warmup_cosine`
+        return {"name": value}
+    return value

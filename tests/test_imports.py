@@ -1,0 +1,144 @@
+"""gearshift is one import package: no cycles between its modules, nothing of ours at the top level
+of `sys.path`, and every package folder installed. Pure logic, except the subprocess checks."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = ("orchestrator", "workers", "strategies", "monitoring")
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name, from the repository's folders."""
+    found = {}
+    roots = {"gearshift": REPO / "gearshift", **{f"gearshift.{p}": REPO / p for p in PARTS}}
+    for prefix, root in roots.items():
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).with_suffix("").parts
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            found[".".join((prefix, *rel))] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports anywhere in its body (module level, inside
+    functions, under TYPE_CHECKING). `from pkg import name` counts as an import of the
+    submodule pkg.name when there is one, else of pkg itself."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_one():
+    # the check itself can fail: a two-module cycle and a longer one are found, a chain is not
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_function_level_imports_count():
+    graph = import_graph()
+    # commands.cli imports the runs command inside a function only
+    assert "gearshift.orchestrator.commands.runs" in graph["gearshift.orchestrator.commands.cli"]
+    assert "gearshift.workers.checkpoint" in graph["gearshift.orchestrator.control.checkpoints"]
+
+
+def test_flow_runs_one_way():
+    """Workers never import the orchestrator; strategies import neither; monitoring neither."""
+    for name, edges in import_graph().items():
+        for part, banned in (("workers", ("orchestrator",)), ("strategies", ("orchestrator", "workers")),
+                             ("monitoring", ("orchestrator", "workers"))):
+            if name.startswith(f"gearshift.{part}"):
+                bad = [e for e in edges if any(e.startswith(f"gearshift.{b}") for b in banned)]
+                assert not bad, f"{name} imports {bad}"
+
+
+def test_every_package_is_installed():
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert packages == listed, f"pyproject.toml's packages differ: missing {packages - listed}, extra {listed - packages}"
+
+
+def test_modules_stay_small():
+    big = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > 650}
+    assert not big, f"modules over 650 lines: {big}"
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_nothing_of_ours_at_the_top_level(tmp_path):
+    """Outside the checkout, `orchestrator`, `workers`, `strategies` and `monitoring` are not ours:
+    a user's module of that name is the one imported."""
+    (tmp_path / "monitoring.py").write_text("WHOSE = 'user'\n")
+    code = ("import importlib.util, monitoring, gearshift.monitoring.progress\n"
+            "print(monitoring.WHOSE, [n for n in ('orchestrator', 'workers', 'strategies') "
+            "if importlib.util.find_spec(n)])")
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["user", "[]"]
+
+
+@pytest.mark.parametrize("module", ["gearshift", "gearshift.workers.worker", "gearshift.strategies"])
+def test_worker_side_imports_stay_light(module, tmp_path):
+    """Importing the package or a worker's code loads no driver code (the API is loaded lazily)."""
+    code = (f"import sys, {module}\n"
+            "print(sorted(m for m in sys.modules if m.startswith('gearshift.orchestrator')))")
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
