@@ -6,7 +6,7 @@ Calibration (orchestrator/costmodel.py) fits the figures from runs' own telemetr
   bandwidth (the comm wait of the rank that reached the all-reduce last);
 - a tensor-parallel run fits the work a sharded layout adds on every rank (its compute beyond its
   FLOPs), and the per-hop latency of the link (its comm wait beyond the bandwidth term); the two
-  are fitted together (costmodel.calibrate_pair) until bandwidth and latency agree with both.
+  are fitted together (calibration.calibrate_pair) until bandwidth and latency agree with both.
 
 On loopback, world 2 runs data 2x1 and tensor 1x2 to calibrate; world 4 runs data 4x1 to refit
 the device rate and link (four workers share the two cores), and then tensor 1x4 and hybrid 2x2
@@ -38,7 +38,8 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import cli, costmodel  # noqa: E402
+from gearshift.orchestrator.commands import cli  # noqa: E402
+from gearshift.orchestrator.policy import calibration, costmodel  # noqa: E402
 from gearshift.orchestrator.job import load_job  # noqa: E402
 
 JOB = ROOT / "examples" / "gpt.yaml"
@@ -82,12 +83,12 @@ def records(run_dir: pathlib.Path) -> list[dict]:
 
 
 def row(where: str, layout: str, recs: list[dict], pred: costmodel.Prediction, calibration: bool) -> dict:
-    rs = costmodel.steady(recs)
-    measured = costmodel.measured_step(recs)
+    rs = calibration.steady(recs)
+    measured = calibration.measured_step(recs)
     r = {"where": where, "layout": layout, "calibration": calibration,
          "measured_ms": measured * 1e3,
-         "measured_compute_ms": costmodel._median([costmodel.slowest_compute(x) for x in rs]) * 1e3,
-         "measured_wait_ms": costmodel._median([costmodel.transfer_wait(x) for x in rs]) * 1e3,
+         "measured_compute_ms": calibration._median([calibration.slowest_compute(x) for x in rs]) * 1e3,
+         "measured_wait_ms": calibration._median([calibration.transfer_wait(x) for x in rs]) * 1e3,
          "predicted_ms": pred.step_s * 1e3, "predicted_compute_ms": pred.compute_s * 1e3,
          "predicted_wait_ms": pred.exposed_wait_s * 1e3}
     r["rel_error"] = abs(pred.step_s - measured) / measured
@@ -103,7 +104,7 @@ def loopback(out: pathlib.Path, model: costmodel.ModelShape, steps: int):
     # world 2: calibrate everything
     data2 = run_local(out, "data2", 2, ["parallel.strategy=data"], steps)
     tensor2 = run_local(out, "tensor2", 2, ["parallel.strategy=tensor"], steps)
-    model, hw2 = costmodel.calibrate_pair(model, data2, tensor2, BATCH, per_node=2)
+    model, hw2 = calibration.calibrate_pair(model, data2, tensor2, BATCH, per_node=2)
     rows.append(row("loopback", "data 2x1", data2, costmodel.predict(model, hw2, BATCH, 2, 1), True))
     rows.append(row("loopback", "tensor 1x2", tensor2, costmodel.predict(model, hw2, BATCH, 1, 2), True))
     print(f"  world 2: {hw2.flops / 1e9:.1f} GFLOP/s a worker, link {link_rate(hw2.intra.bandwidth)} and "
@@ -111,7 +112,7 @@ def loopback(out: pathlib.Path, model: costmodel.ModelShape, steps: int):
           f"{model.tp_overhead_flops / hw2.flops * 1e3:.1f} ms of work a step", flush=True)
     # world 4: the device rate and link refitted (four workers on two cores), the rest predicted
     data4 = run_local(out, "data4", 4, ["parallel.strategy=data"], steps)
-    hw4 = costmodel.calibrate(model, data4, BATCH, per_node=4, latency=hw2.intra.latency)
+    hw4 = calibration.calibrate(model, data4, BATCH, per_node=4, latency=hw2.intra.latency)
     rows.append(row("loopback", "data 4x1", data4, costmodel.predict(model, hw4, BATCH, 4, 1), True))
     print(f"  world 4: {hw4.flops / 1e9:.1f} GFLOP/s a worker, link {link_rate(hw4.intra.bandwidth)}", flush=True)
     for name, dp, tp, sets in [("tensor", 1, 4, ["parallel.strategy=tensor"]),
@@ -147,7 +148,7 @@ def testbed(out: pathlib.Path, model: costmodel.ModelShape, local: costmodel.Har
             if not REPLAY:
                 tb.set_rate(rate)
             data = on_testbed(f"tb-data-{rate}", ["parallel.strategy=data"], steps)
-            fitted = costmodel.calibrate(model, data, BATCH, per_node=2, nodes=2, latency=local.intra.latency)
+            fitted = calibration.calibrate(model, data, BATCH, per_node=2, nodes=2, latency=local.intra.latency)
             hw = costmodel.replace(local, nodes=2, per_node=2, flops=fitted.flops, inter=fitted.inter)
             rows.append(row(f"testbed {rate}", "data 4x1", data, costmodel.predict(model, hw, BATCH, 4, 1), True))
             print(f"  testbed {rate}: link between the nodes fitted at {link_rate(hw.inter.bandwidth)}", flush=True)

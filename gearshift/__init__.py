@@ -1,1 +1,36 @@
-"""gearshift: distributed PyTorch training on Ray that shifts the model's layout while it trains."""
+"""gearshift: distributed PyTorch training on Ray that shifts the model's layout while it trains.
+
+    import gearshift
+    result = gearshift.run("examples/mlp.yaml", overrides={"train.steps": 40})
+    print(result.final_loss, result.model_path)
+
+The API (gearshift/api.py) is imported on first use: a worker that imports `gearshift.workers`
+or `gearshift.strategies` loads none of the driver's code.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_API = {
+    "load_job": "gearshift.api", "check": "gearshift.api", "run": "gearshift.api", "submit": "gearshift.api",
+    "Result": "gearshift.api", "Submission": "gearshift.api", "Check": "gearshift.api",
+    "Job": "gearshift.orchestrator.job", "JobError": "gearshift.orchestrator.job",
+    "RunFailed": "gearshift.orchestrator.errors", "GearshiftError": "gearshift.orchestrator.errors",
+    "UsageError": "gearshift.orchestrator.errors",
+}
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        value = getattr(importlib.import_module(_API[name]), name)
+        globals()[name] = value  # once: later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module 'gearshift' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_API))

@@ -18,9 +18,10 @@ def _eta(seconds: float) -> str:
 
 
 class ProgressView:
-    def __init__(self, stream=None):
-        self.console = Console(file=stream or sys.stderr, highlight=False, soft_wrap=True)
-        self.live = self.console.is_terminal
+    def __init__(self, stream=None, quiet: bool = False):
+        # quiet: nothing is shown (the Python API's default; the run's files have it all)
+        self.console = Console(file=stream or sys.stderr, highlight=False, soft_wrap=True, quiet=quiet)
+        self.live = self.console.is_terminal and not quiet
         self._progress = None
 
     def start(self, total_steps: int, global_batch: int, start_step: int = 0, log_every: int = 10) -> None:

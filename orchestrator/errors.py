@@ -11,6 +11,16 @@ class UsageError(GearshiftError):
     """Wrong arguments (a run dir that is not one, or is taken): exit status 2, nothing started."""
 
 
+class RunFailed(GearshiftError):
+    """A run that started and did not finish: `reason` says why in one paragraph, `run_dir` holds
+    what it left (telemetry, checkpoints, gearshift.log with a worker's traceback)."""
+
+    def __init__(self, reason: str, run_dir=None):
+        self.reason = reason
+        self.run_dir = run_dir
+        super().__init__(reason)
+
+
 class WorkerFailed(GearshiftError):
     """A worker raised, died or stopped answering. `details` keeps the worker's traceback for the
     run's log; the message stays one paragraph."""

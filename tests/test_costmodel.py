@@ -10,6 +10,8 @@ import pytest
 
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy import calibration
+from gearshift.orchestrator.policy import hardware
 from gearshift.orchestrator.policy.costmodel import Hardware, Link, ModelShape, allgather_time, allreduce_time, overlap, predict
 from gearshift.orchestrator.policy.adaptive import AdaptConfig
 
@@ -83,16 +85,16 @@ def test_calibration_recovers_the_figures_a_run_was_made_with():
     start = costmodel.replace(true_model, tp_overhead_flops=0.0)
     data = _records(predict(true_model, truth, 32, 4, 1), 4, 1)
     tensor = _records(predict(true_model, truth, 32, 1, 4), 1, 4)
-    hw = costmodel.calibrate(start, data, 32, per_node=4, latency=4e-4)
+    hw = calibration.calibrate(start, data, 32, per_node=4, latency=4e-4)
     assert hw.flops == pytest.approx(3e10) and hw.intra.bandwidth == pytest.approx(2e8)
-    model, hw = costmodel.calibrate_tensor(start, hw, tensor, 32)
+    model, hw = calibration.calibrate_tensor(start, hw, tensor, 32)
     assert model.tp_overhead_flops == pytest.approx(4e8) and hw.intra.latency == pytest.approx(4e-4)
     # and so the layout in between is predicted as the truth has it
     assert predict(model, hw, 32, 2, 2).step_s == pytest.approx(predict(true_model, truth, 32, 2, 2).step_s)
     with pytest.raises(ValueError, match="tensor-parallel run"):
-        costmodel.calibrate_tensor(start, hw, data, 32)
+        calibration.calibrate_tensor(start, hw, data, 32)
     with pytest.raises(ValueError, match="telemetry"):
-        costmodel.calibrate(start, [{"type": "step", "step": i, "dp": 4, "tp": 1} for i in range(1, 31)], 32, per_node=4)
+        calibration.calibrate(start, [{"type": "step", "step": i, "dp": 4, "tp": 1} for i in range(1, 31)], 32, per_node=4)
 
 
 def test_megatron_lm_weak_scaling_is_reproduced():
@@ -101,13 +103,13 @@ def test_megatron_lm_weak_scaling_is_reproduced():
     (arXiv 1909.08053). Megatron-LM then all-reduced gradients after backward: one bucket."""
     m = ModelShape.transformer(layers=72, hidden=3072, seq=1024, vocab=51200)
     assert m.params == pytest.approx(8.3e9, rel=0.01)
-    p = predict(m, costmodel.PRESETS["v100-dgx2h"], 512, dp=64, tp=8, bucket_cap_mb=1e9)
+    p = predict(m, hardware.PRESETS["v100-dgx2h"], 512, dp=64, tp=8, bucket_cap_mb=1e9)
     efficiency = p.compute_s / p.step_s  # achieved FLOP/s per GPU over the single GPU's 39 TFLOP/s
     assert efficiency == pytest.approx(0.76, rel=0.10), efficiency
     print(f"Megatron-LM 8.3B on 512 V100: predicted {efficiency:.1%} weak-scaling efficiency (published 76 %)")
 
 
-@pytest.mark.parametrize("preset", sorted(costmodel.PRESETS))
+@pytest.mark.parametrize("preset", sorted(hardware.PRESETS))
 def test_plan_on_every_preset_recommends_a_layout(capsys, preset):
     assert cli.main(["plan", str(ROOT / "examples" / "gpt.yaml"), "--cluster", preset, "--global-batch", "1024"]) == 0
     out = capsys.readouterr().out
@@ -241,12 +243,12 @@ def test_calibration_reads_the_slowest_compute_and_the_last_arrivals_wait():
     for the transfer alone, the others for it and the skew."""
     rec = {"type": "step", "step": 1, "compute_time_mean": 0.15, "comm_wait_mean": 0.3,
            "ranks": {"compute_time": [0.1, 0.2], "comm_wait": [0.5, 0.1]}}
-    assert costmodel.slowest_compute(rec) == 0.2 and costmodel.transfer_wait(rec) == 0.1
+    assert calibration.slowest_compute(rec) == 0.2 and calibration.transfer_wait(rec) == 0.1
     del rec["ranks"]
-    assert costmodel.slowest_compute(rec) == 0.15 and costmodel.transfer_wait(rec) == 0.3
+    assert calibration.slowest_compute(rec) == 0.15 and calibration.transfer_wait(rec) == 0.3
     # runs pooled: each run's first 10 steps are left out
     runs = [{"type": "step", "step": i, "run": k} for k in range(2) for i in range(1, 21)]
-    kept = costmodel.steady(runs)
+    kept = calibration.steady(runs)
     assert len(kept) == 20 and min(r["step"] for r in kept) == 11
 
 
@@ -304,7 +306,7 @@ def test_runs_that_cannot_calibrate_are_named_with_the_reason():
 
     def refused(runs, says):
         with pytest.raises(ValueError, match=says):
-            costmodel.fit_runs(m, hw, runs)
+            calibration.fit_runs(m, hw, runs)
 
     refused([("empty", [{"type": "event"}], 32)], "empty: no step records")
     refused([("short", data[:12], 32)], "short: 12 steps; calibration needs more than 15")
@@ -315,7 +317,7 @@ def test_runs_that_cannot_calibrate_are_named_with_the_reason():
     refused([("d", data, 32), ("t", tensor, 64)], "its global batch")
     # a hybrid run is said not to be used; the data run still calibrates
     hybrid = Hardware(nodes=1, per_node=4, flops=5e10, intra=Link(4e8), inter=Link(4e8))
-    _, fitted, notes = costmodel.fit_runs(m, hybrid, [("h", _records(predict(m, hybrid, 32, 2, 2), 2, 2), 32),
+    _, fitted, notes = calibration.fit_runs(m, hybrid, [("h", _records(predict(m, hybrid, 32, 2, 2), 2, 2), 32),
                                                       ("d", data, 32)])
     assert fitted.flops == pytest.approx(5e10) and any(n.startswith("h: hybrid 2x2: not used") for n in notes)
 
@@ -326,5 +328,5 @@ def test_plan_lists_only_layouts_the_model_can_split_into():
 
     model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
     assert model.tp_divides == 4
-    tps = {p.tp for p in costmodel.plan(model, costmodel.PRESETS["a100-ib200"], 1024)}
+    tps = {p.tp for p in costmodel.plan(model, hardware.PRESETS["a100-ib200"], 1024)}
     assert tps == {1, 2, 4}

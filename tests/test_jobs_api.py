@@ -27,7 +27,9 @@ from ray.job_submission import JobStatus
 
 from conftest import free_port
 from gearshift.orchestrator.cluster import jobs_api
-from gearshift.orchestrator.cluster.jobs_api import JobsApiError, build_submission, resolve_address
+from gearshift.orchestrator.cluster import jobs_client
+from gearshift.orchestrator.cluster.jobs_api import JobsApiError, build_submission
+from gearshift.orchestrator.cluster.jobs_client import resolve_address
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -185,7 +187,7 @@ def test_nothing_listening_is_a_clean_error_and_quick(job_file):
 
 def test_silent_server_times_out(monkeypatch):
     # Accepts connections (the kernel does, via the backlog) but never answers.
-    monkeypatch.setattr(jobs_api, "HTTP_TIMEOUT_S", (1.0, 1.0))
+    monkeypatch.setattr(jobs_client, "HTTP_TIMEOUT_S", (1.0, 1.0))
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
@@ -227,7 +229,7 @@ def fake_head():
 def test_token_required_but_missing(fake_head, monkeypatch):
     url, routes = fake_head
     routes["/api/authentication_mode"] = (200, json.dumps({"authentication_mode": "token"}))
-    monkeypatch.setattr(jobs_api, "_load_token_header", lambda: {})
+    monkeypatch.setattr(jobs_client, "_load_token_header", lambda: {})
     with pytest.raises(JobsApiError, match="ray get-auth-token") as info:
         jobs_api.stop(url, "gearshift-x-123456")
     assert url in str(info.value)

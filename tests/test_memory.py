@@ -13,6 +13,7 @@ import pytest
 from gearshift import strategies
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy import hardware
 from gearshift.orchestrator.policy.costmodel import GiB, Activations, Hardware, Link, MemoryOverhead, ModelShape, memory, predict
 from gearshift.orchestrator.policy.adaptive import AdaptConfig, Policy, Switch, candidate_layouts
 from gearshift.strategies.base import REPLICATE, Strategy
@@ -284,11 +285,11 @@ def test_plan_says_when_nothing_fits_and_reads_device_memory_from_a_spec(tmp_pat
     assert "2 GiB each" in out and "recommended: none: no layout fits 2 GiB a device" in out, out
     assert cli.main([*argv, "--device-memory", "0"]) == 2
     assert "--device-memory 0" in capsys.readouterr().err
-    hw = costmodel.hardware_from_spec({"preset": "a100-ib200", "device_memory_gb": 40, "memory_overhead_frac": 0})
+    hw = hardware.hardware_from_spec({"preset": "a100-ib200", "device_memory_gb": 40, "memory_overhead_frac": 0})
     assert hw.device_memory == 40 * GiB and hw.memory_overhead.fraction == 0
-    assert costmodel.PRESETS["v100-dgx2h"].device_memory == 32 * GiB
+    assert hardware.PRESETS["v100-dgx2h"].device_memory == 32 * GiB
     with pytest.raises(ValueError, match="device_memory_gb = -1"):
-        costmodel.hardware_from_spec({"preset": "a100-ib200", "device_memory_gb": -1})
+        hardware.hardware_from_spec({"preset": "a100-ib200", "device_memory_gb": -1})
 
 
 # ----------------------------------------------------------------------------- the policy

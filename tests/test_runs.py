@@ -10,6 +10,7 @@ import socket
 import pytest
 import torch
 
+from gearshift import api
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.commands import runs as runs_command
 from gearshift.orchestrator.job import load_job
@@ -194,7 +195,7 @@ def test_replay_warns_when_a_user_module_or_a_version_changed(tmp_path, capsys, 
     run.source.write_text(json.dumps(source))
 
     started = []
-    monkeypatch.setattr(cli, "run_job", lambda job, new, resume, args: started.append(new) or 0)
+    monkeypatch.setattr(api, "train", lambda job, new, resume, **kw: started.append(new))
     assert cli.main(["replay", str(run.path), "--run-dir", str(tmp_path / "again")]) == 0
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("gearshift: warning:")]

@@ -134,6 +134,87 @@ def test_ctrl_c_while_a_job_runs_leaves_nothing(tmp_path):
     assert veths() == []
 
 
+@pytest.mark.slow
+@needs_root
+def test_comes_up_where_ray_never_ran(tmp_path, monkeypatch):
+    """No ~/.ray/auth_token (HOME an empty folder): the testbed makes its own token, in its own
+    folder, and both nodes and a client use it; HOME stays empty."""
+    from testbed import Testbed, sh
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    probe = ("import ray, sys\n"
+             "from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On\n"
+             "ray.init(address=sys.argv[1], logging_level='ERROR')\n"
+             "ip = ray.remote(num_cpus=0.1)(ray.util.get_node_ip_address)\n"
+             "nodes = [n['NodeID'] for n in ray.nodes() if n['Alive']]\n"
+             "print(sorted(ray.get([ip.options(scheduling_strategy=On(n, soft=False)).remote() for n in nodes],"
+             " timeout=60)))\n")
+    with Testbed(rate="500mbit", tag=f"h{os.getpid()}", start_timeout_s=60) as tb:
+        prefix, temp = f"gs-tb-{tb.tag}", str(tb.temp)
+        assert tb.token_path.parent == tb.temp and oct(tb.token_path.stat().st_mode & 0o777) == "0o600"
+        assert tb.env()["RAY_AUTH_TOKEN_PATH"] == str(tb.token_path)
+        done = sh(*tb._in(tb.ns[0], sys.executable, "-c", probe, tb.address), env=tb.env(), timeout=120,
+                  step="running a task on each node")
+        assert done.stdout.split("\n")[-2] == str(sorted(tb.ips)), done.stdout  # a task ran on each node
+    assert list(home.iterdir()) == [], "the testbed wrote into HOME"
+    assert not pathlib.Path(temp).exists()
+    assert_clean(prefix, temp)
+
+
+@pytest.mark.slow
+@needs_root
+def test_a_failing_ray_start_says_what_ray_said_and_leaves_nothing(monkeypatch):
+    from testbed import Testbed, TestbedError
+
+    monkeypatch.setattr(Testbed, "_make_token", lambda self: None)  # RAY_AUTH_TOKEN_PATH names no file
+    tb = Testbed(rate="500mbit", tag=f"e{os.getpid()}", start_timeout_s=60)
+    with pytest.raises(TestbedError) as failed:
+        with tb:
+            pass
+    message = str(failed.value)
+    assert f"starting the Ray head in {tb.ns[0]} failed" in message
+    assert "ray start --head" in message and "exited with status 1" in message
+    assert "RAY_AUTH_TOKEN_PATH is set but file cannot be opened" in message, message  # Ray's own words
+    assert_clean(f"gs-tb-{tb.tag}", str(tb.temp))
+
+
+def test_a_failing_step_names_itself_its_command_and_what_it_printed():
+    from testbed import TestbedError, sh
+
+    with pytest.raises(TestbedError) as failed:
+        sh(sys.executable, "-c", "import sys; print('fine so far'); print('line 1', file=sys.stderr); "
+                                 "sys.exit('InvalidAuthToken: no token found')", step="starting the Ray head")
+    message = str(failed.value)
+    assert message.startswith("testbed: starting the Ray head failed: `")
+    assert f"{sys.executable} -c" in message and "exited with status 1" in message
+    assert message.endswith("exited with status 1. Its stderr ends:\nline 1\nInvalidAuthToken: no token found")
+
+    with pytest.raises(TestbedError, match=r"(?s)a step failed: .* exited with status 3\. Its stdout ends:\nonly"):
+        sh(sys.executable, "-c", "import sys; print('only on stdout'); sys.exit(3)")  # no stderr: stdout's tail
+    with pytest.raises(TestbedError, match=r"(?s)waiting failed: .*did not finish within 0\.5 s"):
+        sh(sys.executable, "-c", "import time; time.sleep(30)", timeout=0.5, step="waiting")
+    assert sh(sys.executable, "-c", "import sys; sys.exit(4)", check=False).returncode == 4
+
+
+def test_every_process_gets_the_testbeds_own_token(tmp_path, monkeypatch):
+    from testbed import Testbed
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "someone-elses")  # Ray's loader would prefer it to the file
+    tb = Testbed.__new__(Testbed)  # no namespaces: only the token and the environment
+    tb.token_path = tmp_path / "auth_token"
+    tb._make_token()
+    token = tb.token_path.read_text()
+    assert len(token) == 64 and int(token, 16) >= 0
+    assert oct(tb.token_path.stat().st_mode & 0o777) == "0o600"
+    env = tb.env()
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == str(tb.token_path)
+    assert "RAY_AUTH_TOKEN" not in env
+
+
 def test_scenarios_parse_by_seconds_or_by_step():
     from testbed import Phase, parse_scenario
 

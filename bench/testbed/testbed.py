@@ -16,6 +16,12 @@ Everything it starts lives inside its two namespaces; teardown stops exactly the
 `ip netns pids` lists there (never a name-wide kill such as `ray stop`), then deletes the
 namespaces, which takes the veth pair with them. Teardown runs on success, on failure and on
 Ctrl-C or SIGTERM.
+
+Ray's heads turn token auth on, and every node and client must then present the cluster's token.
+The testbed makes its own (a random one, as `ray get-auth-token --generate` would) in its temporary
+folder and hands it to every process it starts through RAY_AUTH_TOKEN_PATH, so it works where Ray
+never ran and never reads or writes ~/.ray. A step that fails raises TestbedError, naming the
+step and the command with the end of what the command printed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import dataclasses
 import json
 import os
 import pathlib
+import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -40,13 +48,42 @@ SUBNET = "10.77.{n}.{host}"
 RAY_PORT = 6379
 
 
-def sh(*argv: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(list(argv), check=check, timeout=timeout, capture_output=True, text=True, **kw)
+class TestbedError(RuntimeError):
+    """A step of bringing the testbed up (or of reading its state) failed; the message says which."""
+
+
+def sh(*argv: str, check: bool = True, timeout: float = 60, step: str | None = None,
+       **kw) -> subprocess.CompletedProcess:
+    """Run ARGV, output captured. With check, a nonzero exit or a timeout raises TestbedError that
+    names STEP and the command, with the end of its stderr (of its stdout where stderr is empty)."""
+    try:
+        done = subprocess.run(list(argv), timeout=timeout, capture_output=True, text=True, **kw)
+    except subprocess.TimeoutExpired as e:
+        raise TestbedError(_failed(step, argv, f"did not finish within {timeout:g} s",
+                                   _text(e.stderr), _text(e.stdout))) from None
+    if check and done.returncode != 0:
+        raise TestbedError(_failed(step, argv, f"exited with status {done.returncode}", done.stderr, done.stdout))
+    return done
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
+def _failed(step: str | None, argv, what: str, stderr: str, stdout: str = "", lines: int = 12,
+            chars: int = 3000) -> str:
+    """One paragraph: the step, the command, what went wrong, then the end of its stderr (of its
+    stdout where it wrote nothing to stderr)."""
+    stream, output = ("stderr", stderr) if stderr.strip() else ("stdout", stdout)
+    tail = "\n".join(output.strip().splitlines()[-lines:])[-chars:]
+    said = f" Its {stream} ends:\n{tail}" if tail else " It printed nothing."
+    return f"testbed: {step or 'a step'} failed: `{shlex.join(map(str, argv))}` {what}.{said}"
 
 
 def leftovers() -> dict:
     """Namespaces, and processes inside them, that a testbed made and did not take down."""
-    names = [line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines() if line.startswith(PREFIX)]
+    listed = sh("ip", "netns", "list", step="listing network namespaces").stdout
+    names = [line.split()[0] for line in listed.splitlines() if line.startswith(PREFIX)]
     pids = {ns: _ns_pids(ns) for ns in names}
     return {"namespaces": names, "pids": {ns: p for ns, p in pids.items() if p}}
 
@@ -74,6 +111,7 @@ class Testbed:
         self.cpus = cpus
         self.start_timeout_s = start_timeout_s
         self.temp = pathlib.Path(tempfile.mkdtemp(prefix="gs-testbed-"))
+        self.token_path = self.temp / "auth_token"  # made in up(), given to every process as RAY_AUTH_TOKEN_PATH
         self.address = f"{self.ips[0]}:{RAY_PORT}"
         self._up = False
 
@@ -102,25 +140,35 @@ class Testbed:
         a, b = self.ns
         self._up = True  # from here on, down() has something to take down
         for ns in self.ns:
-            sh("ip", "netns", "add", ns)
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "netns", "add", ns, step=f"making network namespace {ns}")
+            sh("ip", "-n", ns, "link", "set", "lo", "up", step=f"bringing up lo in {ns}")
         # one veth pair, each end called gs0 inside its namespace (names are per namespace)
-        sh("ip", "link", "add", "gs0", "netns", a, "type", "veth", "peer", "name", "gs0", "netns", b)
+        sh("ip", "link", "add", "gs0", "netns", a, "type", "veth", "peer", "name", "gs0", "netns", b,
+           step="making the veth pair between the namespaces")
         for ns, ip in zip(self.ns, self.ips):
-            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "gs0")
-            sh("ip", "-n", ns, "link", "set", "gs0", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "gs0", step=f"giving gs0 in {ns} address {ip}")
+            sh("ip", "-n", ns, "link", "set", "gs0", "up", step=f"bringing up gs0 in {ns}")
             self._shape(ns, "add")
+        self._make_token()
         self._start_ray()
+
+    def _make_token(self) -> None:
+        """The cluster's auth token: random, like Ray's own (`ray get-auth-token --generate`, 32
+        random bytes in hex), but in the testbed's folder, never in ~/.ray (HOME may be anywhere)."""
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
 
     def _shape(self, ns: str, verb: str) -> None:
         """tbf on the veth end: both directions of the link are shaped to the rate."""
         qdisc = ["tbf", "rate", self.rate, "burst", self.burst, "latency", "100ms"]
+        step = f"shaping gs0 in {ns} to {self.rate}"
         if self.delay_ms:  # netem is missing on some kernels; add delay only where asked
             sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", "handle", "1:", "netem",
-               "delay", f"{self.delay_ms}ms")
-            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "parent", "1:", "handle", "2:", *qdisc)
+               "delay", f"{self.delay_ms}ms", step=f"adding {self.delay_ms:g} ms delay (netem) to gs0 in {ns}")
+            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "parent", "1:", "handle", "2:", *qdisc, step=step)
         else:
-            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", *qdisc)
+            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", *qdisc, step=step)
 
     def set_rate(self, rate: str) -> None:
         """Change the link's rate while a run trains (both ends)."""
@@ -130,9 +178,10 @@ class Testbed:
 
     def env(self) -> dict:
         env = dict(os.environ)
-        env.update(RAY_AUTH_MODE="token", GLOO_SOCKET_IFNAME="gs0", PYTHONPATH=str(ROOT),
-                   RAY_USAGE_STATS_ENABLED="0")
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path), GLOO_SOCKET_IFNAME="gs0",
+                   PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
         env.pop("RAY_ADDRESS", None)
+        env.pop("RAY_AUTH_TOKEN", None)  # Ray's loader would take it before RAY_AUTH_TOKEN_PATH
         return env
 
     def _in(self, ns: str, *argv: str) -> list[str]:
@@ -143,10 +192,10 @@ class Testbed:
         common = ["--disable-usage-stats", "--temp-dir", str(self.temp / "ray"), "--num-gpus", "0"]
         sh(*self._in(self.ns[0], ray, "start", "--head", "--node-ip-address", self.ips[0], "--port", str(RAY_PORT),
                      "--num-cpus", str(self.cpus[0]), "--include-dashboard", "false", *common),
-           env=self.env(), timeout=self.start_timeout_s)
+           env=self.env(), timeout=self.start_timeout_s, step=f"starting the Ray head in {self.ns[0]}")
         sh(*self._in(self.ns[1], ray, "start", "--address", self.address, "--node-ip-address", self.ips[1],
                      "--num-cpus", str(self.cpus[1]), *common),
-           env=self.env(), timeout=self.start_timeout_s)
+           env=self.env(), timeout=self.start_timeout_s, step=f"starting the Ray worker node in {self.ns[1]}")
         self._wait_for_nodes(2)
 
     def _wait_for_nodes(self, count: int) -> None:
@@ -156,10 +205,13 @@ class Testbed:
                  f"while len([n for n in ray.nodes() if n['Alive']]) < {count} and time.time() < deadline:\n"
                  "    time.sleep(0.5)\n"
                  "print(len([n for n in ray.nodes() if n['Alive']]))\n")
-        out = sh(*self._in(self.ns[0], sys.executable, "-c", probe), env=self.env(),
-                 timeout=self.start_timeout_s + 30, check=False)
+        cmd = self._in(self.ns[0], sys.executable, "-c", probe)
+        step = f"waiting for the Ray cluster at {self.address} to have {count} nodes"
+        out = sh(*cmd, env=self.env(), timeout=self.start_timeout_s + 30, step=step)
         if out.stdout.strip().splitlines()[-1:] != [str(count)]:
-            raise RuntimeError(f"the testbed's Ray cluster did not come up with {count} nodes: {out.stderr[-2000:]}")
+            alive = (out.stdout.strip().splitlines() or ["?"])[-1]
+            raise TestbedError(_failed(step, cmd, f"saw {alive} alive after {self.start_timeout_s:g} s",
+                                       out.stderr, out.stdout))
 
     # ------------------------------------------------------------------ run
 
@@ -324,10 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     if scenario and scenario[0].from_step is not None and "--run-dir" not in extra:
         raise SystemExit(f"--scenario {args.scenario!r} changes the link at steps, which the testbed reads from "
                          "the run's telemetry: give the run dir after --, e.g. -- --run-dir runs/mine")
-    with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms) as tb:
-        print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}",
-              file=sys.stderr, flush=True)
-        return tb.run_driver(["run", args.job, *extra], scenario).returncode
+    try:
+        with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms) as tb:
+            print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}",
+                  file=sys.stderr, flush=True)
+            return tb.run_driver(["run", args.job, *extra], scenario).returncode
+    except TestbedError as e:  # already taken down; the message names the step and what it printed
+        print(e, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import sys
 import tempfile
 import traceback
 
-from gearshift.orchestrator.errors import GearshiftError, UsageError, WorkerFailed
+from gearshift.orchestrator.errors import GearshiftError, UsageError
 from gearshift.orchestrator.job import JobError
-from gearshift.orchestrator.control.startup import STARTUP  # first: its clock starts with the process
+from gearshift.orchestrator.control.startup import STARTUP  # noqa: F401  (first: its clock starts with the process)
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -48,6 +48,13 @@ def _add_run_commands(sub) -> None:
     run.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN_DIR",
                      help="continue from the latest checkpoint of RUN_DIR (or of --run-dir, or of the newest "
                           "earlier run of the same job under runs/)")
+
+    check = sub.add_parser("check", help="every check `run` makes, the resolved job, its first layout and the "
+                                         "predicted memory and step time per layout; nothing is started")
+    check.add_argument("job", help="the job file (YAML)")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    check.add_argument("--cluster", metavar="SPEC", help="predict on this hardware (a `plan --cluster` preset or "
+                                                         "file; default: the job's devices on one node)")
 
     submit = sub.add_parser("submit", help="submit a job to a Ray cluster through its Job Submission API")
     submit.add_argument("job", help="the job file (YAML); its folder travels with it as the working dir")
@@ -167,6 +174,8 @@ def _dispatch(args) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "check":
+            return cmd_check(args)
         if args.command == "schema":
             from gearshift.orchestrator.job.schema import cmd_schema
 
@@ -218,17 +227,15 @@ def _dispatch(args) -> int:
 
 def cmd_jobs(args) -> int:
     """submit, logs, stop, status: the commands that talk to Ray's Job Submission API."""
+    from gearshift import api
     from gearshift.orchestrator.cluster import jobs_api
 
     try:
         if args.command == "submit":
-            from gearshift.orchestrator.job import load_job
-
-            job = load_job(args.job, args.overrides)  # a bad file fails here, not on the cluster
-            job_id = jobs_api.submit(args.job, args.address, args.overrides, args.run_dir,
-                                     pip=args.pip, python=args.python, job_name=job.name)
-            print(job_id)
-            print(f"Follow it with: gearshift logs {job_id} --follow", file=sys.stderr)
+            sub = api.submit(args.job, address=args.address, overrides=args.overrides, run_dir=args.run_dir,
+                             pip=args.pip, python=args.python)
+            print(sub.id)
+            print(f"Follow it with: gearshift logs {sub.id} --follow", file=sys.stderr)
         elif args.command == "logs":
             jobs_api.logs(args.address, args.job_id, follow=args.follow)
         elif args.command == "stop":
@@ -240,114 +247,18 @@ def cmd_jobs(args) -> int:
     return 0
 
 
-def _resolve_run(args):
-    """(job, run dir to continue or None, checkpoint to resume from or None) from the arguments;
-    validates everything before anything starts."""
-    from gearshift.orchestrator.job import load_job
-    from gearshift.orchestrator.runs.rundir import RunDir, find_resumable, resume_conflicts, runs_root
-    from gearshift.workers import checkpoint
-
-    resume_dir = args.resume if isinstance(args.resume, str) else None
-    if args.job is None and resume_dir is None:
-        _parser().error("run needs a job file: gearshift run JOB.yaml (or gearshift run --resume RUN_DIR)")
-    if args.job is None:
-        run = RunDir(resume_dir)
-        saved = run.load_job()
-        job = saved
-        if args.overrides:
-            from gearshift.orchestrator.job import apply_overrides, job_from_dict
-
-            job = job_from_dict(apply_overrides(saved.to_dict(), args.overrides), saved.base_dir, saved.name)
-    else:
-        job = load_job(args.job, args.overrides)
-        run = None
-        if args.resume:
-            path = resume_dir or args.run_dir
-            run = RunDir(path) if path else find_resumable(job)
-            if run is None:
-                raise UsageError(f"--resume: no earlier run of job {job.name!r} with this configuration "
-                                 f"under {runs_root()}/. Name one with --resume RUN_DIR.")
-        saved = run.load_job() if run else None
-    if run is not None:
-        conflicts = resume_conflicts(saved, job)
-        if conflicts:
-            raise JobError("--resume", str(run.path), "the job differs from the run it would continue in "
-                           "fields that change the result: " + "; ".join(conflicts),
-                           "Only train.steps, train.log_every, train.activation_checkpointing, train.profile, checkpoint.*, eval.*, telemetry.*, inject.*, adapt.*, tune.*, "
-                           "cluster.* and parallel.* may change on resume.")
-        found = checkpoint.load_latest(run.checkpoints)
-        resume = (found[0].name, found[1]) if found else None
-        if resume is None:
-            print(f"gearshift: no usable checkpoint in {run.checkpoints}; starting from step 0.", file=sys.stderr)
-        return job, run, resume
-    return job, None, None
-
-
-def _where_to_continue(run) -> str:
-    from gearshift.workers import checkpoint
-
-    text = f" Details: {run.log}." if run.log.exists() else ""
-    found = checkpoint.list_checkpoints(run.checkpoints)
-    if found:
-        text += f" The last checkpoint is {found[-1].name}: continue with `gearshift run --resume {run.path}`."
-    return text
-
-
 def cmd_run(args) -> int:
-    STARTUP.begin()
-    STARTUP.mark("imports")
-    job, run, resume = _resolve_run(args)
-    STARTUP.mark("job")
-    return run_job(job, run, resume, args)
+    from gearshift import api
+
+    api.run(args.job, overrides=args.overrides, run_dir=args.run_dir, address=args.address, resume=args.resume,
+            progress=True)
+    return 0
 
 
-def run_job(job, run, resume, args) -> int:
-    """Train `job` in `run` (None: a new run dir, at args.run_dir if given) from `resume` (None:
-    from step 0); `gearshift replay` comes here too."""
-    from gearshift.monitoring.progress import ProgressView
-    from gearshift.orchestrator.control.controller import Controller
-    from gearshift.orchestrator.job import dump_job
-    from gearshift.orchestrator.runs.rundir import RunDir
-    from gearshift.workers.checkpoint import write_file_atomic
-    from gearshift.orchestrator.runs.tracking import check_installed
-    from gearshift.orchestrator.cluster.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
+def cmd_check(args) -> int:
+    from gearshift import api
 
-    check_installed(job)  # tracking asked for, its package missing: before a run dir or Ray
-    if resume and resume[1]["step"] >= job.train.steps:
-        if not run.final.exists():  # stopped between its last checkpoint and final.pt
-            from gearshift.orchestrator.control.checkpoints import Checkpoints
-
-            Checkpoints(job, run.checkpoints, None).write_final(resume[1]["step"], run.final)
-        print(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
-              f"raise train.steps to train further (--set train.steps=N).", file=sys.stderr)
-        return 0
-    address = args.address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        check_reachable(address)  # before a run dir exists for a run that cannot start
-    if run is None:
-        run = RunDir.create(job, args.run_dir)
-    else:
-        write_file_atomic(run.job_file, dump_job(job).encode())  # e.g. the new train.steps
-    run.write_driver()  # before Ray starts: `watch` must not take a resumed run for a killed one
-    view = ProgressView()
-    resuming_at = f", resuming at step {resume[1]['step']}" if resume else ""
-    view.say(f"gearshift: {job.name} ({job.fingerprint()}): {job.cluster.num_workers} worker(s), "
-             f"strategy {job.parallel.strategy}, {job.train.steps} steps{resuming_at}; run dir {run.path}")
-    with ray_session(address, num_cpus=embedded_cpus(job)) as session:
-        def group_factory(j):
-            return RayWorkerGroup(j, embedded=session["embedded"], checkpoint_dir=run.checkpoints.resolve())
-
-        controller = Controller(job, run, group_factory,
-                                resume=resume, view=view)
-        try:
-            summary = controller.run()
-        except WorkerFailed as err:
-            raise GearshiftError(f"{err}.{_where_to_continue(run)}") from None
-    rate = summary.get("samples_per_s")
-    view.say(f"done: {summary['steps_done']} steps in {summary['wall_time_s']:.1f} s, loss "
-             f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
-             f"{rate:,.0f} samples/s. Outputs in {run.path}/ (final.pt, summary.json, telemetry.jsonl)"
-             if rate else f"done: outputs in {run.path}/")
+    print(api.check(args.job, overrides=args.overrides, cluster=args.cluster).text())
     return 0
 
 

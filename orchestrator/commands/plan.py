@@ -8,6 +8,8 @@ import pathlib
 import yaml
 
 from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy import calibration
+from gearshift.orchestrator.policy import hardware
 from gearshift.orchestrator.errors import UsageError
 
 
@@ -23,18 +25,18 @@ def read_yaml_arg(flag: str, text: str, what: str = "a file"):
 
 
 def load_cluster(text: str, nodes: int | None = None) -> costmodel.Hardware:
-    """A preset name, or a YAML file holding a spec (see costmodel.hardware_from_spec); `nodes`
+    """A preset name, or a YAML file holding a spec (see hardware.hardware_from_spec); `nodes`
     resizes it."""
-    spec = text if text in costmodel.PRESETS else read_yaml_arg(
-        "--cluster", text, f"a preset ({', '.join(costmodel.PRESETS)}) nor a file")
+    spec = text if text in hardware.PRESETS else read_yaml_arg(
+        "--cluster", text, f"a preset ({', '.join(hardware.PRESETS)}) nor a file")
     try:
-        hw = costmodel.hardware_from_spec(spec)
+        hw = hardware.hardware_from_spec(spec)
     except ValueError as err:
         raise UsageError(f"--cluster {text}: {err}") from None
     if nodes is not None:
         if nodes < 1:
             raise UsageError(f"--nodes {nodes}: at least 1")
-        hw = costmodel.with_nodes(hw, nodes)
+        hw = hardware.with_nodes(hw, nodes)
     return hw
 
 
@@ -52,7 +54,7 @@ def _differences(ours, theirs) -> list[str]:
 def calibrated(job, model: costmodel.ModelShape, hw: costmodel.Hardware, run_dirs: list[str]
                ) -> tuple[costmodel.ModelShape, costmodel.Hardware, list[str]]:
     """The cluster's figures with what runs of the job's model measured in their place
-    (costmodel.fit_runs), and a line per run saying what it gave."""
+    (calibration.fit_runs), and a line per run saying what it gave."""
     if not run_dirs:
         return model, hw, []
     import json  # noqa: PLC0415
@@ -81,7 +83,7 @@ def calibrated(job, model: costmodel.ModelShape, hw: costmodel.Hardware, run_dir
                 continue  # a line cut short by a crash
         runs.append((text, records, theirs.train.global_batch_size))
     try:
-        model, hw, notes = costmodel.fit_runs(model, hw, runs)
+        model, hw, notes = calibration.fit_runs(model, hw, runs)
     except ValueError as err:
         raise UsageError(f"--calibrate: {err}") from None
     return model, hw, [f"calibrated from {note}" for note in notes]

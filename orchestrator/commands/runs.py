@@ -280,7 +280,8 @@ def cmd_diff(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from gearshift.orchestrator.commands import cli
+    from gearshift import api
+    from gearshift.monitoring.progress import ProgressView
     from gearshift.orchestrator.runs.rundir import RunDir
     from gearshift.workers.checkpoint import write_file_atomic
 
@@ -293,10 +294,10 @@ def cmd_replay(args) -> int:
     run = RunDir.create(job, args.run_dir, args.root)
     meta = {**(_read_json(run.meta) or {}), "replay_of": str(original.path.resolve())}
     write_file_atomic(run.meta, json.dumps(meta, indent=2).encode())
-    code = cli.run_job(job, run, None, args)
-    if code == 0 and original.final.is_file() and run.final.is_file():
+    api.train(job, run, None, address=getattr(args, "address", None), view=ProgressView())
+    if original.final.is_file() and run.final.is_file():
         print(f"gearshift: replay of {original.path}: {compare_finals(original.final, run.final)}", file=sys.stderr)
-    return code
+    return 0
 
 
 def source_warnings(run) -> list[str]:

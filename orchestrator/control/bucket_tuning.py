@@ -13,15 +13,10 @@ settings and keeps scores.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gearshift.orchestrator.job import Job, scheduled
 from gearshift.orchestrator.control.reporting import setting_text
 from gearshift.orchestrator.policy.tuner import Tuner
 from gearshift.strategies.layout import Layout
-
-if TYPE_CHECKING:
-    from gearshift.orchestrator.control.controller import Controller
 
 
 def distinct_buckets(values: list[float], parameters: int | None, tp: int = 1) -> tuple[list[float], dict]:
@@ -85,10 +80,10 @@ class BucketTuning:
         self.tuned: dict[Layout, float] = {}  # layout -> the bucket_cap_mb its round chose
         self.rounds: list[dict] = []          # every finished round, for the summary and `gearshift tune`
         self.bucket: float | None = None      # bucket_cap_mb in force
-        self.ctl: Controller | None = None
+        self.ctl = None  # the controller that runs the trials, from attach() (it imports this module)
         self._train_start = 0
 
-    def attach(self, controller: Controller) -> None:
+    def attach(self, controller) -> None:
         self.ctl = controller
         self.bucket = initial_bucket(controller.job)
 

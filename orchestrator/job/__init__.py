@@ -7,8 +7,9 @@ checker per value), `spec` (the dataclasses), `load` (YAML, overrides, `load_job
 
 from gearshift.orchestrator.job.checks import accumulation, check_job, scheduled
 from gearshift.orchestrator.job.fields import BUILTIN_STRATEGIES, JobError
-from gearshift.orchestrator.job.load import apply_overrides, dump_job, job_from_dict, load_job, parse_overrides, read_yaml
+from gearshift.orchestrator.job.load import (apply_overrides, dump_job, job_from_dict, load_job, override_pairs,
+                                            parse_overrides, read_yaml)
 from gearshift.orchestrator.job.spec import Job
 
 __all__ = ["BUILTIN_STRATEGIES", "Job", "JobError", "accumulation", "apply_overrides", "check_job", "dump_job",
-           "job_from_dict", "load_job", "parse_overrides", "read_yaml", "scheduled"]
+           "job_from_dict", "load_job", "override_pairs", "parse_overrides", "read_yaml", "scheduled"]

@@ -24,6 +24,11 @@ class JobError(ValueError):
         self.source = source
         super().__init__(self.message())
 
+    @property
+    def field(self) -> str:
+        """The dotted job field (or argument) that is wrong, e.g. "train.global_batch_size"."""
+        return self.field_path
+
     def message(self) -> str:
         where = f"{self.source}: " if self.source else ""
         shown = _show(self.value)

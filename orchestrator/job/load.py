@@ -37,9 +37,25 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
     return parsed
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+def override_pairs(overrides: list[str] | Mapping[str, Any] | None) -> list[tuple[list[str], Any]]:
+    """Overrides as (key parts, value): `--set` strings (values parsed as YAML), or a mapping of
+    dotted keys to values as they are ({"train.steps": 4}, from the Python API)."""
+    if not overrides:
+        return []
+    if not isinstance(overrides, Mapping):
+        return parse_overrides(list(overrides))
+    pairs = []
+    for key, value in overrides.items():
+        parts = str(key).strip().split(".")
+        if not isinstance(key, str) or not all(p.strip() for p in parts):
+            raise JobError("overrides", key, "keys must be dotted job fields, for example \"train.steps\"")
+        pairs.append(([p.strip() for p in parts], value))
+    return pairs
+
+
+def apply_overrides(raw: dict, overrides: list[str] | Mapping[str, Any] | None) -> dict:
     raw = json.loads(json.dumps(raw, default=str)) if raw else {}
-    for parts, value in parse_overrides(overrides):
+    for parts, value in override_pairs(overrides):
         node = raw
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -88,11 +104,11 @@ def job_from_dict(raw: Mapping, base_dir: str | pathlib.Path = ".", default_name
     return job
 
 
-def load_job(path: str | pathlib.Path, overrides: list[str] | None = None) -> Job:
+def load_job(path: str | pathlib.Path, overrides: list[str] | Mapping[str, Any] | None = None) -> Job:
     """Read, override, validate. Raises JobError naming the file and the field."""
     path = pathlib.Path(path)
     try:
-        raw = apply_overrides(read_yaml(path), overrides or [])
+        raw = apply_overrides(read_yaml(path), overrides)
         default_name = re.sub(r"[^A-Za-z0-9._-]", "-", path.stem).lstrip("._-")[:64] or "job"
         return job_from_dict(raw, path.parent, default_name=default_name)
     except JobError as err:

@@ -7,7 +7,7 @@ What is fitted, and from what (`OnlineModel.update`, called with the records of 
 one link):
 
 - the device rate: from the compute time of the first replicated tp=1 layout that runs (data
-  parallel), as `costmodel.calibrate` does: its FLOPs a step over its slowest rank's compute;
+  parallel), as `calibration.calibrate` does: its FLOPs a step over its slowest rank's compute;
 - the link that changes (between nodes; inside the node on a one-node run): its bandwidth is the
   one with which `costmodel.predict` gives the current layout's measured comm wait (less the
   layout's own offset, below). Refitted at every decision, so it follows the link as it changes;
@@ -32,10 +32,11 @@ from dataclasses import dataclass, replace
 from statistics import median
 
 from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy import calibration
 from gearshift.orchestrator.policy.costmodel import Hardware, Link, ModelShape
 from gearshift.strategies.layout import Layout
 
-FREE = 1e15  # bytes/s: a link whose transfers cost nothing (costmodel._solve's upper bound)
+FREE = 1e15  # bytes/s: a link whose transfers cost nothing (calibration._solve's upper bound)
 
 
 @dataclass
@@ -116,8 +117,8 @@ class OnlineModel:
         rs = _steady(records)
         if not rs:
             return
-        compute = median(costmodel.slowest_compute(r) for r in rs)
-        wait = median(costmodel.transfer_wait(r) for r in rs)
+        compute = median(calibration.slowest_compute(r) for r in rs)
+        wait = median(calibration.transfer_wait(r) for r in rs)
         step = median(r["step_time_max"] for r in rs)
         self.rest_s = max(0.0, step - compute - wait)
         self.bucket_cap_mb = rs[-1].get("bucket_cap_mb") or self.bucket_cap_mb
@@ -145,7 +146,7 @@ class OnlineModel:
         # a wait at the model's floor (the transfers all hidden behind compute, or latency alone)
         # does not show the link: take the slowest link that still leaves it there (+1 % of compute)
         target = max(target, self._wait(layout, FREE) + 0.01 * compute)
-        self.hw, self.link_fitted = self._at(costmodel._solve(lambda bw: self._wait(layout, bw), target)), True
+        self.hw, self.link_fitted = self._at(calibration._solve(lambda bw: self._wait(layout, bw), target)), True
 
     def _work(self, layout: Layout) -> float:
         """FLOPs a step on one rank of `layout`, tensor parallelism's added work left out."""
