@@ -98,7 +98,7 @@ class Check:
         out.append(f"{'layout':<{width}}{'GiB/rank':>10}{'fits':>6}{'step ms':>10}{'comm wait':>11}{'samples/s':>12}")
         for r in self.rows:
             out.append(f"{r['layout']:<{width}}{r['memory_gib']:>10.2f}{'yes' if r['fits'] else 'no':>6}"
-                       f"{r['step_ms']:>10.1f}{r['comm_wait_frac']:>11.1%}{r['samples_per_s']:>12,.1f}")
+                       f"{r['step_ms']:>10.3g}{r['comm_wait_frac']:>11.1%}{r['samples_per_s']:>12,.0f}")
         return "\n".join(out + self.notes)
 
 

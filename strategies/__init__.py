@@ -33,9 +33,9 @@ def _apply_of(module: str):
     pull in torch.distributed.tensor (0.7 s of CPU), which a data-parallel run never needs, in
     every worker and in the driver that checks the job."""
     def apply(model, mesh, layout, plan, options):
-        return importlib.import_module(f"strategies.{module}").apply(model, mesh, layout, plan, options)
+        return importlib.import_module(f"gearshift.strategies.{module}").apply(model, mesh, layout, plan, options)
 
-    apply.__qualname__ = f"strategies.{module}.apply"
+    apply.__qualname__ = f"gearshift.strategies.{module}.apply"
     return apply
 
 
