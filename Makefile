@@ -1,5 +1,5 @@
 # Two commands for a new user:   make run   (train a real job on an embedded local Ray)
-#                                 make test  (the test suite)
+#                                 make test  (the quick tier of the tests; make test-all: all of them)
 # Each sets up .venv on first use. TORCH_VERSION picks the PyTorch build pip installs first;
 # gearshift itself only asks for torch>=2.4.
 
@@ -10,7 +10,7 @@ JOB ?= examples/mlp.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.gearshift-installed
 
-.PHONY: install run test clean
+.PHONY: install run test test-all clean
 
 install: $(STAMP)
 
@@ -23,7 +23,12 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/gearshift run $(JOB)
 
+# the quick tier: pure logic, plus one real Ray run each of run, submit, switch and recovery
 test: install
+	$(BIN)/python -m pytest -m "(not ray and not slow) or smoke" $(PYTEST_ARGS)
+
+# everything (what CI runs)
+test-all: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

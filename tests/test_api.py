@@ -126,6 +126,7 @@ def test_submit_takes_a_job_file(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.smoke
 def test_run_returns_its_result_and_matches_plain_pytorch(ray_cluster, tmp_path, capfd):
     result = gearshift.run(MLP, overrides=TINY, run_dir=tmp_path / "run")
     assert capfd.readouterr().out == ""  # nothing printed unless asked
@@ -177,6 +178,8 @@ def _job_in(folder: Path, job: dict) -> Path:
     return path
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_two_runs_in_one_process_each_with_its_own_embedded_ray(tmp_path):
     """A notebook: gearshift.run twice, no Ray started by the caller; each run starts an embedded
     Ray and stops it, and nothing reaches stdout."""
@@ -276,6 +279,7 @@ def forget_user_modules():
 
 
 @pytest.mark.ray
+@pytest.mark.smoke
 def test_user_modules_named_like_ours_under_the_api(ray_cluster, tmp_path, forget_user_modules):
     job = clash_job(tmp_path)
     result = gearshift.run(job, run_dir=tmp_path / "run")

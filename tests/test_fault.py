@@ -63,7 +63,7 @@ class Killer(threading.Thread):
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("layout", ["data", "hybrid", "fsdp"])
+@pytest.mark.parametrize("layout", [pytest.param("data", marks=pytest.mark.smoke), "hybrid", "fsdp"])
 def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(ray_cluster, tmp_path, layout):
     overrides = MLP[1] + LAYOUTS[layout] + SLOW
     run_gearshift(MLP[0], overrides, tmp_path / "clean")

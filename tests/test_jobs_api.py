@@ -483,6 +483,7 @@ def test_submit_wait_logs_stop_status_against_real_ray(ray_dashboard, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.smoke
 @pytest.mark.filterwarnings("ignore:ssl=None is deprecated:DeprecationWarning")
 def test_gearshift_submit_trains_a_real_job_on_the_cluster(ray_dashboard, tmp_path, capsys):
     """`gearshift submit` through the CLI: the job file's folder travels, the head runs
@@ -514,6 +515,15 @@ def test_gearshift_submit_trains_a_real_job_on_the_cluster(ray_dashboard, tmp_pa
     assert (run_dir / "final.pt").is_file()
     assert cli.main(["status", job_id, "--address", ray_dashboard]) == 0
     assert "SUCCEEDED" in capsys.readouterr().out
+    # the same job through the Python API: its Result as the head's driver reported it
+    import gearshift
+
+    sub = gearshift.Submission(job_id, ray_dashboard)
+    assert sub.status() == "SUCCEEDED" and "done: 6 steps" in sub.logs()
+    result = sub.wait(timeout_s=30)
+    assert result.steps == 6 and result.run_dir == run_dir.resolve() and result.model_path.is_file()
+    assert result.final_loss == json.loads((run_dir / "summary.json").read_text())["final_loss"]
+    assert sub.stop() is False
 
 
 @pytest.mark.ray
