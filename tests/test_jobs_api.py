@@ -12,6 +12,7 @@ import json
 import os
 import select
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -114,6 +115,21 @@ def test_runtime_env_ships_working_dir_and_gearshift(job_file):
     assert env["env_vars"] == {"GEARSHIFT_RUNS_ROOT": "~/gearshift-runs", "GEARSHIFT_TELEMETRY_LOG": "1"}
     # a run dir of the user's choosing: no runs root, but telemetry still goes into the log for watch
     assert build_submission(job_file, run_dir="/data/runs/x").runtime_env["env_vars"] == {"GEARSHIFT_TELEMETRY_LOG": "1"}
+
+
+def test_staged_copies_of_old_contents_are_pruned(job_file):
+    [shipped] = map(Path, build_submission(job_file).runtime_env["py_modules"])
+    cache = shipped.parent.parent
+    stale = cache / "0123456789abcdef"
+    (stale / "gearshift").mkdir(parents=True, exist_ok=True)
+    fresh = cache / "fedcba9876543210"
+    (fresh / "gearshift").mkdir(parents=True, exist_ok=True)
+    hour_ago = time.time() - 2 * 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    os.utime(shipped.parent, (hour_ago, hour_ago))  # the one in use is kept however old
+    jobs_api._prune_staged(cache, keep=shipped.parent)
+    assert not stale.exists() and fresh.is_dir() and shipped.is_dir()
+    shutil.rmtree(fresh)
 
 
 def test_runs_root_comes_from_the_environment(monkeypatch, tmp_path):

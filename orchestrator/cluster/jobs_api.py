@@ -211,7 +211,17 @@ def _staged_package(top: Path, parts: Mapping[str, Path]) -> Path:
             stage.rename(target)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    _prune_staged(cache, keep=target.parent)
     return target
+
+
+def _prune_staged(cache: Path, keep: Path, older_than_s: float = 3600.0) -> None:
+    """Copies of other contents (an edited checkout makes one per edit) go once an hour old."""
+    now = time.time()
+    for old in cache.iterdir():
+        with contextlib.suppress(OSError):
+            if old != keep and now - old.stat().st_mtime > older_than_s:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def submit(
