@@ -19,6 +19,7 @@ _API = {
     "RunFailed": "gearshift.orchestrator.errors", "GearshiftError": "gearshift.orchestrator.errors",
     "UsageError": "gearshift.orchestrator.errors",
 }
+_PARTS = ("api", "orchestrator", "workers", "strategies", "monitoring")
 __all__ = sorted(_API)
 
 
@@ -29,6 +30,10 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_API[name]), name)
         globals()[name] = value  # once: later lookups are plain attribute reads
         return value
+    if name in _PARTS:  # `gearshift.api` without importing it first, as for a plain attribute
+        import importlib
+
+        return importlib.import_module(f"gearshift.{name}")
     raise AttributeError(f"module 'gearshift' has no attribute {name!r}")
 
 

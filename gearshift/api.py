@@ -14,13 +14,13 @@ import json
 import os
 import pathlib
 import sys
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Mapping, Sequence, TextIO, Union
 
 from gearshift.orchestrator.errors import GearshiftError, RunFailed, UsageError, WorkerFailed
 from gearshift.orchestrator.job import Job, JobError
 
-JobLike = "str | os.PathLike | Mapping[str, Any] | Job"
-Overrides = "Mapping[str, Any] | Sequence[str] | None"
+JobLike = Union[str, os.PathLike, Mapping[str, Any], Job]
+Overrides = Union[Mapping[str, Any], Sequence[str], None]  # {"train.steps": 4} or ["train.steps=4"]
 
 # the line a submitted run's driver ends its log with, for Submission.wait (a telemetry line:
 # `gearshift logs` leaves it out, as it does the others)
