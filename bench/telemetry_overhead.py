@@ -110,7 +110,7 @@ class Trackers:
     def __init__(self, spec: dict, workers: int, root: pathlib.Path, period_s: float):
         import types
 
-        from gearshift.orchestrator.runs import tracking
+        from gearshift.orchestrator.records import tracking
         from gearshift.orchestrator.job import job_from_dict
 
         self.tracking = tracking

@@ -110,7 +110,7 @@ def check(job: JobLike, *, overrides: Overrides = None, cluster: str | None = No
     from gearshift.orchestrator.commands.plan import layout_memory, load_cluster
     from gearshift.orchestrator.policy import costmodel
     from gearshift.orchestrator.policy import hardware
-    from gearshift.orchestrator.runs.tracking import check_installed
+    from gearshift.orchestrator.records.tracking import check_installed
 
     job = load_job(job, overrides)
     check_installed(job)
@@ -170,7 +170,7 @@ def _view(progress: bool, stream: TextIO | None = None):
 def _resolve(job, overrides, run_dir, resume):
     """(job, run dir to continue or None, checkpoint (name, state) to resume from or None, notes);
     everything checked before anything starts."""
-    from gearshift.orchestrator.runs.rundir import RunDir, find_resumable, resume_conflicts, runs_root
+    from gearshift.orchestrator.records.rundir import RunDir, find_resumable, resume_conflicts, runs_root
     from gearshift.workers import checkpoint
 
     resume_dir = resume if isinstance(resume, (str, os.PathLike)) else None
@@ -213,8 +213,8 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
                                                              ray_session)
     from gearshift.orchestrator.control.controller import Controller
     from gearshift.orchestrator.job import dump_job
-    from gearshift.orchestrator.runs.rundir import RunDir
-    from gearshift.orchestrator.runs.tracking import check_installed
+    from gearshift.orchestrator.records.rundir import RunDir
+    from gearshift.orchestrator.records.tracking import check_installed
     from gearshift.workers.checkpoint import write_file_atomic
 
     view = view if view is not None else _view(False)

@@ -14,7 +14,7 @@ from gearshift.orchestrator.control.controller import Controller
 from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.job import load_job
 from gearshift.orchestrator.control.reporting import StepMerger
-from gearshift.orchestrator.runs.rundir import RunDir
+from gearshift.orchestrator.records.rundir import RunDir
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup
 from gearshift.workers import checkpoint
 

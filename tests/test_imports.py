@@ -142,3 +142,14 @@ def test_worker_side_imports_stay_light(module, tmp_path):
     proc = _python(code, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_no_module_of_ours_is_ignored_by_git():
+    """A package folder whose name an ignore pattern matches (`runs/`) would be missing from every
+    clone: nothing under the package's folders may be ignored."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    proc = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--", "gearshift", *PARTS],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    ignored = [p for p in proc.stdout.splitlines() if p.endswith(".py")]
+    assert proc.returncode == 0 and not ignored, f"ignored by git: {ignored}"

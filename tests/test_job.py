@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gearshift.orchestrator.job import JobError, apply_overrides, job_from_dict, load_job
-from gearshift.orchestrator.runs.rundir import resume_conflicts
+from gearshift.orchestrator.records.rundir import resume_conflicts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -133,7 +133,7 @@ def test_staged_copies_of_old_contents_are_pruned(job_file):
 
 
 def test_runs_root_comes_from_the_environment(monkeypatch, tmp_path):
-    from gearshift.orchestrator.runs.rundir import runs_root
+    from gearshift.orchestrator.records.rundir import runs_root
 
     monkeypatch.delenv("GEARSHIFT_RUNS_ROOT", raising=False)
     assert runs_root() == "runs" and runs_root("elsewhere") == "elsewhere"

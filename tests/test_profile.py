@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gearshift.monitoring import schema
-from gearshift.orchestrator.runs.rundir import resume_conflicts
+from gearshift.orchestrator.records.rundir import resume_conflicts
 from gearshift.orchestrator.job import job_from_dict
 from tests.test_train_equivalence import MLP, max_diff, run_gearshift
 from gearshift.workers.config import WorkerConfig

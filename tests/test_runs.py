@@ -14,7 +14,7 @@ from gearshift import api
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.commands import runs as runs_command
 from gearshift.orchestrator.job import load_job
-from gearshift.orchestrator.runs.rundir import RunDir
+from gearshift.orchestrator.records.rundir import RunDir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

@@ -190,7 +190,7 @@ def test_workers_export_ray_metrics_to_rays_prometheus_endpoint(ray_cluster, tmp
 
     from gearshift.orchestrator.control.controller import Controller
     from gearshift.orchestrator.job import load_job
-    from gearshift.orchestrator.runs.rundir import RunDir
+    from gearshift.orchestrator.records.rundir import RunDir
     from gearshift.orchestrator.cluster.worker_group import RayWorkerGroup
     from conftest import wait_until
 

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from gearshift.orchestrator.commands import cli
-from gearshift.orchestrator.runs import tracking
+from gearshift.orchestrator.records import tracking
 from gearshift.orchestrator.job import JobError, job_from_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -279,7 +279,7 @@ def cmd_watch(args) -> int:
     console = Console()
     target = args.target
     if target is None or pathlib.Path(target).exists():
-        from gearshift.orchestrator.runs.rundir import RunDir
+        from gearshift.orchestrator.records.rundir import RunDir
 
         path = pathlib.Path(target) if target else _newest_run()
         run = RunDir(path if path.is_dir() else path.parent)
@@ -312,7 +312,7 @@ def _ended(run) -> bool:
 
 
 def _newest_run() -> pathlib.Path:
-    from gearshift.orchestrator.runs.rundir import runs_root
+    from gearshift.orchestrator.records.rundir import runs_root
 
     root = pathlib.Path(runs_root())
     runs = sorted((p for p in root.glob("*") if (p / "telemetry.jsonl").is_file()),

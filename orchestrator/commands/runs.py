@@ -47,7 +47,7 @@ def add_parsers(sub) -> None:
 
 def list_runs(root: str | None = None) -> list:
     """Every run dir (a folder holding job.yaml) directly under the runs root, oldest first."""
-    from gearshift.orchestrator.runs.rundir import RunDir, runs_root
+    from gearshift.orchestrator.records.rundir import RunDir, runs_root
 
     base = pathlib.Path(runs_root(root))
     if not base.is_dir():
@@ -59,7 +59,7 @@ def list_runs(root: str | None = None) -> list:
 def find_run(ident: str, root: str | None = None):
     """The run `ident` names: a run dir (or its name under the runs root), else a fingerprint or a
     unique prefix of one."""
-    from gearshift.orchestrator.runs.rundir import RunDir, runs_root
+    from gearshift.orchestrator.records.rundir import RunDir, runs_root
 
     path = pathlib.Path(ident)
     if not path.exists() and (pathlib.Path(runs_root(root)) / ident / "job.yaml").is_file():
@@ -127,7 +127,7 @@ def _read_job(run) -> dict:
 def cmd_runs(args) -> int:
     if getattr(args, "runs_command", None) == "diff":
         return cmd_diff(args)
-    from gearshift.orchestrator.runs.rundir import runs_root
+    from gearshift.orchestrator.records.rundir import runs_root
 
     runs = list_runs(args.root)
     if not runs:
@@ -243,7 +243,7 @@ def format_table(rows: list[dict]) -> str:
 
 def job_differences(a: dict, b: dict) -> list[tuple[str, object, object]]:
     """(field, value in a, value in b) for each job field in which the two differ."""
-    from gearshift.orchestrator.runs.rundir import _flatten
+    from gearshift.orchestrator.records.rundir import _flatten
 
     fa, fb = _flatten(a), _flatten(b)
     out = []
@@ -282,7 +282,7 @@ def cmd_diff(args) -> int:
 def cmd_replay(args) -> int:
     from gearshift import api
     from gearshift.monitoring.progress import ProgressView
-    from gearshift.orchestrator.runs.rundir import RunDir
+    from gearshift.orchestrator.records.rundir import RunDir
     from gearshift.workers.checkpoint import write_file_atomic
 
     original = find_run(args.run, args.root)
@@ -302,7 +302,7 @@ def cmd_replay(args) -> int:
 
 def source_warnings(run) -> list[str]:
     """One line per difference between what the run was recorded with and what is here now."""
-    from gearshift.orchestrator.runs import provenance
+    from gearshift.orchestrator.records import provenance
 
     recorded = provenance.read(run.source)
     if recorded is None:

@@ -101,7 +101,7 @@ def cmd_tune(args) -> int:
     from gearshift.orchestrator.control.bucket_tuning import BucketTuning, distinct_buckets
     from gearshift.orchestrator.control.controller import Controller
     from gearshift.orchestrator.job import dump_job, load_job
-    from gearshift.orchestrator.runs.rundir import RunDir
+    from gearshift.orchestrator.records.rundir import RunDir
     from gearshift.orchestrator.cluster.worker_group import RayWorkerGroup, check_reachable, embedded_cpus, ray_session
 
     if args.warmup < 0 or args.steps < 1:

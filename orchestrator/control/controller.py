@@ -46,7 +46,7 @@ from gearshift.orchestrator.policy.online import OnlineModel
 from gearshift.orchestrator.policy.adaptive import AdaptConfig, Decision, Policy, candidate_layouts
 from gearshift.orchestrator.control.recovery import Recovery
 from gearshift.orchestrator.control.reporting import Reporter, StepMerger
-from gearshift.orchestrator.runs.rundir import RunDir
+from gearshift.orchestrator.records.rundir import RunDir
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup
 from gearshift.strategies.layout import Layout
 

@@ -20,7 +20,7 @@ from gearshift.monitoring.progress import ProgressView
 from gearshift.monitoring.telemetry import JsonlSink, LogEcho
 from gearshift.orchestrator.errors import GearshiftError
 from gearshift.orchestrator.job import Job
-from gearshift.orchestrator.runs.rundir import RunDir
+from gearshift.orchestrator.records.rundir import RunDir
 from gearshift.orchestrator.control.startup import STARTUP
 from gearshift.workers import checkpoint
 
@@ -232,7 +232,7 @@ class Reporter:
             self.observers.append(LogEcho())
         if self.metrics:
             self.event("metrics", url=self.metrics.url)
-        from gearshift.orchestrator.runs import tracking
+        from gearshift.orchestrator.records import tracking
 
         self.trackers = tracking.start(self.job, self.run_path, self)
         self.observers.extend(self.trackers)
@@ -248,7 +248,7 @@ class Reporter:
 
     def close(self) -> None:
         if self.trackers:  # before the sink closes: what a tracker did not take is said in the telemetry
-            from gearshift.orchestrator.runs import tracking
+            from gearshift.orchestrator.records import tracking
 
             try:
                 tracking.finish(self.trackers, self.job.tracking.close_timeout_s, self)

@@ -94,7 +94,7 @@ class RunDir:
         checkpoint.write_file_atomic(run.job_file, dump_job(job).encode())
         meta = {"base_dir": job.base_dir, "fingerprint": job.fingerprint(), "name": job.name, "created": time.time()}
         checkpoint.write_file_atomic(run.meta, json.dumps(meta, indent=2).encode())
-        from gearshift.orchestrator.runs import provenance
+        from gearshift.orchestrator.records import provenance
 
         provenance.write(run.source, job)
         return run
