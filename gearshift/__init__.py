@@ -10,7 +10,18 @@ or `gearshift.strategies` loads none of the driver's code.
 
 from __future__ import annotations
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# Installed, gearshift's four parts are subpackages in this folder (pyproject.toml's package-dir;
+# an editable install maps them). Run in place from a checkout, with only its root on sys.path,
+# they sit beside this folder: look for them there too.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "orchestrator")) and all(
+        _os.path.isfile(_os.path.join(_root, part, "__init__.py"))
+        for part in ("orchestrator", "workers", "strategies", "monitoring")):
+    __path__.append(_root)
 
 _API = {
     "load_job": "gearshift.api", "check": "gearshift.api", "run": "gearshift.api", "submit": "gearshift.api",
