@@ -25,6 +25,18 @@ TINY = {"train.steps": 4, "train.global_batch_size": 16, "train.log_every": 1, "
         "model.kwargs": {"hidden": 32}, "data.kwargs": {"size": 256}}
 
 
+@pytest.fixture(autouse=True)
+def forget_user_modules(tmp_path_factory):
+    """The modules of a test's job folder that this process imported (checking the job, the
+    reference) go afterwards: a later test's module of the same name must be its own."""
+    before = set(sys.modules)
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for name in set(sys.modules) - before:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(base):
+            del sys.modules[name]
+
+
 # ------------------------------------------------------------------------ pure logic
 
 
@@ -148,7 +160,7 @@ def test_run_returns_its_result_and_matches_plain_pytorch(ray_cluster, tmp_path,
 
 @pytest.mark.ray
 def test_a_failing_run_raises_run_failed(ray_cluster, tmp_path):
-    (tmp_path / "broken.py").write_text(textwrap.dedent("""\
+    (tmp_path / "api_broken_model.py").write_text(textwrap.dedent("""\
         import torch
         from torch import nn
 
@@ -161,7 +173,8 @@ def test_a_failing_run_raises_run_failed(ray_cluster, tmp_path):
         def build():
             return nn.Sequential(nn.Flatten(), Broken(784, 10))
         """))
-    job = {"name": "broken", "model": "broken:build", "data": {"name": "synthetic_digits", "kwargs": {"size": 64}},
+    job = {"name": "broken", "model": "api_broken_model:build",
+           "data": {"name": "synthetic_digits", "kwargs": {"size": 64}},
            "train": {"steps": 3, "global_batch_size": 8}, "cluster": {"num_workers": 2}}
     with pytest.raises(gearshift.RunFailed) as info:
         gearshift.run(_job_in(tmp_path, job), run_dir=tmp_path / "run")
@@ -270,17 +283,9 @@ def test_user_modules_named_like_ours_under_gearshift_run(tmp_path):
     _check_clash_run(job, tmp_path / "run")
 
 
-@pytest.fixture
-def forget_user_modules():
-    """The user's modules this process imported (checking the job, the reference) go afterwards."""
-    yield
-    for name in [*CLASH_MODULES, "clash_model.py"]:
-        sys.modules.pop(name.removesuffix(".py"), None)
-
-
 @pytest.mark.ray
 @pytest.mark.smoke
-def test_user_modules_named_like_ours_under_the_api(ray_cluster, tmp_path, forget_user_modules):
+def test_user_modules_named_like_ours_under_the_api(ray_cluster, tmp_path):
     job = clash_job(tmp_path)
     result = gearshift.run(job, run_dir=tmp_path / "run")
     assert result.steps == 5
