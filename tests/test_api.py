@@ -206,6 +206,7 @@ def test_two_runs_in_one_process_each_with_its_own_embedded_ray(tmp_path):
         print(json.dumps([a.steps, b.steps, a.final_loss, up_between, ray.is_initialized()]), file=sys.stderr)
         """)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash shows where it happened
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
