@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -175,3 +176,91 @@ def test_with_noisy_steps_the_policy_ends_near_the_oracle(capsys):
                  for s in range(1, steps + 1))
     assert [m[1] for m in moves(decisions)] == ["switch", "switch"], decisions
     assert oracle / clock > 0.97
+
+
+# ---- reverts only on evidence
+
+DATA_TB, HYB_TB = Layout("data", 4, 1), Layout("hybrid", 2, 2)
+
+
+def testbed_policy(steps: int) -> Policy:
+    """The two-node testbed's run: 4 workers, 2 a node, so data or hybrid 2 x 2."""
+    c = AdaptConfig()
+    online = OnlineModel(GPT, 32, [2, 2], predict_error=c.predict_error, unseen_error=c.unseen_error)
+    return Policy(c, candidate_layouts(4, [2, 2], sharded=False), DATA_TB, model=online, total_steps=steps)
+
+
+def _replay(policy: Policy, pace, steps: int, seed: int = 0, lag: int = 2):
+    """Feed the policy records whose step time `pace(layout, steps_on_it, step)` gives (seconds,
+    and the comm-wait share of it); a Switch or Revert is carried out `lag` steps after it."""
+    rng, out, pending, since = random.Random(seed), [], None, 0
+    for step in range(1, steps + 1):
+        if pending and step > pending[1]:
+            policy.switched(pending[0].to, pending[1], 0.3)
+            pending, since = None, pending[1]
+        layout = policy.current
+        step_s, frac = pace(layout, step - since, step, rng)
+        pred = SimpleNamespace(step_s=step_s, exposed_wait_s=step_s * frac, comm_wait_frac=frac, bucket_cap_mb=25.0)
+        d = policy.observe(record(step, layout, pred, 32))
+        if d.name != "keep" or d.evidence:
+            out.append((step, d))
+        if isinstance(d, (Switch, Revert)) and pending is None:
+            pending = (d, step + lag)
+    return out
+
+
+def test_a_switch_whose_first_steps_are_slow_and_noisy_is_not_reverted():
+    """The shape of a run that once threw a good move away: data waits 83 % of a 456 ms step on a
+    slow link; hybrid's steady pace is 5 % better, but its first steps after the build are 3x,
+    2x, 1.5x, 1.2x and 1.1x slower and every step is off by up to +-12 %. Judged after the warm-up
+    against data's steps at the same link, within the noise of both: kept, never reverted."""
+    def pace(layout, on_it, step, rng):
+        if layout == DATA_TB:
+            return 0.456 * rng.uniform(0.9, 1.1), 0.83
+        warm = {1: 3.0, 2: 2.0, 3: 1.5, 4: 1.2, 5: 1.1}.get(on_it, 1.0)
+        return 0.434 * warm * rng.uniform(0.88, 1.12), 0.6
+
+    for seed in range(20):  # judged on the first steps against 3 steps of data, 2 of these seeds revert
+        policy = testbed_policy(70)
+        decisions = _replay(policy, pace, 70, seed=seed)
+        assert [(d.name, d.to) for _, d in decisions if isinstance(d, (Switch, Revert))][:1] == [("switch", HYB_TB)]
+        assert not [d for _, d in decisions if isinstance(d, Revert)], (seed, [d.evidence for _, d in decisions])
+    kept = [h for h in policy.history if h["decision"] == "keep" and h["evidence"].get("reason") == "kept"]
+    if kept:  # the judgement says what it compared and what it left out
+        ev = kept[-1]["evidence"]
+        assert ev["noise_samples_per_s"] > 0 and ev["steps_before"] and ev["steps_judged"]
+
+
+def test_a_switch_clearly_slower_than_the_noise_is_reverted():
+    """The same run with hybrid 25 % slower than data once warm: that is evidence, and it reverts."""
+    def pace(layout, on_it, step, rng):
+        if layout == DATA_TB:
+            return 0.456 * rng.uniform(0.95, 1.05), 0.83
+        return 0.57 * {1: 3.0, 2: 2.0}.get(on_it, 1.0) * rng.uniform(0.95, 1.05), 0.6
+
+    policy = testbed_policy(200)
+    decisions = _replay(policy, pace, 80)
+    names = [(d.name, d.to) for _, d in decisions if isinstance(d, (Switch, Revert))]
+    assert names[:2] == [("switch", HYB_TB), ("revert", DATA_TB)], decisions
+    revert = next(d for _, d in decisions if isinstance(d, Revert))
+    ev = revert.evidence
+    assert ev["samples_per_s_after"] < ev["samples_per_s_before"] - ev["noise_samples_per_s"]
+    assert "noise" in ev["reason"]
+
+
+def test_a_link_change_during_the_judgement_restarts_it_instead_of_reverting():
+    """The link gets fast while hybrid is on trial: its steps change pace under another link than
+    the one data's steps were measured at. The judgement is dropped (said in a keep record), not
+    counted against the move, and the policy decides afresh on the new link."""
+    def pace(layout, on_it, step, rng):
+        fast = step >= 14
+        if layout == DATA_TB:
+            return (0.2, 0.3) if fast else (0.456, 0.83)
+        return (0.3, 0.5) if fast else (0.434, 0.6)
+
+    policy = testbed_policy(200)
+    decisions = _replay(policy, pace, 60)
+    restarted = [h for h in policy.history if h["decision"] == "keep"
+                 and h["evidence"].get("reason", "").startswith("judgement restarted")]
+    assert restarted, decisions
+    assert not [d for _, d in decisions if isinstance(d, Revert)]

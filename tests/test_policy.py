@@ -208,14 +208,15 @@ def test_respects_the_cooldown():
     assert [(s, d.to) for s, d in decisions] == [(5, HYB2), (45, TENSOR4)]
 
 
-@pytest.mark.parametrize("seed, penalty", [(5, 1.0), (6, 1.0), (7, 1.1), (8, 1.1)])
+@pytest.mark.parametrize("seed, penalty", [(5, 1.0), (6, 1.0), (7, 1.2), (8, 1.2)])
 def test_never_oscillates_over_a_long_noisy_trace(seed, penalty):
     rng = random.Random(seed)
     cfg = AdaptConfig()
     cands = candidate_layouts(8, [4, 4])
     policy = Policy(cfg, cands, cands[0])
     # the network is always slow and no layout helps: equally slow up to noise (penalty 1.0),
-    # or a little slower than data (1.1), which makes the policy revert every try
+    # or clearly slower than data (1.2: beyond the noise of 20 steps each side), which makes the
+    # policy revert every try
     noisy = lambda lay, s: {"wait": rng.uniform(0.2, 0.6),
                             "step_time": 0.1 * rng.uniform(0.8, 1.3) * (1 if lay.tp == 1 else penalty)}
     decisions = run(policy, 5000, noisy)

@@ -46,6 +46,7 @@ least sharded layout that fits; without `fits` that is always the replicated one
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,7 +69,8 @@ class AdaptConfig:
     retry_after: int = 400         # steps a reverted layout is not tried again
     early_check: int = 5           # steps into a trial (after settle) at which a clear loss reverts at once
     early_loss: float = 0.2        # "clear": samples/s below (1 - early_loss) x before
-    min_gain: float = 0.0          # a switch is kept when after > before * (1 + min_gain)
+    min_gain: float = 0.0          # a switch is kept unless after < before * (1 + min_gain) - noise
+    noise_sigmas: float = 2.0      # "noise": this many standard errors of the two rates' difference
     straggler_ratio: float = 1.5   # slow rank's compute time / median of the others
     input_bound_frac: float = 0.3  # data time / step time
     # deciding by prediction (with an online cost model; see the module's doc)
@@ -170,6 +172,41 @@ def _rate(window: list[dict]) -> float:
     return sum(r["samples_per_s"] * r["step_time_max"] for r in window) / time if time > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class Trial:
+    """A switch under judgement: the layout left, and its latest steps at the link as it was
+    (`rate`: their samples/s, or the decision's figure when the policy had no steps of its own)."""
+    layout: Layout
+    before: list[dict]
+    rate: float
+
+    def steps(self) -> list[int] | None:
+        return [self.before[0]["step"], self.before[-1]["step"]] if self.before else None
+
+
+def _past_warmup(window: list[dict], factor: float = 1.5, keep: int = 3) -> list[dict]:
+    """The window from the first step that is not still warming up: leading steps slower than
+    `factor` x the window's median step are left out (a build's first steps: compile, allocator
+    and caches), keeping at least `keep` steps."""
+    if len(window) <= keep:
+        return window
+    times = sorted(r["step_time_max"] for r in window)
+    med, start = times[len(times) // 2], 0
+    while start < len(window) - keep and window[start]["step_time_max"] > factor * med:
+        start += 1
+    return window[start:]
+
+
+def rate_error(records: list[dict]) -> float:
+    """The standard error of a run of steps' samples/s: the per-step rates' robust spread (1.4826
+    x their median absolute deviation) over sqrt(n); 0 with fewer than 3 steps (no spread known)."""
+    rates = [r["samples_per_s"] for r in records]
+    if len(rates) < 3:
+        return 0.0
+    mid = median(rates)
+    return 1.4826 * median(abs(x - mid) for x in rates) / math.sqrt(len(rates))
+
+
 def window_means(window: list[dict]) -> dict:
     mean_time = sum(r["step_time_mean"] for r in window)
     return {
@@ -243,7 +280,7 @@ class Policy:
         self._window: list[dict] = []
         self._pending: Switch | Revert | None = None  # handed out, not yet carried out
         self._since: int | None = None         # step the current layout took over; None: from the start
-        self._trial: tuple[Layout, float] | None = None  # (layout before, samples/s before) while judging a switch
+        self._trial: Trial | None = None     # the switch being judged
         self._blocked: dict[Layout, int] = {}  # reverted layout -> first step it may be tried again
         # the comm-wait fraction that sent the policy to a layout later reverted (1.5x it lifts the block)
         self._blocked_wait: dict[Layout, float] = {}
@@ -263,7 +300,13 @@ class Policy:
         if self._since is not None and step <= self._since + self.config.settle:
             return KEEP
         self._window.append(record)
-        decision = self._watch_link(record, step) if self.predicting else None
+        self._recent = (self._recent + [record])[-self.config.window:]
+        if self.predicting:
+            decision = self._watch_link(record, step)
+        else:  # deciding by trial: a change of the link only bounds what a trial is judged against
+            decision = None
+            if self._change.add(record["comm_wait_mean"], record["step_time_max"]) is not None:
+                self._recent = self._recent[-self.config.change_steps:]
         if decision is not None:
             if not isinstance(decision, Keep):
                 self.history.append({"step": step, **decision.to_dict()})
@@ -302,8 +345,12 @@ class Policy:
             self.model.switched(seconds)
         self._estimate = self._estimate if judged and "predicted_step_s" in pending.evidence else None
         self._change.reset()
+        # judged against the old layout's latest steps at the link as it is (observe stops adding
+        # records once a decision is out, so these are the steps the decision saw)
+        before = self._recent or None
         self._recent, self._held = [], False
-        self._trial = (self.current, pending.evidence["samples_per_s_recent"]) if judged else None
+        self._trial = Trial(self.current, before if before else [], pending.evidence["samples_per_s_recent"]
+                            if not before else _rate(before)) if judged else None
         self._trial_wait = pending.evidence.get("comm_wait_frac") if judged else None
         self._trial_back = judged and pending.evidence.get("reason") == "comm_wait_fell"
         self.current, self._since, self._window = to, step, []
@@ -321,8 +368,8 @@ class Policy:
             "current": self.current.to_dict(),
             "pending": self._pending.to_dict() if self._pending else None,
             "since": self._since, "window_fill": len(self._window),
-            "trial": {"from": self._trial[0].to_dict(), "samples_per_s_before": self._trial[1]}
-            if self._trial else None,
+            "trial": {"from": self._trial.layout.to_dict(), "samples_per_s_before": self._trial.rate,
+                      "steps_before": self._trial.steps()} if self._trial else None,
             "blocked": [{"layout": k.to_dict(), "until": v} for k, v in self._blocked.items()],
             "skipped": list(self._skipped), "history": list(self.history),
             "deciding_by": "prediction" if self.predicting else "trial", "missed_in_a_row": self._misses,
@@ -373,17 +420,30 @@ class Policy:
 
     def _watch_link(self, record: dict, step: int) -> Decision | None:
         """Every step: a change point in the comm wait (the link changed, either way) is a decision
-        now, on the steps since the change, rather than at the window's end."""
-        c, self._recent = self.config, (self._recent + [record])[-self.config.window:]
-        if self._change.add(record["comm_wait_mean"], record["step_time_max"]) is None or self._trial is not None:
+        now, on the steps since the change, rather than at the window's end. During a trial it
+        ends the judgement without counting against the move: the steps before the switch were
+        measured at another link, so they say nothing of this one."""
+        c = self.config
+        if self._change.add(record["comm_wait_mean"], record["step_time_max"]) is None:
             return None
         since = self._recent[-c.change_steps:]
         before = window_means(self._recent[:-c.change_steps]) if len(self._recent) > c.change_steps else None
+        self._recent = list(since)  # the steps at the link as it is now
+        restarted = None
+        if self._trial is not None:
+            trial, self._trial, self._estimate = self._trial, None, None
+            restarted = {"reason": "judgement restarted: the link changed during it", "from": trial.layout.to_dict(),
+                         "layout": self.current.to_dict(), "samples_per_s_before": trial.rate,
+                         "steps_before": trial.steps(), "steps_judged": [self._window[0]["step"], step]}
+            self.history.append({"step": step, **Keep(restarted).to_dict()})
         self.model.update(self.current, since)
         self._window, self._held = [], False  # windows count afresh under the new link
         self._blocked.clear()  # what was reverted under the old link is predicted afresh
         means = {**window_means(since), "comm_wait_s_before": before["comm_wait_s"] if before else None}
-        return self._predictive(means, step, "link_changed")
+        decision = self._predictive(means, step, "link_changed")
+        if restarted is not None and isinstance(decision, Switch):
+            decision.evidence["judgement_restarted"] = restarted
+        return decision
 
     def _predictive(self, means: dict, step: int, reason: str) -> Decision:
         """Predict every candidate that fits and is not held back; move to the best when its gain,
@@ -426,18 +486,36 @@ class Policy:
         return self._trial is not None and len(self._window) == c.early_check < c.window
 
     def _early(self, window: list[dict], step: int) -> Decision | None:
-        """A trial's first `early_check` steps: a clear loss is reverted now, anything else waits
-        for the full window."""
-        means = window_means(window)
-        if means["samples_per_s"] >= self._trial[1] * (1 - self.config.early_loss):
+        """A trial's first `early_check` steps: a clear loss, beyond the noise, is reverted now;
+        anything else waits for the full window."""
+        after = _past_warmup(window)
+        noise = self._noise(after)
+        if _rate(after) >= self._trial.rate * (1 - self.config.early_loss) - noise:
             return None
-        return self._judge(means, step, window, early=True)
+        return self._judge(window_means(window), step, window, early=True)
+
+    def _noise(self, after: list[dict], trial: Trial | None = None) -> float:
+        """How much slower than before a trial may measure and still be noise: `noise_sigmas` x
+        the standard error of the difference of the two rates. A side with too few steps to show
+        a spread borrows the other's relative one."""
+        trial = trial or self._trial
+        rate_after, rate_before = _rate(after), trial.rate
+        se_after, se_before = rate_error(after), rate_error(trial.before)
+        if not se_before and rate_after > 0:
+            se_before = se_after / rate_after * rate_before
+        if not se_after and rate_before > 0:
+            se_after = se_before / rate_before * rate_after
+        return self.config.noise_sigmas * math.sqrt(se_after ** 2 + se_before ** 2)
 
     def _judge(self, means: dict, step: int, window: list[dict], early: bool = False) -> Decision:
-        before_layout, before = self._trial
-        self._trial = None
-        after, c = means["samples_per_s"], self.config
+        trial, self._trial = self._trial, None
+        before_layout, before, c = trial.layout, trial.rate, self.config
+        judged = _past_warmup(window)  # the new layout's first steps after its build are not its pace
+        after, noise = _rate(judged), self._noise(judged, trial)
         evidence = {**means, "samples_per_s_before": before, "samples_per_s_after": after,
+                    "noise_samples_per_s": noise, "noise_sigmas": c.noise_sigmas,
+                    "steps_before": trial.steps(), "steps_judged": [judged[0]["step"], judged[-1]["step"]],
+                    "warmup_steps_left_out": len(window) - len(judged),
                     "min_gain": c.min_gain, "from": before_layout.to_dict(),
                     "layout": self.current.to_dict()}
         if self.model is not None:  # the layout's first steps: its compute and own wait, measured
@@ -446,7 +524,7 @@ class Policy:
         if estimate is not None:
             evidence.update(predicted_step_s=estimate.step_s, measured_step_s=means["step_time"],
                             prediction_error=self.model.check(estimate, means["step_time"]))
-        if after > before * (1 + c.min_gain):
+        if after > before * (1 + c.min_gain) - noise:  # slower by less than the noise: not evidence
             self._misses = 0 if estimate is not None else self._misses
             self._kept_wait = means["comm_wait_s"]
             self._reverts[self.current] = 0
@@ -463,11 +541,11 @@ class Policy:
         if early:
             evidence["early_loss"] = c.early_loss
             evidence["reason"] = (f"samples/s after {after:.4g} < before {before:.4g} x (1 - {c.early_loss}) "
-                                  f"in the first {means['steps'][1] - means['steps'][0] + 1} steps; "
-                                  f"not retried before step {step + block}")
+                                  f"- noise {noise:.3g} in the first {means['steps'][1] - means['steps'][0] + 1} "
+                                  f"steps; not retried before step {step + block}")
         else:
-            evidence["reason"] = (f"samples/s after {after:.4g} <= before {before:.4g} x (1 + {c.min_gain}); "
-                                  f"not retried before step {step + block}")
+            evidence["reason"] = (f"samples/s after {after:.4g} < before {before:.4g} x (1 + {c.min_gain}) - noise "
+                                  f"{noise:.3g}; not retried before step {step + block}")
         if estimate is not None:
             self._misses += 1
             if self._misses >= c.max_misses and self.predicting:
