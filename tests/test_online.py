@@ -183,7 +183,7 @@ def test_with_noisy_steps_the_policy_ends_near_the_oracle(capsys):
 DATA_TB, HYB_TB = Layout("data", 4, 1), Layout("hybrid", 2, 2)
 
 
-def testbed_policy(steps: int) -> Policy:
+def two_node_policy(steps: int) -> Policy:
     """The two-node testbed's run: 4 workers, 2 a node, so data or hybrid 2 x 2."""
     c = AdaptConfig()
     online = OnlineModel(GPT, 32, [2, 2], predict_error=c.predict_error, unseen_error=c.unseen_error)
@@ -221,7 +221,7 @@ def test_a_switch_whose_first_steps_are_slow_and_noisy_is_not_reverted():
         return 0.434 * warm * rng.uniform(0.88, 1.12), 0.6
 
     for seed in range(20):  # judged on the first steps against 3 steps of data, 2 of these seeds revert
-        policy = testbed_policy(70)
+        policy = two_node_policy(70)
         decisions = _replay(policy, pace, 70, seed=seed)
         assert [(d.name, d.to) for _, d in decisions if isinstance(d, (Switch, Revert))][:1] == [("switch", HYB_TB)]
         assert not [d for _, d in decisions if isinstance(d, Revert)], (seed, [d.evidence for _, d in decisions])
@@ -238,7 +238,7 @@ def test_a_switch_clearly_slower_than_the_noise_is_reverted():
             return 0.456 * rng.uniform(0.95, 1.05), 0.83
         return 0.57 * {1: 3.0, 2: 2.0}.get(on_it, 1.0) * rng.uniform(0.95, 1.05), 0.6
 
-    policy = testbed_policy(200)
+    policy = two_node_policy(200)
     decisions = _replay(policy, pace, 80)
     names = [(d.name, d.to) for _, d in decisions if isinstance(d, (Switch, Revert))]
     assert names[:2] == [("switch", HYB_TB), ("revert", DATA_TB)], decisions
@@ -258,7 +258,7 @@ def test_a_link_change_during_the_judgement_restarts_it_instead_of_reverting():
             return (0.2, 0.3) if fast else (0.456, 0.83)
         return (0.3, 0.5) if fast else (0.434, 0.6)
 
-    policy = testbed_policy(200)
+    policy = two_node_policy(200)
     decisions = _replay(policy, pace, 60)
     restarted = [h for h in policy.history if h["decision"] == "keep"
                  and h["evidence"].get("reason", "").startswith("judgement restarted")]
