@@ -60,36 +60,47 @@ class FakeGroup:
         assert (rank, method) == (0, "state")
         return {"model": {"w": self.w.clone()}, "step": self.step}
 
-    def train(self, until, every, last_step=None):
+    def stop_early(self):  # the ranks agree to stop at the second boundary after the one being trained
+        self.stop_at = self.step + 2
+        self.stops = getattr(self, "stops", []) + [(self.step, self.stop_at)]
+
+    def train(self, until, every, last_step=None, stoppable=False):
         last_step = last_step or until
         chunk = {0: 2, 1: 3}
         pending = {0: [], 1: []}
+        self.stop_at = None
         for step in range(self.step, until):
             if self.fail_at is not None and step == self.fail_at:
                 raise WorkerFailed(1, "ValueError: boom", details="Traceback: ... ValueError: boom")
             self.w += 1
             self.step = step + 1
+            stopping = stoppable and self.stop_at is not None and self.step >= self.stop_at
             for rank in (0, 1):
                 pending[rank].append(step)
                 ckpt = every and self.step % every == 0 and self.step < last_step
-                if len(pending[rank]) == chunk[rank] or self.step == until or ckpt:
-                    n = len(pending[rank])
-                    report = {"rank": rank, "first_step": pending[rank][0],
-                              "losses": [10.0 - s - rank for s in pending[rank]],
-                              "step_times": [0.01 * (1 + rank)] * n,
-                              # rank 1 waits 4 ms of its 20 ms on collectives, rank 0 1 ms of 10
-                              "data_times": [0.001] * n, "comm_waits": [0.001 * (1 + 3 * rank)] * n,
-                              "comm_calls": [2] * n, "peak_mem_bytes": 1000 * (rank + 1),
-                              "samples": [{"type": "sample", "time": 1.0, "rank": rank, "node_ip": "127.0.0.1",
-                                           "source": "psutil", "device": "cpu", "util_pct": 50.0 + rank,
-                                           "mem_used_bytes": 10, "mem_total_bytes": 100, "power_w": None,
-                                           "sm_clock_mhz": None, "host_cpu_pct": 70.0}]}
-                    if rank == 0 and ckpt:
-                        report["checkpoint"] = self.call_rank(0, "state")
+                if len(pending[rank]) == chunk[rank] or self.step == until or ckpt or stopping or stoppable:
+                    yield rank, self.report(rank, pending[rank], ckpt)
                     pending[rank] = []
-                    yield rank, report
             if self.scrape_at is not None and self.step == self.scrape_at:
                 self.scraped = scrape(self.run)
+            if stopping:
+                break
+
+    def report(self, rank, steps, ckpt):
+        n = len(steps)
+        report = {"rank": rank, "first_step": steps[0],
+                  "losses": [10.0 - s - rank for s in steps],
+                  "step_times": [0.01 * (1 + rank)] * n,
+                  # rank 1 waits 4 ms of its 20 ms on collectives, rank 0 1 ms of 10
+                  "data_times": [0.001] * n, "comm_waits": [0.001 * (1 + 3 * rank)] * n,
+                  "comm_calls": [2] * n, "peak_mem_bytes": 1000 * (rank + 1),
+                  "samples": [{"type": "sample", "time": 1.0, "rank": rank, "node_ip": "127.0.0.1",
+                               "source": "psutil", "device": "cpu", "util_pct": 50.0 + rank,
+                               "mem_used_bytes": 10, "mem_total_bytes": 100, "power_w": None,
+                               "sm_clock_mhz": None, "host_cpu_pct": 70.0}]}
+        if rank == 0 and ckpt:
+            report["checkpoint"] = self.call_rank(0, "state")
+        return report
 
     def dead_ranks(self):
         return {}
@@ -327,11 +338,17 @@ def test_the_policy_is_passed_in_and_told_of_the_switch_it_asked_for(tmp_path):
         def resume_at(self, step):
             raise AssertionError("no tuning in this run")
 
-    job, run, factory, groups = make(tmp_path, ["train.steps=8", "parallel.strategy=auto"])
+    job, run, factory, groups = make(tmp_path, ["train.steps=12", "parallel.strategy=auto"])
     summary = Controller(job, run, factory, policy_factory=AtStepFour).run()
-    assert groups[0].reshards == [(4, "tensor", 2)]
-    assert made[0].told == [("tensor dp=1 tp=2", 4, 0.02)]  # the slowest rank's reshard
-    assert [(s["step"], s["reason"]) for s in summary["switches"]] == [(4, "switch")]
+    # seen in step 4's record, the workers asked to stop then, and they stop two steps on, in one
+    # chunk (no chunk ends where the policy may decide)
+    assert groups[0].stops == [(4, 6)]
+    assert groups[0].reshards == [(6, "tensor", 2)]
+    assert made[0].told == [("tensor dp=1 tp=2", 6, 0.02)]  # the slowest rank's reshard
+    assert [(s["step"], s["reason"]) for s in summary["switches"]] == [(6, "switch")]
+    [decision] = [r for r in read(run.telemetry) if r.get("event") == "decision"]
+    assert (decision["decision"], decision["seen_step"], decision["applied_step"]) == ("switch", 4, 6)
+    assert summary["steps_done"] == 12 and torch.load(run.final, weights_only=True)["w"].tolist() == [12.0, 12.0]
     [policy] = [r for r in read(run.telemetry) if r.get("event") == "policy"]
     assert policy["candidates"][1] == {"strategy": "tensor", "dp": 1, "tp": 2} and policy["decide"] == "predict"
 

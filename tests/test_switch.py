@@ -75,12 +75,14 @@ def test_forced_switches_reach_the_single_process_result(ray_cluster, tmp_path, 
 
 
 def test_auto_switches_to_hybrid_by_itself_when_the_link_between_nodes_is_slow(ray_cluster, tmp_path):
-    """4 workers in 2 simulated nodes joined by a 5 MB/s link: data parallelism all-reduces every
+    """4 workers in 2 simulated nodes joined by a 2.5 MB/s link: data parallelism all-reduces every
     gradient over it and waits most of each step. The policy moves to hybrid (tensor-parallel
-    inside a node, half the gradient bytes over the link) and keeps it because it is faster."""
+    inside a node, half the gradient bytes over the link) within two steps of the record that
+    showed it, and keeps it because it is faster. (At 5 MB/s hybrid is only 0-6 % faster on two
+    loaded cores: too close to call by a wall clock.)"""
     run = tmp_path / "run"
     overrides = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=auto",
-                 "inject.nodes=2", "inject.link={mb_per_s: 5, latency_ms: 2}", "train.steps=70",
+                 "inject.nodes=2", "inject.link={mb_per_s: 2.5, latency_ms: 2}", "train.steps=60",
                  "train.global_batch_size=32", "checkpoint.every=0"]
     summary = run_gearshift(GPT[0], overrides, run)
     records = [json.loads(line) for line in (run / "telemetry.jsonl").read_text().splitlines()]
@@ -93,6 +95,8 @@ def test_auto_switches_to_hybrid_by_itself_when_the_link_between_nodes_is_slow(r
         ("data", "hybrid", 2, "switch")], switches
     decision = next(r for r in records if r.get("event") == "decision" and r["decision"] == "switch")
     assert decision["evidence"]["comm_wait_frac"] > decision["evidence"]["threshold"] == 0.15
+    # carried out within two steps of the step whose record triggered it, all ranks at one boundary
+    assert 0 < decision["applied_step"] - decision["seen_step"] <= 2 and decision["applied_step"] == switches[0]["step"]
     assert not [r for r in records if r.get("event") == "decision" and r["decision"] == "revert"]
 
     at = switches[0]["step"]

@@ -27,6 +27,7 @@ from gearshift.workers.loader import StepLoader, open_data, open_loader, seed_ge
 from gearshift.workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
 from gearshift.workers.profiling import StepProfiler
 from gearshift.workers.simnet import SimulatedNetwork
+from gearshift.workers.stopping import StopAgreement, flag_group
 from gearshift.workers.telemetry import WorkerTelemetry
 
 __all__ = ["NonFiniteStep", "TrainWorker", "WorkerConfig", "step_seed", "to_cpu"]
@@ -57,6 +58,8 @@ class TrainWorker:
         self.non_finite: list[dict] = []  # skipped steps not yet reported
         self.loader: StepLoader | None = None
         self.profiler = StepProfiler(config.profile, cuda=config.gpu)  # train.profile's window
+        self.flags = None      # the stop agreement's process group (workers/stopping.py)
+        self.stop_chunk = -1   # the chunk the controller asked to stop early (request_stop)
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -72,7 +75,14 @@ class TrainWorker:
     def setup(self, rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> str:
         self.rank, self.world = rank, world
         self.device, backend = rendezvous.join(rank, world, master_addr, master_port, timeout_s, self.config.gpu)
+        self.flags = flag_group(world)
         return backend
+
+    def request_stop(self, chunk: int) -> None:
+        """The controller wants training chunk `chunk` to end early (a decision to carry out): the
+        ranks agree on the boundary (workers/stopping.py). Runs on a thread of its own while
+        `train` runs; a request for a chunk that has already ended is ignored."""
+        self.stop_chunk = chunk
 
     # ---------------------------------------------------------------- model, optimizer, data
 
@@ -296,18 +306,24 @@ class TrainWorker:
                                                stop=self.config.on_nan == "stop"))
 
     def train(self, until_step: int, checkpoint_every: int = 0, flush_s: float = 0.5,
-              last_step: int | None = None) -> Iterator[dict]:
+              last_step: int | None = None, chunk: int | None = None) -> Iterator[dict]:
         """Run steps up to `until_step`, yielding batches of per-step reports.
 
         A batch is yielded every `flush_s` seconds, at each checkpoint step (rank 0 attaches the
         state), where train.profile's window ends (its trace attached) and at the end. Losses stay
         on the device until a flush, so a step never waits on a device-to-host copy to be reported.
+        With `chunk`, the controller may end it early (`request_stop(chunk)`): every rank stops at
+        the same step boundary, the one they agree on (workers/stopping.py).
         """
         clock = self.clock
         if clock:
             clock.take()  # nothing timed between steps belongs to the first one
+        agreement = (StopAgreement(self.flags, lambda: self.stop_chunk == chunk) if chunk is not None else None)
         pending = _Pending(self.step, clock)
         while self.step < until_step:
+            if agreement is not None and agreement.stop_here():
+                agreement = None  # stopped: nothing outstanding on the group
+                break
             self.profiler.before_step(self.step, self.parallel.model)
             loss, data_span, lr = self._one_step(self.step)
             self.step += 1
@@ -320,6 +336,10 @@ class TrainWorker:
                 # the next step's time starts after the report left: a checkpoint's copy and
                 # serialisation is not training time (the controller times checkpoints itself)
                 pending = _Pending(self.step, clock)
+        if agreement is not None:
+            agreement.close()
+        if pending.losses:  # stopped early between flushes
+            yield self._report(pending, False) | self.profiler.take()
 
     def _report(self, pending: "_Pending", checkpoint: bool) -> dict:
         report = pending.report(self.rank)

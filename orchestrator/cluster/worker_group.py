@@ -169,9 +169,16 @@ class WorkerGroup(Protocol):
     def put(self, value: Any) -> Any:
         """A reference to `value` that `call` can hand to every rank without copying it per rank."""
 
-    def train(self, until_step: int, checkpoint_every: int, last_step: int | None = None
-              ) -> Iterator[tuple[int, dict]]:
-        """Every rank's step loop to `until_step`, as (rank, report) pairs as they arrive."""
+    def train(self, until_step: int, checkpoint_every: int, last_step: int | None = None,
+              stoppable: bool = False) -> Iterator[tuple[int, dict]]:
+        """Every rank's step loop to `until_step`, as (rank, report) pairs as they arrive.
+        `stoppable`: each step is reported as it ends, and `stop_early` may end the loop sooner,
+        every rank at the same step boundary."""
+
+    def stop_early(self) -> None:
+        """Ask the workers to end the `stoppable` step loop in progress soon (within two steps of
+        the one being trained when they hear of it); returns at once. A group that cannot does not
+        define it, and the controller ends its chunks where the policy may decide instead."""
 
     def dead_ranks(self) -> dict[int, str]:
         """After a failure: the ranks whose worker is gone, with the reason given for each."""
@@ -196,6 +203,7 @@ class RayWorkerGroup:
         self.infos: list[dict] = []
         self.feeders: list[Any] = []  # the streamed datasets' feeder actors
         self.data_info: dict[str, dict] = {}  # what each feeder found: rows, columns, shapes
+        self.chunk = 0  # the number of the stoppable step loop in progress (stop_early names it)
 
     # ---------------------------------------------------------------- start
 
@@ -227,7 +235,8 @@ class RayWorkerGroup:
                 f"{': ' + short if short else ''}. Available now: {ray.available_resources()}.") from None
 
         STARTUP.mark("placement")
-        actor_cls = ray.remote(TrainWorker)
+        # `request_stop` runs on a thread of its own while `train` runs (workers/stopping.py)
+        actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         search_paths = [job.base_dir]
         handles = [
             actor_cls.options(
@@ -368,14 +377,16 @@ class RayWorkerGroup:
         return ray.put(value)
 
     def train(self, until_step: int, checkpoint_every: int, stall_timeout_s: float | None = None,
-              last_step: int | None = None) -> Iterator[tuple[int, dict]]:
+              last_step: int | None = None, stoppable: bool = False) -> Iterator[tuple[int, dict]]:
         """Stream (rank, report) pairs from every worker's step loop until all have finished.
         No report from any worker for `stall_timeout_s` (default: the collective timeout plus a
         margin: a rank stuck in a step has its peers' collectives time out by then) is a failure."""
         import ray
 
         stall_timeout_s = stall_timeout_s or self.job.fault.collective_timeout_s + STALL_MARGIN_S
-        gens = {w.train.remote(until_step, checkpoint_every, 0.5, last_step): rank
+        self.chunk += 1
+        chunk, flush_s = (self.chunk, 0.0) if stoppable else (None, 0.5)  # stoppable: every step reported as it ends
+        gens = {w.train.remote(until_step, checkpoint_every, flush_s, last_step, chunk): rank
                 for rank, w in enumerate(self.workers)}
         last_progress = time.monotonic()
         while gens:
@@ -406,6 +417,10 @@ class RayWorkerGroup:
                 except ray.exceptions.RayError as err:
                     raise _task_failure(err, rank) from None
                 yield rank, report
+
+    def stop_early(self) -> None:
+        for w in self.workers:  # every rank hears it; the first to act on it is enough
+            w.request_stop.options(concurrency_group="control").remote(self.chunk)
 
     def dead_ranks(self, timeout_s: float = 3.0) -> dict[int, str]:
         """Ranks whose actor is gone, with Ray's account of why. A live worker still blocked in

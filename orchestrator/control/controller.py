@@ -132,6 +132,8 @@ class Controller:
         self._failures = 0
         self._schedule: list[dict] = []  # forced switches still ahead
         self._boundary: Boundary | None = None  # the boundary SWITCHING carries out
+        self._stoppable = False  # the workers can end a chunk early for a decision (WorkerGroup.stop_early)
+        self._decided: tuple[Decision, int] | None = None  # the chunk's switch or revert, and the step it was seen
 
     # ------------------------------------------------------------------ the state machine
 
@@ -212,11 +214,12 @@ class Controller:
         return State.TRAINING
 
     def _train(self) -> State:
-        """Train one chunk, to the next step at which something may change; what happens there."""
+        """Train one chunk, to the next step at which something may change (or sooner, where the
+        workers stopped for a decision); what happens there."""
         if self.step >= self.job.train.steps:
             return State.DONE
         until = self._chunk_end(self.step)
-        decision, kept = self._train_chunk(until)
+        decision, kept, until = self._train_chunk(until)
         self.step = until
         self.evals.after_chunk(self.group, until, self.job.train.steps, self.layout)
         tuning_over = self.tuning.chunk_done(until)
@@ -224,6 +227,8 @@ class Controller:
         boundary = next_boundary(until, self.job.train.steps, scheduled_layout(self.job, until) if due else None,
                                  decision, judged=self.policy is not None, tuning=self.tuning.active, kept=kept,
                                  tuning_over=tuning_over)
+        if self._decided is not None and (boundary.to is None or boundary.reason != decision.name):
+            self._record_decision(None)  # not carried out: the run ended, or the schedule came first
         if boundary.stop:
             return State.DONE
         if boundary.to is not None:
@@ -237,6 +242,8 @@ class Controller:
         b, step = self._boundary, self.step
         if b.abandon_tuning:
             self.tuning.abandon(step)  # a new layout is coming: its own round follows
+        if self._decided is not None:
+            self._record_decision(step)
         self.switch(b.to, step, b.reason, b.evidence)
         if b.scheduled:
             self._schedule.pop(0)
@@ -314,6 +321,7 @@ class Controller:
         self._schedule = [e for e in job.adapt.schedule if e["step"] > start_step]
         auto = job.parallel.strategy == "auto" and job.adapt.enabled and self.tuning.grid is None
         self.policy = self._make_policy() if auto else None
+        self._stoppable = self.policy is not None and callable(getattr(self.group, "stop_early", None))
         self.step = start_step
         self.tuning.begin(start_step)
 
@@ -323,38 +331,51 @@ class Controller:
             until = min(until, self._schedule[0]["step"])
         if self.tuning.active:  # end the chunk where the trial ends
             until = min(until, self.tuning.trial_end)
-        elif self.policy is not None:  # end the chunk where the policy may decide
+        elif self.policy is not None and not self._stoppable:  # end the chunk where the policy may decide
             until = min(until, self.policy.next_decision(step))
         return until
 
-    def _train_chunk(self, until: int) -> tuple[Decision | None, bool]:
+    def _train_chunk(self, until: int) -> tuple[Decision | None, bool, int]:
         """Train to `until`. Returns the first switch or revert the policy asked for on the way
-        (None: none), and whether it kept a switch it had judged (its new layout may be tuned)."""
+        (None: none), whether it kept a switch it had judged (its new layout may be tuned), and
+        the step boundary the workers stopped at: `until`, or, when they can stop early, within
+        two steps of the step whose record brought the decision."""
         job, report = self.job, self.report
         merger = StepMerger(job.cluster.num_workers, job.train.global_batch_size,
                             {**self.layout.to_dict(), "bucket_cap_mb": self.tuning.bucket}, self.tokens_per_sample)
-        pending, kept = None, False
-        for rank, batch in self.group.train(until, job.checkpoint.every, last_step=job.train.steps):
+        pending, kept, reached = None, False, self.step
+        stoppable = self._stoppable and not self.tuning.active
+        for rank, batch in self.group.train(until, job.checkpoint.every, last_step=job.train.steps,
+                                            **({"stoppable": True} if stoppable else {})):
             report.samples(batch.get("samples", ()))
             if rank == 0:  # every rank saw the same bad step (their gradient norms agree)
                 for bad in batch.get("non_finite", ()):
                     report.non_finite(bad)
             for record in merger.add(rank, batch):
+                reached = record["step"]
                 self.recovery.trained(record, job.cluster.num_workers)
                 report.step(record)
                 if self.tuning.active:
                     self.tuning.add(record)
                 elif self.policy is not None:
                     decision = self.policy.observe(record)
-                    if decision.name != "keep" or decision.evidence:  # a kept switch is news too
-                        report.decided(decision, record["step"])
-                        if pending is None and decision.name in ("switch", "revert"):
-                            pending = decision
+                    if pending is None and decision.name in ("switch", "revert"):
+                        pending, self._decided = decision, (decision, record["step"])
+                        if stoppable and record["step"] < until:
+                            self.group.stop_early()  # carried out where the workers stop
+                    elif decision.name != "keep" or decision.evidence:  # a kept switch is news too
+                        report.decided(decision, record["step"], record["step"])
                         kept = kept or decision.name == "keep"
             if "profile" in batch:  # train.profile's window ended on this rank
                 report.profiled(rank, batch["profile"])
             self.checkpoints.add(batch, job.cluster.num_workers)
-        return pending, kept
+        return pending, kept, reached if stoppable else until
+
+    def _record_decision(self, applied: int | None) -> None:
+        """The chunk's switch or revert, with the step it was seen at and the step it was carried
+        out at (None: it was not)."""
+        (decision, seen), self._decided = self._decided, None
+        self.report.decided(decision, seen, applied)
 
     def _tune_after(self, boundary: Boundary) -> None:
         if boundary.then is Then.REMEMBERED:

@@ -290,12 +290,17 @@ class Reporter:
         self.say(f"step {bad['step']}: loss {bad['loss']:.4g}, gradient norm {bad['grad_norm']:.4g}: first "
                  f"non-finite output in {bad['layer']}; update not applied, batch skipped (fault.on_nan = skip)")
 
-    def decided(self, decision, step: int) -> None:
+    def decided(self, decision, step: int, applied: int | None = None) -> None:
+        """A decision, seen in the record of `step` and carried out at step boundary `applied`
+        (a keep or a report takes effect where it is seen; None: a move that was not carried out)."""
         data = decision.to_dict()
         name = data.get("kind") if decision.name == "report" else decision.name
-        self.event("decision", step=step, decision=name,
+        self.event("decision", step=step, decision=name, seen_step=step, applied_step=applied,
                    **{k: v for k, v in data.items() if k not in ("name", "kind", "decision")})
-        self.say(f"step {step}: {describe(decision)}")
+        moved = decision.name in ("switch", "revert")
+        later = (f" (carried out at step {applied})" if moved and applied is not None and applied != step else
+                 " (not carried out)" if moved and applied is None else "")
+        self.say(f"step {step}: {describe(decision)}{later}")
 
     def switched(self, record: dict, evidence: dict | None, old, new) -> None:
         self.event("switch", **record, **({"evidence": evidence} if evidence else {}))
