@@ -35,6 +35,16 @@ class Options:
     fp16: bool = False  # fp16 autocast: gradients are loss-scaled
 
 
+class SwitchAborted(RuntimeError):
+    """A switch stopped at its commit point, before anything moved: some rank could not allocate
+    the new layout (out of memory). `own`: this rank's allocation was the one that failed. The
+    old layout is whole; the caller puts it back in force."""
+
+    def __init__(self, message: str, own: bool):
+        super().__init__(message)
+        self.own = own
+
+
 class Comm(Protocol):
     """Where communication is timed or slowed down (the worker's comm timing and the simulated
     network). Each is optional; a layout calls what it has collectives for."""

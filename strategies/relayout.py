@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from gearshift.strategies import lookup, parallelize
-from gearshift.strategies.base import Options, Parallel
+from gearshift.strategies.base import Options, Parallel, SwitchAborted
 from gearshift.strategies.layout import Layout
 
 # Gathering a tensor that FSDP shards on top of tensor parallelism takes two all-gathers, and
@@ -38,23 +38,40 @@ from gearshift.strategies.state import full, shard_like
 
 def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout,
              plan: dict[str, str] | None, options: Options,
-             make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> tuple[Parallel, torch.optim.Optimizer]:
+             make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+             agree: Callable[[bool], bool] | None = None) -> tuple[Parallel, torch.optim.Optimizer]:
     """Move `old` (with `old_optimizer`) to `layout`. `model` is the same architecture built on
     the meta device; `make_optimizer(param_groups)` builds the optimizer for the new layout.
     Every rank calls this at the same step boundary. Returns the new layout and its optimizer,
-    whose next `step()` continues exactly where the old one stopped."""
+    whose next `step()` continues exactly where the old one stopped.
+
+    The new layout's storage is allocated before anything moves; `agree(ok)` (every rank's ok,
+    all ranks calling it) is the commit point after it. A rank that ran out of memory there says
+    so, and every rank raises SwitchAborted with the old layout and its optimizer untouched."""
     _at_rest(old.model)
-    saved, hyper = _take_optimizer_state(old_optimizer, old.model)
     _drop_grads(old.model)
     old.detach()
     sources = {**dict(old.model.named_parameters()), **_buffers(old.model)}
-    if lookup(layout.strategy).meta_ok:
-        new = parallelize(model, layout, plan, options)
-        with _params_keep_identity():  # the new layout may hold its parameters already (hybrid's averager)
-            new.model.to_empty(device=options.device)
+    meta_ok = lookup(layout.strategy).meta_ok
+    failure = None
+    try:
+        if meta_ok:
+            new = parallelize(model, layout, plan, options)
+            with _params_keep_identity():  # the new layout may hold its parameters already (hybrid's averager)
+                new.model.to_empty(device=options.device)
+        else:
+            model.to_empty(device=options.device)
+    except torch.OutOfMemoryError as err:
+        failure = err
+    if agree is not None and not agree(failure is None) or failure is not None:
+        model = new = None
+        raise SwitchAborted(f"the new layout {layout} could not be allocated"
+                            + (f": {type(failure).__name__}: {failure}" if failure is not None else
+                               " on another rank (out of memory)"), own=failure is not None)
+    saved, hyper = _take_optimizer_state(old_optimizer, old.model)
+    if meta_ok:
         _fill(new.model, sources)
     else:
-        model.to_empty(device=options.device)
         _fill(model, sources)
         new = parallelize(model, layout, plan, options)
     optimizer = make_optimizer(new.param_groups())
@@ -109,10 +126,23 @@ def _drop_grads(model: nn.Module) -> None:
             p.grad = None
 
 
+def _same_piece(old: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether `old` and `like` are cut the same way over meshes of the same shape: then this
+    rank's piece of one is its piece of the other, and nothing needs to be sent."""
+    return (isinstance(old, DTensor) and isinstance(like, DTensor) and old.placements == like.placements
+            and tuple(old.device_mesh.mesh.shape) == tuple(like.device_mesh.mesh.shape)
+            and tuple(old.shape) == tuple(like.shape) and tuple(old.to_local().shape) == tuple(like.to_local().shape))
+
+
 @torch.no_grad()
 def _move(old: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `old`'s full value laid out as `like` is (a DTensor shard or a plain
     tensor), as a tensor of its own; `old`'s storage is freed."""
+    if _same_piece(old, like):  # this rank holds its piece already (a new mesh of the same shape)
+        piece = DTensor.from_local(old.to_local().detach().clone(), like.device_mesh, like.placements,
+                                   run_check=False, shape=like.shape, stride=like.stride())
+        _free(old)
+        return piece
     value = full(old.detach())  # a collective when `old` is sharded
     if isinstance(like, DTensor) and tuple(value.shape) == tuple(like.shape):
         piece = shard_like(value, like)

@@ -25,6 +25,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_GROUP_SOCKETS: set[int] = set()  # the TCP connections this process's groups opened (leave() ends them)
+
+
+def _tcp_sockets() -> set[int]:
+    """The file descriptors of this process's connected TCP sockets (Linux; none known elsewhere)."""
+    out = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in map(int, fds):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as s:  # a duplicate: ours to close
+                if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                    s.getpeername()  # connected ones only
+                    out.add(fd)
+        except OSError:
+            continue
+    return out
+
+
+def opened_by(make_groups) -> None:
+    """Run `make_groups()` (process groups made) and remember the TCP connections it opened."""
+    before = _tcp_sockets()
+    make_groups()
+    _GROUP_SOCKETS.update(_tcp_sockets() - before)
+
+
+def leave() -> None:
+    """Leave every process group now, so that a peer blocked in one of its collectives fails at
+    once instead of at the collective timeout. NCCL has an abort for that. Gloo has none, and a
+    group stays alive as long as a layout holds it (DDP's reducer does), so its connections are
+    half-closed (this side writes no more): the peer reads the end of the stream and its
+    collective raises; this side's next collective on it would fail, and there is none."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - leaving is what matters
+            pass
+    for fd in sorted(_GROUP_SOCKETS):
+        try:
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+    _GROUP_SOCKETS.clear()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a group already broken is what we want anyway
+        pass
+
+
 def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float,
          gpu: bool) -> tuple[torch.device, str]:
     """Join the process group; (this worker's device, the backend)."""
@@ -46,10 +102,15 @@ def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: f
 
 
 def device_memory(device: torch.device) -> dict:
-    """What this worker's device can hold: a GPU's own memory, or on CPU the host's memory,
-    which every worker on the node shares (the driver divides it among them)."""
+    """What this worker's device can hold for it: what is free on it plus what this process holds
+    already (another process's share is not ours), never more than the device's total. On CPU the
+    host's memory, which every worker on the node shares (the driver divides it among them)."""
     if device.type == "cuda":
-        return {"bytes": int(torch.cuda.get_device_properties(device).total_memory), "shared": False}
+        free, total = torch.cuda.mem_get_info(device)
+        own = torch.cuda.memory_reserved(device)
+        return {"bytes": int(min(total, free + own)), "total_bytes": int(total), "shared": False}
     import psutil
 
-    return {"bytes": int(psutil.virtual_memory().total), "shared": True}
+    vm = psutil.virtual_memory()
+    own = psutil.Process().memory_info().rss
+    return {"bytes": int(min(vm.total, vm.available + own)), "total_bytes": int(vm.total), "shared": True}

@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from gearshift import strategies
 from gearshift.monitoring.comm import CommClock
+from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
-from gearshift.workers import components, dcp, precision, rendezvous, schedules
+from gearshift.workers import components, dcp, oom, precision, rendezvous, schedules
 from gearshift.workers.comm import CommRoute
 from gearshift.workers.config import WorkerConfig
 from gearshift.workers.data import GlobalBatches, tokens_per_sample
@@ -59,6 +60,8 @@ class TrainWorker:
         self.loader: StepLoader | None = None
         self.profiler = StepProfiler(config.profile, cuda=config.gpu)  # train.profile's window
         self.flags = None      # the stop agreement's process group (workers/stopping.py)
+        self.micro_batch = config.micro_batch_size  # samples computed at once; halved after an OOM (None: the share)
+        self.updating = False  # inside the optimizer's step: an OOM there leaves the update half applied
         self.stop_chunk = -1   # the chunk the controller asked to stop early (request_stop)
 
     # ---------------------------------------------------------------- placement and rendezvous
@@ -74,9 +77,20 @@ class TrainWorker:
 
     def setup(self, rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> str:
         self.rank, self.world = rank, world
-        self.device, backend = rendezvous.join(rank, world, master_addr, master_port, timeout_s, self.config.gpu)
-        self.flags = flag_group(world)
+        backend = self._join(master_addr, master_port, timeout_s)
         return backend
+
+    def _join(self, master_addr: str, master_port: int, timeout_s: float) -> str:
+        joined = {}
+
+        def make_groups():
+            joined["device"], joined["backend"] = rendezvous.join(self.rank, self.world, master_addr, master_port,
+                                                                  timeout_s, self.config.gpu)
+            self.flags = flag_group(self.world)
+
+        rendezvous.opened_by(make_groups)
+        self.device = joined["device"]
+        return joined["backend"]
 
     def request_stop(self, chunk: int) -> None:
         """The controller wants training chunk `chunk` to end early (a decision to carry out): the
@@ -113,23 +127,35 @@ class TrainWorker:
                 "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
-    def _lay_out(self, layout: Layout, move_from: tuple | None = None) -> None:
+    def set_micro_batch(self, micro_batch: int | None) -> int:
+        """Compute this rank's share of each step `micro_batch` samples at a time (None: all at
+        once), accumulating gradients over the rest; the accumulation count."""
+        share = self.config.global_batch_size // self.layout.dp
+        self.micro_batch = micro_batch if micro_batch and micro_batch < share else None
+        self.accumulation = share // self.micro_batch if self.micro_batch else 1
+        return self.accumulation
+
+    def _lay_out(self, layout: Layout, move_from: tuple | None = None, rewrap: tuple | None = None) -> None:
         """Build the model and lay it out as `layout`, with its optimizer, scaler and comm route:
         afresh (seeded: the same initial weights on every rank, and in a 1-process run), or, in a
         switch, on the meta device with the state moved over from `move_from` (old parallel,
-        old optimizer) tensor by tensor."""
+        old optimizer) tensor by tensor, or (`rewrap`: old parallel, old optimizer of a replicated
+        layout) the same module and optimizer wrapped again, on a new process group."""
         cfg = self.config
         self.layout = layout
         self._close_loader()  # its slice of the batch belonged to the old layout's dp
         # a switch that changes dp keeps the micro-batch: the accumulation count changes instead
-        share = cfg.global_batch_size // layout.dp
-        self.accumulation = share // cfg.micro_batch_size if cfg.micro_batch_size else 1
+        self.set_micro_batch(self.micro_batch)
         torch.manual_seed(cfg.seed)
-        with torch.device("meta") if move_from else contextlib.nullcontext():
-            model, returned_plan = components.build_model_and_plan(dict(cfg.model), cfg.search_paths,
-                                                                   cfg.activation_checkpointing)
-        model = model if move_from else model.to(self.device)  # meta: relayout allocates the new pieces
-        precision.keep_fp32(model, cfg.keep_fp32, self.device.type)
+        if rewrap is not None:  # the same module and optimizer under a new wrapper (a new process group)
+            model, returned_plan = rewrap[0].model, None
+        else:
+            with torch.device("meta") if move_from else contextlib.nullcontext():
+                model, returned_plan = components.build_model_and_plan(dict(cfg.model), cfg.search_paths,
+                                                                       cfg.activation_checkpointing)
+            model = model if move_from else model.to(self.device)  # meta: relayout allocates the new pieces
+        if rewrap is None:
+            precision.keep_fp32(model, cfg.keep_fp32, self.device.type)
         plan = None
         if strategies.lookup(layout.strategy).needs_plan:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
@@ -138,16 +164,57 @@ class TrainWorker:
         if move_from:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
 
-            self.parallel, self.optimizer = relayout(*move_from, model, layout, plan, options, make_optimizer)
+            self.parallel, self.optimizer = relayout(*move_from, model, layout, plan, options, make_optimizer,
+                                                     agree=self._agree)
+        elif rewrap is not None:
+            self.parallel, self.optimizer = strategies.parallelize(model, layout, plan, options), rewrap[1]
         else:
             self.parallel = strategies.parallelize(model, layout, plan, options)
             self.optimizer = make_optimizer(self.parallel.param_groups())
         self.scaler = self.parallel.make_scaler()
         self.clock = CommClock(self.device) if cfg.telemetry else None
-        net = SimulatedNetwork.for_rank(cfg.comm_delay_ms, cfg.sim_nodes, cfg.sim_link, layout, self.rank)
-        self.parallel.attach(CommRoute(self.clock, net) if self.clock or net else None)
-        if cfg.compile:  # compiled afresh with every layout: a switch recompiles
+        self._attach_route()
+        if cfg.compile and rewrap is None:  # compiled afresh with every layout: a switch recompiles
             self.parallel.compile(dict(cfg.compile))
+
+    def _attach_route(self) -> None:
+        cfg = self.config
+        net = SimulatedNetwork.for_rank(cfg.comm_delay_ms, cfg.sim_nodes, cfg.sim_link, self.layout, self.rank)
+        self.parallel.attach(CommRoute(self.clock, net) if self.clock or net else None)
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank says `ok` (a switch's commit point); all ranks call it together."""
+        if self.flags is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flags)
+        return bool(flag.item())
+
+    def rejoin(self, master_addr: str, master_port: int, timeout_s: float) -> dict:
+        """After a step that ran out of memory somewhere: leave the broken process group, form a
+        new one with the same ranks, and put the layout in force on it. Every tensor stays where
+        it is: a replicated layout's module and optimizer are wrapped again; a sharded one's
+        pieces move to the same places on the new mesh, with no collective of the old group."""
+        start = time.perf_counter()
+        oom.leave_group()
+        self._join(master_addr, master_port, timeout_s)
+        self.optimizer.zero_grad(set_to_none=True)
+        if strategies.lookup(self.layout.strategy).meta_ok:
+            result = self.reshard(self.layout.to_dict())
+            if "failed" in result:
+                raise RuntimeError(f"rank {self.rank}: the layout in force could not be rebuilt on the new process "
+                                   f"group: {result['failed']['message']}")
+        else:
+            scaler = self.scaler.state_dict()
+            old = (self.parallel, self.optimizer)
+            self.parallel.detach()
+            self.parallel = self.optimizer = None
+            self._lay_out(self.layout, rewrap=old)
+            del old
+            if scaler:
+                self.scaler.load_state_dict(scaler)
+        oom.give_back(self.device)
+        return {"seconds": time.perf_counter() - start, "step": self.step}
 
     def reshard(self, layout: dict, bucket_cap_mb: float | None = None) -> dict:
         """Switch: move the live model and optimizer state to another layout (or the same one
@@ -165,9 +232,21 @@ class TrainWorker:
             raise ValueError(f"reshard to {target}: dp({target.dp}) * tp({target.tp}) != world({self.world})")
         scaler = self.scaler.state_dict()
         old = (self.parallel, self.optimizer)
+        before = (self.layout, self.scaler, self.clock)
         self.parallel.detach()
         self.parallel = self.optimizer = None
-        self._lay_out(target, move_from=old)
+        try:
+            self._lay_out(target, move_from=old)
+        except SwitchAborted as err:  # nothing moved: the old layout is whole, and in force again
+            self.parallel, self.optimizer = old
+            self.layout, self.scaler, self.clock = before
+            self._attach_route()
+            self.set_micro_batch(self.micro_batch)
+            oom.give_back(self.device)
+            return {"seconds": time.perf_counter() - start, "layout": self.layout.to_dict(), "step": self.step,
+                    "failed": {"kind": "oom", "rank": self.rank, "step": self.step, "during": "switch",
+                               "to": target.to_dict(), "own": err.own, "message": str(err)[:500],
+                               **oom.memory_figures(self.device)}}
         del old
         if scaler:  # a disabled scaler (no fp16) has no state
             self.scaler.load_state_dict(scaler)
@@ -278,8 +357,10 @@ class TrainWorker:
                 return loss, data_span, lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.updating = True
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.updating = False
         return loss, data_span, lr
 
     # ---------------------------------------------------------------- evaluation
@@ -321,11 +402,19 @@ class TrainWorker:
         agreement = (StopAgreement(self.flags, lambda: self.stop_chunk == chunk) if chunk is not None else None)
         pending = _Pending(self.step, clock)
         while self.step < until_step:
-            if agreement is not None and agreement.stop_here():
-                agreement = None  # stopped: nothing outstanding on the group
-                break
-            self.profiler.before_step(self.step, self.parallel.model)
-            loss, data_span, lr = self._one_step(self.step)
+            try:
+                if agreement is not None and agreement.stop_here():
+                    agreement = None  # stopped: nothing outstanding on the group
+                    break
+                self.profiler.before_step(self.step, self.parallel.model)
+                loss, data_span, lr = self._one_step(self.step)
+            except Exception as err:  # noqa: BLE001 - out of memory here or on a peer; anything else is raised
+                if not isinstance(err, torch.OutOfMemoryError) and not oom.peer_gone(err):
+                    raise
+                if pending.losses:
+                    yield self._report(pending, False) | self.profiler.take()
+                yield {"rank": self.rank, "step_failed": self._step_failed(err)}
+                return
             self.step += 1
             pending.add(loss, data_span, lr)
             # the run's last step gets its own final save; a chunk's last step (before a possible
@@ -340,6 +429,22 @@ class TrainWorker:
             agreement.close()
         if pending.losses:  # stopped early between flushes
             yield self._report(pending, False) | self.profiler.take()
+
+    def _step_failed(self, err: Exception) -> dict:
+        """Drop the step that failed (nothing of it is applied) and say why: this rank ran out of
+        memory, or a peer left the group mid-step (it ran out of memory, or it is gone)."""
+        ran_out = isinstance(err, torch.OutOfMemoryError)
+        kind = ("oom_in_update" if self.updating else "oom") if ran_out else "aborted"
+        figures = oom.memory_figures(self.device)  # what was held when it failed
+        self.updating = False
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        oom.leave_group()  # peers blocked in this step's collectives fail now, not at the timeout
+        self.flags = None
+        oom.give_back(self.device)
+        return {"kind": kind, "rank": self.rank, "step": self.step + 1, "layout": self.layout.to_dict(),
+                "micro_batch": self.micro_batch or self.config.global_batch_size // self.layout.dp,
+                "message": f"{type(err).__name__}: {str(err)[:500]}", **figures}
 
     def _report(self, pending: "_Pending", checkpoint: bool) -> dict:
         report = pending.report(self.rank)

@@ -180,6 +180,10 @@ class WorkerGroup(Protocol):
         the one being trained when they hear of it); returns at once. A group that cannot does not
         define it, and the controller ends its chunks where the policy may decide instead."""
 
+    def regroup(self) -> None:
+        """After a step that ran out of memory: every worker leaves its broken process group and
+        joins a new one with the same ranks, keeping its state (TrainWorker.rejoin)."""
+
     def dead_ranks(self) -> dict[int, str]:
         """After a failure: the ranks whose worker is gone, with the reason given for each."""
 
@@ -417,6 +421,12 @@ class RayWorkerGroup:
                 except ray.exceptions.RayError as err:
                     raise _task_failure(err, rank) from None
                 yield rank, report
+
+    def regroup(self) -> None:
+        master_addr = self.infos[0]["node_ip"]
+        port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
+        self._get([w.rejoin.remote(master_addr, port, self.job.fault.collective_timeout_s) for w in self.workers],
+                  "rejoin", self.call_timeout_s)
 
     def stop_early(self) -> None:
         for w in self.workers:  # every rank hears it; the first to act on it is enough

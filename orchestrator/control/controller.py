@@ -41,6 +41,7 @@ from gearshift.orchestrator.control.bucket_tuning import BucketTuning, initial_b
 from gearshift.orchestrator.control.checkpoints import Checkpoints
 from gearshift.orchestrator.errors import GearshiftError, WorkerFailed
 from gearshift.orchestrator.control.evaluation import Evaluation
+from gearshift.orchestrator.control.memory import OutOfMemory
 from gearshift.orchestrator.job import Job, accumulation, scheduled
 from gearshift.orchestrator.policy.online import OnlineModel
 from gearshift.orchestrator.policy.adaptive import AdaptConfig, Decision, Policy, candidate_layouts
@@ -64,14 +65,10 @@ class State(enum.Enum):
 PolicyFactory = Callable[[Job, Layout, list[int], "int | None"], Policy]  # the last: device memory (bytes)
 
 
-def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_bytes: int | None = None) -> Policy:
-    """The policy a job's `adapt` section asks for, starting on `layout`. Its candidates are the
-    layouts the workers (per node) can take that the model can be split into. Given the devices'
-    memory, layouts with sharded state join them and no layout predicted not to fit is switched
-    to (costmodel.memory_check); without it memory is not judged, and sharded state, whose only
-    gain is memory, is not offered."""
+def layout_candidates(job: Job, node_sizes: list[int], sharded: bool) -> list[Layout]:
+    """The layouts the workers (per node) can take that the model can be split into and this
+    process can build, data first (adaptive.candidate_layouts says the order)."""
     from gearshift import strategies
-    from gearshift.orchestrator.policy import costmodel
     from gearshift.workers import components
     from gearshift.workers.components import ComponentError
 
@@ -85,18 +82,36 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
         except ComponentError:
             return False
 
+    candidates = candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable, sharded=sharded)
+    # only layouts whose strategy this process can build (fsdp and hsdp are named before they exist)
+    return [c for c in candidates if c.strategy in strategies.STRATEGIES]
+
+
+def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_bytes: int | None = None) -> Policy:
+    """The policy a job's `adapt` section asks for, starting on `layout`. Its candidates are the
+    layouts the workers (per node) can take that the model can be split into. Given the devices'
+    memory, layouts with sharded state join them and no layout predicted not to fit is switched
+    to (costmodel.memory_check); without it memory is not judged, and sharded state, whose only
+    gain is memory, is not offered."""
+    from gearshift.orchestrator.policy import costmodel
+
     a = job.adapt
-    config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide)
+    config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide,
+                         memory_threshold=a.memory_threshold)
     shape = costmodel.shape_of_job(job)
     fits = None if device_memory_bytes is None else costmodel.memory_check(job, device_memory_bytes, model=shape)
-    candidates = candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable, sharded=fits is not None)
-    # only layouts whose strategy this process can build (fsdp and hsdp are named before they exist)
-    candidates = [c for c in candidates if c.strategy in strategies.STRATEGIES]
+    candidates = layout_candidates(job, node_sizes, sharded=fits is not None)
     # the cost model, fitted as the run goes from its own records (no prior: a live run's hardware is
     # what it measures)
     model = OnlineModel(shape, job.train.global_batch_size, node_sizes, predict_error=config.predict_error,
                         unseen_error=config.unseen_error)
-    return Policy(config, candidates, layout, fits=fits, model=model, total_steps=job.train.steps)
+    need = None
+    if device_memory_bytes is not None:
+        settings = costmodel.memory_settings(job)
+        need = lambda lay: costmodel.memory(shape, lay.dp, lay.tp, lay.shard,  # noqa: E731
+                                            global_batch=job.train.global_batch_size, **settings)["total"]
+    return Policy(config, candidates, layout, fits=fits, model=model, total_steps=job.train.steps,
+                  memory=(need, device_memory_bytes) if need else None)
 
 
 class Controller:
@@ -114,6 +129,8 @@ class Controller:
         self.tuning.attach(self)
         self.checkpoints = Checkpoints(job, run.checkpoints, self.report)
         self.evals = Evaluation(job, self.report, run.checkpoints, self.checkpoints.save_now)
+        self.memory = OutOfMemory(job, self.report)
+        self.micro = job.train.micro_batch_size  # the micro-batch in force (None: a rank's whole share)
         self.state = State.PLACING
         self.layout = job.layout  # the layout in force now
         self.history: list[dict] = []
@@ -134,6 +151,7 @@ class Controller:
         self._boundary: Boundary | None = None  # the boundary SWITCHING carries out
         self._stoppable = False  # the workers can end a chunk early for a decision (WorkerGroup.stop_early)
         self._decided: tuple[Decision, int] | None = None  # the chunk's switch or revert, and the step it was seen
+        self._dropped: list[dict] = []  # the chunk's step that ranks dropped (out of memory here or on a peer)
 
     # ------------------------------------------------------------------ the state machine
 
@@ -203,12 +221,12 @@ class Controller:
         self.summary.update(world_size=len(infos), backend=infos[0].get("backend"),
                             nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
                             strategy_history=self.history, switches=self.switches, tuning=self.tuning.rounds,
-                            failures=self.recovery.failures, non_finite_steps=self.report.skipped)
+                            failures=self.recovery.failures, non_finite_steps=self.report.skipped,
+                            oom=self.memory.records)
         self.summary.setdefault("resumed_from_step", start_step if self._load and not restart else None)
         self.node_sizes = node_sizes(job, infos)
         self._enter(State.TRAINING, from_step=start_step, steps_target=job.train.steps)
-        if not restart:
-            self.report.start_view(start_step)
+        self.report.start_view(start_step)
         self.start_step = start_step
         self._begin_training(start_step)
         return State.TRAINING
@@ -221,6 +239,8 @@ class Controller:
         until = self._chunk_end(self.step)
         decision, kept, until = self._train_chunk(until)
         self.step = until
+        if self._dropped:
+            return self._out_of_memory()
         self.evals.after_chunk(self.group, until, self.job.train.steps, self.layout)
         tuning_over = self.tuning.chunk_done(until)
         due = self._schedule and self._schedule[0]["step"] == until
@@ -347,6 +367,9 @@ class Controller:
         stoppable = self._stoppable and not self.tuning.active
         for rank, batch in self.group.train(until, job.checkpoint.every, last_step=job.train.steps,
                                             **({"stoppable": True} if stoppable else {})):
+            if "step_failed" in batch:  # this rank dropped its step; its loop has ended
+                self._dropped.append(batch["step_failed"])
+                continue
             report.samples(batch.get("samples", ()))
             if rank == 0:  # every rank saw the same bad step (their gradient norms agree)
                 for bad in batch.get("non_finite", ()):
@@ -369,7 +392,33 @@ class Controller:
             if "profile" in batch:  # train.profile's window ended on this rank
                 report.profiled(rank, batch["profile"])
             self.checkpoints.add(batch, job.cluster.num_workers)
-        return pending, kept, reached if stoppable else until
+        return pending, kept, reached if stoppable or self._dropped else until
+
+    def _out_of_memory(self) -> State:
+        """Ranks dropped a step, every one at the same boundary (self.step): out of memory on one of
+        them (orchestrator/control/memory.py says what follows), or a collective that lost a peer
+        for another reason, which is a worker failure."""
+        dropped, self._dropped = self._dropped, []
+        if not any(f["kind"].startswith("oom") for f in dropped):
+            f = dropped[0]
+            raise WorkerFailed(f["rank"], f"a collective lost its peer mid-step: {f['message']}",
+                               details=f["message"], kind=WorkerFailed.RAISED)
+        if self._decided is not None:  # the move waits: the policy decides again on the setting that fits
+            self._record_decision(None)
+        action = self.memory.after_step(dropped, self.layout, self.micro, self._oom_candidates(),
+                                        device_memory(self.infos))
+        self.group.regroup()
+        if action.kind == "shard":
+            self.switch(action.setting.layout, self.step, "oom")
+        self.micro = action.setting.micro_batch
+        self.group.call("set_micro_batch", self.micro)
+        if self.policy is not None:
+            self.policy.switched(self.layout, self.step)
+            self.policy.exclude(*self.memory.layouts_not_fitting)
+        return State.TRAINING
+
+    def _oom_candidates(self) -> list[Layout]:
+        return layout_candidates(self.job, self.node_sizes, sharded=True)
 
     def _record_decision(self, applied: int | None) -> None:
         """The chunk's switch or revert, with the step it was seen at and the step it was carried
@@ -400,6 +449,13 @@ class Controller:
         old = self.layout
         self._enter(State.SWITCHING, step=step, to=target.to_dict())
         results = self.group.call("reshard", target.to_dict(), bucket)
+        failed = [r["failed"] for r in results if r.get("failed")]
+        if failed:  # some rank could not allocate the new layout: every rank is on the old one, whole
+            self.memory.in_switch(failed, old, target, self.micro)
+            if self.policy is not None:
+                self.policy.exclude(target)
+            self._enter(State.TRAINING, from_step=step, steps_target=self.job.train.steps)
+            return
         seconds = max(r["seconds"] for r in results)
         self.layout = target
         if bucket is not None:

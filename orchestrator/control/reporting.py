@@ -188,6 +188,7 @@ class Reporter:
     def __init__(self, job: Job, run: RunDir, view: ProgressView | None = None):
         self.job = job  # its name, telemetry settings and global batch: none of them change mid-run
         self.view = view
+        self._view_started = False
         self.sink = JsonlSink(run.telemetry)
         self.stats = RunStats()
         self.observers: list = []
@@ -238,7 +239,10 @@ class Reporter:
         self.observers.extend(self.trackers)
 
     def start_view(self, start_step: int) -> None:
-        if self.view:
+        """Once a run: a restart after a failure goes on in the view the first start opened (or opens
+        it, when the first start failed before training)."""
+        if self.view and not self._view_started:
+            self._view_started = True
             train = self.job.train
             self.view.start(train.steps, train.global_batch_size, start_step, train.log_every)
 

@@ -98,6 +98,8 @@ class TrainSpec:
     activation_checkpointing: bool = _f(False, _bool, "recompute activations in backward (built-in models)")
     compile: bool | dict = _f(False, _compile, "torch.compile the model under its layout: true, or {mode, "
                                                "fullgraph}; compiled again after a switch")
+    on_oom: str = _f("adapt", _choice("adapt", "fail"), "a step out of device memory: adapt (drop the step, go on "
+                     "at it with half the micro-batch, then a more sharded layout) or fail (stop, saying where)")
     profile: dict | None = _f(None, _profile, "record updates start_step..start_step+steps-1 (1-based) with "
                               "torch.profiler on every rank: {start_step: S, steps: K}; null: no profiling. "
                               "Traces and tables land in RUN_DIR/profile/")
@@ -145,6 +147,8 @@ class AdaptSpec:
     threshold: float = _f(0.15, _float(0.0, 1.0, lo_open=True), "comm-wait fraction of the step that calls for a switch")
     window: int = _f(20, _int(2, 100000), "steps averaged before each decision")
     cooldown: int = _f(40, _int(0), "steps after a switch before the next one")
+    memory_threshold: float = _f(0.92, _float(0.0, 1.0, lo_open=True), "a rank whose peak memory in a window "
+                                 "passes this share of its device's moves to a layout predicted to need less")
     decide: str = _f("predict", _choice("predict", "trial"),
                      "predict: move to the layout an online cost model predicts best, when it pays; trial: try "
                      "the next candidate and keep it if it helped")

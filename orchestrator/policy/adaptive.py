@@ -71,6 +71,7 @@ class AdaptConfig:
     early_loss: float = 0.2        # "clear": samples/s below (1 - early_loss) x before
     min_gain: float = 0.0          # a switch is kept unless after < before * (1 + min_gain) - noise
     noise_sigmas: float = 2.0      # "noise": this many standard errors of the two rates' difference
+    memory_threshold: float = 0.92  # peak memory / device memory in a window that calls for a lighter layout
     straggler_ratio: float = 1.5   # slow rank's compute time / median of the others
     input_bound_frac: float = 0.3  # data time / step time
     # deciding by prediction (with an online cost model; see the module's doc)
@@ -263,8 +264,10 @@ class PassedOver:
 
 class Policy:
     def __init__(self, config: AdaptConfig, candidates: list[Layout], current: Layout, fits: Fits | None = None,
-                 model: OnlineModel | None = None, total_steps: int | None = None):
+                 model: OnlineModel | None = None, total_steps: int | None = None,
+                 memory: tuple[Callable[[Layout], float], int] | None = None):
         self.config = config
+        self.memory = memory                   # (predicted bytes a rank needs under a layout, device bytes)
         self.model = model                     # the online cost model; None: decide by trial
         self.predicting = model is not None and config.decide == "predict"
         self.total_steps = total_steps         # None: a move is weighed over retry_after steps
@@ -340,6 +343,9 @@ class Policy:
         force: if a switch failed and the old layout stays, that one; the pending decision is cleared."""
         pending, self._pending = self._pending, None
         judged = isinstance(pending, Switch) and pending.to == to
+        if judged and pending.evidence.get("reason") == "memory_pressure":
+            judged, left = False, self.current  # kept whatever its speed: the layout left was near its memory
+            self.candidates = [c for c in self.candidates if c != left]
         if self.model is not None and to != self.current:
             self.model.entered(to)
             self.model.switched(seconds)
@@ -355,6 +361,10 @@ class Policy:
         self._trial_back = judged and pending.evidence.get("reason") == "comm_wait_fell"
         self.current, self._since, self._window = to, step, []
         self._kept_wait, self._rebase = None, False
+
+    def exclude(self, *layouts: Layout) -> None:
+        """Never move to these again in this run: they ran out of memory."""
+        self.candidates = [c for c in self.candidates if c not in layouts]
 
     def resume_at(self, step: int) -> None:
         """Records up to `step` were not the policy's to judge (a tuning round changed
@@ -395,6 +405,9 @@ class Policy:
             return self._report("straggler", slow["rank"],
                                 {**means, **slow, "straggler_ratio": c.straggler_ratio}, step)
         cooling = self._since is not None and step < self._since + c.cooldown
+        pressure = None if cooling else self._memory_pressure(window, step)
+        if pressure is not None:
+            return pressure
         if self.predicting:
             self.model.update(self.current, window)
             over = means["comm_wait_frac"] > c.threshold
@@ -416,6 +429,30 @@ class Policy:
         self._pending = Switch(to, {"reason": "comm_wait", **means, "threshold": c.threshold,
                                     "window": c.window, "from": self.current.to_dict(),
                                     "candidate": to.to_dict(), **({"skipped": self._skipped} if self._skipped else {})})
+        return self._pending
+
+    def _memory_pressure(self, window: list[dict], step: int) -> Decision | None:
+        """A rank's peak memory in the window past `memory_threshold` of its device's: a move, before
+        an OOM, to the candidate predicted to need less that needs the most among those (the least
+        change). Not judged on speed afterwards: the layout left is not gone back to."""
+        if self.memory is None:
+            return None
+        need, device = self.memory
+        peaks = [r.get("peak_mem_bytes") for r in window if r.get("peak_mem_bytes") is not None]
+        if not device or not peaks or max(peaks) <= self.config.memory_threshold * device:
+            return None
+        now = need(self.current)
+        lighter = [(need(x), x) for x in self.candidates if x != self.current and self._blocked.get(x, step) <= step]
+        lighter = [(b, x) for b, x in lighter if b < now]
+        evidence = {"reason": "memory_pressure", "peak_mem_bytes": max(peaks), "device_memory_bytes": device,
+                    "memory_threshold": self.config.memory_threshold, "peak_share": max(peaks) / device,
+                    "steps": [window[0]["step"], window[-1]["step"]], "from": self.current.to_dict(),
+                    "predicted_bytes_now": now,
+                    "predictions": [{"layout": x.to_dict(), "bytes": b} for b, x in sorted(lighter, key=lambda o: -o[0])]}
+        if not lighter:
+            return self._report("memory_pressure", None, evidence, step)
+        b, to = max(lighter, key=lambda o: o[0])
+        self._pending = Switch(to, {**evidence, "candidate": to.to_dict(), "predicted_bytes": b})
         return self._pending
 
     def _watch_link(self, record: dict, step: int) -> Decision | None:
