@@ -93,12 +93,18 @@ EVENTS = {
     "metrics": "the /metrics endpoint is serving (`url`)",
     "policy": "the adaptive policy's set-up (`candidates` in order, `node_sizes`, `threshold`, `window`, `cooldown`, "
               "`decide`: predict or trial)",
-    "decision": "an automatic decision with its evidence (`step`, `decision`: switch, revert, keep (a switch "
+    "oom": "a step or a switch ran out of memory on a rank (`rank`, `step`, `during`: step or switch, `layout` and "
+           "`micro_batch` it ran out at, `allocated_bytes`, `reserved_bytes`, `free_bytes`, `total_bytes`, `error`, "
+           "`action`: accumulate, shard, retry, stay or stop, `to_layout`, `to_micro_batch`, `why`)",
+    "decision": "an automatic decision with its evidence (`step` = `seen_step`: the step whose record brought it, "
+                "`applied_step`: the step boundary it was carried out at, null when it was not; `decision`: switch, revert, keep (a switch "
                 "that helped), hold (over the threshold or after a change of the link, no move predicted to "
                 "pay), straggler or input_bound; `to` for switch/revert; `evidence`: window means, threshold, "
                 "`reason` (comm_wait, link_changed, review), every candidate's `predictions`, the gain over "
                 "`steps_left` against `switch_cost_s`, the fitted `model`; after a move, throughput "
-                "before/after and `predicted_step_s` against `measured_step_s`)",
+                "before/after with `noise_samples_per_s`, `steps_before`, `steps_judged`, and `predicted_step_s` "
+                "against `measured_step_s`; `reason` memory_pressure: `peak_mem_bytes` against "
+                "`device_memory_bytes`)",
     "switch": "the layout changed (`step`, `from`, `to`, `seconds`, `reason`: schedule, switch, revert or tune)",
     "tune_start": "a bucket_cap_mb tuning round begins (`step`, `mode`: search or grid, `space`, `pinned`, "
                   "`layout`, `warmup_steps`, `trial_steps`, `max_trials`)",

@@ -403,3 +403,31 @@ def test_next_boundary_carries_out_the_policy_and_tunes_what_it_kept():
     b = next_boundary(4, 10, None, None, judged=True, kept=True)
     assert b.to is None and b.then is Then.TUNE and not b.tell_policy
     assert next_boundary(4, 10, None, None, judged=True, tuning=True) == next_boundary(4, 10, None, None)
+
+
+def test_memory_near_the_threshold_moves_to_a_lighter_layout_before_an_oom(tmp_path):
+    """The workers' devices hold 2100 bytes each and the samplers report a peak of 2000 on rank 1:
+    95 % of the device, past adapt.memory_threshold (0.92). The policy moves to the layout the
+    memory model predicts needs less (fsdp), says why, and does not judge that move on speed."""
+    job = load_job(ROOT / "examples/mlp.yaml", ["train.steps=20", "parallel.strategy=auto", "checkpoint.every=0"])
+    run = RunDir.create(job, str(tmp_path / "run"))
+    groups = []
+
+    class NearlyFull(FakeGroup):
+        def start(self):
+            return [dict(info, device_memory={"bytes": 2100, "shared": False}) for info in super().start()]
+
+    def factory(j):
+        groups.append(NearlyFull(j, run=run))
+        return groups[-1]
+
+    summary = Controller(job, run, factory).run()
+    [decision] = [r for r in read(run.telemetry) if r.get("event") == "decision" and r["decision"] == "switch"]
+    ev = decision["evidence"]
+    assert ev["reason"] == "memory_pressure" and ev["peak_mem_bytes"] == 2000 and ev["device_memory_bytes"] == 2100
+    assert ev["peak_share"] > ev["memory_threshold"] == 0.92
+    assert decision["to"]["strategy"] == "fsdp" and ev["predicted_bytes"] < ev["predicted_bytes_now"]
+    assert groups[0].reshards == [(decision["applied_step"], "fsdp", 1)]
+    assert decision["applied_step"] - decision["seen_step"] <= 2
+    assert not [r for r in read(run.telemetry) if r.get("event") == "decision" and r["decision"] == "revert"]
+    assert summary["strategy_history"][-1]["strategy"] == "fsdp"

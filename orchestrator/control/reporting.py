@@ -148,6 +148,15 @@ def describe(decision) -> str:
     head = f"{name} -> {target}" if target is not None else name
     if name == "input_bound":  # the knob that helps: loader processes read the next batches during the step
         head += ": raise data.loader.workers (and data.loader.prefetch) to read batches ahead"
+    if ev.get("reason") == "memory_pressure":
+        said = (f"peak memory {ev['peak_mem_bytes'] / 2**30:.3g} GiB is {ev['peak_share']:.0%} of the device's "
+                f"{ev['device_memory_bytes'] / 2**30:.3g} GiB (> adapt.memory_threshold {ev['memory_threshold']:g})")
+        if target is not None:
+            said += (f"; predicted to need {ev['predicted_bytes'] / 2**30:.3g} GiB a rank against "
+                     f"{ev['predicted_bytes_now'] / 2**30:.3g} GiB now")
+        else:
+            said += "; no layout predicted to need less is left"
+        return head + ": " + said
     if ev.get("predictions"):
         return head + ": " + predicted_text(ev, target)
     if ev.get("predicted_step_s") is not None and ev.get("measured_step_s") is not None:

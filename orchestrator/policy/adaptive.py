@@ -448,7 +448,7 @@ class Policy:
                     "memory_threshold": self.config.memory_threshold, "peak_share": max(peaks) / device,
                     "steps": [window[0]["step"], window[-1]["step"]], "from": self.current.to_dict(),
                     "predicted_bytes_now": now,
-                    "predictions": [{"layout": x.to_dict(), "bytes": b} for b, x in sorted(lighter, key=lambda o: -o[0])]}
+                    "lighter": [{"layout": x.to_dict(), "bytes": b} for b, x in sorted(lighter, key=lambda o: -o[0])]}
         if not lighter:
             return self._report("memory_pressure", None, evidence, step)
         b, to = max(lighter, key=lambda o: o[0])
