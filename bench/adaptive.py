@@ -38,7 +38,15 @@ layout's samples/s in that repeat (`..._min`, `..._max` its spread), `auto_vs_da
 the same against static data; `reverted_switches_<setting>` is the most reverts the policy made
 in one auto run (a `decision` event in the run's telemetry.jsonl whose `decision` is `revert`;
 the goal is at most 1 a run), `reverted_switches_per_repeat_<setting>` lists them per repeat
-and `auto_switches_<setting>` lists each auto run's switches (`step:strategy`) per repeat.
+and `auto_switches_<setting>` lists each auto run's switches (`step:strategy`) per repeat;
+`reaction_steps_<setting>` is the largest `applied_step - seen_step` over the auto runs' decisions
+(the goal is at most 2) and `auto_moves_<setting>` each auto run's switches and reverts with the
+step seen, the step carried out and the evidence's figures. `auto_vs_oracle_scenario` is an
+oracle's time over auto's in the scenario, per repeat and then median/min/max: the oracle runs each
+phase on that phase's best static layout, as the static runs of the same repeat measured it (phase
+times from their step records' end times), and switches for free; it is the ceiling of
+adaptivity (the goal is >= 0.95), and `oracle_vs_best_static_scenario` says how far above the best
+static layout that ceiling lies on this machine.
 """
 
 from __future__ import annotations
@@ -93,8 +101,31 @@ def run_one(tb: Testbed, layout: str, steps: int, tmp: pathlib.Path, scenario=No
     reverts = [r["step"] for r in records
                if r["type"] == "event" and r.get("event") == "decision" and r.get("decision") == "revert"]
     seconds = (end - start) * steps / trained
+    # every switch and revert the policy decided: where it was seen, where it was carried out, and
+    # the figures it was decided on
+    keys = ("reason", "comm_wait_frac", "samples_per_s_before", "samples_per_s_after", "noise_samples_per_s",
+            "predicted_step_s", "measured_step_s")
+    moves = [{"decision": r["decision"], "to": r.get("to", {}).get("strategy"), "seen_step": r.get("seen_step"),
+              "applied_step": r.get("applied_step"),
+              **{k: r["evidence"][k] for k in keys if isinstance(r.get("evidence", {}).get(k), (int, float, str))}}
+             for r in records if r.get("event") == "decision" and r.get("decision") in ("switch", "revert")]
+    lags = [m["applied_step"] - m["seen_step"] for m in moves if m["applied_step"] is not None]
+    ends = {r["step"]: r["ended_at"] for r in records if r["type"] == "step"}
     return {"seconds": seconds, "samples_per_s": steps * BATCH / seconds, "switches": switches,
-            "reverts": reverts, "steps_trained": trained}
+            "reverts": reverts, "steps_trained": trained, "moves": moves, "reaction_steps": max(lags, default=0),
+            "start": start, "step_ends": ends}
+
+
+def phase_seconds(run: dict, bounds: list[tuple[int, int]]) -> list[float] | None:
+    """A run's wall time in each phase (first step, last step), from its step records' end times
+    (the first phase from the start of training). None: a step is missing."""
+    ends, out = run.get("step_ends") or {}, []
+    for first, last in bounds:
+        before = run["start"] if first <= 1 else ends.get(first - 1)
+        if before is None or last not in ends:
+            return None
+        out.append(ends[last] - before)
+    return out
 
 
 def parse_rates(text: str) -> list[tuple[str, int]]:
@@ -217,6 +248,8 @@ def main() -> None:
             figures[f"{key}_{name}_min"] = s["min"]
             figures[f"{key}_{name}_max"] = s["max"]
             figures[f"{key}_{name}_per_repeat"] = values
+        figures[f"reaction_steps_{name}"] = max(r["reaction_steps"] for r in per_layout["auto"])
+        figures[f"auto_moves_{name}"] = [r["moves"] for r in per_layout["auto"]]
         figures[f"reverted_switches_{name}"] = max(reverts)
         figures[f"reverted_switches_per_repeat_{name}"] = reverts
         figures[f"auto_switches_{name}"] = [r["switches"] for r in per_layout["auto"]]
@@ -227,13 +260,50 @@ def main() -> None:
         print(f"{name:<16}{steps_of[name]:>6}" + "".join(f"{cell(summary[name][k], '.1f'):>24}" for k in LAYOUTS)
               + f"{cell(spread(vs_best), '.3f'):>22}{cell(spread(vs_data), '.3f'):>22}{max(reverts):>9}")
     print("(static tensor: measured once per rate from a few steps, extrapolated; reverts: the most in one auto run)")
+
+    # the ceiling of adaptivity: each phase of the scenario on that phase's best static layout, as
+    # measured in the same repeat (static tensor: its step time at the phase's rate), switching for free
+    bounds = [(p.from_step + 1, min(end, scenario_steps)) for p, end in
+              zip(scenario, [q.from_step for q in scenario[1:]] + [scenario_steps])]
+    oracle, vs_oracle = [], []
+    for i in range(repeats):
+        per_phase = {k: phase_seconds(results["scenario"][k][i], bounds) for k in STATIC if k != "tensor"}
+        per_phase["tensor"] = [tensor_step_s[p.rate] * (last - first + 1) for p, (first, last) in zip(scenario, bounds)]
+        if any(v is None for v in per_phase.values()):
+            continue
+        best = [min(per_phase, key=lambda k: per_phase[k][j]) for j in range(len(bounds))]
+        seconds = sum(per_phase[k][j] for j, k in enumerate(best))
+        oracle.append({"seconds": seconds, "phases": [f"{first}-{last}:{k}" for (first, last), k in zip(bounds, best)],
+                       "per_phase_s": per_phase})
+        vs_oracle.append(seconds / results["scenario"]["auto"][i]["seconds"])
+    if vs_oracle:
+        s = spread(vs_oracle)
+        figures.update(auto_vs_oracle_scenario=s["median"], auto_vs_oracle_scenario_min=s["min"],
+                       auto_vs_oracle_scenario_max=s["max"], auto_vs_oracle_scenario_per_repeat=vs_oracle,
+                       oracle_scenario=oracle,
+                       oracle_vs_best_static_scenario=statistics.median(
+                           min(runs[min(i, len(runs) - 1)]["seconds"] for k, runs in results["scenario"].items()
+                               if k in STATIC) / o["seconds"] for i, o in enumerate(oracle)))
+        print(f"scenario: auto / oracle {s['median']:.3f} [{s['min']:.3f}..{s['max']:.3f}] (the oracle runs each phase "
+              f"on its best static layout and switches for free: {oracle[0]['phases']}); the oracle is "
+              f"{figures['oracle_vs_best_static_scenario']:.3f}x the best static layout")
+    for name in results:
+        print(f"{name}: reaction_steps {figures[f'reaction_steps_{name}']} (the most steps from the record that "
+              f"brought a decision to the boundary it was carried out at)")
     for name, per_layout in results.items():
         for i, r in enumerate(per_layout["auto"]):
             print(f"  auto {name} #{i + 1}: switches {' '.join(r['switches']) or '-'}; reverts at "
                   f"{r['reverts'] or '-'}")
+            for m in r["moves"]:
+                figs = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items()
+                                 if k not in ("decision", "to", "seen_step", "applied_step"))
+                print(f"      {m['decision']} -> {m['to']} seen at step {m['seen_step']}, carried out at "
+                      f"{m['applied_step']}: {figs}")
     print(json.dumps({"bench": "adaptive", "steps": steps_of, "batch": BATCH, "scenario": scenario_text,
                       "repeats": repeats, "tensor_step_s": tensor_step_s, "summary": summary,
-                      "results": results, **figures}))
+                      "results": {name: {k: [{f: v for f, v in r.items() if f not in ("step_ends", "start")} for r in runs]
+                                         for k, runs in per.items()} for name, per in results.items()},
+                      **figures}))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ writes checkpoints and the run's outputs, and tears everything down whatever hap
 
 `run()` is a loop over `_step()`, which carries out one state and returns the next. Training
 runs in chunks that end where something may change: at the forced schedule's steps, where a
-bucket-tuning trial ends, and under `strategy: auto` where the policy may decide
-(`next_decision`), and at each eval step (eval.every; orchestrator/evaluation.py evaluates
-there, on all ranks, before anything else happens at that boundary). At each chunk's end `next_boundary` (orchestrator/boundary.py) says what
+bucket-tuning trial ends, and at each eval step (eval.every; orchestrator/evaluation.py evaluates
+there, on all ranks, before anything else happens at that boundary). Under `strategy: auto` a
+switch or revert ends its chunk early: the workers stop for it within two steps of the step whose
+record brought it (`WorkerGroup.stop_early`; a group that cannot has its chunks end where the
+policy may decide, `next_decision`). A step dropped for an out-of-memory error on any rank ends
+the chunk too: the workers form a new process group and go on at that step with less
+(orchestrator/control/memory.py). At each chunk's end `next_boundary` (orchestrator/boundary.py) says what
 happens there, and the controller carries it out, on the same workers (`reshard`), all ranks
 at the same step boundary. A worker failure in any state but RECOVERING goes to RECOVERING
 (orchestrator/recovery.py), which restarts from a checkpoint or gives up.
