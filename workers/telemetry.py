@@ -4,6 +4,7 @@ Ray metrics, peak memory, and turning a report's comm-clock spans into seconds."
 from __future__ import annotations
 
 import resource
+import time
 
 import torch
 
@@ -17,6 +18,7 @@ class WorkerTelemetry:
         self.sampler = None  # the device-sampling thread
         self.ray_metrics = None
         self.rank, self.node_ip = 0, "127.0.0.1"
+        self.extras_at = float("-inf")  # when device samples and Ray metrics last went out
 
     def start(self, rank: int, node_ip: str, gpu_ids: list[str]) -> dict | None:
         """Start device sampling; what it reads and why, for the telemetry."""
@@ -44,8 +46,11 @@ class WorkerTelemetry:
             return int(peak)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    EXTRAS_S = 0.5  # device samples and Ray metrics go out at most this often, however often reports do
+
     def add_timings(self, report: dict, spans: list, cuda: bool) -> None:
-        """Per-step data time, comm wait and collective count, device samples and peak memory.
+        """Per-step data time, comm wait and collective count, peak memory, and (every EXTRAS_S
+        seconds) device samples and Ray metrics: under `auto` every step is reported as it ends.
         On CUDA this is where the step's events are read, once per report, not per step."""
         if cuda:  # device time, not the host's (which runs ahead of the device)
             spans[-1][0][1].synchronize()  # every event of the report is on this stream, before it
@@ -54,6 +59,10 @@ class WorkerTelemetry:
         report["comm_waits"] = [CommClock.resolve(wait) for _, _, (wait, _) in spans]
         report["comm_calls"] = [calls for _, _, (_, calls) in spans]
         report["peak_mem_bytes"] = self.peak_memory()
+        now = time.monotonic()
+        if now - self.extras_at < self.EXTRAS_S:
+            return
+        self.extras_at = now
         if self.sampler is not None:
             report["samples"] = [dict(s, rank=self.rank, node_ip=self.node_ip) for s in self.sampler.drain()]
         if self.ray_metrics is not None:
