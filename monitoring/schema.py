@@ -81,7 +81,8 @@ EVENT = {
 }
 EVENTS = {
     "state": "the controller entered a state (field `state`: placing, starting, training, switching, done, failed; "
-             "`error` when failed; `workers`, `layout` and `tp_groups` when starting)",
+             "`error` when failed; `workers`, `layout`, `tp_groups` and `fsdp_units` (how the FSDP units were "
+             "found: `found_by`, `count`, `first`, `note`) when starting)",
     "resumed": "training continues from a checkpoint (`checkpoint`, `step`)",
     "checkpoint": "a checkpoint was written (`step`, `path`)",
     "best": "checkpoint.keep_best: the checkpoint of `step` has the lowest eval loss so far (`eval_loss`, "

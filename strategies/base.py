@@ -33,6 +33,7 @@ class Options:
     device: torch.device
     bucket_cap_mb: float = 25.0
     fp16: bool = False  # fp16 autocast: gradients are loss-scaled
+    fsdp_units: tuple[str, ...] = ()  # parallel.fsdp_units (empty: found, strategies/fsdp.py find_units)
 
 
 class SwitchAborted(RuntimeError):

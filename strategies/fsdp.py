@@ -23,6 +23,7 @@ prefetched all-gathers overlap compute by design); the simulated network's delay
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 
 import torch
 from torch import nn
@@ -38,19 +39,78 @@ from gearshift.strategies.layout import Layout
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
-def _units(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded as units of their own: the entries of the model's top-level
-    containers (a transformer's blocks, an MLP's hidden layers) that hold parameters. The rest
-    (embeddings, final norm, head) stays with the root's unit, gathered for the whole step."""
-    return [m for child in model.children() if isinstance(child, _CONTAINERS)
-            for m in child.children() if any(True for _ in m.parameters())]
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
-def shard(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name: fully_shard swaps a module's class for a subclass named
+    FSDP<name>, so a unit is still found by its name once sharded."""
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next((c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule)), cls)
+    return cls.__name__
+
+
+def find_units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The modules sharded as FSDP units of their own, outermost first in model order, with how
+    they were found:
+    - "patterns": `parallel.fsdp_units`, each a module-name pattern (shell-style, `*` matches
+      across dots: "model.layers.*") or a module class name ("LlamaDecoderLayer");
+    - "no_split_modules": a Hugging Face model's `_no_split_modules` (its decoder layers);
+    - "blocks": the entries of the outermost containers (ModuleList, ModuleDict, Sequential) at
+      any depth below the root whose entries hold parameters (a transformer's blocks, at
+      `transformer.h` or `model.layers`; an MLP's hidden layers);
+    - "none": nothing found; the root is the only unit and keeps every parameter gathered all step.
+    A match inside one already taken is not a unit of its own; modules without parameters are skipped."""
+    named = [(n, m) for n, m in model.named_modules() if n]
+    if patterns:
+        hits = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, p) or _class_name(m) == p for p in patterns)]
+        return _outermost(hits), "patterns"
+    no_split = set()
+    for m in model.modules():
+        no_split.update(getattr(m, "_no_split_modules", None) or ())
+    if no_split:
+        hits = _outermost([(n, m) for n, m in named if _class_name(m) in no_split])
+        if hits:
+            return hits, "no_split_modules"
+    hits = []
+    for n, m in named:
+        if isinstance(m, _CONTAINERS) and not any(n.startswith(h + ".") for h, _ in hits):
+            hits += [(f"{n}.{c}", child) for c, child in m.named_children() if _has_params(child)]
+    hits = _outermost(hits)
+    return (hits, "blocks") if hits else ([], "none")
+
+
+def _outermost(hits: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in hits:
+        if _has_params(module) and not any(name.startswith(o + ".") for o, _ in out):
+            out.append((name, module))
+    return out
+
+
+def _units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> list[nn.Module]:
+    return [m for _, m in find_units(model, patterns)[0]]
+
+
+def describe_units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> dict:
+    """What the startup record says of the FSDP units: how they were found, how many, the first
+    few names (and, when none were found, that the root alone is one)."""
+    units, how = find_units(model, patterns)
+    names = [n for n, _ in units]
+    out = {"found_by": how, "count": len(names), "first": names[:3]}
+    if how == "none":
+        out["note"] = ("no repeated blocks found: under fsdp, hsdp or hybrid dp_shard the whole model is one unit, "
+                       "every parameter gathered for the whole step; name the blocks with parallel.fsdp_units")
+    return out
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, patterns: tuple[str, ...] | list[str] = ()) -> nn.Module:
     """fully_shard every unit, then the root, in place (torchtitan's order). A unit frees its
     gathered parameters after forward (gathered again for backward) except the last, whose
     backward comes right away; the root's stay gathered from forward into backward."""
-    units = _units(model)
+    units = _units(model, patterns)
     for i, unit in enumerate(units):
         fully_shard(unit, mesh=mesh, reshard_after_forward=i < len(units) - 1)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
@@ -137,7 +197,7 @@ class FSDPParallel(Parallel):
         torchtitan does it), so the gathers still run per unit."""
         backend = options.get("backend", "inductor")  # "aot_eager": traced, nothing generated (tests)
         mode = options.get("mode", "default") if backend == "inductor" else None
-        for unit in _units(self.model) or [self.model]:  # no units: the root, hooks and all
+        for unit in _units(self.model, self.options.fsdp_units) or [self.model]:  # no units: the root, hooks and all
             unit.compile(backend=backend, mode=mode, fullgraph=bool(options.get("fullgraph", False)))
 
     # ------------------------------------------------------------ full state
@@ -205,7 +265,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, plan, optio
     """Shard `model` (on the device, or on meta to be materialised with `to_empty`) as
     `layout` (fsdp or hsdp); builds its own mesh when `mesh` is None."""
     mesh = mesh if mesh is not None else mesh_for(layout, options.device)
-    shard(model, mesh)
+    shard(model, mesh, options.fsdp_units)
     return FSDPParallel(model, layout, options, mesh)
 
 
@@ -213,5 +273,5 @@ def apply_2d(model: nn.Module, mesh: DeviceMesh, layout: Layout, plan: dict[str,
              options: Options) -> FSDPParallel:
     """Tensor parallel over mesh["tp"], then fully sharded over mesh["dp"] (hybrid dp_shard)."""
     tensor.shard(model, mesh["tp"], plan)
-    shard(model, mesh["dp"])
+    shard(model, mesh["dp"], options.fsdp_units)
     return FSDPParallel(model, layout, options, mesh)

@@ -182,3 +182,44 @@ def test_watch_and_report_show_the_eval_loss(tmp_path):
     report = make_report(run.path)
     assert "eval loss    5 at step 12 (best 1 at step 8; 3 evaluations)" in report.summary_text
     assert (run.path / "report/loss.png").is_file()
+
+
+def _eval_in_micro_batches(rank, world, out_dir):
+    from gearshift.strategies.layout import Layout
+    from gearshift.workers.evaluation import held_out_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    dataset = components.build_dataset({"name": "synthetic_digits", "kwargs": {"seed": 99, "size": 100}}, {})
+    sizes = []
+    model.register_forward_hook(lambda m, args, out: sizes.append(args[0].shape[0]))
+    loss = torch.nn.functional.cross_entropy
+    forward_loss = lambda x, y: loss(model(x), y)  # noqa: E731
+    layout = Layout.for_workers("data", world, None)
+    whole = held_out_loss(dataset, forward_loss, model, torch.device("cpu"), 32, layout, rank, world)
+    calls_whole, sizes[:] = len(sizes), []
+    micro = held_out_loss(dataset, forward_loss, model, torch.device("cpu"), 32, layout, rank, world, micro_batch=5)
+    (out_dir / f"eval-{rank}.json").write_text(json.dumps({"whole": whole, "micro": micro, "sizes": sizes,
+                                                           "calls_whole": calls_whole}))
+
+
+def test_evaluation_runs_in_micro_batches_with_the_same_loss(tmp_path):
+    """100 held-out samples, global batch 32 over 2 ranks (slices of 16, the last batch 2 each),
+    5 samples a forward: the same mean loss as whole slices and as plain PyTorch, never more than
+    5 samples in a forward, and as many forwards on both ranks (their collectives stay in step)."""
+    from test_fsdp import spawn_gloo
+
+    spawn_gloo(_eval_in_micro_batches, 2, (tmp_path,))
+    ranks = [json.loads((tmp_path / f"eval-{r}.json").read_text()) for r in range(2)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))
+    dataset = components.build_dataset({"name": "synthetic_digits", "kwargs": {"seed": 99, "size": 100}}, {})
+    x, y = load_batch(dataset, list(range(100)))
+    with torch.no_grad():
+        plain = torch.nn.functional.cross_entropy(model(x), y).item()
+    for r in ranks:
+        assert abs(r["micro"]["loss"] - plain) <= 1e-6 and abs(r["whole"]["loss"] - plain) <= 1e-6
+        assert r["micro"]["samples"] == 100 and max(r["sizes"]) == 5
+        assert r["calls_whole"] == 4  # one forward per batch without micro-batches
+    assert len(ranks[0]["sizes"]) == len(ranks[1]["sizes"]) == 3 * 4 + 1  # 16 -> 4 forwards; the last batch's 2 -> 1
+    assert sum(ranks[0]["sizes"]) + sum(ranks[1]["sizes"]) == 100

@@ -292,3 +292,20 @@ def check_tp_plan(model_spec: dict, job_plan: dict | None, tp: int, search_paths
         resolve(model, plan or {}, tp)
     except PlanError as err:
         raise ComponentError("parallel.tp_plan", job_plan or plan or {}, str(err)) from None
+
+
+def check_fsdp_units(model_spec: dict, patterns: list[str], search_paths: Iterable[str] = ()) -> None:
+    """Every parallel.fsdp_units pattern names a module of the model, by name or class (checked
+    on a meta-device copy: no memory)."""
+    import fnmatch
+
+    model, _ = model_for_checks(model_spec, search_paths)
+    named = [(n, m) for n, m in model.named_modules() if n]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) or type(m).__name__ == pattern for n, m in named):
+            names = [n for n, _ in named][:12]
+            classes = sorted({type(m).__name__ for _, m in named})[:12]
+            raise ComponentError("parallel.fsdp_units", pattern,
+                                 "matches no module of the model, by name or by class; names are: "
+                                 + ", ".join(names) + (" ..." if len(named) > 12 else "")
+                                 + "; classes: " + ", ".join(classes))

@@ -33,6 +33,7 @@ class WorkerConfig:
     shard_size: int | None  # hsdp's group (None: resolved from the placement, see worker.build)
     dp_shard: bool  # hybrid: the data dimension sharded
     tp_plan: Mapping[str, str]
+    fsdp_units: tuple[str, ...]  # parallel.fsdp_units: the FSDP units' patterns (empty: found)
     bucket_cap_mb: float  # the value training starts with (bucket_cap_mb auto: the tuner's start)
     gpu: bool  # one GPU per worker; otherwise CPU and gloo
     telemetry: bool
@@ -68,7 +69,7 @@ class WorkerConfig:
             strategy="data" if par["strategy"] == "auto" else par["strategy"], tp_size=par.get("tp_size"),
             shard_size=par.get("shard_size"), dp_shard=bool(par.get("dp_shard", False)),
             checkpoint_dir=checkpoint_dir, checkpoint_format=(job.get("checkpoint") or {}).get("format", "auto"),
-            tp_plan=par.get("tp_plan") or {},
+            tp_plan=par.get("tp_plan") or {}, fsdp_units=tuple(par.get("fsdp_units") or ()),
             bucket_cap_mb=job["tune"]["start"] if par["bucket_cap_mb"] == "auto" else par["bucket_cap_mb"],
             gpu=job["cluster"]["gpus_per_worker"] > 0, telemetry=tel["enabled"],
             sample_period_s=tel["sample_period_s"], ray_metrics=tel["ray_metrics"], on_nan=job["fault"]["on_nan"],

@@ -9,7 +9,7 @@ from gearshift.workers.data import load_batch, tokens_per_sample
 
 
 def held_out_loss(dataset, forward_loss, module, device, global_batch: int, layout, rank: int, world: int,
-                  max_batches: int | None = None) -> dict:
+                  max_batches: int | None = None, micro_batch: int | None = None) -> dict:
     """Mean loss over `dataset`; every rank calls it at the same step boundary.
 
     Batch b is samples [b*G, (b+1)*G) of the eval dataset in order (G = the global batch; the
@@ -17,7 +17,11 @@ def held_out_loss(dataset, forward_loss, module, device, global_batch: int, layo
     training. The ranks of a tensor-parallel group compute the same slice, so the
     (sum of losses, samples) all-reduced over the whole world counts each slice tp times in
     numerator and denominator alike: the ratio is the mean over the data. Every rank runs one
-    forward per batch (also on an empty slice) so the layout's collectives stay in step.
+    forward per batch (also on an empty slice) so the layout's collectives stay in step. With
+    `micro_batch` (train.micro_batch_size, or the one an out-of-memory step left), a slice runs
+    that many samples a forward, and every rank runs as many forwards as the largest slice of
+    the batch needs (empty ones where its own is shorter), so the peak is one micro-batch's
+    activations, not a whole slice's.
     """
     n, g = len(dataset), global_batch
     total = -(-n // g) if max_batches is None else min(max_batches, -(-n // g))
@@ -29,14 +33,18 @@ def held_out_loss(dataset, forward_loss, module, device, global_batch: int, layo
             for b in range(total):
                 lo, hi = b * g, min((b + 1) * g, n)
                 mine = list(range(lo + (hi - lo) * dp_rank // dp, lo + (hi - lo) * (dp_rank + 1) // dp))
-                x, y = load_batch(dataset, mine or [lo])  # an empty slice still runs a forward
-                x, y = x.to(device), y.to(device)
-                if not mine:
-                    x, y = x[:0], y[:0]
-                loss = forward_loss(x, y)  # the training forward and loss, with its autocast
-                if mine:  # a loss that is a mean over its batch, weighted by the batch's samples
-                    sums[0] += loss.detach().double() * len(mine)
-                    sums[1] += len(mine)
+                largest = -(-(hi - lo) // dp)  # the largest slice of this batch over the dp ranks
+                step = micro_batch if micro_batch and micro_batch < largest else max(largest, 1)
+                for first in range(0, max(largest, 1), step):
+                    part = mine[first:first + step]
+                    x, y = load_batch(dataset, part or [lo])  # an empty part still runs a forward
+                    x, y = x.to(device), y.to(device)
+                    if not part:
+                        x, y = x[:0], y[:0]
+                    loss = forward_loss(x, y)  # the training forward and loss, with its autocast
+                    if part:  # a loss that is a mean over its samples, weighted by their count
+                        sums[0] += loss.detach().double() * len(part)
+                        sums[1] += len(part)
     finally:
         module.train()
     dist.all_reduce(sums)

@@ -123,6 +123,7 @@ class TrainWorker:
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
                 "compiled": self.parallel.compiled,
+                "fsdp_units": _fsdp_units(self.parallel.model, cfg.fsdp_units),
                 "checkpoint_format": "dcp" if self.dcp_root else "full",
                 "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
@@ -159,7 +160,8 @@ class TrainWorker:
         plan = None
         if strategies.lookup(layout.strategy).needs_plan:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
-        options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16")
+        options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16",
+                                     fsdp_units=cfg.fsdp_units)
         make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer))  # noqa: E731
         if move_from:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
@@ -371,7 +373,8 @@ class TrainWorker:
         if self.eval_dataset is None:
             raise RuntimeError("evaluate: this job has no eval.data (eval.every is 0)")
         return held_out_loss(self.eval_dataset, self._forward_loss, self.parallel.module, self.device,
-                             self.config.global_batch_size, self.layout, self.rank, self.world, max_batches)
+                             self.config.global_batch_size, self.layout, self.rank, self.world, max_batches,
+                             micro_batch=self.micro_batch)
 
     def _non_finite(self, step: int, x: torch.Tensor, loss: torch.Tensor, norm: torch.Tensor) -> None:
         """A step whose loss or gradient norm is NaN or Inf: its update is not applied (the state
@@ -465,6 +468,12 @@ class TrainWorker:
             self.telemetry.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _fsdp_units(model: torch.nn.Module, patterns: tuple[str, ...]) -> dict:
+    from gearshift.strategies.fsdp import describe_units  # FSDP2 is imported only where it is used
+
+    return describe_units(model, patterns)
 
 
 class _Pending:

@@ -211,7 +211,11 @@ class Controller:
                 job.parallel, shard_size=infos[0]["layout"].get("shard", 1)))
         keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend", "compiled")
         self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
-                    layout=job.layout.to_dict(), tp_groups=job.layout.tp_groups() if job.layout.tp > 1 else [])
+                    layout=job.layout.to_dict(), tp_groups=job.layout.tp_groups() if job.layout.tp > 1 else [],
+                    **({"fsdp_units": infos[0]["fsdp_units"]} if infos[0].get("fsdp_units") else {}))
+        units = infos[0].get("fsdp_units") or {}
+        if units.get("found_by") == "none" and job.layout.shard > 1 and not restart:  # sharded, one unit
+            self.report.say(f"fsdp units: {units['note']}")
         for info in infos:
             if info.get("sampler") and not restart:
                 self.report.event("sampler", rank=info["rank"], **info["sampler"])

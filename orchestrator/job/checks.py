@@ -179,6 +179,11 @@ def _check_layout(job: Job) -> None:
     if job.train.activation_checkpointing and not job.model.name:
         raise JobError("train.activation_checkpointing", True, "is available for the built-in models only; "
                        "a model given by entry point can use torch.utils.checkpoint itself")
+    if job.parallel.fsdp_units:
+        try:
+            components.check_fsdp_units(job.to_dict()["model"], job.parallel.fsdp_units, [job.base_dir])
+        except ComponentError as err:
+            raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
     if job.parallel.tp_plan and job.parallel.strategy == "data" and not job.adapt.schedule:
         raise JobError("parallel.tp_plan", job.parallel.tp_plan, "only applies with tensor parallelism; "
                        "strategy data shards nothing")

@@ -341,6 +341,16 @@ def _tp_plan(v, path):
     return plan
 
 
+@_schema({"type": ["array", "null"], "items": {"type": "string", "minLength": 1}})
+def _fsdp_units(v, path):
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(p, str) and p for p in v):
+        raise JobError(path, v, "must be a list of module-name patterns or class names, e.g. ['model.layers.*'] "
+                                "or ['LlamaDecoderLayer']")
+    return list(v)
+
+
 @_schema({"anyOf": [_number("number", 0.0, 4096.0, lo_open=True), {"type": "string", "const": "auto"}]})
 def _bucket(v, path):
     if v == "auto":

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _eval_batches, _f, _float, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,9 @@ class ParallelSpec:
                                                 "replicated across groups); null: the workers of one node")
     dp_shard: bool = _f(False, _bool, "hybrid: shard the data dimension's state (FSDP over dp) instead of "
                                       "replicating it")
+    fsdp_units: list = _f([], _fsdp_units, "fsdp, hsdp, hybrid dp_shard: the modules sharded as units of their own "
+                          "(module-name patterns such as model.layers.*, or class names); empty: a Hugging Face "
+                          "model's _no_split_modules, else the blocks of the outermost ModuleList at any depth")
 
 
 @dataclass(frozen=True)
