@@ -31,7 +31,14 @@ rounding and whatever else the process touches (gloo's buffers, the data loader)
    `switch_peak_over_steady_full_gather`.
 3. The cost model's predicted per-rank memory against the measured peak (`memory_worst_rel_error`,
    null while orchestrator/costmodel.py has no memory model).
-4. Checkpoint save and load seconds at 4 and 2 workers, full format (rank 0 gathers the whole
+4. The first build under fsdp(4): a worker's peak growth while it builds (its RSS peak in the
+   build minus its RSS before it) over the full fp32 parameter bytes, built on the meta device
+   with only the worker's shards allocated (workers/meta_init.py) against the whole model built
+   on every worker as before (interleaved, `--build-repeats`): `build_growth_over_full_params`
+   (the largest over workers; goal <= 0.40) and `build_growth_over_full_params_whole`.
+5. Evaluation's peak growth (RSS peak in the phase minus the RSS after it) with micro-batches of
+   2 over whole slices of a 64-sample global batch: `eval_micro_over_full_batch`.
+6. Checkpoint save and load seconds at 4 and 2 workers, full format (rank 0 gathers the whole
    state, the driver torch.saves it; loading: the driver reads it and every worker takes its part)
    against DCP (every rank writes its own shards, the driver commits the manifest; loading:
    every rank reads its pieces), each timed as the driver sees it, as orchestrator/checkpoints.py
@@ -231,13 +238,16 @@ def make_job(world: int, strategy: str = "data", extra_parallel: dict | None = N
     return job.to_dict() if as_dict else job
 
 
-def open_group(job: dict, world: int, period_s: float):
-    """A LocalGroup whose workers start their RSS sampler before the model is built."""
+def open_group(job: dict, world: int, period_s: float, before_build=None):
+    """A LocalGroup whose workers start their RSS sampler before the model is built
+    (`before_build(worker)` runs in each worker first, when given)."""
     from bench.local_group import LocalGroup
 
     class MemGroup(LocalGroup):
         def call(self, method, *args):
             if method == "build" and not args:
+                if before_build is not None:
+                    LocalGroup.apply(self, before_build)
                 self.baselines = LocalGroup.call(self, mem_start, period_s)
                 results = LocalGroup.call(self, phased, "build", "build")
                 self.build_peaks = [r[1] for r in results]
@@ -245,6 +255,47 @@ def open_group(job: dict, world: int, period_s: float):
             return LocalGroup.call(self, method, *args)
 
     return MemGroup(job, world, [str(ROOT)], cpus=0.5, timeout_s=900.0)
+
+
+def eval_peak(worker, micro_batch):
+    """Evaluate 2 global batches of 64 samples from the training data, `micro_batch` samples a
+    forward (None: a rank's whole slice at once), in this phase."""
+    from gearshift.workers.evaluation import held_out_loss
+
+    return held_out_loss(worker.dataset, worker._forward_loss, worker.parallel.module, worker.device, 64,
+                         worker.layout, worker.rank, worker.world, 2, micro_batch=micro_batch)
+
+
+def build_whole(worker) -> None:
+    """The first build as it was before the meta device: every worker builds the whole model."""
+    worker._shards = lambda layout: False
+
+
+def build_part(args, log) -> dict:
+    """fsdp(4)'s first build, on the meta device and whole, interleaved; growth per worker."""
+    job = make_job(WORKERS, "fsdp")
+    runs: dict[str, list] = {"meta": [], "whole": []}
+    params = None
+    for _ in range(args.build_repeats):
+        for variant in ("meta", "whole"):
+            group = open_group(job, WORKERS, args.period_ms / 1000, before_build=None if variant == "meta"
+                               else build_whole)
+            try:
+                params = group.infos[0]["parameters"]
+                built = group.infos[0].get("build", {})
+                if built.get("on_meta") is not (variant == "meta"):
+                    raise RuntimeError(f"the {variant} build reported {built}")
+                growth = [p - b for p, b in zip(group.build_peaks, group.baselines)]
+                runs[variant].append(max(growth))
+                log(f"build {variant:<6} growth per worker (GiB): {' '.join(gib(g) for g in growth)}")
+            finally:
+                group.close()
+    full = params * 4
+    out = {"build_parameters": params, "build_full_param_bytes": full}
+    for variant, key in (("meta", "build_growth_over_full_params"), ("whole", "build_growth_over_full_params_whole")):
+        out[key] = statistics.median(runs[variant]) / full
+        out[key + "_spread"] = [min(runs[variant]) / full, max(runs[variant]) / full]
+    return out
 
 
 def first_line(err: BaseException) -> str:
@@ -372,6 +423,16 @@ def memory_part(args, log) -> dict:
         log(f"cycle: {' > '.join(cycle)} (reshard {'streams' if streaming else 'gathers everything'})")
         gs = run_cycle(group, cycle, "reshard", args.warm, args.steps, 0, "reshard", log)
         fg = run_cycle(group, cycle, "full_gather", args.warm, args.steps, gs["step"], "full-gather", log)
+        growth = {}
+        for label, micro in (("whole", None), ("micro", 2), ("whole", None), ("micro", 2)):  # interleaved
+            results = group.apply(phased, f"eval-{label}", eval_peak, micro)
+            growth.setdefault(label, []).append(max(r[1] - r[2] for r in results))
+        out["eval_growth_bytes"] = {k: statistics.median(v) for k, v in growth.items()}
+        out["eval_micro_over_full_batch"] = (out["eval_growth_bytes"]["micro"] / out["eval_growth_bytes"]["whole"]
+                                             if out["eval_growth_bytes"]["whole"] > 0 else None)
+        log(f"evaluation, 64 samples a batch over {WORKERS} workers: peak growth "
+            f"{gib(out['eval_growth_bytes']['whole'])} GiB whole slices, {gib(out['eval_growth_bytes']['micro'])} GiB "
+            f"in micro-batches of 2")
         stats = group.apply(mem_stats)
         out["sampler_hz"] = [round(s["rate_hz"]) for s in stats]
         out["kernel_high_water"] = all(s["hwm"] for s in stats)
@@ -507,10 +568,12 @@ def main() -> None:
     ap.add_argument("--ckpt-layout", default=None, help="layout the checkpoints are taken in (default fsdp, else data)")
     ap.add_argument("--period-ms", type=float, default=1.0, help="RSS sampling period")
     ap.add_argument("--model", default=None, help="JSON: GPT kwargs to override (a smaller model for a try-out)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, ckpt")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, build, ckpt")
+    ap.add_argument("--build-repeats", type=int, default=None, help="first builds per variant (meta, whole)")
     args = ap.parse_args()
     args.steps = args.steps or (2 if args.quick else 3)
     args.repeats = args.repeats or (2 if args.quick else 3)
+    args.build_repeats = args.build_repeats or (1 if args.quick else 2)
     args.layouts = args.layouts.split(",")
     skip = set(filter(None, args.skip.split(",")))
     if args.model:
@@ -535,6 +598,12 @@ def main() -> None:
         except Exception as err:
             figures["memory_error"] = first_line(err)
             log(f"memory part FAILED: {figures['memory_error']}")
+    if "build" not in skip:
+        try:
+            figures.update(build_part(args, log))
+        except Exception as err:
+            figures["build_error"] = first_line(err)
+            log(f"build part FAILED: {figures['build_error']}")
     ckpt4 = mem.pop("ckpt4", None)
     visits, switches = mem.pop("_visits", []), mem.pop("_switches", [])
     figures.update(mem)
@@ -591,6 +660,9 @@ def main() -> None:
     log("")
     log(f"{'figure':<44}{'value':>10}  goal")
     for key, goal in (("fsdp4_over_data4_state", "<= 0.40"), ("switch_peak_over_steady", "<= 1.25"),
+                      ("build_growth_over_full_params", "<= 0.40"),
+                      ("eval_micro_over_full_batch", "(micro-batches of 2 over whole slices)"),
+                      ("build_growth_over_full_params_whole", "(every worker built the whole model)"),
                       ("switch_peak_over_steady_full_gather", "(the full-gather switch)"),
                       ("memory_worst_rel_error", "<= 0.20"), ("dcp_over_full_save_4", "(< 1: DCP faster)"),
                       ("dcp_over_full_load_4", "")):

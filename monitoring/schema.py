@@ -82,7 +82,9 @@ EVENT = {
 EVENTS = {
     "state": "the controller entered a state (field `state`: placing, starting, training, switching, done, failed; "
              "`error` when failed; `workers`, `layout`, `tp_groups` and `fsdp_units` (how the FSDP units were "
-             "found: `found_by`, `count`, `first`, `note`) when starting)",
+             "found: `found_by`, `count`, `first`, `note`) and `build` (`on_meta`: whether the ranks built the model on "
+             "the meta device and allocated only their pieces; `why` when a sharded layout could not) and `recomputed` (how many modules "
+             "train.activation_checkpointing wrapped) when starting)",
     "resumed": "training continues from a checkpoint (`checkpoint`, `step`)",
     "checkpoint": "a checkpoint was written (`step`, `path`)",
     "best": "checkpoint.keep_best: the checkpoint of `step` has the lowest eval loss so far (`eval_loss`, "
@@ -93,7 +95,8 @@ EVENTS = {
     "sampler": "which device sampler a worker uses (`rank`, `source`, `reason` when it fell back to psutil)",
     "metrics": "the /metrics endpoint is serving (`url`)",
     "policy": "the adaptive policy's set-up (`candidates` in order, `node_sizes`, `threshold`, `window`, `cooldown`, "
-              "`decide`: predict or trial)",
+              "`decide`: predict or trial; `start`: where strategy auto started, with `available_bytes` and every "
+              "candidate's `predictions`)",
     "oom": "a step or a switch ran out of memory on a rank (`rank`, `step`, `during`: step or switch, `layout` and "
            "`micro_batch` it ran out at, `allocated_bytes`, `reserved_bytes`, `free_bytes`, `total_bytes`, `error`, "
            "`action`: accumulate, shard, retry, stay or stop, `to_layout`, `to_micro_batch`, `why`)",

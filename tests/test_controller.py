@@ -15,6 +15,7 @@ from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.job import load_job
 from gearshift.orchestrator.control.reporting import StepMerger
 from gearshift.orchestrator.records.rundir import RunDir
+from gearshift.strategies.layout import Layout
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup
 from gearshift.workers import checkpoint
 
@@ -431,3 +432,58 @@ def test_memory_near_the_threshold_moves_to_a_lighter_layout_before_an_oom(tmp_p
     assert decision["applied_step"] - decision["seen_step"] <= 2
     assert not [r for r in read(run.telemetry) if r.get("event") == "decision" and r["decision"] == "revert"]
     assert summary["strategy_history"][-1]["strategy"] == "fsdp"
+
+
+def _auto_with_devices(tmp_path, device_bytes):
+    job = load_job(ROOT / "examples/mlp.yaml", ["train.steps=6", "parallel.strategy=auto", "checkpoint.every=0"])
+    run = RunDir.create(job, str(tmp_path / "run"))
+    groups = []
+
+    class Chooses(FakeGroup):  # the real group asks before it builds: so does this one
+        def start(self):
+            infos = [dict(info, node_id="n0", device_memory={"bytes": device_bytes, "shared": False})
+                     for info in super().start()]
+            layout = self.choose_layout(infos)
+            self.started_in = layout
+            return [dict(info, layout=layout.to_dict()) for info in infos]
+
+    def factory(j):
+        groups.append(Chooses(j, run=run))
+        return groups[-1]
+
+    return job, run, groups, factory
+
+
+def test_auto_starts_in_the_least_sharded_layout_that_fits(tmp_path):
+    """Devices with room for fsdp's share but not data's whole replica and Adam state: auto starts
+    in the fitting layout that needs the most (not data), and its first policy record says what
+    every layout was predicted to need."""
+    from gearshift.orchestrator.policy import costmodel
+
+    job, _, _, _ = _auto_with_devices(tmp_path / "probe", 1)
+    check = costmodel.memory_check(job, 1)
+    need = {s: check(Layout.for_workers(s, 2, None))[1]["predicted_bytes"] for s in ("data", "fsdp")}
+    assert need["fsdp"] < need["data"]
+    device = int((need["fsdp"] + need["data"]) / 2)
+    job, run, groups, factory = _auto_with_devices(tmp_path, device)
+    summary = Controller(job, run, factory).run()
+    [policy] = [r for r in read(run.telemetry) if r.get("event") == "policy"]
+    start = policy["start"]
+    fitting = [p for p in start["predictions"] if p["fits"]]
+    assert start["available_bytes"] == device and all(p["predicted_bytes"] <= device for p in fitting)
+    assert {p["strategy"]: p["fits"] for p in start["predictions"]}["data"] is False
+    best = max(fitting, key=lambda p: p["predicted_bytes"])
+    assert start["layout"]["strategy"] == best["strategy"] != "data"
+    assert groups[0].started_in.strategy == best["strategy"]
+    assert summary["strategy_history"][0]["strategy"] == best["strategy"]
+
+
+def test_auto_with_a_model_that_fits_nowhere_stops_with_the_predictions(tmp_path):
+    from gearshift.orchestrator.errors import GearshiftError
+
+    job, run, _, factory = _auto_with_devices(tmp_path, 1000)
+    with pytest.raises(GearshiftError, match="fits no layout") as err:
+        Controller(job, run, factory).run()
+    assert "data dp=2" in str(err.value) and "fsdp" in str(err.value) and "GiB" in str(err.value)
+    summary = json.loads(run.summary.read_text())
+    assert summary["status"] == "failed" and "fits no layout" in summary["error"]

@@ -17,6 +17,7 @@ from torch.utils.data import default_collate
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import Job, load_job
 from gearshift.workers import components
+from gearshift.monitoring.telemetry import read
 from gearshift.workers.data import GlobalBatches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -182,6 +183,11 @@ def test_every_layout_equals_the_single_process_reference(ray_cluster, tmp_path,
     losses = step_losses(tmp_path / "run")
     worst = max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses))
     assert worst <= 1e-4, f"per-step loss differs from the reference by {worst:.3g}"
+    # a layout that holds pieces started from the meta device: no rank built the whole model
+    starting = next(r for r in read(tmp_path / "run" / "telemetry.jsonl")
+                    if r.get("event") == "state" and r.get("state") == "starting")
+    sharded = layout not in ("tensor1", "data4")
+    assert starting["build"]["on_meta"] is sharded, starting["build"]
 
 
 def test_a_run_continues_under_another_layout(ray_cluster, tmp_path):

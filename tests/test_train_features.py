@@ -130,6 +130,8 @@ SHARDED_CASES = [  # (model, layout, precision, activation checkpointing)
     ("mlp", "tensor2", "fp16", False),
     ("gpt", "hybrid2x2", "bf16", True),
     ("gpt", "hybrid2x2", "fp16", False),
+    ("user", "fsdp2", "fp32", True),              # a user's model: its FSDP units (net.0, net.2, net.4)
+    ("gpt", "hsdp4", "fp32", "[blocks.*.mlp]"),  # patterns, on a built-in
 ]
 
 
@@ -137,14 +139,21 @@ SHARDED_CASES = [  # (model, layout, precision, activation checkpointing)
                          ids=["-".join(map(str, c)) for c in SHARDED_CASES])
 def test_precision_and_activation_checkpointing_under_every_strategy(ray_cluster, tmp_path, which, layout,
                                                                      precision, recompute):
-    from test_train_equivalence import GPT, LAYOUTS, MLP, max_diff, reference, run_gearshift
+    from test_train_equivalence import GPT, LAYOUTS, MLP, max_diff, reference, run_gearshift, user_job
 
+    from gearshift.monitoring.telemetry import read
     from gearshift.orchestrator.job import load_job
 
-    job_file, base = {"mlp": MLP, "gpt": GPT}[which]
+    job_file, base = {"mlp": MLP, "gpt": GPT}.get(which) or user_job(tmp_path)
+    setting = recompute if isinstance(recompute, str) else str(recompute).lower()
     overrides = base + LAYOUTS[layout] + ["train.global_batch_size=16", "train.grad_clip=1.0",
-                                          f"train.activation_checkpointing={str(recompute).lower()}"]
+                                          f"train.activation_checkpointing={setting}"]
     summary = run_gearshift(job_file, overrides + [f"train.precision={precision}"], tmp_path / "run")
+    starting = next(r for r in read(tmp_path / "run" / "telemetry.jsonl")
+                    if r.get("event") == "state" and r.get("state") == "starting")
+    # the modules gearshift wrapped: a user's model's units, or what the patterns name (2 blocks'
+    # mlp); a built-in with true checkpoints its own blocks, and gearshift wraps none
+    assert starting["recomputed"] == {("user", True): 3, ("gpt", "[blocks.*.mlp]"): 2}.get((which, recompute), 0)
     assert summary["final_loss"] < summary["first_loss"], summary
     final = torch.load(tmp_path / "run/final.pt", weights_only=True)
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in final.values())

@@ -191,13 +191,13 @@ def build_model(spec: dict, search_paths: Iterable[str] = ()) -> nn.Module:
     return build_model_and_plan(spec, search_paths)[0]
 
 
-def build_model_and_plan(spec: dict, search_paths: Iterable[str] = (), activation_checkpointing: bool = False
+def build_model_and_plan(spec: dict, search_paths: Iterable[str] = (), activation_checkpointing=False
                          ) -> tuple[nn.Module, dict | None]:
     """The model, and the tensor-parallel plan its entry point returned with it, if any
     (an entry point may return `model` or `(model, plan)`)."""
     kwargs = dict(spec.get("kwargs") or {})
-    if activation_checkpointing:
-        kwargs["activation_checkpointing"] = True  # built-ins only; the job validates that
+    if activation_checkpointing is True and not spec.get("entrypoint"):
+        kwargs["activation_checkpointing"] = True  # the built-ins checkpoint their own blocks (workers/recompute.py)
     if spec.get("entrypoint"):
         func = resolve("model.entrypoint", spec["entrypoint"], search_paths)
         with _on_path(search_paths):
@@ -294,9 +294,10 @@ def check_tp_plan(model_spec: dict, job_plan: dict | None, tp: int, search_paths
         raise ComponentError("parallel.tp_plan", job_plan or plan or {}, str(err)) from None
 
 
-def check_fsdp_units(model_spec: dict, patterns: list[str], search_paths: Iterable[str] = ()) -> None:
-    """Every parallel.fsdp_units pattern names a module of the model, by name or class (checked
-    on a meta-device copy: no memory)."""
+def check_module_patterns(model_spec: dict, patterns: list[str], field_path: str,
+                          search_paths: Iterable[str] = ()) -> None:
+    """Every pattern (parallel.fsdp_units, train.activation_checkpointing) names a module of the
+    model, by name or class (checked on a meta-device copy: no memory)."""
     import fnmatch
 
     model, _ = model_for_checks(model_spec, search_paths)
@@ -305,7 +306,7 @@ def check_fsdp_units(model_spec: dict, patterns: list[str], search_paths: Iterab
         if not any(fnmatch.fnmatchcase(n, pattern) or type(m).__name__ == pattern for n, m in named):
             names = [n for n, _ in named][:12]
             classes = sorted({type(m).__name__ for _, m in named})[:12]
-            raise ComponentError("parallel.fsdp_units", pattern,
+            raise ComponentError(field_path, pattern,
                                  "matches no module of the model, by name or by class; names are: "
                                  + ", ".join(names) + (" ..." if len(named) > 12 else "")
                                  + "; classes: " + ", ".join(classes))

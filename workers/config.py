@@ -27,7 +27,7 @@ class WorkerConfig:
     global_batch_size: int
     precision: str  # fp32 | bf16 | fp16
     grad_clip: float | None
-    activation_checkpointing: bool
+    activation_checkpointing: bool | tuple[str, ...]  # train.activation_checkpointing (workers/recompute.py)
     strategy: str  # the layout training starts in (strategy auto starts data parallel)
     tp_size: int | None
     shard_size: int | None  # hsdp's group (None: resolved from the placement, see worker.build)
@@ -65,7 +65,7 @@ class WorkerConfig:
         return cls(
             name=job["name"], model=job["model"], data=job["data"], loss=job["loss"], optimizer=job["optimizer"],
             seed=train["seed"], global_batch_size=train["global_batch_size"], precision=_dtype(train["precision"]),
-            grad_clip=train["grad_clip"], activation_checkpointing=train.get("activation_checkpointing", False),
+            grad_clip=train["grad_clip"], activation_checkpointing=_checkpointing(train.get("activation_checkpointing", False)),
             strategy="data" if par["strategy"] == "auto" else par["strategy"], tp_size=par.get("tp_size"),
             shard_size=par.get("shard_size"), dp_shard=bool(par.get("dp_shard", False)),
             checkpoint_dir=checkpoint_dir, checkpoint_format=(job.get("checkpoint") or {}).get("format", "auto"),
@@ -81,6 +81,10 @@ class WorkerConfig:
             fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
             compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train),
             feeders=dict(feeders or {}))
+
+
+def _checkpointing(setting) -> bool | tuple[str, ...]:
+    return tuple(setting) if isinstance(setting, list) else bool(setting)
 
 
 def _dtype(precision) -> str:

@@ -19,7 +19,7 @@ from gearshift import strategies
 from gearshift.monitoring.comm import CommClock
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
-from gearshift.workers import components, dcp, oom, precision, rendezvous, schedules
+from gearshift.workers import components, dcp, oom, precision, recompute, rendezvous, schedules
 from gearshift.workers.comm import CommRoute
 from gearshift.workers.config import WorkerConfig
 from gearshift.workers.data import GlobalBatches, tokens_per_sample
@@ -63,6 +63,8 @@ class TrainWorker:
         self.micro_batch = config.micro_batch_size  # samples computed at once; halved after an OOM (None: the share)
         self.updating = False  # inside the optimizer's step: an OOM there leaves the update half applied
         self.stop_chunk = -1   # the chunk the controller asked to stop early (request_stop)
+        self.build_info: dict = {"on_meta": False}  # how the first build went (build() reports it)
+        self.recomputed: list[str] = []  # the modules train.activation_checkpointing wrapped
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -79,6 +81,11 @@ class TrainWorker:
         self.rank, self.world = rank, world
         backend = self._join(master_addr, master_port, timeout_s)
         return backend
+
+    def device_memory(self) -> dict:
+        """This worker's device memory (free plus its own, before the model is built): strategy
+        auto starts in a layout that fits it."""
+        return rendezvous.device_memory(self.device)
 
     def _join(self, master_addr: str, master_port: int, timeout_s: float) -> str:
         joined = {}
@@ -124,6 +131,8 @@ class TrainWorker:
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
                 "compiled": self.parallel.compiled,
                 "fsdp_units": _fsdp_units(self.parallel.model, cfg.fsdp_units),
+                "build": self.build_info,
+                "recomputed": len(self.recomputed),
                 "checkpoint_format": "dcp" if self.dcp_root else "full",
                 "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
@@ -148,14 +157,20 @@ class TrainWorker:
         # a switch that changes dp keeps the micro-batch: the accumulation count changes instead
         self.set_micro_batch(self.micro_batch)
         torch.manual_seed(cfg.seed)
+        record = None  # a first build on the meta device, to be replayed piece by piece (workers/meta_init.py)
+        build = lambda: components.build_model_and_plan(dict(cfg.model), cfg.search_paths,  # noqa: E731
+                                                        cfg.activation_checkpointing)
         if rewrap is not None:  # the same module and optimizer under a new wrapper (a new process group)
             model, returned_plan = rewrap[0].model, None
+        elif move_from is None and self._shards(layout):
+            (model, returned_plan), record = self._build_on_meta(build)
         else:
             with torch.device("meta") if move_from else contextlib.nullcontext():
-                model, returned_plan = components.build_model_and_plan(dict(cfg.model), cfg.search_paths,
-                                                                       cfg.activation_checkpointing)
+                model, returned_plan = build()
             model = model if move_from else model.to(self.device)  # meta: relayout allocates the new pieces
         if rewrap is None:
+            self.recomputed = recompute.apply(model, cfg.activation_checkpointing, cfg.fsdp_units,
+                                              builtin=not cfg.model.get("entrypoint"))
             precision.keep_fp32(model, cfg.keep_fp32, self.device.type)
         plan = None
         if strategies.lookup(layout.strategy).needs_plan:
@@ -172,12 +187,46 @@ class TrainWorker:
             self.parallel, self.optimizer = strategies.parallelize(model, layout, plan, options), rewrap[1]
         else:
             self.parallel = strategies.parallelize(model, layout, plan, options)
+            if record is not None:
+                self._materialise(record)
+            del record
             self.optimizer = make_optimizer(self.parallel.param_groups())
         self.scaler = self.parallel.make_scaler()
         self.clock = CommClock(self.device) if cfg.telemetry else None
         self._attach_route()
         if cfg.compile and rewrap is None:  # compiled afresh with every layout: a switch recompiles
             self.parallel.compile(dict(cfg.compile))
+
+    def _shards(self, layout: Layout) -> bool:
+        """Whether `layout` holds pieces of the model (not whole copies) and can be laid out on
+        the meta device: then the first build never holds the whole model."""
+        return strategies.lookup(layout.strategy).meta_ok and (layout.tp > 1 or layout.shard > 1)
+
+    def _build_on_meta(self, build):
+        """The model on the meta device with the record of its build, or, where the record cannot
+        be replayed exactly (workers/meta_init.py says when), built whole as before."""
+        from gearshift.workers.meta_init import build_recorded
+
+        try:
+            result, record = build_recorded(build)
+            reason = None if record.replayable else record.reason
+        except Exception as err:  # noqa: BLE001 - the build reads a value the meta device has not got
+            result, record, reason = None, None, f"{type(err).__name__}: {err}"[:300]
+        if reason is None:
+            self.build_info = {"on_meta": True}
+            return result, record
+        self.build_info = {"on_meta": False, "why": reason}
+        torch.manual_seed(self.config.seed)
+        model, plan = build()
+        return (model.to(self.device), plan), None
+
+    def _materialise(self, record) -> None:
+        """Allocate this rank's pieces of the laid-out model and fill them from the record's
+        replay (the same values a plain build after the seed has)."""
+        from gearshift.workers.meta_init import fill
+
+        torch.manual_seed(self.config.seed)  # the replay draws what the plain build draws
+        fill(self.parallel.model, record, self.device)
 
     def _attach_route(self) -> None:
         cfg = self.config

@@ -267,6 +267,12 @@ class RayWorkerGroup:
         backends = self._get([w.setup.remote(r, world, master_addr, port, job.fault.collective_timeout_s)
                               for r, w in enumerate(self.workers)], "rendezvous")
         STARTUP.mark("rendezvous")
+        choose = getattr(self, "choose_layout", None)
+        if choose is not None:  # strategy auto: the layout is chosen from the devices' free memory
+            memories = self._get([w.device_memory.remote() for w in self.workers], "rendezvous")
+            for info, memory in zip(self.infos, memories, strict=True):
+                info["device_memory"] = memory
+            self.start_layout = choose(self.infos)
         builds = self.call("build", self._layout().to_dict())
         STARTUP.mark("build")
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
@@ -323,6 +329,8 @@ class RayWorkerGroup:
         import dataclasses
 
         job = self.job
+        if getattr(self, "start_layout", None) is not None:
+            return self.start_layout
         if job.layout.strategy != "hsdp" or job.parallel.shard_size is not None or job.inject.nodes > 1:
             return job.layout
         sizes: dict[str, int] = {}

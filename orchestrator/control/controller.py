@@ -154,6 +154,7 @@ class Controller:
         self._schedule: list[dict] = []  # forced switches still ahead
         self._boundary: Boundary | None = None  # the boundary SWITCHING carries out
         self._stoppable = False  # the workers can end a chunk early for a decision (WorkerGroup.stop_early)
+        self._start_choice: dict | None = None  # strategy auto: where it started, and every layout's prediction
         self._decided: tuple[Decision, int] | None = None  # the chunk's switch or revert, and the step it was seen
         self._dropped: list[dict] = []  # the chunk's step that ranks dropped (out of memory here or on a peer)
 
@@ -200,22 +201,63 @@ class Controller:
         job = self.job
         self._enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
         self.group = self.group_factory(job)
+        if job.parallel.strategy == "auto" and job.adapt.enabled and self.tuning.grid is None:
+            self.group.choose_layout = self._starting_layout  # auto starts where the model fits
         self.infos = self.group.start()
         return State.STARTING
+
+    def _starting_layout(self, infos: list[dict]) -> Layout:
+        """strategy auto: the least-sharded layout (the one needing the most memory among those
+        that fit) the memory model predicts fits the workers' devices (free memory, each worker's
+        share of its host's on CPU), given the workers' `device_memory` before the model is built.
+        Nothing fits: a GearshiftError with every layout's prediction."""
+        from gearshift.orchestrator.policy import costmodel
+
+        job, device = self.job, device_memory(infos)
+        if device is None:
+            return job.layout
+        check = costmodel.memory_check(job, device, model=costmodel.shape_of_job(job))
+        table = []
+        for layout in layout_candidates(job, node_sizes(job, infos), sharded=True):
+            ok, said = check(layout)
+            table.append((layout, ok, said["predicted_bytes"]))
+        fitting = [row for row in table if row[1]]
+        self._start_choice = {"available_bytes": device,
+                              "predictions": [{**lay.to_dict(), "predicted_bytes": need, "fits": ok}
+                                              for lay, ok, need in table]}
+        if not fitting:
+            rows = "; ".join(f"{lay}: {need / costmodel.GiB:.2f} GiB" for lay, _, need in table)
+            raise GearshiftError(
+                f"strategy auto: the model fits no layout the workers can take. Predicted memory per worker "
+                f"against {device / costmodel.GiB:.2f} GiB free: {rows}. Use more workers, a smaller "
+                "micro-batch (train.micro_batch_size), activation checkpointing, or bigger devices.")
+        chosen = max(fitting, key=lambda row: row[2])[0]  # first of equals: the candidates' order
+        self._start_choice["layout"] = chosen.to_dict()
+        return chosen
 
     def _start(self) -> State:
         """Restore the checkpoint into the started workers, and the layout and bucket in force."""
         job, infos, restart = self.job, self.infos, self._restart
-        if infos[0].get("layout") and Layout.from_dict(infos[0]["layout"]) != job.layout:  # hsdp's group, by placement
+        started = Layout.from_dict(infos[0]["layout"]) if infos[0].get("layout") else None
+        if started is not None and started != job.layout and job.layout.strategy == "hsdp":  # hsdp's group, by placement
             job = self.job = dataclasses.replace(job, parallel=dataclasses.replace(
                 job.parallel, shard_size=infos[0]["layout"].get("shard", 1)))
         keys = ("rank", "dp_rank", "node_ip", "node_id", "pid", "gpu_ids", "backend", "compiled")
         self._enter(State.STARTING, workers=[{k: i.get(k) for k in keys} for i in infos],
                     layout=job.layout.to_dict(), tp_groups=job.layout.tp_groups() if job.layout.tp > 1 else [],
-                    **({"fsdp_units": infos[0]["fsdp_units"]} if infos[0].get("fsdp_units") else {}))
+                    **({"fsdp_units": infos[0]["fsdp_units"]} if infos[0].get("fsdp_units") else {}),
+                    **({"build": infos[0]["build"]} if infos[0].get("build") else {}),
+                    **({"recomputed": infos[0]["recomputed"]} if infos[0].get("recomputed") is not None else {}))
         units = infos[0].get("fsdp_units") or {}
         if units.get("found_by") == "none" and job.layout.shard > 1 and not restart:  # sharded, one unit
             self.report.say(f"fsdp units: {units['note']}")
+        if job.train.activation_checkpointing is True and job.model.entrypoint and infos[0].get("recomputed") == 0 \
+                and not restart:
+            self.report.say("activation checkpointing: the model has no blocks to checkpoint (no FSDP units found); "
+                            "name them in train.activation_checkpointing")
+        built = infos[0].get("build") or {}
+        if built.get("why") and not restart:  # a sharded layout, yet every rank built the whole model
+            self.report.say(f"build: the whole model on every rank, not on the meta device: {built['why']}")
         for info in infos:
             if info.get("sampler") and not restart:
                 self.report.event("sampler", rank=info["rank"], **info["sampler"])
@@ -327,7 +369,7 @@ class Controller:
     def _restore_layout(self, start_step: int) -> None:
         """The workers start in the job's layout; after a failure the layout and bucket in force
         when they were lost come back."""
-        layout = self.job.layout
+        layout = self._start_layout()
         before = self.layout if self._restart else None
         self.layout = layout
         if self._restart:
@@ -339,6 +381,11 @@ class Controller:
         else:
             earlier = earlier_history(self.run_dir, start_step) if self.resume else []
             self.history = earlier + [self._history_entry(start_step, layout)]
+
+    def _start_layout(self) -> Layout:
+        """The layout the workers were built in: the job's, or where strategy auto started."""
+        chosen = (self._start_choice or {}).get("layout")
+        return Layout.from_dict(chosen) if chosen else self.job.layout
 
     def _begin_training(self, start_step: int) -> None:
         job = self.job
@@ -445,7 +492,7 @@ class Controller:
         c = policy.config
         self.report.event("policy", candidates=[layout.to_dict() for layout in policy.candidates],
                           node_sizes=self.node_sizes, threshold=c.threshold, window=c.window, cooldown=c.cooldown,
-                          decide=c.decide)
+                          decide=c.decide, **({"start": self._start_choice} if self._start_choice else {}))
         return policy
 
     # ------------------------------------------------------------------ what the states share

@@ -176,12 +176,16 @@ def _check_layout(job: Job) -> None:
                  "parallel.shard_size" if "shard_size" in text and job.parallel.shard_size is not None else
                  "parallel.tp_size" if job.parallel.tp_size is not None else "parallel.strategy")
         raise JobError(field, getattr(job.parallel, field.split(".")[1]), text) from None
-    if job.train.activation_checkpointing and not job.model.name:
-        raise JobError("train.activation_checkpointing", True, "is available for the built-in models only; "
-                       "a model given by entry point can use torch.utils.checkpoint itself")
+    if isinstance(job.train.activation_checkpointing, list):
+        try:
+            components.check_module_patterns(job.to_dict()["model"], job.train.activation_checkpointing,
+                                             "train.activation_checkpointing", [job.base_dir])
+        except ComponentError as err:
+            raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
     if job.parallel.fsdp_units:
         try:
-            components.check_fsdp_units(job.to_dict()["model"], job.parallel.fsdp_units, [job.base_dir])
+            components.check_module_patterns(job.to_dict()["model"], job.parallel.fsdp_units, "parallel.fsdp_units",
+                                             [job.base_dir])
         except ComponentError as err:
             raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
     if job.parallel.tp_plan and job.parallel.strategy == "data" and not job.adapt.schedule:

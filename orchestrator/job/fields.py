@@ -341,6 +341,16 @@ def _tp_plan(v, path):
     return plan
 
 
+@_schema({"anyOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "string", "minLength": 1}}]})
+def _checkpointing(v, path):
+    if isinstance(v, bool):
+        return v
+    if not isinstance(v, list) or not v or not all(isinstance(p, str) and p for p in v):
+        raise JobError(path, v, "must be true, false, or a list of module-name patterns or class names, "
+                                "e.g. ['model.layers.*'] or ['LlamaDecoderLayer']")
+    return list(v)
+
+
 @_schema({"type": ["array", "null"], "items": {"type": "string", "minLength": 1}})
 def _fsdp_units(v, path):
     if v is None:

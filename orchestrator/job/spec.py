@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,9 @@ class TrainSpec:
                                "phases: {dtype: bf16 | fp16, fp32_warmup_steps: N, keep_fp32: [module patterns]}")
     grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
     log_every: int = _f(10, _int(1), "steps between progress lines")
-    activation_checkpointing: bool = _f(False, _bool, "recompute activations in backward (built-in models)")
+    activation_checkpointing: bool | list = _f(False, _checkpointing, "recompute activations in backward: true "
+                                               "(the built-ins' blocks; any other model's FSDP units) or a list "
+                                               "of module-name patterns or class names")
     compile: bool | dict = _f(False, _compile, "torch.compile the model under its layout: true, or {mode, "
                                                "fullgraph}; compiled again after a switch")
     on_oom: str = _f("adapt", _choice("adapt", "fail"), "a step out of device memory: adapt (drop the step, go on "
@@ -118,7 +120,8 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class ParallelSpec:
     strategy: str = _f("data", _strategy(allow_auto=True),
-                       "auto starts data parallel and lets the adaptive policy switch (see adapt)")
+                       "auto starts in the least-sharded layout predicted to fit the devices and lets the "
+                       "adaptive policy switch (see adapt)")
     tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size")
     tp_plan: dict = _f({}, _tp_plan, "module-name pattern -> colwise | rowwise, for models without a plan")
     bucket_cap_mb: float | str = _f(25.0, _bucket, "gradient bucket size in MB, or auto: tuned while training "
@@ -298,7 +301,8 @@ class Job:
     def layout(self):
         from gearshift.strategies.layout import Layout
 
-        # auto starts data parallel; the policy moves it from there
+        # auto: data parallel until the workers' devices are known (the controller then starts it
+        # where the model fits, Controller._starting_layout); the policy moves it from there
         strategy = "data" if self.parallel.strategy == "auto" else self.parallel.strategy
         p = self.parallel
         return Layout.for_workers(strategy, self.cluster.num_workers, p.tp_size, self.shard_size(strategy), p.dp_shard)
