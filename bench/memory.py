@@ -336,11 +336,12 @@ def available_layouts() -> list[str]:
 def streaming_switch() -> bool:
     """Whether TrainWorker.reshard moves state without gathering the whole of it on every rank
     (earlier versions gathered in reshard itself, then in a gathering stand-in of relayout)."""
+    from gearshift.strategies import relayout
     from gearshift.workers import worker
 
     if "everywhere=True" in inspect.getsource(worker.TrainWorker.reshard):
         return False
-    fn = getattr(worker, "relayout", None)
+    fn = getattr(worker, "relayout", None) or getattr(relayout, "relayout", None)  # imported where it is used
     return callable(fn) and "everywhere=True" not in inspect.getsource(fn)
 
 
@@ -605,7 +606,8 @@ def main() -> None:
             figures["build_error"] = first_line(err)
             log(f"build part FAILED: {figures['build_error']}")
     ckpt4 = mem.pop("ckpt4", None)
-    visits, switches = mem.pop("_visits", []), mem.pop("_switches", [])
+    mem.pop("_visits", None)
+    switches = mem.pop("_switches", [])
     figures.update(mem)
     try:
         figures.update(cost_model_part({k[len("state_bytes_"):]: v for k, v in mem.items()

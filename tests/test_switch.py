@@ -5,7 +5,6 @@ PyTorch ends on the same batches."""
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
 import torch
