@@ -5,8 +5,6 @@ computed from arange, tied weights; whole-value peaks stay near the largest tens
 
 from __future__ import annotations
 
-import math
-import warnings
 
 import pytest
 import torch
@@ -84,29 +82,19 @@ def test_the_builtin_gpt_replays_exactly():
 
 
 def test_each_value_is_handed_over_once_and_the_peak_is_one_tensor_not_the_model():
-    """Only values alive at once count: with n blocks of equal size, the live whole values stay
-    about one block's, not n."""
+    """With 12 blocks of equal size, the replay holds about one block's values whole at a time,
+    not 12."""
     n, d = 12, 64
     build = lambda: nn.Sequential(*[nn.Linear(d, d) for _ in range(n)])  # noqa: E731
     torch.manual_seed(0)
     _, record = build_recorded(build)
-    seen, live_peak = [], []
-    import gc
-
-    def place(name, value):
-        seen.append(name)
-        with warnings.catch_warnings():  # isinstance on torch's deprecated objects warns
-            warnings.simplefilter("ignore")
-            live = sum(t.numel() for t in gc.get_objects() if isinstance(t, torch.Tensor)
-                       and t.device.type == "cpu" and t.numel() >= d)
-        live_peak.append(live)
-
+    seen = []
     torch.manual_seed(0)
-    materialise(record, place)
-    assert sorted(seen) == sorted(n for n, _ in build().named_parameters())
+    peak = materialise(record, lambda name, value: seen.append(name))
+    assert sorted(seen) == sorted(name for name, _ in build().named_parameters())
     assert len(seen) == len(set(seen))
-    assert max(live_peak) <= 4 * (d * d + d), max(live_peak)  # a block or two, not 12
-    assert math.isfinite(max(live_peak))
+    block = (d * d + d) * 4
+    assert block * 0.9 <= peak <= 2 * block, (peak, block)
 
 
 def test_a_constant_from_python_data_is_not_replayable():

@@ -42,7 +42,9 @@ def measure(strategy: str, world: int, delay_ms: float, steps: int = 25, **paral
 def test_one_worker_without_injection_waits_about_nothing():
     [rank0] = measure("data", 1, 0.0)
     assert rank0["calls"] == 1  # DDP still runs its (trivial) all-reduce through the hook
-    assert rank0["wait"] < max(0.5e-3, 0.1 * rank0["step"]), rank0
+    # a 1-rank all-reduce through gloo: 0.57 ms measured under the whole suite on 2 cores; the
+    # injected delays below are 20 ms, so 1 ms still tells nothing from a delay
+    assert rank0["wait"] < max(1e-3, 0.1 * rank0["step"]), rank0
 
 
 @pytest.mark.parametrize("strategy,world,parallel", [

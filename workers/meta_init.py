@@ -207,11 +207,11 @@ def _flat(r: _Ref) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) -> None:
+def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) -> int:
     """Replay the record on the CPU (call it right after the seed the plain build starts from);
     `place(name, value)` gets each parameter ("buffer:NAME" for a buffer) of the recorded model
     whole, once, as soon as its value is final, and must copy out what it keeps: the value is
-    freed when it returns."""
+    freed when it returns. Returns the most bytes of whole values the replay held at once."""
     names: dict[int, list[str]] = {}
     for name, r in record.finals.items():
         names.setdefault(r.key, []).append(name)
@@ -221,6 +221,7 @@ def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) ->
             for k in op.reads | op.writes | op.creates:
                 last[k] = i
     bases: dict[int, torch.Tensor] = {}  # storage -> a flat real tensor over all of it
+    peak = 0
 
     def real(x, into: dict):
         if isinstance(x, torch.device) and x.type == "meta":
@@ -241,12 +242,14 @@ def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) ->
             scratch: dict[int, torch.Tensor] = {}
             op.func(*tree_map(lambda x: real(x, scratch), op.args), **tree_map(lambda x: real(x, scratch), op.kwargs))
             del scratch
+        peak = max(peak, sum(b.numel() * b.element_size() for b in bases.values()))
         for k in [k for k, at in last.items() if at == i]:
             for name in names.get(k, ()):
                 r = record.finals[name]
                 place(name, bases[k].as_strided(r.size, r.stride, r.offset))
             bases.pop(k, None)
             del last[k]
+    return peak
 
 
 def fill(model: nn.Module, record: Recorded, device: torch.device) -> None:
