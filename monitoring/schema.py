@@ -86,6 +86,10 @@ EVENTS = {
              "the meta device and allocated only their pieces; `why` when a sharded layout could not) and `recomputed` (how many modules "
              "train.activation_checkpointing wrapped) when starting)",
     "resumed": "training continues from a checkpoint (`checkpoint`, `step`)",
+    "pretrained": "model.pretrained's weights were read into the laid-out model before the first step (`path`, "
+                  "`prefix`, `tensors`, `seconds`: the slowest rank's; `rank_bytes`: the bytes each rank read and "
+                  "holds; `device`: each rank's memory after the load: allocated_bytes, reserved_bytes, free_bytes, "
+                  "total_bytes)",
     "checkpoint": "a checkpoint was written (`step`, `path`)",
     "best": "checkpoint.keep_best: the checkpoint of `step` has the lowest eval loss so far (`eval_loss`, "
             "`path`); checkpoints/best.json names it and pruning keeps it",

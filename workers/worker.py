@@ -9,6 +9,7 @@ It receives a typed `WorkerConfig`. Whatever differs between layouts is the busi
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import time
 from typing import Any, Iterator
 
@@ -324,6 +325,21 @@ class TrainWorker:
         folder = dcp.tmp_folder(self.dcp_root, self.step)
         files = dcp.save(self.parallel.model, self.optimizer, folder, self.rank, self.world, extra)
         return {"checkpoint_part": {"step": self.step, "folder": str(folder), "files": files}}
+
+    def load_pretrained(self) -> dict:
+        """Read model.pretrained's weights into the model as laid out, this rank's pieces only
+        (all ranks call it together, before the first step); {"tensors", "bytes", "seconds"}."""
+        from gearshift.workers import pretrained
+
+        spec = self.config.model.get("pretrained")
+        if not spec:
+            return {}
+        start = time.perf_counter()
+        folder = pathlib.Path(self.config.search_paths[0]).joinpath(pathlib.Path(spec["path"]).expanduser())
+        got = pretrained.load(self.parallel.model, folder, spec.get("prefix", ""))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {**got, "seconds": round(time.perf_counter() - start, 3), "memory": oom.memory_figures(self.device)}
 
     def load(self, state: dict) -> int:
         """Continue from a checkpoint: full tensors, or {"dcp": folder} (each rank reads its pieces)."""

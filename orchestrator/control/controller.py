@@ -267,6 +267,12 @@ class Controller:
             name, state = self._load
             start_step = self.group.call("load", self.group.put(state))[0]
             self.report.event("restored" if restart else "resumed", checkpoint=name, step=start_step)
+        elif job.model.pretrained:  # a fresh start from pretrained weights: each rank reads its slices
+            loaded = self.group.call("load_pretrained")
+            self.report.event("pretrained", path=job.model.pretrained["path"], prefix=job.model.pretrained["prefix"],
+                              tensors=loaded[0].get("tensors"), seconds=max(p.get("seconds", 0.0) for p in loaded),
+                              rank_bytes=[p.get("bytes") for p in loaded],
+                              device=[p.get("memory") for p in loaded])
         self._restore_layout(start_step)
         self.summary.update(world_size=len(infos), backend=infos[0].get("backend"),
                             nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),

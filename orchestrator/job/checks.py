@@ -16,7 +16,32 @@ def check_job(job: Job) -> None:
         _check_components(job)
     except ComponentError as err:
         raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+    _check_pretrained(job)
     _check_sizes(job)
+
+
+def pretrained_folder(job: Job):
+    """model.pretrained's folder as a path (relative ones are the job file's folder's), or None."""
+    import pathlib
+
+    if not job.model.pretrained:
+        return None
+    return pathlib.Path(job.base_dir).joinpath(pathlib.Path(job.model.pretrained["path"]).expanduser())
+
+
+def _check_pretrained(job: Job) -> None:
+    """The pretrained folder's files and tensor headers against the model built on the meta
+    device: every tensor there, none extra, the same shapes. Reads no tensor data."""
+    folder = pretrained_folder(job)
+    if folder is None:
+        return
+    from gearshift.workers import components, pretrained
+
+    model, _ = components.model_for_checks(job.to_dict()["model"], [job.base_dir])
+    try:
+        pretrained.check(model, folder, job.model.pretrained["prefix"])
+    except pretrained.PretrainedError as err:
+        raise JobError("model.pretrained", job.model.pretrained["path"], str(err)) from None
 
 
 def _check_components(job: Job) -> None:

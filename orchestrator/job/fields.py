@@ -478,3 +478,20 @@ def _eval_batches(v, path):
         raise JobError(path, v, "must be an integer >= 1 (evaluate the first that many batches of eval.data), "
                                 "or null (all of it)")
     return v
+
+
+@_schema({"anyOf": [{"type": "null"}, {"type": "string", "minLength": 1},
+                    {"type": "object", "required": ["path"], "additionalProperties": False,
+                     "properties": {"path": {"type": "string", "minLength": 1}, "prefix": {"type": "string"}}}]})
+def _pretrained(v, path):
+    """model.pretrained: a folder, or {path, prefix}; normalised to {path, prefix} (None: none)."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = {"path": v}
+    if not isinstance(v, dict) or set(v) - {"path", "prefix"} or not isinstance(v.get("path"), str) \
+            or not v["path"].strip() or not isinstance(v.get("prefix", ""), str):
+        raise JobError(path, v, "must be a folder of safetensors weights (a Hugging Face save_pretrained folder or a "
+                                "gearshift export), or {path: FOLDER, prefix: STR} where prefix is what the model's "
+                                "names carry in front of the file's, e.g. 'lm.'")
+    return {"path": v["path"], "prefix": v.get("prefix", "")}

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,9 @@ class ModelSpec:
     name: str | None = _f(None, _builtin("MODELS"), "a built-in model: mlp, gpt")
     entrypoint: str | None = _f(None, _entrypoint, '"module:function" returning an nn.Module')
     kwargs: dict = _f({}, _mapping, "passed to the built-in or the entry point")
+    pretrained: dict | None = _f(None, _pretrained, "weights to start from: a folder of safetensors (Hugging Face "
+                                 "save_pretrained, or gearshift export), or {path, prefix}; each worker reads only "
+                                 "its slices. prefix: what the model's names carry in front of the file's")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,22 @@ def collect(job_dict: dict, base_dir: str) -> dict:
             "python": platform.python_version(),
             "packages": {name: _version(name) for name in _PACKAGES},
             "base_dir": base_dir,
-            "modules": user_modules(job_dict, base_dir)}
+            "modules": user_modules(job_dict, base_dir),
+            **({"pretrained": pretrained_weights(job_dict, base_dir)} if (job_dict.get("model") or {}).get("pretrained")
+               else {})}
+
+
+def pretrained_weights(job_dict: dict, base_dir: str) -> dict:
+    """model.pretrained's folder and the sha256 of each weight file in it (streamed)."""
+    from gearshift.workers import pretrained
+
+    spec = job_dict["model"]["pretrained"]
+    folder = pathlib.Path(base_dir).joinpath(pathlib.Path(spec["path"]).expanduser())
+    try:
+        files = pretrained.digests(folder)
+    except pretrained.PretrainedError as err:
+        return {"path": str(folder), "prefix": spec.get("prefix", ""), "error": str(err)}
+    return {"path": str(folder), "prefix": spec.get("prefix", ""), "files": files}
 
 
 def write(path: pathlib.Path, job) -> None:
@@ -75,6 +90,11 @@ def differences(recorded: dict, current: dict) -> list[str]:
         if a != b:
             lines.append(f"{name}: {a or 'not installed'} then, {b or 'not installed'} now")
     lines += _module_differences(recorded.get("modules", {}), current.get("modules", {}))
+    was, now = (recorded.get("pretrained") or {}).get("files"), (current.get("pretrained") or {}).get("files")
+    if was is not None and was != now:
+        changed = sorted(n for n in set(was) | set(now or {}) if was.get(n) != (now or {}).get(n))
+        lines.append(f"pretrained weights in {current.get('pretrained', {}).get('path')}: "
+                     f"{', '.join(changed[:4]) or 'unreadable'} differ from the run's (sha256)")
     return lines
 
 

@@ -1,0 +1,170 @@
+"""model.pretrained: a Hugging Face model saved with save_pretrained (sharded safetensors) is
+loaded into any layout, each rank reading only its slices, and trains as single-process PyTorch
+does from `from_pretrained`; folders that cannot give the model its weights are one-paragraph
+job errors before anything starts."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from gearshift.orchestrator.commands import cli  # noqa: E402
+from gearshift.orchestrator.job import JobError, load_job  # noqa: E402
+from gearshift.workers import pretrained  # noqa: E402
+from gearshift.workers.data import GlobalBatches  # noqa: E402
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+STEPS, BATCH = 5, 8
+
+
+@pytest.fixture
+def hf(tmp_path, monkeypatch):
+    """A job folder: the Hugging Face fixture, its weights saved in 6 shards, and the job file."""
+    shutil.copy(FIXTURES / "hf_model.py", tmp_path / "hf_model.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hf_model
+
+    torch.manual_seed(123)  # other weights than the run's own seeded init would give
+    hf_model.bare().save_pretrained(tmp_path / "weights", max_shard_size="20KB")
+    (tmp_path / "job.yaml").write_text(
+        "name: hf\n"
+        "model: {entrypoint: 'hf_model:build', pretrained: {path: weights, prefix: 'lm.'}}\n"
+        "data: {entrypoint: 'hf_model:tokens', kwargs: {size: 64}}\n"
+        "loss: cross_entropy\n"
+        "optimizer: {name: adam, lr: 0.01}\n"
+        f"train: {{steps: {STEPS}, global_batch_size: {BATCH}, grad_clip: 1.0}}\n"
+        "checkpoint: {every: 0}\n")
+    return tmp_path, hf_model
+
+
+def reference(folder: pathlib.Path, hf_model) -> tuple[dict, list[float]]:
+    """Plain single-process PyTorch from `from_pretrained`, on the same global batches."""
+    from transformers import LlamaForCausalLM
+
+    model = hf_model.LM(LlamaForCausalLM.from_pretrained(folder / "weights", dtype=torch.float32))
+    data = hf_model.tokens(size=64)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    order, losses = GlobalBatches(len(data), BATCH, 0), []
+    for step in range(STEPS):
+        x, y = default_collate([data[i] for i in order.indices(step)])
+        opt.zero_grad()
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def test_the_saved_shards_are_what_the_test_means(hf):
+    folder, _ = hf
+    files = pretrained.weight_files(folder / "weights")
+    assert len(files) > 1 and (folder / "weights" / pretrained.INDEX).is_file()
+    assert "lm_head.weight" not in pretrained.saved_tensors(folder / "weights")  # tied: written once
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2", "hybrid2x2"])
+def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
+    folder, hf_model = hf
+    overrides = {"fsdp2": ["cluster.num_workers=2", "parallel.strategy=fsdp"],
+                 "hybrid2x2": ["cluster.num_workers=4", "parallel.strategy=hybrid", "parallel.tp_size=2",
+                               "parallel.dp_shard=true", "parallel.tp_plan=" + json.dumps(hf_model.TP_PLAN)]}[layout]
+    args = ["run", str(folder / "job.yaml"), "--run-dir", str(folder / "run")]
+    assert cli.main(args + [a for o in overrides for a in ("--set", o)]) == 0
+    ref_state, ref_losses = reference(folder, hf_model)
+    final = torch.load(folder / "run" / "final.pt", weights_only=True)
+    assert final.keys() == ref_state.keys()
+    diff = max((final[k] - ref_state[k]).abs().max().item() for k in final)
+    assert diff <= 1e-4, f"{layout}: max |final - reference| = {diff:.3g}"
+    records = [json.loads(line) for line in (folder / "run" / "telemetry.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if r.get("type") == "step"}
+    worst = max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses))
+    assert worst <= 1e-4, f"per-step loss differs from the reference by {worst:.3g}"
+    # every rank read its slices only: under fsdp together they hold the model once
+    event = next(r for r in records if r.get("event") == "pretrained")
+    assert event["tensors"] == len(pretrained.saved_tensors(folder / "weights"))
+    whole = sum(t.numel() * 4 for k, t in ref_state.items() if k != "lm.lm_head.weight")
+    assert max(event["rank_bytes"]) <= whole / 2 + 1024
+    assert sum(event["rank_bytes"]) == whole if layout == "fsdp2" else sum(event["rank_bytes"]) >= whole
+    starting = next(r for r in records if r.get("event") == "state" and r.get("state") == "starting")
+    assert starting["build"]["on_meta"] is True
+    source = json.loads((folder / "run" / "source.json").read_text())
+    assert sorted(source["pretrained"]["files"]) == sorted(p.name for p in pretrained.weight_files(folder / "weights"))
+
+
+def test_a_file_in_another_dtype_is_converted_as_it_loads(hf):
+    folder, hf_model = hf
+    model = hf_model.bare()
+    model.to(torch.bfloat16).save_pretrained(folder / "bf16")
+    into = hf_model.build()
+    pretrained.load(into, folder / "bf16", "lm.")
+    assert into.lm.model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(into.lm.model.embed_tokens.weight, model.model.embed_tokens.weight.float())
+    assert into.lm.lm_head.weight is into.lm.model.embed_tokens.weight  # still tied
+
+
+def _job_error(folder: pathlib.Path, pretrained_value) -> str:
+    with pytest.raises(JobError) as err:
+        load_job(folder / "job.yaml", ["model.pretrained=" + json.dumps(pretrained_value)])
+    text = str(err.value)
+    assert "\n" not in text.strip() and "model.pretrained = " in text
+    return text
+
+
+def test_an_empty_folder_is_a_job_error(hf):
+    folder, _ = hf
+    (folder / "empty").mkdir()
+    assert "holds no .safetensors files" in _job_error(folder, {"path": "empty", "prefix": "lm."})
+    assert "is not a folder" in _job_error(folder, "nowhere")
+
+
+def test_other_tensors_are_a_job_error_naming_them(hf):
+    folder, hf_model = hf
+    from transformers import LlamaForCausalLM
+
+    LlamaForCausalLM(hf_model.config(layers=3)).save_pretrained(folder / "deeper")  # one layer more
+    text = _job_error(folder, {"path": "deeper", "prefix": "lm."})
+    assert "are not the model's" in text and "model.layers.2." in text
+    from safetensors.torch import save_file
+
+    (folder / "wide").mkdir()
+    state = {k: v.clone() for k, v in hf_model.bare().state_dict().items() if k != "lm_head.weight"}
+    state["model.norm.weight"] = torch.ones(48)
+    save_file(state, folder / "wide" / "model.safetensors")
+    assert "model.norm.weight is [32] in the model, [48] in the file" in _job_error(folder, {"path": "wide",
+                                                                                            "prefix": "lm."})
+
+
+def test_a_prefix_matching_nothing_is_a_job_error(hf):
+    folder, _ = hf
+    text = _job_error(folder, {"path": "weights", "prefix": "model."})
+    assert "begins none of the model's names" in text and "lm." in text
+    # without the prefix the wrapper's names are all missing: the error says to give one
+    assert "give prefix: 'lm.'" in _job_error(folder, "weights")
+
+
+def test_an_index_naming_a_file_that_is_not_there_is_a_job_error(hf):
+    folder, _ = hf
+    (folder / "weights" / "model-00002-of-00006.safetensors").unlink()
+    assert "does not hold" in _job_error(folder, {"path": "weights", "prefix": "lm."})
+
+
+def test_the_field_takes_a_path_or_path_and_prefix():
+    from gearshift.orchestrator.job.fields import _pretrained
+
+    assert _pretrained("w", "model.pretrained") == {"path": "w", "prefix": ""}
+    assert _pretrained({"path": "w", "prefix": "lm."}, "x") == {"path": "w", "prefix": "lm."}
+    for bad in ({"prefix": "lm."}, {"path": "w", "dtype": "bf16"}, 3, "", {"path": "w", "prefix": 1}):
+        with pytest.raises(JobError):
+            _pretrained(bad, "model.pretrained")

@@ -1,0 +1,186 @@
+"""Pretrained weights (`model.pretrained`), read by slices: each rank reads only its pieces.
+
+The weights are a folder of Hugging Face safetensors: one `model.safetensors`, or shards named
+by `model.safetensors.index.json` (what `save_pretrained` and `gearshift export` write). The
+driver checks the folder against the model built on the meta device before anything starts
+(`check`: names, shapes; one paragraph naming the first few that differ); every rank then loads
+with torch.distributed.checkpoint's HuggingFaceStorageReader into the model as laid out, so an
+fsdp rank reads its rows of each tensor, a tensor-parallel rank its columns or rows, and a
+data-parallel rank the whole (it holds the whole). A file's dtype may differ from the model's:
+values are converted as they are copied in.
+
+`prefix` is what the model's names carry in front of the file's (a wrapper holding a Hugging Face
+model as `lm` has `lm.model.layers.0...` where the file has `model.layers.0...`: prefix `lm.`).
+A tensor the model shares under two names (a head tied to the embedding) needs only one of them
+in the file, as `save_pretrained` writes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import struct
+import warnings
+
+import torch
+from torch import nn
+
+SUFFIX = ".safetensors"
+INDEX = "model.safetensors.index.json"
+_SHOWN = 4  # names shown in an error, per kind
+
+
+class PretrainedError(RuntimeError):
+    """The folder cannot give this model its weights; the message is one paragraph."""
+
+
+def weight_files(folder: str | pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files of `folder`: those its index names, else every *.safetensors."""
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise PretrainedError(f"{folder} is not a folder (give the folder that holds the .safetensors files, "
+                              f"or its {INDEX})")
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise PretrainedError(f"{index}: not a safetensors index ({type(err).__name__}: {err}); it must hold "
+                                  '{"weight_map": {tensor name: file name}}') from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise PretrainedError(f"{index} names {', '.join(missing[:_SHOWN])}, which {folder} does not hold")
+        return [folder / n for n in names]
+    found = sorted(folder.glob("*" + SUFFIX))
+    if not found:
+        raise PretrainedError(f"{folder} holds no {SUFFIX} files (a Hugging Face model saved with save_pretrained, "
+                              "or a gearshift export, has model.safetensors or shards with "
+                              f"{INDEX})")
+    return found
+
+
+def read_header(file: pathlib.Path) -> dict[str, tuple[str, list[int]]]:
+    """{tensor name: (dtype, shape)} from a safetensors file's header (8 bytes of length, then
+    JSON), without reading any tensor."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+        return {name: (meta["dtype"], list(meta["shape"])) for name, meta in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, struct.error, KeyError, TypeError) as err:
+        raise PretrainedError(f"{file}: not a safetensors file ({type(err).__name__}: {err})") from None
+
+
+def saved_tensors(folder: str | pathlib.Path) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor the folder holds: {name: (dtype, shape)}."""
+    out: dict[str, tuple[str, list[int]]] = {}
+    for file in weight_files(folder):
+        out.update(read_header(file))
+    return out
+
+
+def _aliases(model: nn.Module) -> list[list[str]]:
+    """The model's state-dict names grouped by the tensor they hold (a tied head and its
+    embedding are one group), in state-dict order."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return list(groups.values())
+
+
+def plan(model: nn.Module, saved: dict[str, tuple[str, list[int]]], prefix: str = "") -> dict[str, str]:
+    """{model name: file name} for every tensor of the model, each read from the file; a
+    PretrainedError naming what is missing, unexpected or of another shape otherwise. Works on
+    a model on the meta device (the driver's check) as on a real one."""
+    shapes = {name: list(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    if prefix and not any(name.startswith(prefix) for name in shapes):
+        raise PretrainedError(f"prefix {prefix!r} begins none of the model's names (they begin "
+                              f"{_list(sorted({n.split('.')[0] + '.' for n in shapes}))}); it is what the model's names "
+                              "carry in front of the file's, such as 'lm.' for a wrapper holding the model as lm")
+    chosen, missing, misshaped, used = {}, [], [], set()
+    for group in _aliases(model):
+        in_file = [n for n in group if n.startswith(prefix) and n[len(prefix):] in saved]
+        if not in_file:
+            missing.append(group[0])
+            continue
+        name = in_file[0]
+        key = name[len(prefix):]
+        used.update(n[len(prefix):] for n in in_file)
+        if saved[key][1] != shapes[name]:
+            misshaped.append(f"{name} is {shapes[name]} in the model, {saved[key][1]} in the file")
+            continue
+        chosen[name] = key
+    unexpected = sorted(set(saved) - used)
+    if missing or unexpected or misshaped:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} of the model's tensors are not in it ({_list(missing)}"
+                         + (f"; looked up without the prefix {prefix!r}" if prefix else "") + ")")
+        if unexpected:
+            parts.append(f"{len(unexpected)} of its tensors are not the model's ({_list(unexpected)})")
+        if misshaped:
+            parts.append(f"{len(misshaped)} differ in shape ({'; '.join(misshaped[:_SHOWN])})")
+        guess = _guess_prefix(list(shapes), unexpected) if missing and unexpected else None
+        hint = f"; the model's names carry {guess!r} in front of the file's: give prefix: {guess!r}" if guess else ""
+        raise PretrainedError("the weights do not fit the model: " + "; ".join(parts) + hint)
+    return chosen
+
+
+def _guess_prefix(model_names: list[str], file_names: list[str]) -> str | None:
+    """The prefix most of the file's names would match the model's with, if there is one."""
+    counts: dict[str, int] = {}
+    for key in file_names:
+        for name in model_names:
+            if name.endswith("." + key):
+                counts[name[: -len(key)]] = counts.get(name[: -len(key)], 0) + 1
+    best = max(counts, key=counts.get, default=None)
+    return best if best is not None and counts[best] * 2 >= len(file_names) else None
+
+
+def _list(names: list[str]) -> str:
+    return ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
+
+
+def check(model: nn.Module, folder: str | pathlib.Path, prefix: str = "") -> dict[str, str]:
+    """The driver's check before anything starts: the folder's files and headers against the model."""
+    return plan(model, saved_tensors(folder), prefix)
+
+
+def load(model: nn.Module, folder: str | pathlib.Path, prefix: str = "") -> dict:
+    """Read the weights into the model as laid out now, each rank only the pieces it holds (all
+    ranks call it together when the model is sharded). Returns {"tensors", "bytes"}: how many
+    tensors were loaded and the bytes of the pieces this rank holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    folder = pathlib.Path(folder)
+    weight_files(folder)  # a folder that changed since the driver's check fails here, by name
+    names = plan(model, saved_tensors(folder), prefix)
+    state = get_model_state_dict(model)
+    wanted = {key: state[name] for name, key in names.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process" without a group
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+    set_model_state_dict(model, {name: wanted[key] for name, key in names.items()},
+                         options=StateDictOptions(strict=False))
+    local = sum(_local(t).numel() * t.element_size() for t in wanted.values())
+    return {"tensors": len(names), "bytes": local}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def digests(folder: str | pathlib.Path) -> dict[str, str]:
+    """{file name: sha256} of the weight files (streamed), for the run's source.json."""
+    out = {}
+    for file in weight_files(folder):
+        h = hashlib.sha256()
+        with open(file, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+        out[file.name] = h.hexdigest()
+    return out
