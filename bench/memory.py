@@ -36,6 +36,15 @@ rounding and whatever else the process touches (gloo's buffers, the data loader)
    with only the worker's shards allocated (workers/meta_init.py) against the whole model built
    on every worker as before (interleaved, `--build-repeats`): `build_growth_over_full_params`
    (the largest over workers; goal <= 0.40) and `build_growth_over_full_params_whole`.
+   Right after the first meta build, the same workers load pretrained weights (the export of
+   step 7 below, safetensors by slices: `load_growth_over_full_params`) and then resume from the
+   run's DCP checkpoint (`resume_growth_over_full_params`), each the largest growth over workers.
+4b. The end of a run, as a user runs it: `gearshift run` of the GPT under fsdp(4) for one step
+   (its final DCP checkpoint committed and final.pt written by the driver), then `gearshift
+   export --max-shard-size 64MB` of that run; each command's process samples its own RSS from
+   just before the command (after importing torch, Ray and gearshift, whose size is fixed):
+   `driver_growth_over_full_params` (goal <= 0.10) and `export_growth_over_full_params`
+   (goal <= 0.30), over the full fp32 parameter bytes.
 5. Evaluation's peak growth (RSS peak in the phase minus the RSS after it) with micro-batches of
    2 over whole slices of a 64-sample global batch: `eval_micro_over_full_batch`.
 6. Checkpoint save and load seconds at 4 and 2 workers, full format (rank 0 gathers the whole
@@ -271,11 +280,14 @@ def build_whole(worker) -> None:
     worker._shards = lambda layout: False
 
 
-def build_part(args, log) -> dict:
-    """fsdp(4)'s first build, on the meta device and whole, interleaved; growth per worker."""
+def build_part(args, log, finish: dict | None = None) -> dict:
+    """fsdp(4)'s first build, on the meta device and whole, interleaved; growth per worker. After
+    the first meta build, with `finish`'s export and checkpoint: the pretrained load and the
+    resume, each phase's growth per worker."""
     job = make_job(WORKERS, "fsdp")
     runs: dict[str, list] = {"meta": [], "whole": []}
     params = None
+    loads: dict[str, list] = {}
     for _ in range(args.build_repeats):
         for variant in ("meta", "whole"):
             group = open_group(job, WORKERS, args.period_ms / 1000, before_build=None if variant == "meta"
@@ -288,13 +300,106 @@ def build_part(args, log) -> dict:
                 growth = [p - b for p, b in zip(group.build_peaks, group.baselines)]
                 runs[variant].append(max(growth))
                 log(f"build {variant:<6} growth per worker (GiB): {' '.join(gib(g) for g in growth)}")
+                if variant == "meta" and finish and not loads:
+                    for rank in group.apply(load_phases, finish["_export"], finish.get("_checkpoint")):
+                        for phase, (peak, before) in rank.items():
+                            loads.setdefault(phase, []).append(peak - before)
+                    for phase, growths in loads.items():
+                        log(f"{phase:<12} growth per worker (GiB): {' '.join(gib(g) for g in growths)}")
             finally:
                 group.close()
     full = params * 4
     out = {"build_parameters": params, "build_full_param_bytes": full}
+    if loads.get("load"):
+        out["load_growth_over_full_params"] = max(loads["load"]) / full
+    if loads.get("resume"):
+        out["resume_growth_over_full_params"] = max(loads["resume"]) / full
     for variant, key in (("meta", "build_growth_over_full_params"), ("whole", "build_growth_over_full_params_whole")):
         out[key] = statistics.median(runs[variant]) / full
         out[key + "_spread"] = [min(runs[variant]) / full, max(runs[variant]) / full]
+    return out
+
+
+_CHILD = """
+import json, sys
+sys.path.insert(0, {root!r})
+from bench.memory import _Sampler
+import torch, ray, torch.distributed.checkpoint  # imported before the baseline: what they take is fixed
+from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.control import controller
+from gearshift.workers import export
+sampler = _Sampler({period})
+baseline = sampler.enter("phase")
+rc = cli.main({argv!r})
+sampler.enter(None)
+print("@@" + json.dumps({{"rc": rc, "baseline": baseline, "peak": sampler.peak("phase")}}), flush=True)
+"""
+
+
+def sampled_command(argv: list[str], period_s: float, timeout_s: float = 1200.0) -> dict:
+    """`gearshift <argv>` in a fresh process that samples its own RSS from just before the command
+    (after importing torch, Ray and gearshift): {rc, baseline, peak, growth, seconds}."""
+    import subprocess
+
+    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _CHILD.format(root=str(ROOT), period=period_s, argv=argv)],
+                          capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(ROOT))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"gearshift {' '.join(argv[:2])} exited {proc.returncode}: "
+                           f"{(proc.stderr.strip().splitlines() or ['no output'])[-1][:300]}")
+    got = json.loads(lines[-1][2:])
+    if got["rc"] != 0:
+        raise RuntimeError(f"gearshift {' '.join(argv[:2])} returned {got['rc']}: "
+                           f"{(proc.stderr.strip().splitlines() or ['no output'])[-1][:300]}")
+    return {**got, "growth": got["peak"] - got["baseline"], "seconds": time.perf_counter() - start}
+
+
+def finish_part(args, log, tmp: pathlib.Path) -> dict:
+    """A real `gearshift run` of the GPT under fsdp(4) to its end (one step, its final DCP
+    checkpoint committed, final.pt written), then `gearshift export --max-shard-size 64MB` of it:
+    each command's process samples its own RSS. The driver's and the export's peak growth over
+    the full fp32 parameter bytes; the export's folder is what the load phase reads."""
+    import yaml
+
+    job = make_job(WORKERS, "fsdp")
+    job["train"]["steps"] = 1
+    job["checkpoint"] = {**job["checkpoint"], "format": "dcp", "every": 0}
+    job.pop("adapt", None)
+    job_file = tmp / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job))
+    run_dir, out_dir = tmp / "run", tmp / "export"
+    driver = sampled_command(["run", str(job_file), "--run-dir", str(run_dir)],
+                             args.period_ms / 1000)
+    params = json.loads((run_dir / "summary.json").read_text())["parameters"]
+    full = params * 4
+    log(f"driver of `gearshift run` (fsdp(4), 1 step, final checkpoint and final.pt): peak growth "
+        f"{gib(driver['growth'])} GiB over {gib(full)} GiB of fp32 parameters ({driver['seconds']:.0f} s)")
+    exp = sampled_command(["export", str(run_dir), "--output", str(out_dir), "--max-shard-size", "64MB"],
+                          args.period_ms / 1000)
+    shards = len(list(out_dir.glob("*.safetensors")))
+    log(f"gearshift export --max-shard-size 64MB: peak growth {gib(exp['growth'])} GiB, {shards} shards "
+        f"({exp['seconds']:.0f} s)")
+    return {"finish_parameters": params, "driver_growth_bytes": driver["growth"],
+            "driver_growth_over_full_params": driver["growth"] / full, "driver_baseline_rss": driver["baseline"],
+            "export_growth_bytes": exp["growth"], "export_growth_over_full_params": exp["growth"] / full,
+            "export_shards": shards, "export_seconds": exp["seconds"],
+            "_export": str(out_dir), "_checkpoint": str(sorted((run_dir / "checkpoints").glob("step_*"))[-1])}
+
+
+def load_phases(worker, export_dir: str, checkpoint_dir: str | None):
+    """In the worker right after its first build: pretrained weights from `export_dir`, then a
+    resume from the DCP checkpoint `checkpoint_dir`; each phase's (peak, RSS before)."""
+    before = _SAMPLER.rss()
+    worker.config = dataclasses.replace(worker.config, model={**worker.config.model,
+                                                              "pretrained": {"path": export_dir, "prefix": ""}})
+    _, peak, _, _ = phased(worker, "load", "load_pretrained")
+    out = {"load": (peak, before)}
+    if checkpoint_dir:
+        before = _SAMPLER.rss()
+        _, peak, _, _ = phased(worker, "resume", "load", {"dcp": checkpoint_dir, "step": 1})
+        out["resume"] = (peak, before)
     return out
 
 
@@ -569,7 +674,7 @@ def main() -> None:
     ap.add_argument("--ckpt-layout", default=None, help="layout the checkpoints are taken in (default fsdp, else data)")
     ap.add_argument("--period-ms", type=float, default=1.0, help="RSS sampling period")
     ap.add_argument("--model", default=None, help="JSON: GPT kwargs to override (a smaller model for a try-out)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, build, ckpt")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, finish, build, ckpt")
     ap.add_argument("--build-repeats", type=int, default=None, help="first builds per variant (meta, whole)")
     args = ap.parse_args()
     args.steps = args.steps or (2 if args.quick else 3)
@@ -599,12 +704,22 @@ def main() -> None:
         except Exception as err:
             figures["memory_error"] = first_line(err)
             log(f"memory part FAILED: {figures['memory_error']}")
+    finish: dict | None = None
+    finish_tmp = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-bench-finish-"))
+    if "finish" not in skip:
+        try:
+            finish = finish_part(args, log, finish_tmp)
+            figures.update({k: v for k, v in finish.items() if not k.startswith("_")})
+        except Exception as err:
+            figures["finish_error"] = first_line(err)
+            log(f"finish part FAILED: {figures['finish_error']}")
     if "build" not in skip:
         try:
-            figures.update(build_part(args, log))
+            figures.update(build_part(args, log, finish))
         except Exception as err:
             figures["build_error"] = first_line(err)
             log(f"build part FAILED: {figures['build_error']}")
+    shutil.rmtree(finish_tmp, ignore_errors=True)
     ckpt4 = mem.pop("ckpt4", None)
     mem.pop("_visits", None)
     switches = mem.pop("_switches", [])
@@ -663,6 +778,9 @@ def main() -> None:
     log(f"{'figure':<44}{'value':>10}  goal")
     for key, goal in (("fsdp4_over_data4_state", "<= 0.40"), ("switch_peak_over_steady", "<= 1.25"),
                       ("build_growth_over_full_params", "<= 0.40"),
+                      ("driver_growth_over_full_params", "<= 0.10"), ("export_growth_over_full_params", "<= 0.30"),
+                      ("load_growth_over_full_params", "(pretrained, by slices)"),
+                      ("resume_growth_over_full_params", "(DCP, by slices)"),
                       ("eval_micro_over_full_batch", "(micro-batches of 2 over whole slices)"),
                       ("build_growth_over_full_params_whole", "(every worker built the whole model)"),
                       ("switch_peak_over_steady_full_gather", "(the full-gather switch)"),

@@ -99,6 +99,15 @@ def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
     assert sum(event["rank_bytes"]) == whole if layout == "fsdp2" else sum(event["rank_bytes"]) >= whole
     starting = next(r for r in records if r.get("event") == "state" and r.get("state") == "starting")
     assert starting["build"]["on_meta"] is True
+    if layout == "fsdp2":  # the export, streamed from the last checkpoint, loads back with from_pretrained
+        from transformers import LlamaForCausalLM
+
+        assert cli.main(["export", str(folder / "run"), "--output", str(folder / "export"),
+                         "--max-shard-size", "20KB"]) == 0
+        assert len(pretrained.weight_files(folder / "export")) > 1 and (folder / "export" / "config.json").is_file()
+        back = LlamaForCausalLM.from_pretrained(folder / "export", dtype=torch.float32).state_dict()
+        assert back.keys() == {k[len("lm."):] for k in final}
+        assert all(torch.equal(back[k[len("lm."):]], v) for k, v in final.items())
     source = json.loads((folder / "run" / "source.json").read_text())
     assert sorted(source["pretrained"]["files"]) == sorted(p.name for p in pretrained.weight_files(folder / "weights"))
 

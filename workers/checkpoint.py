@@ -205,9 +205,10 @@ def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
-def verify(path: pathlib.Path) -> tuple[dict, dict[str, bytes]]:
-    """The manifest, and the bytes of state.pt (format 1; none are read into memory for DCP),
-    when every file matches the manifest; else CheckpointError."""
+def verify(path: pathlib.Path, read: bool = True) -> tuple[dict, dict[str, bytes]]:
+    """The manifest, and the bytes of state.pt (format 1 with `read`; otherwise every file is
+    hashed streaming and none is held in memory), when every file matches the manifest; else
+    CheckpointError."""
     path = pathlib.Path(path)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
@@ -219,7 +220,7 @@ def verify(path: pathlib.Path) -> tuple[dict, dict[str, bytes]]:
     files = {}
     for name, want in manifest.get("files", {}).items():
         try:
-            if manifest["format"] == DCP_FORMAT:
+            if manifest["format"] == DCP_FORMAT or not read:
                 size, digest = (path / name).stat().st_size, sha256_file(path / name)
             else:
                 files[name] = data = (path / name).read_bytes()

@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     from gearshift.orchestrator.commands.runs import add_parsers as _add_runs_commands
 
     _add_runs_commands(sub)
+    from gearshift.orchestrator.commands.export import add_parser as _add_export_command
+
+    _add_export_command(sub)
     _add_schema_command(sub)
     return p
 
@@ -192,6 +195,10 @@ def _dispatch(args) -> int:
             from gearshift.orchestrator.commands.tune import cmd_tune
 
             return cmd_tune(args)
+        if args.command == "export":
+            from gearshift.orchestrator.commands.export import cmd_export
+
+            return cmd_export(args)
         if args.command in ("runs", "replay"):
             from gearshift.orchestrator.commands import runs as runs_command
 

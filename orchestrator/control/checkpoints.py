@@ -43,16 +43,11 @@ class Checkpoints:
 
     def write_final(self, step: int, path: pathlib.Path) -> None:
         """final.pt: the model's full tensors (weights_only loadable), read back from the checkpoint
-        of `step` on the driver, so no worker ever holds the whole model for it."""
-        folder = self.root / f"step_{step:08d}"
-        state = checkpoint.load(folder)
-        if "dcp" in state:
-            from gearshift.workers import dcp
+        of `step` on the driver one tensor at a time (workers/export.py), so neither a worker nor
+        the driver ever holds the whole model for it."""
+        from gearshift.workers import export
 
-            model = dcp.full_model(folder)
-        else:
-            model = state["model"]
-        checkpoint.write_file_atomic(path, checkpoint.torch_bytes(model))
+        export.write_torch(export.ModelTensors(self.root / f"step_{step:08d}"), path)
 
     def _save_full(self, state: dict) -> int:
         path = checkpoint.save(self.root, state["step"], state, self.job.checkpoint.keep, meta=self._meta())

@@ -1,0 +1,239 @@
+"""The model's weights written out of a checkpoint one tensor at a time: `final.pt` and
+`gearshift export`.
+
+Nothing here builds the model's state as one dict. A checkpoint's tensors are listed from its
+metadata (DCP's `.metadata`, or a full-format `state.pt` opened memory-mapped), each output
+file's layout is written first (the torch zip's records with their space reserved, or a
+safetensors header), then each tensor is read from the checkpoint, converted, written at its
+place and dropped. A process's peak is therefore about its largest tensor, whatever the model's
+size; `bench/memory.py` measures it (driver_growth_over_full_params,
+export_growth_over_full_params).
+
+Every file is written under a temporary name, fsynced and renamed into place; an export's
+index is written last, so a folder with an index is a complete export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import struct
+import warnings
+from typing import Iterator
+
+import torch
+
+from gearshift.workers import checkpoint
+from gearshift.workers.checkpoint import DCP_DIR
+
+INDEX = "model.safetensors.index.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+class ExportError(RuntimeError):
+    """The checkpoint cannot be exported as asked; one paragraph."""
+
+
+class ModelTensors:
+    """The model's tensors of one verified checkpoint, read one at a time: `names` lists them
+    with (dtype, shape) in the checkpoint's order; `read(name)` returns one as a full CPU tensor."""
+
+    def __init__(self, folder: pathlib.Path):
+        self.folder = pathlib.Path(folder)
+        manifest, _ = checkpoint.verify(self.folder, read=False)
+        self.step = int(manifest["step"])
+        self.format = manifest["format"]
+        if self.format == checkpoint.DCP_FORMAT:
+            import torch.distributed.checkpoint as dcp
+
+            self._dcp = dcp
+            meta = dcp.FileSystemReader(str(self.folder / DCP_DIR)).read_metadata().state_dict_metadata
+            self.names = {k[len("model."):]: (v.properties.dtype, list(v.size)) for k, v in meta.items()
+                          if k.startswith("model.") and hasattr(v, "size")}
+        else:  # whole tensors in state.pt: mapped, not read, so only the tensor being written is touched
+            state = torch.load(self.folder / "state.pt", map_location="cpu", weights_only=True, mmap=True)
+            self._full = state["model"]
+            self.names = {k: (v.dtype, list(v.shape)) for k, v in self._full.items()}
+
+    def read(self, name: str) -> torch.Tensor:
+        if self.format != checkpoint.DCP_FORMAT:
+            return self._full[name]
+        dtype, shape = self.names[name]
+        out = torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            self._dcp.load({"model." + name: out}, storage_reader=self._dcp.FileSystemReader(str(self.folder / DCP_DIR)),
+                           no_dist=True)
+        return out
+
+
+def _converted(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The tensor in the export's dtype (floating tensors only; integer buffers stay as they are)."""
+    t = t.detach()
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@contextlib.contextmanager
+def _atomic(path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A temporary name beside `path`; renamed into place (and fsynced) only if the body succeeds."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        checkpoint._fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_torch(source: ModelTensors, path: pathlib.Path, names: dict[str, str] | None = None,
+                dtype: torch.dtype | None = None) -> int:
+    """A `torch.save` file of {name: tensor} (loadable with weights_only=True), written one tensor at
+    a time: the zip's records are laid out first with their space reserved (torch's skip_data),
+    then each tensor's bytes go to its record's offset. `names`: {output name: checkpoint name}
+    (default: all, unchanged). Returns the bytes of tensor data written."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    names = names or {n: n for n in source.names}
+    out_dtype = {out: _out_dtype(source.names[src][0], dtype) for out, src in names.items()}
+    with FakeTensorMode():  # shapes and dtypes only: no memory
+        skeleton = {out: torch.empty(source.names[src][1], dtype=out_dtype[out]) for out, src in names.items()}
+    path = pathlib.Path(path)
+    total = 0
+    with _atomic(path) as tmp:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(skeleton, tmp)
+        del skeleton
+        reader = torch._C.PyTorchFileReader(str(tmp))
+        records = reader.get_all_records()
+        prefix = next(r for r in records if r.endswith("data.pkl"))[: -len("data.pkl")]
+        # storages are numbered in the order torch.save met them: the dict's order
+        offsets = [reader.get_record_offset(f"{prefix}data/{i}") for i in range(len(names))]
+        del reader
+        with open(tmp, "r+b") as f:
+            for (out, src), offset in zip(names.items(), offsets):
+                t = _converted(source.read(src), dtype)
+                f.seek(offset)
+                f.write(_bytes(t))
+                total += t.numel() * t.element_size()
+                del t
+    return total
+
+
+def _out_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and saved.is_floating_point else saved
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '64MB', '500KB', '1024' (bytes) -> bytes; decimal units as Hugging Face uses them."""
+    units = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
+    raw = str(text).strip().upper()
+    for unit, scale in units.items():
+        if raw.endswith(unit) and raw[: -len(unit)].strip():
+            number = raw[: -len(unit)].strip()
+            break
+    else:
+        number, scale = raw, 1
+    try:
+        value = float(number)
+    except ValueError:
+        raise ExportError(f"--max-shard-size {text!r} is not a size: give bytes or a number with KB, MB, GB "
+                          "(or KiB, MiB, GiB), e.g. 5GB") from None
+    if value <= 0:
+        raise ExportError(f"--max-shard-size {text!r} must be more than 0")
+    return int(value * scale)
+
+
+def shard_plan(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Names grouped into shards in order, each at most `max_bytes` (a tensor larger than that
+    gets a shard of its own), as Hugging Face's save_pretrained splits them."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return [s for s in shards if s]
+
+
+def write_safetensors(source: ModelTensors, out_dir: pathlib.Path, names: dict[str, str] | None = None,
+                      dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 10**9) -> dict:
+    """Hugging Face-style shards `model-0000K-of-0000N.safetensors` plus `model.safetensors.index.json`
+    (written last) in `out_dir`, each shard's header first and then its tensors one at a time.
+    Returns the index."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = names or {n: n for n in source.names}
+    meta = {out: (_out_dtype(source.names[src][0], dtype), source.names[src][1]) for out, src in names.items()}
+    for d, _ in meta.values():
+        if d not in _ST_DTYPES:
+            raise ExportError(f"a tensor of dtype {d} cannot be written as safetensors; use --format torch")
+    sizes = {out: _numel(shape) * torch.empty(0, dtype=d).element_size() for out, (d, shape) in meta.items()}
+    shards = shard_plan(sizes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for k, shard in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {}, 0
+        for out in shard:
+            header[out] = {"dtype": _ST_DTYPES[meta[out][0]], "shape": meta[out][1],
+                           "data_offsets": [offset, offset + sizes[out]]}
+            offset += sizes[out]
+        header["__metadata__"] = {"format": "pt"}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+        with _atomic(out_dir / file) as tmp, open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for out in shard:
+                t = _converted(source.read(names[out]), dtype)
+                f.write(_bytes(t))
+                del t
+        weight_map.update({out: file for out in shard})
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    checkpoint.write_file_atomic(out_dir / INDEX, json.dumps(index, indent=2).encode())
+    return index
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def output_names(source: ModelTensors, prefix: str = "", aliases: list[list[str]] | None = None) -> dict[str, str]:
+    """{output name: checkpoint name}: `prefix` taken off the front (names without it are left
+    out: they are the wrapper's, not the exported model's), and of each group of names the
+    model shares one tensor under (a tied head), only the first."""
+    skip = {n for group in (aliases or []) for n in group[1:]}
+    out = {}
+    for name in source.names:
+        if name in skip or not name.startswith(prefix):
+            continue
+        out[name[len(prefix):]] = name
+    return out
+
+
+def copy_config(pretrained_folder: pathlib.Path | None, out_dir: pathlib.Path) -> list[str]:
+    """config.json (and generation_config.json) from the folder the run's weights came from."""
+    copied = []
+    for name in ("config.json", "generation_config.json"):
+        if pretrained_folder is not None and (pretrained_folder / name).is_file():
+            shutil.copyfile(pretrained_folder / name, out_dir / name)
+            copied.append(name)
+    return copied
