@@ -367,6 +367,7 @@ def finish_part(args, log, tmp: pathlib.Path) -> dict:
     job["train"]["steps"] = 1
     job["checkpoint"] = {**job["checkpoint"], "format": "dcp", "every": 0}
     job.pop("adapt", None)
+    job["cluster"] = {**job["cluster"], "cpus_per_worker": 0.5}  # 4 workers on a 2-core machine
     job_file = tmp / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     run_dir, out_dir = tmp / "run", tmp / "export"

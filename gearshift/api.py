@@ -199,9 +199,10 @@ def _resolve(job, overrides, run_dir, resume):
                        "Only train.steps, train.log_every, train.activation_checkpointing, train.profile, "
                        "checkpoint.*, eval.*, telemetry.*, inject.*, adapt.*, tune.*, cluster.* and parallel.* "
                        "may change on resume.")
-    found = checkpoint.load_latest(run.checkpoints)
+    root = run.checkpoint_root(job.checkpoint, job.base_dir)
+    found = checkpoint.load_latest(root)
     if found is None:
-        return job, run, None, [f"no usable checkpoint in {run.checkpoints}; starting from step 0."]
+        return job, run, None, [f"no usable checkpoint in {root}; starting from step 0."]
     return job, run, (found[0].name, found[1]), []
 
 
@@ -223,7 +224,8 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
         if not run.final.exists():  # stopped between its last checkpoint and final.pt
             from gearshift.orchestrator.control.checkpoints import Checkpoints
 
-            Checkpoints(job, run.checkpoints, None).write_final(resume[1]["step"], run.final)
+            Checkpoints(job, run.checkpoint_root(job.checkpoint, job.base_dir), None).write_final(
+                resume[1]["step"], run.final)
         view.say(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
                  f"raise train.steps to train further (--set train.steps=N).")
         return _finished(run.path)
@@ -241,7 +243,8 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
     try:
         with ray_session(address, num_cpus=embedded_cpus(job)) as session:
             def group_factory(j):
-                return RayWorkerGroup(j, embedded=session["embedded"], checkpoint_dir=run.checkpoints.resolve())
+                return RayWorkerGroup(j, embedded=session["embedded"],
+                                      checkpoint_dir=str(run.checkpoint_root(j.checkpoint, j.base_dir).resolve()))
 
             summary = Controller(job, run, group_factory, resume=resume, view=view).run()
     except WorkerFailed as err:
@@ -274,7 +277,10 @@ def _where_to_continue(run) -> str:
     from gearshift.workers import checkpoint
 
     text = f" Details: {run.log}." if run.log.exists() else ""
-    found = checkpoint.list_checkpoints(run.checkpoints)
+    try:
+        found = checkpoint.list_checkpoints(run.checkpoint_root())
+    except Exception:  # noqa: BLE001 - an object store out of reach: the message only loses its hint
+        found = []
     if found:
         text += f" The last checkpoint is {found[-1].name}: continue with `gearshift run --resume {run.path}`."
     return text

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from gearshift.workers.storage import is_remote, location, remove_tree
+
 log = logging.getLogger("gearshift.checkpoint")
 
 FORMAT = 1  # whole tensors in state.pt
@@ -48,6 +50,8 @@ class CheckpointError(RuntimeError):
 
 
 def _fsync_dir(path: pathlib.Path) -> None:
+    if is_remote(path):  # an object store has no folders to sync: each object is durable once written
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -56,8 +60,12 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 
 def write_file_atomic(path: pathlib.Path, data: bytes) -> None:
-    """temp file in the same folder, fsync, rename, fsync the folder."""
-    path = pathlib.Path(path)
+    """temp file in the same folder, fsync, rename, fsync the folder (in an object store: one PUT,
+    which is atomic there)."""
+    path = location(path)
+    if is_remote(path):
+        path.write_bytes(data)
+        return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -70,13 +78,15 @@ def write_file_atomic(path: pathlib.Path, data: bytes) -> None:
 def sha256_file(path: pathlib.Path, chunk: int = 1 << 22) -> str:
     """Streamed: a shard file is never held in memory whole."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with (path.open("rb") if is_remote(path) else open(path, "rb")) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
 
 
 def _fsync_tree(folder: pathlib.Path) -> None:
+    if is_remote(folder):
+        return
     for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders holding them
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
@@ -95,7 +105,7 @@ def commit(root: pathlib.Path, step: int, tmp: pathlib.Path, files: dict, keep: 
     check every file the ranks reported is there with its size, write the manifest (last),
     fsync, rename, prune. Raises CheckpointError (and removes `tmp`) when a file is missing:
     then the workers wrote somewhere this process cannot see."""
-    root, tmp = pathlib.Path(root), pathlib.Path(tmp)
+    root, tmp = location(root), location(tmp)
 
     def fill() -> None:
         for name, want in files.items():
@@ -112,8 +122,18 @@ def commit(root: pathlib.Path, step: int, tmp: pathlib.Path, files: dict, keep: 
 
 def _publish(root: pathlib.Path, step: int, tmp: pathlib.Path, fill, keep: int) -> pathlib.Path:
     """`fill()` completes the temp folder; then it becomes the checkpoint of `step` (one rename,
-    the parent fsynced) and old ones are pruned. Whatever fails, the temp folder goes."""
+    the parent fsynced) and old ones are pruned. Whatever fails, the temp folder goes. In an
+    object store, which cannot rename, the folder already has its final name and `fill()` writes
+    the manifest last: the checkpoint exists from that PUT on."""
     final = root / f"step_{step:08d}"
+    if is_remote(root):
+        try:
+            fill()
+        except BaseException:
+            remove_tree(tmp)
+            raise
+        _prune(root, keep)
+        return final
     try:
         fill()
         if final.exists():  # a rerun of the same step (after a resume): replace it whole
@@ -135,10 +155,14 @@ def torch_bytes(obj: Any) -> bytes:
 
 def save(root: pathlib.Path, step: int, state: dict, keep: int, meta: dict | None = None) -> pathlib.Path:
     """Write `state` as the checkpoint of `step` under `root`, then keep only the newest `keep`."""
-    root = pathlib.Path(root)
+    root = location(root)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".step_{step:08d}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()
+    if is_remote(root):  # written under its final name, the manifest last (an earlier one goes first)
+        tmp = root / f"step_{step:08d}"
+        (tmp / "manifest.json").unlink(missing_ok=True)
+    else:
+        tmp = root / f".step_{step:08d}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        tmp.mkdir()
 
     def fill() -> None:
         blob = torch_bytes(state)
@@ -152,6 +176,9 @@ def save(root: pathlib.Path, step: int, state: dict, keep: int, meta: dict | Non
         }
         files["manifest.json"] = json.dumps(manifest, indent=2).encode()
         for name, data in files.items():
+            if is_remote(tmp):
+                (tmp / name).write_bytes(data)
+                continue
             with open(tmp / name, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -163,12 +190,24 @@ def save(root: pathlib.Path, step: int, state: dict, keep: int, meta: dict | Non
 
 def _prune(root: pathlib.Path, keep: int) -> None:
     marked = best(root)
-    for path in list_checkpoints(root)[:-keep]:
+    complete = list_checkpoints(root)
+    for path in complete[:-keep]:
         if marked is None or path.name != marked["path"]:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
+    if is_remote(root):  # a write cut short left a step folder without a manifest, older than the newest
+        newest = _step_of(complete[-1]) if complete else -1
+        for stale in root.iterdir():
+            m = _NAME.match(stale.name)
+            if m and int(m.group(1)) < newest and not (stale / "manifest.json").exists():
+                remove_tree(stale)
+        return
     for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
         if stale.stat().st_mtime < time.time() - 60:
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _step_of(path) -> int:
+    return int(_NAME.match(path.name).group(1))
 
 
 BEST = "best.json"
@@ -178,7 +217,7 @@ def best(root: pathlib.Path) -> dict | None:
     """What best.json says ({"step", "path", "eval_loss"}), or None when there is none (or it is unreadable:
     then nothing is protected from pruning, which only costs the old best)."""
     try:
-        marked = json.loads((pathlib.Path(root) / BEST).read_text())
+        marked = json.loads((location(root) / BEST).read_text())
     except (OSError, ValueError):
         return None
     return marked if isinstance(marked, dict) and isinstance(marked.get("path"), str) else None
@@ -187,7 +226,7 @@ def best(root: pathlib.Path) -> dict | None:
 def mark_best(root: pathlib.Path, step: int, eval_loss: float, keep: int) -> pathlib.Path:
     """Name the checkpoint of `step` (it must exist) as the best, then prune: the old best goes
     unless it is among the newest `keep`."""
-    root = pathlib.Path(root)
+    root = location(root)
     path = root / f"step_{step:08d}"
     if not path.is_dir():
         raise CheckpointError(f"{path}: no checkpoint at step {step} to mark as the best")
@@ -197,11 +236,14 @@ def mark_best(root: pathlib.Path, step: int, eval_loss: float, keep: int) -> pat
 
 
 def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
-    """Complete checkpoint folders, oldest first (temporary folders are never listed)."""
-    root = pathlib.Path(root)
+    """Complete checkpoint folders, oldest first (temporary folders are never listed; in an object
+    store, neither are folders whose manifest was not written)."""
+    root = location(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)]
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()]
+    if is_remote(root):
+        found = [p for p in found if (p / "manifest.json").exists()]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
@@ -209,7 +251,7 @@ def verify(path: pathlib.Path, read: bool = True) -> tuple[dict, dict[str, bytes
     """The manifest, and the bytes of state.pt (format 1 with `read`; otherwise every file is
     hashed streaming and none is held in memory), when every file matches the manifest; else
     CheckpointError."""
-    path = pathlib.Path(path)
+    path = location(path)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError) as err:
@@ -241,7 +283,7 @@ def load(path: pathlib.Path) -> dict:
     reference {"dcp": folder, "step": N} from which every rank reads its own pieces."""
     manifest, files = verify(path)
     if manifest["format"] == DCP_FORMAT:
-        return {"dcp": str(pathlib.Path(path).resolve()), "step": int(manifest["step"])}
+        return {"dcp": str(location(path).resolve()), "step": int(manifest["step"])}
     # weights_only: a checkpoint is data; loading one never runs code from it
     return torch.load(io.BytesIO(files["state.pt"]), map_location="cpu", weights_only=True)
 

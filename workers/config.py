@@ -56,6 +56,7 @@ class WorkerConfig:
     profile: tuple[int, int] | None = None  # train.profile: (start_step 1-based, steps), or None
     checkpoint_dir: str | None = None  # the run's checkpoints/ (every rank writes its shards there)
     checkpoint_format: str = "full"  # dcp: each rank writes its shards; full: rank 0 sends whole tensors
+    checkpoint_options: Mapping[str, Any] = field(default_factory=dict)  # checkpoint.storage_options (fsspec)
     feeders: Mapping[str, str] = field(default_factory=dict)  # streamed data, eval.data: feeder actor names
 
     @classmethod
@@ -69,6 +70,7 @@ class WorkerConfig:
             strategy="data" if par["strategy"] == "auto" else par["strategy"], tp_size=par.get("tp_size"),
             shard_size=par.get("shard_size"), dp_shard=bool(par.get("dp_shard", False)),
             checkpoint_dir=checkpoint_dir, checkpoint_format=(job.get("checkpoint") or {}).get("format", "auto"),
+            checkpoint_options=dict((job.get("checkpoint") or {}).get("storage_options") or {}),
             tp_plan=par.get("tp_plan") or {}, fsdp_units=tuple(par.get("fsdp_units") or ()),
             bucket_cap_mb=job["tune"]["start"] if par["bucket_cap_mb"] == "auto" else par["bucket_cap_mb"],
             gpu=job["cluster"]["gpus_per_worker"] > 0, telemetry=tel["enabled"],

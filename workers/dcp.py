@@ -21,21 +21,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gearshift.workers import checkpoint
+import io
+
+from gearshift.workers import checkpoint, storage
 from gearshift.workers.checkpoint import CheckpointError, DCP_DIR, EXTRA, sha256_file
 
 
-def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device) -> pathlib.Path | None:
+def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options: dict | None = None):
     """Where this run's ranks write DCP checkpoints, or None for the full format: checkpoint.format
-    full, no run directory, or (auto) some rank does not see the driver's checkpoints folder, as
-    on a cluster whose nodes share no file system. Every rank must agree, so it is a collective."""
+    full, no run directory, or (auto) some rank cannot reach the checkpoints' place: the driver's
+    checkpoints folder on a cluster whose nodes share no file system, an object store this node
+    has no route or credentials to. Every rank must agree, so it is a collective."""
     if fmt == "full" or not checkpoint_dir:
         return None
-    seen = torch.tensor([1 if pathlib.Path(checkpoint_dir).is_dir() else 0], device=device)
+    root = storage.location(checkpoint_dir, options)
+    if storage.is_remote(root):
+        try:
+            storage.probe(root)
+            reached = True
+        except Exception:  # noqa: BLE001 - whatever the storage says, this rank cannot use it
+            reached = False
+    else:
+        reached = root.is_dir()
+    seen = torch.tensor([1 if reached else 0], device=device)
     if dist.is_initialized():
         dist.all_reduce(seen, op=dist.ReduceOp.MIN)
     if seen.item():
-        return pathlib.Path(checkpoint_dir)
+        return root
     if fmt == "dcp":
         raise RuntimeError(f"checkpoint.format is dcp but {checkpoint_dir} is not visible on every worker's node: "
                            "put the run directory on storage all nodes share (--run-dir), or use checkpoint.format "
@@ -43,10 +55,41 @@ def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device) -> path
     return None
 
 
-def tmp_folder(root: str | pathlib.Path, step: int) -> pathlib.Path:
+def tmp_folder(root, step: int):
     """The folder every rank writes the checkpoint of `step` into (the same name on every rank
-    without asking: the driver renames it once all of them reported)."""
-    return pathlib.Path(root) / f".step_{step:08d}.tmp-dcp"
+    without asking: the driver renames it once all of them reported). In an object store, which
+    cannot rename, the checkpoint's own folder: it counts once the driver wrote its manifest."""
+    root = storage.location(root)
+    if storage.is_remote(root):
+        return root / f"step_{step:08d}"
+    return root / f".step_{step:08d}.tmp-dcp"
+
+
+def _writer(folder):
+    dcp = _dcp()
+    if storage.is_remote(folder):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter((folder / DCP_DIR).url, sync_files=False, thread_count=1, **folder.options)
+    return dcp.FileSystemWriter(str(folder / DCP_DIR), sync_files=True, thread_count=1)
+
+
+def reader(folder):
+    """DCP's reader for the checkpoint folder `folder` (a local path or a RemotePath)."""
+    dcp = _dcp()
+    folder = storage.location(folder)
+    if storage.is_remote(folder):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader((folder / DCP_DIR).url, **folder.options)
+    return dcp.FileSystemReader(str(folder / DCP_DIR))
+
+
+def _load_extra(folder) -> dict:
+    folder = storage.location(folder)
+    if storage.is_remote(folder):
+        return torch.load(io.BytesIO((folder / EXTRA).read_bytes()), map_location="cpu", weights_only=True)
+    return torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
 
 
 def _dcp():
@@ -62,8 +105,10 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
     """Write this rank's shards of the model and optimizer under `folder` (all ranks call it at
     the same step); rank 0 also writes `extra` (scaler, step). Returns this rank's share of the
     file digests: {relative path: {"bytes", "sha256"}}."""
-    folder = pathlib.Path(folder)
+    folder = storage.location(folder)
     if rank == 0:
+        if storage.is_remote(folder):  # a checkpoint of this step written before (a rerun) stops counting first
+            (folder / "manifest.json").unlink(missing_ok=True)
         folder.mkdir(parents=True, exist_ok=True)
         for stale in (folder / DCP_DIR).glob("*"):  # a crashed attempt at this step left files behind
             stale.unlink()
@@ -72,14 +117,14 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    writer = dcp.FileSystemWriter(str(folder / DCP_DIR), sync_files=True, thread_count=1)
+    writer = _writer(folder)
     # param_groups stay out: layouts group parameters differently (by mesh), and the
     # hyperparameters come from the job (the learning rate is set every step)
     metadata = dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, storage_writer=writer)
     files = sorted({f"{DCP_DIR}/{info.relative_path}" for info in metadata.storage_data.values()})
     mine = files[rank::world]  # the hashing is spread over the ranks, like the writing
     if rank == 0:
-        torch.save(extra, folder / EXTRA)
+        checkpoint.write_file_atomic(folder / EXTRA, checkpoint.torch_bytes(extra))
         mine += [f"{DCP_DIR}/.metadata", EXTRA]
     return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)} for name in mine}
 
@@ -87,23 +132,23 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path) -> dict:
     """Read this rank's pieces of a DCP checkpoint into the model and optimizer as laid out now;
     returns the extra state (scaler, step). All ranks call it together."""
-    folder = pathlib.Path(folder)
+    folder = storage.location(folder)
     dcp = _dcp()
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_matches(folder, model_sd)
     state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder / DCP_DIR)))
+    dcp.load(state, storage_reader=reader(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
-    return torch.load(folder / EXTRA, map_location="cpu", weights_only=True)
+    return _load_extra(folder)
 
 
 def check_matches(folder: pathlib.Path, model_sd: dict) -> None:
     """CheckpointError naming the first tensor whose name or global shape differs between the
     checkpoint and the model (DCP's own message would not say which)."""
-    saved = _dcp().FileSystemReader(str(pathlib.Path(folder) / DCP_DIR)).read_metadata().state_dict_metadata
+    saved = reader(folder).read_metadata().state_dict_metadata
     shapes = {k[len("model."):]: list(v.size) for k, v in saved.items()
               if k.startswith("model.") and hasattr(v, "size")}
     for name, tensor in model_sd.items():
@@ -131,7 +176,7 @@ def full_state(folder: pathlib.Path) -> dict:
     (model, optimizer {"state": {name: {...}}, "hyperparameters"}, scaler, step): for tools and
     tests that read a checkpoint whole, in one process."""
     loaded = _read(folder, "")
-    extra = torch.load(pathlib.Path(folder) / EXTRA, map_location="cpu", weights_only=True)
+    extra = _load_extra(folder)
     optimizer = {"state": loaded.get("optim", {}).get("state", {}), "hyperparameters": extra.pop("hyperparameters", {})}
     return {"model": loaded.get("model", {}), "optimizer": optimizer, **extra}
 
@@ -139,11 +184,11 @@ def full_state(folder: pathlib.Path) -> dict:
 def _read(folder: pathlib.Path, prefix: str) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    reader = _dcp().FileSystemReader(str(pathlib.Path(folder) / DCP_DIR))
-    keys = {k for k in reader.read_metadata().state_dict_metadata if k.startswith(prefix)}
+    source = reader(folder)
+    keys = {k for k in source.read_metadata().state_dict_metadata if k.startswith(prefix)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        return _load_state_dict_from_keys(keys, storage_reader=reader)
+        return _load_state_dict_from_keys(keys, storage_reader=source)
 
 
 def load_full(path: pathlib.Path) -> dict:
@@ -153,4 +198,4 @@ def load_full(path: pathlib.Path) -> dict:
     state = checkpoint.load(path)
     if "dcp" not in state:
         return state
-    return full_state(pathlib.Path(path))
+    return full_state(storage.location(path))

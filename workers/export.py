@@ -16,6 +16,7 @@ index is written last, so a folder with an index is a complete export.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import pathlib
@@ -26,8 +27,7 @@ from typing import Iterator
 
 import torch
 
-from gearshift.workers import checkpoint
-from gearshift.workers.checkpoint import DCP_DIR
+from gearshift.workers import checkpoint, storage
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,19 +45,24 @@ class ModelTensors:
     with (dtype, shape) in the checkpoint's order; `read(name)` returns one as a full CPU tensor."""
 
     def __init__(self, folder: pathlib.Path):
-        self.folder = pathlib.Path(folder)
+        self.folder = storage.location(folder)
         manifest, _ = checkpoint.verify(self.folder, read=False)
         self.step = int(manifest["step"])
         self.format = manifest["format"]
         if self.format == checkpoint.DCP_FORMAT:
             import torch.distributed.checkpoint as dcp
 
-            self._dcp = dcp
-            meta = dcp.FileSystemReader(str(self.folder / DCP_DIR)).read_metadata().state_dict_metadata
+            from gearshift.workers import dcp as shards
+
+            self._dcp, self._reader = dcp, lambda: shards.reader(self.folder)
+            meta = self._reader().read_metadata().state_dict_metadata
             self.names = {k[len("model."):]: (v.properties.dtype, list(v.size)) for k, v in meta.items()
                           if k.startswith("model.") and hasattr(v, "size")}
         else:  # whole tensors in state.pt: mapped, not read, so only the tensor being written is touched
-            state = torch.load(self.folder / "state.pt", map_location="cpu", weights_only=True, mmap=True)
+            # (an object store cannot be mapped: there the file is read whole)
+            state = (torch.load(io.BytesIO((self.folder / "state.pt").read_bytes()), map_location="cpu",
+                                weights_only=True) if storage.is_remote(self.folder) else
+                     torch.load(self.folder / "state.pt", map_location="cpu", weights_only=True, mmap=True))
             self._full = state["model"]
             self.names = {k: (v.dtype, list(v.shape)) for k, v in self._full.items()}
 
@@ -68,8 +73,7 @@ class ModelTensors:
         out = torch.empty(shape, dtype=dtype)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            self._dcp.load({"model." + name: out}, storage_reader=self._dcp.FileSystemReader(str(self.folder / DCP_DIR)),
-                           no_dist=True)
+            self._dcp.load({"model." + name: out}, storage_reader=self._reader(), no_dist=True)
         return out
 
 

@@ -124,7 +124,7 @@ class TrainWorker:
         self._lay_out(Layout.from_dict(layout) if layout else
                       Layout.for_workers(cfg.strategy, self.world, cfg.tp_size, cfg.shard_size, cfg.dp_shard))
         self.step = 0
-        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device)
+        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options)
         if self.telemetry is None:
             self.telemetry = WorkerTelemetry(cfg, self.device)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
@@ -344,7 +344,10 @@ class TrainWorker:
     def load(self, state: dict) -> int:
         """Continue from a checkpoint: full tensors, or {"dcp": folder} (each rank reads its pieces)."""
         if "dcp" in state:
-            state = dcp.load(self.parallel.model, self.optimizer, state["dcp"])
+            from gearshift.workers import storage
+
+            state = dcp.load(self.parallel.model, self.optimizer,
+                             storage.location(state["dcp"], self.config.checkpoint_options))
         else:
             self.parallel.load_full_state(self.optimizer, state)
         if state.get("scaler"):

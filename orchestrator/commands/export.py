@@ -78,9 +78,10 @@ def _find(ident: str, root: str | None):
 def _checkpoint(run, step: int | None):
     from gearshift.workers import checkpoint, export
 
-    found = checkpoint.list_checkpoints(run.checkpoints)
+    root = run.checkpoint_root()
+    found = checkpoint.list_checkpoints(root)
     if not found:
-        raise UsageError(f"{run.path} has no checkpoint to export (checkpoints/ holds none): a run writes one "
+        raise UsageError(f"{run.path} has no checkpoint to export ({root} holds none): a run writes one "
                          "when it finishes and every checkpoint.every steps; run or resume it to the end first")
     steps = [int(p.name.split("_")[1]) for p in found]
     if step is not None and step not in steps:

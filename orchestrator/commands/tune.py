@@ -129,7 +129,8 @@ def cmd_tune(args) -> int:
     with ray_session(address, num_cpus=embedded_cpus(job)) as session:
         tuning = BucketTuning(grid=space)  # every setting of the space, then the run stops
         def group_factory(j):
-            return RayWorkerGroup(j, embedded=session["embedded"], checkpoint_dir=run.checkpoints.resolve())
+            return RayWorkerGroup(j, embedded=session["embedded"],
+                                  checkpoint_dir=str(run.checkpoint_root(j.checkpoint, j.base_dir).resolve()))
 
         controller = Controller(job, run, group_factory, view=view,
                                 tuning=tuning)

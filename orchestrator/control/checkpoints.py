@@ -15,12 +15,12 @@ import torch
 
 from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.control.reporting import Reporter
-from gearshift.workers import checkpoint
+from gearshift.workers import checkpoint, storage
 
 
 class Checkpoints:
     def __init__(self, job: Job, root: pathlib.Path, report: Reporter):
-        self.job, self.root, self.report = job, pathlib.Path(root), report
+        self.job, self.root, self.report = job, storage.location(root), report
         self._parts: dict[int, list[dict]] = {}  # step -> the DCP parts the ranks sent so far
 
     def add(self, batch: dict, world: int) -> None:
@@ -55,7 +55,10 @@ class Checkpoints:
         return int(state["step"])
 
     def _commit(self, parts: list[dict]) -> int:
-        step, folder = parts[0]["step"], pathlib.Path(parts[0]["folder"])
+        from gearshift.workers import dcp
+
+        # the folder the ranks wrote, named here (the ranks name it the same way, without asking)
+        step, folder = parts[0]["step"], dcp.tmp_folder(self.root, parts[0]["step"])
         files = {name: digest for p in parts for name, digest in p["files"].items()}
         path = checkpoint.commit(self.root, step, folder, files, self.job.checkpoint.keep, meta=self._meta())
         self.report.event("checkpoint", step=step, path=str(path), format="dcp",

@@ -128,11 +128,12 @@ class Controller:
         self.policy_factory = policy_factory
         self.resume = resume  # (checkpoint name, state) to continue from
         self.report = Reporter(job, run, view)
-        self.recovery = Recovery(self.report, run.checkpoints)
+        self.checkpoint_root = run.checkpoint_root(job.checkpoint, job.base_dir)  # checkpoint.path, or the run dir's
+        self.recovery = Recovery(self.report, self.checkpoint_root)
         self.tuning = tuning or BucketTuning()
         self.tuning.attach(self)
-        self.checkpoints = Checkpoints(job, run.checkpoints, self.report)
-        self.evals = Evaluation(job, self.report, run.checkpoints, self.checkpoints.save_now)
+        self.checkpoints = Checkpoints(job, self.checkpoint_root, self.report)
+        self.evals = Evaluation(job, self.report, self.checkpoint_root, self.checkpoints.save_now)
         self.memory = OutOfMemory(job, self.report)
         self.micro = job.train.micro_batch_size  # the micro-batch in force (None: a rank's whole share)
         self.state = State.PLACING

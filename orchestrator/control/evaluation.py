@@ -31,7 +31,9 @@ class Evaluation:
     def __init__(self, job: Job, report: Reporter, checkpoints: pathlib.Path, save: Callable[[object], int]):
         self.every, self.batches = job.eval.every, job.eval.batches
         self.keep_best, self.keep = job.checkpoint.keep_best, job.checkpoint.keep
-        self.report, self.checkpoints, self.save = report, pathlib.Path(checkpoints), save
+        from gearshift.workers import storage
+
+        self.report, self.checkpoints, self.save = report, storage.location(checkpoints), save
         self.last: dict | None = None  # the latest eval record
         marked = checkpoint.best(self.checkpoints) if self.keep_best else None
         self.best: tuple[int, float] | None = (int(marked["step"]), float(marked["eval_loss"])) \

@@ -17,7 +17,45 @@ def check_job(job: Job) -> None:
     except ComponentError as err:
         raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
     _check_pretrained(job)
+    _check_checkpoint_path(job)
     _check_sizes(job)
+
+
+def _check_checkpoint_path(job: Job) -> None:
+    """checkpoint.path must be writable from here (the driver commits every checkpoint there): an
+    object store is probed with one small object (bounded in time), a folder created."""
+    place = job.checkpoint.path
+    if not place:
+        return
+    import pathlib
+
+    from gearshift.workers import storage
+
+    if storage.is_url(place):
+        try:
+            import fsspec
+
+            fsspec.core.url_to_fs(place, **job.checkpoint.storage_options)
+        except (ImportError, ValueError) as err:
+            raise JobError("checkpoint.path", place, f"names storage fsspec cannot open here ({err}); an s3:// URL "
+                           "needs the s3fs package, gs:// gcsfs") from None
+        except TypeError as err:
+            raise JobError("checkpoint.storage_options", job.checkpoint.storage_options,
+                           f"are not what this storage takes ({err})") from None
+        try:
+            storage.probe(storage.location(place, job.checkpoint.storage_options), timeout_s=30.0)
+        except Exception as err:  # noqa: BLE001 - whatever the storage says is the reason
+            raise JobError("checkpoint.path", place, f"cannot be written from here ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else 'no reason given'}); check the bucket, the "
+                           "endpoint and the credentials (checkpoint.storage_options)") from None
+        return
+    folder = pathlib.Path(job.base_dir).joinpath(pathlib.Path(place).expanduser())
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        storage.probe(folder, timeout_s=30.0)
+    except OSError as err:
+        raise JobError("checkpoint.path", place, f"cannot be written from here ({err.strerror or err}); give a "
+                       "folder every node shares and this process may write, or an object-store URL") from None
 
 
 def pretrained_folder(job: Job):

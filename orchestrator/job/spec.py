@@ -147,7 +147,12 @@ class CheckpointSpec:
                                        "checkpoints/best.json names it")
     format: str = _f("auto", _choice("auto", "dcp", "full"), "dcp: every worker writes its own shards "
                      "(torch.distributed.checkpoint), nothing gathered; full: whole tensors gathered to one worker "
-                     "and written by the driver; auto: dcp when every worker sees the run directory, else full")
+                     "and written by the driver; auto: dcp when every worker reaches the checkpoints' place, else full")
+    path: str | None = _f(None, _str_or_none, "where checkpoints go instead of the run directory's checkpoints/: a "
+                          "folder every node shares, or an object-store or other fsspec URL (s3://bucket/prefix, "
+                          "gs://..., memory://...); each run writes into its own <run dir name>/ there")
+    storage_options: dict = _f({}, _mapping, "passed to fsspec for checkpoint.path: an S3-compatible endpoint_url, "
+                               "key and secret, a region, ...")
 
 
 @dataclass(frozen=True)

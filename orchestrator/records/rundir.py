@@ -48,6 +48,31 @@ class RunDir:
     driver = property(lambda self: self.path / "driver.json")  # which process is running it now
     source = property(lambda self: self.path / "source.json")  # versions and module hashes it ran with
 
+    def checkpoint_root(self, section=None, base_dir: str | None = None):
+        """Where this run's checkpoints are: `<checkpoint.path>/<run dir name>/` when the job names
+        a place (a shared folder, or an object store as a RemotePath), else checkpoints/ here.
+        `section`: the job's checkpoint section (a CheckpointSpec or its mapping); default: the
+        run's own job.yaml."""
+        from gearshift.workers import storage
+
+        if section is None:
+            try:
+                section = (yaml.safe_load(self.job_file.read_text()) or {}).get("checkpoint") or {}
+            except (OSError, yaml.YAMLError, AttributeError):
+                section = {}
+        get = section.get if isinstance(section, dict) else lambda k, d=None: getattr(section, k, d)
+        place = get("path")
+        if not place:
+            return self.checkpoints
+        if storage.is_url(place):
+            return storage.location(place, dict(get("storage_options") or {})) / self.path.name
+        if base_dir is None:
+            try:
+                base_dir = json.loads(self.meta.read_text()).get("base_dir", ".")
+            except (OSError, ValueError, AttributeError):
+                base_dir = "."
+        return pathlib.Path(base_dir).joinpath(pathlib.Path(place).expanduser()) / self.path.name
+
     def write_driver(self) -> None:
         """Record the process driving the run, so `gearshift watch` can tell a killed run from a slow one."""
         import socket
@@ -91,6 +116,7 @@ class RunDir:
         path.mkdir(parents=True, exist_ok=True)
         run = cls(path)
         run.checkpoints.mkdir(exist_ok=True)  # before the workers start: they check they can see it
+        run.checkpoint_root(job.checkpoint, job.base_dir).mkdir(parents=True, exist_ok=True)
         checkpoint.write_file_atomic(run.job_file, dump_job(job).encode())
         meta = {"base_dir": job.base_dir, "fingerprint": job.fingerprint(), "name": job.name, "created": time.time()}
         checkpoint.write_file_atomic(run.meta, json.dumps(meta, indent=2).encode())
