@@ -16,7 +16,9 @@ from gearshift.workers import checkpoint, export
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(0)
-    return {"lm.embed.weight": torch.randn(50, 8, generator=g), "lm.block.w": torch.randn(8, 8, generator=g),
+    whole = torch.randn(8, 9, generator=g)
+    return {"lm.embed.weight": torch.randn(50, 8, generator=g), "lm.block.w": whole[:, 1:],  # a view into more
+            "lm.block.w2": whole[:, 0].clone(),
             "lm.block.b": torch.randn(8, generator=g).to(torch.bfloat16),
             "lm.count": torch.arange(5, dtype=torch.int64), "extra.scale": torch.tensor(2.0)}
 
@@ -44,8 +46,8 @@ def test_safetensors_shards_with_an_index_a_prefix_and_a_dtype(full_checkpoint, 
 
     source = export.ModelTensors(full_checkpoint)
     names = export.output_names(source, "lm.", aliases=[["lm.embed.weight", "lm.head.weight"]])
-    assert names == {"embed.weight": "lm.embed.weight", "block.w": "lm.block.w", "block.b": "lm.block.b",
-                     "count": "lm.count"}
+    assert names == {"embed.weight": "lm.embed.weight", "block.w": "lm.block.w", "block.w2": "lm.block.w2",
+                     "block.b": "lm.block.b", "count": "lm.count"}
     index = export.write_safetensors(source, tmp_path / "out", names, torch.float16, max_shard_bytes=900)
     files = sorted(set(index["weight_map"].values()))
     assert len(files) == 2 and files[0] == "model-00001-of-00002.safetensors"  # 800 bytes of embedding alone

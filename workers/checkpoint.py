@@ -165,24 +165,18 @@ def save(root: pathlib.Path, step: int, state: dict, keep: int, meta: dict | Non
         tmp.mkdir()
 
     def fill() -> None:
-        blob = torch_bytes(state)
-        files = {"state.pt": blob}
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "created": time.time(),
-            "files": {name: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()} for name, b in files.items()},
-            **(meta or {}),
-        }
-        files["manifest.json"] = json.dumps(manifest, indent=2).encode()
-        for name, data in files.items():
-            if is_remote(tmp):
-                (tmp / name).write_bytes(data)
-                continue
-            with open(tmp / name, "wb") as f:
-                f.write(data)
+        # torch.save straight into the file (no second copy of the state as bytes), hashed after
+        if is_remote(tmp):
+            with (tmp / "state.pt").open("wb") as f:
+                torch.save(state, f)
+        else:
+            with open(tmp / "state.pt", "wb") as f:
+                torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
+        files = {"state.pt": {"bytes": (tmp / "state.pt").stat().st_size, "sha256": sha256_file(tmp / "state.pt")}}
+        manifest = {"format": FORMAT, "step": step, "created": time.time(), "files": files, **(meta or {})}
+        write_file_atomic(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
         _fsync_dir(tmp)
 
     return _publish(root, step, tmp, fill, keep)
@@ -281,11 +275,15 @@ def verify(path: pathlib.Path, read: bool = True) -> tuple[dict, dict[str, bytes
 def load(path: pathlib.Path) -> dict:
     """What a worker's `load` takes: the full state (format 1), or for a DCP checkpoint a
     reference {"dcp": folder, "step": N} from which every rank reads its own pieces."""
-    manifest, files = verify(path)
+    manifest, _ = verify(path, read=False)  # hashed streaming: state.pt is not held as bytes
+    path = location(path)
     if manifest["format"] == DCP_FORMAT:
-        return {"dcp": str(location(path).resolve()), "step": int(manifest["step"])}
-    # weights_only: a checkpoint is data; loading one never runs code from it
-    return torch.load(io.BytesIO(files["state.pt"]), map_location="cpu", weights_only=True)
+        return {"dcp": str(path.resolve()), "step": int(manifest["step"])}
+    # weights_only: a checkpoint is data; loading one never runs code from it. A local file is
+    # mapped, not read: what is passed on to the workers is read from the page cache as it goes
+    if is_remote(path):
+        return torch.load(io.BytesIO((path / "state.pt").read_bytes()), map_location="cpu", weights_only=True)
+    return torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
 
 
 def load_latest(root: pathlib.Path) -> tuple[pathlib.Path, dict] | None:

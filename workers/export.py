@@ -15,13 +15,16 @@ index is written last, so a folder with an index is a complete export.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
 import os
 import pathlib
+import pickle
 import shutil
 import struct
+import sys
 import warnings
 from typing import Iterator
 
@@ -82,7 +85,10 @@ def _converted(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     t = t.detach()
     if dtype is not None and t.is_floating_point() and t.dtype != dtype:
         t = t.to(dtype)
-    return t.contiguous()
+    t = t.contiguous()
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()  # a view into a larger storage (tied tensors saved together): its own bytes only
+    return t
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -103,37 +109,67 @@ def _atomic(path: pathlib.Path) -> Iterator[pathlib.Path]:
         tmp.unlink(missing_ok=True)
 
 
+class _Storage:
+    """Stands for a tensor's storage in the pickle: written as torch.save writes one."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _Tensor:
+    """Pickles as torch.save pickles a contiguous CPU tensor, holding no data."""
+
+    def __init__(self, storage: _Storage, shape: list[int]):
+        self.storage, self.shape = storage, tuple(shape)
+
+    def __reduce_ex__(self, protocol):
+        stride, acc = [], 1
+        for size in reversed(self.shape):
+            stride.append(acc)
+            acc *= size
+        return (torch._utils._rebuild_tensor_v2,
+                (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict()))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, _Storage):
+            kind = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            return ("storage", kind, obj.key, "cpu", obj.numel)
+        return None
+
+
 def write_torch(source: ModelTensors, path: pathlib.Path, names: dict[str, str] | None = None,
                 dtype: torch.dtype | None = None) -> int:
     """A `torch.save` file of {name: tensor} (loadable with weights_only=True), written one tensor at
-    a time: the zip's records are laid out first with their space reserved (torch's skip_data),
-    then each tensor's bytes go to its record's offset. `names`: {output name: checkpoint name}
-    (default: all, unchanged). Returns the bytes of tensor data written."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    a time: the pickle of the dict first, with each tensor standing for its storage record, then
+    each record as its tensor is read, converted and dropped. `names`: {output name: checkpoint
+    name} (default: all, unchanged). Returns the bytes of tensor data written."""
     names = names or {n: n for n in source.names}
-    out_dtype = {out: _out_dtype(source.names[src][0], dtype) for out, src in names.items()}
-    with FakeTensorMode():  # shapes and dtypes only: no memory
-        skeleton = {out: torch.empty(source.names[src][1], dtype=out_dtype[out]) for out, src in names.items()}
+    layout = {}
+    for k, (out, src) in enumerate(names.items()):
+        d = _out_dtype(source.names[src][0], dtype)
+        layout[out] = _Tensor(_Storage(str(k), d, _numel(source.names[src][1])), source.names[src][1])
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(layout)
     path = pathlib.Path(path)
     total = 0
     with _atomic(path) as tmp:
-        with torch.serialization.skip_data(materialize_fake_tensors=True):
-            torch.save(skeleton, tmp)
-        del skeleton
-        reader = torch._C.PyTorchFileReader(str(tmp))
-        records = reader.get_all_records()
-        prefix = next(r for r in records if r.endswith("data.pkl"))[: -len("data.pkl")]
-        # storages are numbered in the order torch.save met them: the dict's order
-        offsets = [reader.get_record_offset(f"{prefix}data/{i}") for i in range(len(names))]
-        del reader
-        with open(tmp, "r+b") as f:
-            for (out, src), offset in zip(names.items(), offsets):
-                t = _converted(source.read(src), dtype)
-                f.seek(offset)
-                f.write(_bytes(t))
-                total += t.numel() * t.element_size()
-                del t
+        writer = torch._C.PyTorchFileWriter(str(tmp))
+        pickled = buf.getvalue()
+        writer.write_record("data.pkl", pickled, len(pickled))
+        for name, value in ((".format_version", "1"), (".storage_alignment", "64"), ("byteorder", sys.byteorder)):
+            writer.write_record(name, value, len(value))
+        for (out, src), t_layout in zip(names.items(), layout.values()):
+            t = _converted(source.read(src), dtype)
+            if t.dtype != t_layout.storage.dtype:
+                raise ExportError(f"{src}: read as {t.dtype}, laid out as {t_layout.storage.dtype}")
+            nbytes = t.numel() * t.element_size()
+            writer.write_record(f"data/{t_layout.storage.key}", t.untyped_storage(), nbytes)
+            total += nbytes
+            del t
+        writer.write_end_of_file()
+        del writer
     return total
 
 
