@@ -84,7 +84,8 @@ EVENTS = {
              "`error` when failed; `workers`, `layout`, `tp_groups` and `fsdp_units` (how the FSDP units were "
              "found: `found_by`, `count`, `first`, `note`) and `build` (`on_meta`: whether the ranks built the model on "
              "the meta device and allocated only their pieces; `why` when a sharded layout could not) and `recomputed` (how many modules "
-             "train.activation_checkpointing wrapped) when starting)",
+             "train.activation_checkpointing wrapped) and `checkpoint_format` (dcp: every rank writes its shards; full: "
+             "gathered, as some worker cannot reach the checkpoints' place) when starting)",
     "resumed": "training continues from a checkpoint (`checkpoint`, `step`)",
     "pretrained": "model.pretrained's weights were read into the laid-out model before the first step (`path`, "
                   "`prefix`, `tensors`, `seconds`: the slowest rank's; `rank_bytes`: the bytes each rank read and "

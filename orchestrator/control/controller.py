@@ -248,7 +248,8 @@ class Controller:
                     layout=job.layout.to_dict(), tp_groups=job.layout.tp_groups() if job.layout.tp > 1 else [],
                     **({"fsdp_units": infos[0]["fsdp_units"]} if infos[0].get("fsdp_units") else {}),
                     **({"build": infos[0]["build"]} if infos[0].get("build") else {}),
-                    **({"recomputed": infos[0]["recomputed"]} if infos[0].get("recomputed") is not None else {}))
+                    **({"recomputed": infos[0]["recomputed"]} if infos[0].get("recomputed") is not None else {}),
+                    **({"checkpoint_format": infos[0]["checkpoint_format"]} if infos[0].get("checkpoint_format") else {}))
         units = infos[0].get("fsdp_units") or {}
         if units.get("found_by") == "none" and job.layout.shard > 1 and not restart:  # sharded, one unit
             self.report.say(f"fsdp units: {units['note']}")
@@ -256,6 +257,11 @@ class Controller:
                 and not restart:
             self.report.say("activation checkpointing: the model has no blocks to checkpoint (no FSDP units found); "
                             "name them in train.activation_checkpointing")
+        if infos[0].get("checkpoint_format") == "full" and job.checkpoint.format == "auto" and not restart:
+            # some worker cannot reach the checkpoints' place: rank 0 will gather the whole state for each
+            self.report.say("checkpoints: not every worker reaches " + str(self.checkpoint_root) + ", so each "
+                            "checkpoint gathers the whole state to one worker and the driver (format full); "
+                            "give checkpoint.path an object store or a folder every node shares to write shards")
         built = infos[0].get("build") or {}
         if built.get("why") and not restart:  # a sharded layout, yet every rank built the whole model
             self.report.say(f"build: the whole model on every rank, not on the meta device: {built['why']}")
