@@ -52,7 +52,8 @@ def _class_name(module: nn.Module) -> str:
     return cls.__name__
 
 
-def find_units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> tuple[list[tuple[str, nn.Module]], str]:
+def find_units(model: nn.Module, patterns: tuple[str, ...] | list[str] = (), outside: bool = False
+               ) -> tuple[list[tuple[str, nn.Module]], str]:
     """The modules sharded as FSDP units of their own, outermost first in model order, with how
     they were found:
     - "patterns": `parallel.fsdp_units`, each a module-name pattern (shell-style, `*` matches
@@ -62,7 +63,9 @@ def find_units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> 
       any depth below the root whose entries hold parameters (a transformer's blocks, at
       `transformer.h` or `model.layers`; an MLP's hidden layers);
     - "none": nothing found; the root is the only unit and keeps every parameter gathered all step.
-    A match inside one already taken is not a unit of its own; modules without parameters are skipped."""
+    A match inside one already taken is not a unit of its own; modules without parameters are skipped.
+    With `outside` (what is sharded), found blocks are joined by the large modules outside them,
+    as torchtitan shards a transformer's embedding and output head: see _large_outside."""
     named = [(n, m) for n, m in model.named_modules() if n]
     if patterns:
         hits = [(n, m) for n, m in named if any(fnmatch.fnmatchcase(n, p) or _class_name(m) == p for p in patterns)]
@@ -73,13 +76,41 @@ def find_units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> 
     if no_split:
         hits = _outermost([(n, m) for n, m in named if _class_name(m) in no_split])
         if hits:
-            return hits, "no_split_modules"
+            return (_large_outside(model, hits) if outside else hits), "no_split_modules"
     hits = []
     for n, m in named:
         if isinstance(m, _CONTAINERS) and not any(n.startswith(h + ".") for h, _ in hits):
             hits += [(f"{n}.{c}", child) for c, child in m.named_children() if _has_params(child)]
     hits = _outermost(hits)
-    return (hits, "blocks") if hits else ([], "none")
+    if not hits:
+        return [], "none"
+    return (_large_outside(model, hits) if outside else hits), "blocks"
+
+
+def _large_outside(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The blocks, and in model order with them the modules outside every block that hold, as
+    their own parameters, at least half a block's (an embedding table, an output head): sharded
+    as units of their own, they are gathered only while they compute instead of staying gathered
+    with the root the whole step. A module sharing a parameter with another (a head tied to the
+    embedding) stays in the root: FSDP cannot give one parameter to two units."""
+    largest = max(sum(p.numel() for p in m.parameters()) for _, m in blocks)
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    taken = [n for n, _ in blocks]
+    extra = []
+    for name, module in model.named_modules():
+        if not name or any(name == t or name.startswith(t + ".") or t.startswith(name + ".") for t in taken):
+            continue
+        own = list(module.parameters(recurse=False))
+        if own and sum(p.numel() for p in own) * 2 >= largest and all(owners[id(p)] == 1 for p in own):
+            extra.append(name)
+    if not extra:
+        return blocks
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    modules = dict(model.named_modules())
+    return sorted(blocks + [(n, modules[n]) for n in extra], key=lambda nm: order[nm[0]])
 
 
 def _outermost(hits: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -91,13 +122,13 @@ def _outermost(hits: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]
 
 
 def _units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> list[nn.Module]:
-    return [m for _, m in find_units(model, patterns)[0]]
+    return [m for _, m in find_units(model, patterns, outside=True)[0]]
 
 
 def describe_units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> dict:
     """What the startup record says of the FSDP units: how they were found, how many, the first
     few names (and, when none were found, that the root alone is one)."""
-    units, how = find_units(model, patterns)
+    units, how = find_units(model, patterns, outside=True)
     names = [n for n, _ in units]
     out = {"found_by": how, "count": len(names), "first": names[:3]}
     if how == "none":

@@ -77,7 +77,22 @@ def test_a_model_without_blocks_says_the_root_is_the_only_unit():
     described = describe_units(nn.Linear(4, 4))
     assert described["found_by"] == "none" and described["count"] == 0
     assert "parallel.fsdp_units" in described["note"]
-    assert describe_units(Nested(n=2))["count"] == 2
+    # its 2 blocks, and the embedding and the head, which are sharded as units of their own
+    assert describe_units(Nested(n=2))["count"] == 4
+
+
+def test_the_embedding_and_the_head_are_sharded_as_units_unless_tied():
+    units, how = find_units(Nested(n=2), outside=True)
+    assert how == "blocks"
+    assert [n for n, _ in units] == ["transformer.wte", "transformer.h.0", "transformer.h.1", "lm_head"]
+    tied = Nested(n=2)
+    tied.lm_head.weight = tied.transformer.wte.weight  # one parameter cannot be in two units: both stay in the root
+    assert [n for n, _ in find_units(tied, outside=True)[0]] == ["transformer.h.0", "transformer.h.1"]
+    small = Nested(d=32, n=2)
+    small.transformer.wte = nn.Embedding(4, 32)  # far less than half a block: stays in the root
+    assert [n for n, _ in find_units(small, outside=True)[0]][0] == "transformer.h.0"
+    # what recompute checkpoints stays the blocks
+    assert [n for n, _ in find_units(Nested(n=2))[0]] == ["transformer.h.0", "transformer.h.1"]
 
 
 def test_a_pattern_matching_nothing_is_a_job_error(tmp_path):
@@ -129,8 +144,13 @@ def test_a_nested_model_is_sharded_by_its_blocks_and_trains_like_one_process(tmp
     spawn_gloo(_nested_fsdp, 2, (tmp_path, ("Block",)))
     found = json.loads((tmp_path / "nested-found.json").read_text())
     named = json.loads((tmp_path / "nested-Block.json").read_text())
+    # found: the blocks (the _no_split_modules), and the embedding and the head as units of their own
+    assert found["sharded"] == ["", "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.h.2",
+                                "lm_head"]
+    assert found["found"]["count"] == 5
+    # named: exactly what the patterns say
+    assert named["sharded"] == ["", "transformer.h.0", "transformer.h.1", "transformer.h.2"]
+    assert named["found"]["count"] == 3
     for result in (found, named):
-        assert result["sharded"] == ["", "transformer.h.0", "transformer.h.1", "transformer.h.2"]
-        assert result["found"]["count"] == 3
         assert result["diff"] <= TOL, result["diff"]
     assert found["found"]["found_by"] == "no_split_modules" and named["found"]["found_by"] == "patterns"

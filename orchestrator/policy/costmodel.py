@@ -142,6 +142,9 @@ class ModelShape:
                                              # whole model is one unit
     block_params: float = 0.0                # parameters of one such unit; the rest (embeddings, head) is
                                              # the root unit, gathered for the whole step
+    outside_units: int = 0                   # the rest sharded as this many units of their own instead (the
+                                             # embedding and the head: strategies/fsdp.py _large_outside),
+                                             # an even share each, the first before the blocks, the others after
     activations: Activations | None = None   # None: not modelled (counted as 0 bytes)
     cast_share: float = 1.0                  # of the parameters, those whose autocast copies autograd keeps
                                              # for backward: Linear weights whose input needs a gradient
@@ -319,7 +322,11 @@ def units(model: ModelShape, tp: int = 1) -> list[float]:
     if model.blocks == 0:
         return [local]
     block = model.block_params / tp
-    return [max(0.0, local - model.blocks * block)] + [block] * model.blocks
+    rest = max(0.0, local - model.blocks * block)
+    if model.outside_units > 0:
+        share = rest / model.outside_units
+        return [share] + [block] * model.blocks + [share] * (model.outside_units - 1)
+    return [rest] + [block] * model.blocks
 
 
 def prefetched(compute_s: float, gathers: list[float]) -> float:
@@ -390,7 +397,8 @@ def memory(model: ModelShape, dp: int, tp: int = 1, shard: int = 1, *, global_ba
     local = sum(parts)
     out = {"params": local / shard * PARAM_BYTES, "grads": local / shard * model.grad_bytes_per_param,
            "optimizer": local / shard * 4.0 * optimizer_states, "gathered": 0.0, "cast_weights": 0.0}
-    # what a layout holds whole for a while: one unit when the model is one, else the root and two blocks
+    # what a layout holds whole for a while: one unit when the model is one, else the root (or, sharded
+    # as units of their own, the largest of the embedding and the head) and two blocks
     transient = local if len(parts) == 1 else parts[0] + 2 * (parts[1] if len(parts) > 1 else 0.0)
     if shard > 1:
         block = parts[-1]
@@ -538,8 +546,12 @@ def shape_of_job(job) -> ModelShape:
                                        ffn_mult=ffn_mult, heads=k.n_head, params=params, name="gpt")
         block = sum(p.numel() for p in k.blocks[0].parameters()) if blocks else 0
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        from gearshift.strategies.fsdp import find_units
+
+        found, _ = find_units(model, job.parallel.fsdp_units, outside=True)
+        outside = sum(1 for n, _ in found if not n.startswith("blocks.")) if not job.parallel.fsdp_units else 0
         return replace(shape, tp_param_share=split / params if params else 1.0, block_params=block,
-                       cast_share=linear / params if params else 1.0)
+                       cast_share=linear / params if params else 1.0, outside_units=outside)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     acts, cast = None, 1.0
     if spec.get("name") == "mlp" and linears:
