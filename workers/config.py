@@ -57,11 +57,13 @@ class WorkerConfig:
     checkpoint_dir: str | None = None  # the run's checkpoints/ (every rank writes its shards there)
     checkpoint_format: str = "full"  # dcp: each rank writes its shards; full: rank 0 sends whole tensors
     checkpoint_options: Mapping[str, Any] = field(default_factory=dict)  # checkpoint.storage_options (fsspec)
+    checkpoint_server: str | None = None  # the driver's FileServer actor, for nodes that do not see checkpoint_dir
+    unshared_storage: bool = False  # inject.unshared_storage: act as if checkpoint_dir were not visible here
     feeders: Mapping[str, str] = field(default_factory=dict)  # streamed data, eval.data: feeder actor names
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",), checkpoint_dir: str | None = None,
-                 feeders: Mapping[str, str] | None = None) -> "WorkerConfig":
+                 feeders: Mapping[str, str] | None = None, checkpoint_server: str | None = None) -> "WorkerConfig":
         train, par, tel, inject = job["train"], job["parallel"], job["telemetry"], job["inject"]
         return cls(
             name=job["name"], model=job["model"], data=job["data"], loss=job["loss"], optimizer=job["optimizer"],
@@ -82,6 +84,7 @@ class WorkerConfig:
             loader=job["data"].get("loader") or dict(_IN_LOOP),
             fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
             compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train),
+            checkpoint_server=checkpoint_server, unshared_storage=bool(inject.get("unshared_storage", False)),
             feeders=dict(feeders or {}))
 
 

@@ -27,11 +27,15 @@ from gearshift.workers import checkpoint, storage
 from gearshift.workers.checkpoint import CheckpointError, DCP_DIR, EXTRA, sha256_file
 
 
-def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options: dict | None = None):
+def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options: dict | None = None,
+             served: str | None = None, unshared: bool = False):
     """Where this run's ranks write DCP checkpoints, or None for the full format: checkpoint.format
-    full, no run directory, or (auto) some rank cannot reach the checkpoints' place: the driver's
-    checkpoints folder on a cluster whose nodes share no file system, an object store this node
-    has no route or credentials to. Every rank must agree, so it is a collective."""
+    full, no run directory, or (auto) some rank cannot reach the checkpoints' place and there is
+    no way round: an object store this node has no route or credentials to, or the driver's
+    folder on a cluster whose nodes share no file system when no FileServer was started for it.
+    When the driver's FileServer `served` runs (workers/fileserver.py) and some rank does not see
+    the folder (or `unshared`: inject.unshared_storage says to act so), every rank reaches it
+    through the server. Every rank must agree, so it is a collective."""
     if fmt == "full" or not checkpoint_dir:
         return None
     root = storage.location(checkpoint_dir, options)
@@ -42,12 +46,15 @@ def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options
         except Exception:  # noqa: BLE001 - whatever the storage says, this rank cannot use it
             reached = False
     else:
-        reached = root.is_dir()
+        reached = not unshared and _sees(root, served)
     seen = torch.tensor([1 if reached else 0], device=device)
     if dist.is_initialized():
         dist.all_reduce(seen, op=dist.ReduceOp.MIN)
     if seen.item():
         return root
+    via = _through_server(root, served, device) if not storage.is_remote(root) else None
+    if via is not None:
+        return via
     if fmt == "dcp":
         raise RuntimeError(f"checkpoint.format is dcp but {checkpoint_dir} is not visible on every worker's node: "
                            "put the run directory on storage all nodes share (--run-dir), or use checkpoint.format "
@@ -55,14 +62,56 @@ def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options
     return None
 
 
+def _sees(root: pathlib.Path, served: str | None) -> bool:
+    """This node sees the driver's folder itself: it exists here, and when the driver's server runs,
+    it holds the server's mark (a folder of the same name on another disk does not count)."""
+    from gearshift.workers import fileserver
+
+    if not root.is_dir():
+        return False
+    if not served:
+        return True
+    try:
+        return (root / fileserver.MARK).read_text() == served
+    except OSError:
+        return False
+
+
+def _through_server(root: pathlib.Path, served: str | None, device: torch.device):
+    """The driver's folder as reached through its FileServer, or None when no server answers.
+    Every rank takes part: all of them use the server or none does."""
+    from gearshift.workers import fileserver
+
+    ok = True
+    try:
+        via = storage.location(fileserver.url(served, str(root))) if served else None
+        ok = via is not None and via.is_dir()
+    except Exception:  # noqa: BLE001 - no such actor (never started), or it does not answer
+        via, ok = None, False
+    agreed = torch.tensor([1 if ok else 0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return via if agreed.item() else None
+
+
+def locate(path: str, root, options: dict | None = None):
+    """A checkpoint folder the driver named (a path on its node, or a URL) as this rank reaches
+    it: through the driver's FileServer when this rank writes through it."""
+    if storage.is_served(root) and not storage.is_url(path):
+        from gearshift.workers import fileserver
+
+        return storage.location(fileserver.url(root.fs.server, path))
+    return storage.location(path, options)
+
+
 def tmp_folder(root, step: int):
     """The folder every rank writes the checkpoint of `step` into (the same name on every rank
     without asking: the driver renames it once all of them reported). In an object store, which
     cannot rename, the checkpoint's own folder: it counts once the driver wrote its manifest."""
     root = storage.location(root)
-    if storage.is_remote(root):
+    if storage.is_remote(root) and not storage.is_served(root):
         return root / f"step_{step:08d}"
-    return root / f".step_{step:08d}.tmp-dcp"
+    return root / f".step_{step:08d}.tmp-dcp"  # the driver renames it; through its server too
 
 
 def _writer(folder):

@@ -39,6 +39,13 @@ def is_remote(path) -> bool:
     return isinstance(path, RemotePath)
 
 
+def is_served(path) -> bool:
+    """A folder on the driver's node that this worker reaches through its FileServer."""
+    from gearshift.workers import fileserver
+
+    return is_remote(path) and path.fs.protocol == fileserver.PROTOCOL
+
+
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az", "oss", "r2"}
 
 
@@ -59,6 +66,11 @@ class RemotePath:
     def open_url(cls, url: str, options: dict) -> "RemotePath":
         import fsspec
 
+        from gearshift.workers import fileserver
+
+        # the driver's folder served to workers on other nodes (workers/fileserver.py)
+        fsspec.register_implementation(fileserver.PROTOCOL, "gearshift.workers.fileserver.ServedFileSystem",
+                                       clobber=True)
         fs, path = fsspec.core.url_to_fs(url, **options)
         return cls(fs, path, url.rstrip("/"), path, options)
 

@@ -20,7 +20,7 @@ from gearshift import strategies
 from gearshift.monitoring.comm import CommClock
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
-from gearshift.workers import components, dcp, oom, precision, recompute, rendezvous, schedules
+from gearshift.workers import components, dcp, oom, precision, recompute, rendezvous, schedules, storage
 from gearshift.workers.comm import CommRoute
 from gearshift.workers.config import WorkerConfig
 from gearshift.workers.data import GlobalBatches, tokens_per_sample
@@ -124,7 +124,8 @@ class TrainWorker:
         self._lay_out(Layout.from_dict(layout) if layout else
                       Layout.for_workers(cfg.strategy, self.world, cfg.tp_size, cfg.shard_size, cfg.dp_shard))
         self.step = 0
-        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options)
+        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options,
+                                     served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
         if self.telemetry is None:
             self.telemetry = WorkerTelemetry(cfg, self.device)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
@@ -135,6 +136,7 @@ class TrainWorker:
                 "build": self.build_info,
                 "recomputed": len(self.recomputed),
                 "checkpoint_format": "dcp" if self.dcp_root else "full",
+                "checkpoint_served": storage.is_served(self.dcp_root),
                 "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
@@ -344,10 +346,8 @@ class TrainWorker:
     def load(self, state: dict) -> int:
         """Continue from a checkpoint: full tensors, or {"dcp": folder} (each rank reads its pieces)."""
         if "dcp" in state:
-            from gearshift.workers import storage
-
             state = dcp.load(self.parallel.model, self.optimizer,
-                             storage.location(state["dcp"], self.config.checkpoint_options))
+                             dcp.locate(state["dcp"], self.dcp_root, self.config.checkpoint_options))
         else:
             self.parallel.load_full_state(self.optimizer, state)
         if state.get("scaler"):

@@ -208,6 +208,8 @@ class RayWorkerGroup:
         self.feeders: list[Any] = []  # the streamed datasets' feeder actors
         self.data_info: dict[str, dict] = {}  # what each feeder found: rows, columns, shapes
         self.chunk = 0  # the number of the stoppable step loop in progress (stop_early names it)
+        self.file_server = None  # serves checkpoint_dir to workers on other nodes (workers/fileserver.py)
+        self.file_server_name = None  # named anew at each start (a killed actor's name is freed late)
 
     # ---------------------------------------------------------------- start
 
@@ -239,6 +241,10 @@ class RayWorkerGroup:
                 f"{': ' + short if short else ''}. Available now: {ray.available_resources()}.") from None
 
         STARTUP.mark("placement")
+        if self.checkpoint_dir and "://" not in self.checkpoint_dir:
+            import uuid
+
+            self.file_server_name = f"gearshift-files-{uuid.uuid4().hex[:12]}"
         # `request_stop` runs on a thread of its own while `train` runs (workers/stopping.py)
         actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         search_paths = [job.base_dir]
@@ -247,8 +253,8 @@ class RayWorkerGroup:
                 num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 max_restarts=0, max_concurrency=1,
-            ).remote(WorkerConfig.from_job(job.to_dict(), search_paths, self.checkpoint_dir, feeders),
-                      job.cluster.cpus_per_worker)
+            ).remote(WorkerConfig.from_job(job.to_dict(), search_paths, self.checkpoint_dir, feeders,
+                                           self.file_server_name), job.cluster.cpus_per_worker)
             for i in range(job.cluster.num_workers)
         ]
         self.workers = handles
@@ -260,6 +266,7 @@ class RayWorkerGroup:
         self.workers = [handles[i] for i in order]
         self.infos = [infos[i] for i in order]
         self._check_tp_groups_are_node_local()
+        self._serve_checkpoints()
 
         master_addr = self.infos[0]["node_ip"]
         port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
@@ -278,6 +285,25 @@ class RayWorkerGroup:
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos
+
+    def _serve_checkpoints(self) -> None:
+        """When a worker runs on another node than the driver (or inject.unshared_storage), start the
+        FileServer on the driver's node, through which such workers write and read the run's
+        checkpoints folder by pieces (workers/fileserver.py), instead of gathering the whole state."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from gearshift.workers import fileserver
+
+        here = ray.get_runtime_context().get_node_id()
+        away = any(info["node_id"] != here for info in self.infos)
+        if not self.file_server_name or not (away or self.job.inject.unshared_storage):
+            return
+        self.file_server = ray.remote(fileserver.FileServer).options(
+            name=self.file_server_name, num_cpus=0, max_concurrency=8, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        ).remote(self.checkpoint_dir)
+        self._get([self.file_server.mark.remote(self.file_server_name)], "start")
 
     def _start_feeders(self) -> dict[str, str]:
         """One feeder actor per streamed dataset (data, eval.data), named for the workers to find;
@@ -488,10 +514,10 @@ class RayWorkerGroup:
                 with contextlib.suppress(Exception):
                     ray.kill(w, no_restart=True)
             self.workers = []
-        for f in self.feeders:
+        for f in self.feeders + ([self.file_server] if self.file_server is not None else []):
             with contextlib.suppress(Exception):
                 ray.kill(f, no_restart=True)
-        self.feeders = []
+        self.feeders, self.file_server = [], None
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
 

@@ -249,7 +249,8 @@ class Controller:
                     **({"fsdp_units": infos[0]["fsdp_units"]} if infos[0].get("fsdp_units") else {}),
                     **({"build": infos[0]["build"]} if infos[0].get("build") else {}),
                     **({"recomputed": infos[0]["recomputed"]} if infos[0].get("recomputed") is not None else {}),
-                    **({"checkpoint_format": infos[0]["checkpoint_format"]} if infos[0].get("checkpoint_format") else {}))
+                    **({"checkpoint_format": infos[0]["checkpoint_format"]} if infos[0].get("checkpoint_format") else {}),
+                    **({"checkpoint_served": True} if infos[0].get("checkpoint_served") else {}))
         units = infos[0].get("fsdp_units") or {}
         if units.get("found_by") == "none" and job.layout.shard > 1 and not restart:  # sharded, one unit
             self.report.say(f"fsdp units: {units['note']}")
@@ -257,6 +258,10 @@ class Controller:
                 and not restart:
             self.report.say("activation checkpointing: the model has no blocks to checkpoint (no FSDP units found); "
                             "name them in train.activation_checkpointing")
+        if infos[0].get("checkpoint_served") and not restart:
+            self.report.say(f"checkpoints: the workers do not all see {self.checkpoint_root}; they write and read "
+                            "their shards there through a file server on this node (give checkpoint.path a folder "
+                            "every node shares, or an object store, to spare this node's network)")
         if infos[0].get("checkpoint_format") == "full" and job.checkpoint.format == "auto" and not restart:
             # some worker cannot reach the checkpoints' place: rank 0 will gather the whole state for each
             self.report.say("checkpoints: not every worker reaches " + str(self.checkpoint_root) + ", so each "

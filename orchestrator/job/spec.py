@@ -234,6 +234,9 @@ class InjectSpec:
     comm_delay_ms: float = _f(0.0, _float(0.0, 60000.0), "extra latency added to every timed collective")
     nodes: int = _f(1, _int(1, 4096), "group the workers into this many simulated nodes (consecutive ranks)")
     link: dict | None = _f(None, _link, "a simulated slow link between simulated nodes: {mb_per_s, latency_ms}")
+    unshared_storage: bool = _f(False, _bool, "the workers act as if their nodes did not share the driver's file "
+                                              "system: they reach the run's checkpoints through the driver's file "
+                                              "server")
 
 
 @dataclass(frozen=True)
