@@ -200,7 +200,7 @@ def _resolve(job, overrides, run_dir, resume):
                        "checkpoint.*, eval.*, telemetry.*, inject.*, adapt.*, tune.*, cluster.* and parallel.* "
                        "may change on resume.")
     root = run.checkpoint_root(job.checkpoint, job.base_dir)
-    found = checkpoint.load_latest(root)
+    found = checkpoint.load_latest(root, whole=False)  # the workers read it, each its pieces
     if found is None:
         return job, run, None, [f"no usable checkpoint in {root}; starting from step 0."]
     return job, run, (found[0].name, found[1]), []

@@ -94,3 +94,22 @@ def test_a_run_on_unshared_storage_checkpoints_by_shards_and_resumes_under_anoth
     ref_state, _ = reference(load_job(MLP[0], MLP[1] + ["train.steps=9", "optimizer.name=adam"]))
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert max_diff(final, ref_state) <= 1e-4
+
+
+def test_a_full_format_checkpoint_is_mapped_by_each_worker_not_handed_over(ray_cluster, tmp_path):
+    """checkpoint.format full: the resume hands the workers a reference, and each maps the file on
+    its own node (here fetched through the driver's server into a local copy)."""
+    where = ["checkpoint.every=3", "optimizer.name=adam", "inject.unshared_storage=true", "cluster.num_workers=2",
+             "checkpoint.format=full"]
+    summary = run_gearshift(MLP[0], MLP[1] + where + ["train.steps=6"], tmp_path / "run")
+    assert summary["status"] == "done"
+    root = tmp_path / "run" / "checkpoints"
+    assert checkpoint.verify(root / "step_00000006")[0]["format"] == checkpoint.FORMAT
+    assert checkpoint.load(root / "step_00000006", whole=False) == {
+        "full": str((root / "step_00000006" / "state.pt").resolve()), "step": 6}
+    more = MLP[1] + where + ["train.steps=9", "parallel.strategy=fsdp"]
+    summary = run_gearshift(MLP[0], more, tmp_path / "run", "--resume", str(tmp_path / "run"))
+    assert summary["resumed_from_step"] == 6 and summary["strategy_history"][-1]["strategy"] == "fsdp"
+    ref_state, _ = reference(load_job(MLP[0], MLP[1] + ["train.steps=9", "optimizer.name=adam"]))
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, ref_state) <= 1e-4

@@ -275,25 +275,31 @@ def verify(path: pathlib.Path, read: bool = True) -> tuple[dict, dict[str, bytes
     return manifest, files
 
 
-def load(path: pathlib.Path) -> dict:
-    """What a worker's `load` takes: the full state (format 1), or for a DCP checkpoint a
-    reference {"dcp": folder, "step": N} from which every rank reads its own pieces."""
+def load(path: pathlib.Path, whole: bool = True) -> dict:
+    """What a worker's `load` takes: for a DCP checkpoint a reference {"dcp": folder, "step": N}
+    from which every rank reads its own pieces; for the full format the whole state (`whole`, for
+    tools and tests) or a reference {"full": file, "step": N} from which every worker maps the file
+    on its own node (workers/dcp.open_full), so the driver never reads the state to pass it on."""
     manifest, _ = verify(path, read=False)  # hashed streaming: state.pt is not held as bytes
     path = location(path)
     if manifest["format"] == DCP_FORMAT:
         return {"dcp": str(path.resolve()), "step": int(manifest["step"])}
+    if not whole:
+        state = path / "state.pt"
+        return {"full": state.url if is_remote(state) else str(state.resolve()), "step": int(manifest["step"])}
     # weights_only: a checkpoint is data; loading one never runs code from it. A local file is
-    # mapped, not read: what is passed on to the workers is read from the page cache as it goes
+    # mapped, not read
     if is_remote(path):
         return torch.load(io.BytesIO((path / "state.pt").read_bytes()), map_location="cpu", weights_only=True)
     return torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
 
 
-def load_latest(root: pathlib.Path) -> tuple[pathlib.Path, dict] | None:
-    """The newest checkpoint that verifies and loads; broken ones are skipped with a warning."""
+def load_latest(root: pathlib.Path, whole: bool = True) -> tuple[pathlib.Path, dict] | None:
+    """The newest checkpoint that verifies and loads (`whole`: see `load`); broken ones are
+    skipped with a warning."""
     for path in reversed(list_checkpoints(root)):
         try:
-            return path, load(path)
+            return path, load(path, whole)
         except Exception as err:  # any checkpoint that cannot be used is skipped, whatever the reason
             log.warning("skipping checkpoint %s: %s", path.name, str(err).splitlines()[0])
     return None

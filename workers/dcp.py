@@ -104,6 +104,30 @@ def locate(path: str, root, options: dict | None = None):
     return storage.location(path, options)
 
 
+def open_full(path: str, server: str | None = None, options: dict | None = None, unshared: bool = False) -> dict:
+    """A full-format checkpoint's state (`path`: its state.pt, as the driver named it), mapped from
+    this node's disk rather than handed over by the driver: the driver's file itself where this
+    node sees it; else a copy fetched block by block (through the driver's FileServer, or from the
+    object store) into a temporary file here, mapped, then unlinked (the mapping keeps it). Each
+    layout then copies out only its pieces, so only the pages those touch are read."""
+    import shutil
+    import tempfile
+
+    from gearshift.workers import fileserver
+
+    local = None if storage.is_url(path) else pathlib.Path(path)
+    if local is not None and not unshared and local.is_file() and _sees(local.parent.parent, server):
+        return torch.load(local, map_location="cpu", weights_only=True, mmap=True)
+    if local is not None and not server:
+        raise CheckpointError(f"{path} is not visible on this worker's node, and no file server was started")
+    source = storage.location(fileserver.url(server, path)) if local is not None else storage.location(path, options)
+    with tempfile.NamedTemporaryFile(prefix="gearshift-state-", suffix=".pt") as copy:
+        with source.open("rb") as f:
+            shutil.copyfileobj(f, copy, fileserver.BLOCK)
+        copy.flush()
+        return torch.load(copy.name, map_location="cpu", weights_only=True, mmap=True)
+
+
 def tmp_folder(root, step: int):
     """The folder every rank writes the checkpoint of `step` into (the same name on every rank
     without asking: the driver renames it once all of them reported). In an object store, which

@@ -344,11 +344,16 @@ class TrainWorker:
         return {**got, "seconds": round(time.perf_counter() - start, 3), "memory": oom.memory_figures(self.device)}
 
     def load(self, state: dict) -> int:
-        """Continue from a checkpoint: full tensors, or {"dcp": folder} (each rank reads its pieces)."""
+        """Continue from a checkpoint: {"dcp": folder} (each rank reads its pieces), {"full": file}
+        (each rank maps the file on its node and takes its pieces) or full tensors."""
+        cfg = self.config
         if "dcp" in state:
             state = dcp.load(self.parallel.model, self.optimizer,
-                             dcp.locate(state["dcp"], self.dcp_root, self.config.checkpoint_options))
+                             dcp.locate(state["dcp"], self.dcp_root, cfg.checkpoint_options))
         else:
+            if "full" in state:
+                state = dcp.open_full(state["full"], cfg.checkpoint_server, cfg.checkpoint_options,
+                                      cfg.unshared_storage)
             self.parallel.load_full_state(self.optimizer, state)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

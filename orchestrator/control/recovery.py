@@ -51,7 +51,7 @@ class Recovery:
                                   failures=failures, max_failures=f.max_failures, action="stop")
             raise err
         lost = lost_nodes(err, group, infos, dead)
-        found = checkpoint.load_latest(self.checkpoints)
+        found = checkpoint.load_latest(self.checkpoints, whole=False)  # the workers read it
         restore_step = found[1]["step"] if found else 0
         action = f"restart from step {restore_step}" + (f" ({found[0].name})" if found else " (no checkpoint yet)")
         if lost:
