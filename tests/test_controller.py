@@ -52,9 +52,11 @@ class FakeGroup:
             self.evaluated = getattr(self, "evaluated", []) + [(self.step, args[0])]
             return [{"loss": abs(self.step - 8) + 1.0, "samples": 64, "batches": 2, "token_targets": False}] * 2
         assert method == "load"
-        self.loaded = args[0]
-        self.step = args[0]["step"]
-        self.w = args[0]["model"]["w"].clone()
+        self.loaded = state = args[0]
+        if "full" in state:  # a full-format checkpoint by reference: a worker maps the file itself
+            state = torch.load(state["full"], weights_only=True)
+        self.step = state["step"]
+        self.w = state["model"]["w"].clone()
         return [self.step, self.step]
 
     def call_rank(self, rank, method):

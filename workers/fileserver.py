@@ -27,7 +27,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 PROTOCOL = "gearshift"
 MARK = ".gearshift-served"  # in the served folder: the server's name (a worker seeing it sees the folder itself)
-BLOCK = 8 << 20  # bytes per read or write call to the server
+BLOCK = 1 << 20  # bytes per read or write call to the server (a larger block is kept by malloc)
 CALL_TIMEOUT_S = 300.0  # one block, or one fsync, on a loaded node
 
 
@@ -39,9 +39,7 @@ class FileServer:
         self._open: dict[str, tuple] = {}  # handle -> (file object, temporary path, final path)
 
     def mark(self, name: str) -> None:
-        """Write the mark by which a worker tells the folder itself from one of the same name."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / MARK).write_text(name)
+        write_mark(self.root, name)
 
     def _inside(self, path: str) -> pathlib.Path:
         p = pathlib.Path(os.path.normpath(path))
@@ -122,6 +120,17 @@ class FileServer:
             while block := f.read(1 << 22):
                 h.update(block)
         return h.hexdigest()
+
+
+def write_mark(root, name: str) -> None:
+    """The mark by which a worker tells the driver's folder itself from one of the same name on
+    another disk: the name of this start's server (whether or not it is started), written by the
+    driver into the folder."""
+    root = pathlib.Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{MARK}.tmp-{os.getpid()}"
+    tmp.write_text(name)
+    os.replace(tmp, root / MARK)
 
 
 def url(server: str, path: str) -> str:
@@ -215,7 +224,8 @@ class ServedFileSystem(AbstractFileSystem):
 
 class _ServedFile(AbstractBufferedFile):
     def _fetch_range(self, start, end):
-        return self.fs._call("read", self.path, start, end)
+        # a block a call, so the server never holds more than one whatever the reader asks for
+        return b"".join(self.fs._call("read", self.path, at, min(end, at + BLOCK)) for at in range(start, end, BLOCK))
 
     def _initiate_upload(self):
         self._handle = self.fs._call("begin", self.path)

@@ -244,7 +244,10 @@ class RayWorkerGroup:
         if self.checkpoint_dir and "://" not in self.checkpoint_dir:
             import uuid
 
+            from gearshift.workers import fileserver
+
             self.file_server_name = f"gearshift-files-{uuid.uuid4().hex[:12]}"
+            fileserver.write_mark(self.checkpoint_dir, self.file_server_name)
         # `request_stop` runs on a thread of its own while `train` runs (workers/stopping.py)
         actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         search_paths = [job.base_dir]
