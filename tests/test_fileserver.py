@@ -88,12 +88,7 @@ def test_a_run_on_unshared_storage_checkpoints_by_shards_and_resumes_under_anoth
     assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_00000003", "step_00000006"]
     assert checkpoint.verify(root / "step_00000006")[0]["format"] == checkpoint.DCP_FORMAT  # shards, no gather
     # continued to step 9 as data(2), the workers reading their pieces of step 6 through the server
-    more = MLP[1] + where + ["train.steps=9", "parallel.strategy=data"]
-    summary = run_gearshift(MLP[0], more, tmp_path / "run", "--resume", str(tmp_path / "run"))
-    assert summary["resumed_from_step"] == 6 and summary["strategy_history"][-1]["strategy"] == "data"
-    ref_state, _ = reference(load_job(MLP[0], MLP[1] + ["train.steps=9", "optimizer.name=adam"]))
-    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    assert max_diff(final, ref_state) <= 1e-4
+    _resume_to_9_equals_plain_pytorch(tmp_path / "run", where, "data")
 
 
 def test_a_full_format_checkpoint_is_mapped_by_each_worker_not_handed_over(ray_cluster, tmp_path):
@@ -107,9 +102,14 @@ def test_a_full_format_checkpoint_is_mapped_by_each_worker_not_handed_over(ray_c
     assert checkpoint.verify(root / "step_00000006")[0]["format"] == checkpoint.FORMAT
     assert checkpoint.load(root / "step_00000006", whole=False) == {
         "full": str((root / "step_00000006" / "state.pt").resolve()), "step": 6}
-    more = MLP[1] + where + ["train.steps=9", "parallel.strategy=fsdp"]
-    summary = run_gearshift(MLP[0], more, tmp_path / "run", "--resume", str(tmp_path / "run"))
-    assert summary["resumed_from_step"] == 6 and summary["strategy_history"][-1]["strategy"] == "fsdp"
+    _resume_to_9_equals_plain_pytorch(tmp_path / "run", where, "fsdp")
+
+
+def _resume_to_9_equals_plain_pytorch(run, where: list[str], strategy: str) -> None:
+    """The run of 6 steps continued to step 9 under `strategy` ends where 9 single-process steps do."""
+    more = MLP[1] + where + ["train.steps=9", f"parallel.strategy={strategy}"]
+    summary = run_gearshift(MLP[0], more, run, "--resume", str(run))
+    assert summary["resumed_from_step"] == 6 and summary["strategy_history"][-1]["strategy"] == strategy
     ref_state, _ = reference(load_job(MLP[0], MLP[1] + ["train.steps=9", "optimizer.name=adam"]))
-    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    final = torch.load(run / "final.pt", weights_only=True)
     assert max_diff(final, ref_state) <= 1e-4
