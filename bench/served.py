@@ -156,7 +156,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         name = "gearshift-files-bench"
-        server = ray.remote(_server_class()).options(name=name, num_cpus=0, max_concurrency=8).remote(str(work))
+        server = ray.remote(_server_class()).options(name=name, num_cpus=0, max_concurrency=fileserver.IN_FLIGHT).remote(str(work))
         ray.get(server.mark.remote(name), timeout=120)
         rank = ray.remote(Rank).options(num_cpus=1).remote(n_layer)
         params = ray.get(rank.parameters.remote(), timeout=600)

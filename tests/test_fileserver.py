@@ -27,7 +27,7 @@ def served(ray_cluster, tmp_path):
 
     name = f"gearshift-files-test-{tmp_path.name}"[:60]
     root = tmp_path / "checkpoints"
-    server = ray.remote(fileserver.FileServer).options(name=name, num_cpus=0, max_concurrency=4).remote(str(root))
+    server = ray.remote(fileserver.FileServer).options(name=name, num_cpus=0, max_concurrency=fileserver.IN_FLIGHT).remote(str(root))
     ray.get(server.mark.remote(name), timeout=60)
     try:
         yield root, storage.location(fileserver.url(name, str(root)))

@@ -28,6 +28,7 @@ from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 PROTOCOL = "gearshift"
 MARK = ".gearshift-served"  # in the served folder: the server's name (a worker seeing it sees the folder itself)
 BLOCK = 1 << 20  # bytes per read or write call to the server (a larger block is kept by malloc)
+IN_FLIGHT = 8  # blocks of one read or write at the server at once (its max_concurrency)
 CALL_TIMEOUT_S = 300.0  # one block, or one fsync, on a loaded node
 
 
@@ -80,20 +81,23 @@ class FileServer:
         final.parent.mkdir(parents=True, exist_ok=True)
         handle = uuid.uuid4().hex
         tmp = final.with_name(f".{final.name}.part-{handle[:8]}")
-        self._open[handle] = (open(tmp, "wb"), tmp, final)
+        self._open[handle] = (os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), tmp, final)
         return handle
 
-    def _append(self, handle, data):
-        self._open[handle][0].write(data)
+    def _write(self, handle, offset, data):
+        # at its offset: a writer keeps several blocks in flight, and they may land in any order
+        fd = self._open[handle][0]
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(fd, view, offset + len(data) - len(view)):]
 
     def _finish(self, handle, keep):
-        f, tmp, final = self._open.pop(handle)
+        fd, tmp, final = self._open.pop(handle)
         try:
             if keep:
-                f.flush()
-                os.fsync(f.fileno())
+                os.fsync(fd)
         finally:
-            f.close()
+            os.close(fd)
         if keep:
             os.replace(tmp, final)
         else:
@@ -168,9 +172,24 @@ class ServedFileSystem(AbstractFileSystem):
         return url(self.server, name)
 
     def _call(self, op: str, *args):
+        return self._calls([(op, *args)])[0]
+
+    def _calls(self, calls) -> list:
+        """Several operations (an iterable, made as it is consumed), at most IN_FLIGHT of them at the
+        server at once (blocks of one read or one write: the network stays busy while the server
+        reads or writes the disk)."""
+        import itertools
+
         import ray
 
-        answer = ray.get(self._actor.call.remote(op, *args), timeout=CALL_TIMEOUT_S)
+        calls, out = iter(calls), []
+        while window := list(itertools.islice(calls, IN_FLIGHT)):
+            refs = [self._actor.call.remote(*c) for c in window]
+            del window
+            out += [self._answer(a) for a in ray.get(refs, timeout=CALL_TIMEOUT_S)]
+        return out
+
+    def _answer(self, answer: dict):
         if "error" in answer:
             kind = {"FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError,
                     "PermissionError": PermissionError, "IsADirectoryError": IsADirectoryError,
@@ -224,8 +243,9 @@ class ServedFileSystem(AbstractFileSystem):
 
 class _ServedFile(AbstractBufferedFile):
     def _fetch_range(self, start, end):
-        # a block a call, so the server never holds more than one whatever the reader asks for
-        return b"".join(self.fs._call("read", self.path, at, min(end, at + BLOCK)) for at in range(start, end, BLOCK))
+        # a block a call, so the server holds a few blocks at most whatever the reader asks for
+        return b"".join(self.fs._calls(("read", self.path, at, min(end, at + BLOCK))
+                                       for at in range(start, end, BLOCK)))
 
     def _initiate_upload(self):
         self._handle = self.fs._call("begin", self.path)
@@ -233,9 +253,10 @@ class _ServedFile(AbstractBufferedFile):
     def _upload_chunk(self, final=False):
         if not getattr(self, "_handle", None):
             self._initiate_upload()
-        self.buffer.seek(0)
-        while block := self.buffer.read(BLOCK):
-            self.fs._call("append", self._handle, block)
+        data = self.buffer.getbuffer()
+        self.fs._calls(("write", self._handle, self.offset + at, bytes(data[at:at + BLOCK]))
+                       for at in range(0, len(data), BLOCK))
+        del data  # a view of the buffer: fsspec replaces the buffer next
         if final:
             self.fs._call("finish", self._handle, True)
             self._handle = None

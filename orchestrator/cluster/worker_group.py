@@ -303,7 +303,7 @@ class RayWorkerGroup:
         if not self.file_server_name or not (away or self.job.inject.unshared_storage):
             return
         self.file_server = ray.remote(fileserver.FileServer).options(
-            name=self.file_server_name, num_cpus=0, max_concurrency=8, max_restarts=0,
+            name=self.file_server_name, num_cpus=0, max_concurrency=fileserver.IN_FLIGHT, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         ).remote(self.checkpoint_dir)
         self._get([self.file_server.mark.remote(self.file_server_name)], "start")
