@@ -36,8 +36,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 # in-place operations that overwrite the whole of what they are given, whatever it held
 _OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_",
                "geometric_", "cauchy_", "log_normal_"}
-_RANDOM_FILLS = {"uniform_", "normal_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_",
-                 "log_normal_"}  # in place, self returned unchanged in shape: nothing to compute on meta
 _UNFILLED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::detach"}
 _CPU = torch.device("cpu")
 
@@ -87,13 +85,6 @@ class _Op:
 
 
 class _Recorder(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch otherwise wraps __torch_dispatch__ in dynamo's disable, whose first call imports
-        # torch._dynamo (30 MB after FSDP2's imports, 76 MB before) into every worker that builds
-        # on meta; nothing is compiled while a constructor runs under the recorder
-        return False
-
     def __init__(self):
         super().__init__()
         self.ops: list[_Op] = []
@@ -102,11 +93,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func._schema.name.split("::")[-1] in _RANDOM_FILLS and args and isinstance(args[0], torch.Tensor) \
-                and args[0].is_meta:
-            out = args[0]  # what the meta kernel returns; it would go through torch._refs, importing dynamo
-        else:
-            out = func(*args, **kwargs)
+        out = func(*args, **kwargs)
         self.alive.append((args, kwargs, out))
         if self.problem is None and any(isinstance(x, torch.Tensor) and not x.is_meta for x in tree_flatten(out)[0]):
             self.problem = f"{func} made a tensor off the meta device"
