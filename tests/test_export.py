@@ -109,3 +109,59 @@ def test_export_of_a_damaged_checkpoint_says_so(tmp_path, capsys):
     state.write_bytes(state.read_bytes()[:-10] + b"0123456789")
     assert cli.main(["export", str(run), "--output", str(tmp_path / "o")]) == 2
     assert "does not match its manifest" in capsys.readouterr().err
+
+
+def _sharded_full() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"rows": torch.randn(5, 4, generator=g), "cols": torch.randn(4, 6, generator=g),
+            "rep": torch.randn(3, generator=g)}
+
+
+def _write_sharded(rank: int, world: int, folder: str) -> None:
+    """Each rank writes its shards of _sharded_full() as DCP: by rows (uneven), by columns, replicated."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _sharded_full()
+    state = {"rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+             "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+             "rep": distribute_tensor(full["rep"], mesh, [Replicate()])}
+    dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(folder))
+
+
+def test_a_tensor_sharded_by_rows_is_written_a_shard_at_a_time(tmp_path, monkeypatch):
+    """From a DCP checkpoint whose shards of a tensor are blocks of rows, the export reads one
+    shard at a time (never the whole tensor); shards cut across columns are read whole; a mapped
+    state.pt goes in blocks of rows. Every way writes exactly the full tensors."""
+    from test_fsdp import spawn_gloo
+
+    root = tmp_path / "checkpoints"
+    tmp = root / ".step_00000004.tmp-dcp"
+    spawn_gloo(_write_sharded, 2, (str(tmp / checkpoint.DCP_DIR),))
+    checkpoint.write_file_atomic(tmp / checkpoint.EXTRA, checkpoint.torch_bytes({"step": 4}))
+    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": checkpoint.sha256_file(p)}
+             for p in tmp.rglob("*") if p.is_file()}
+    source = export.ModelTensors(checkpoint.commit(root, 4, tmp, files, keep=2))
+    full = _sharded_full()
+    rows = list(source.pieces("rows"))
+    assert [tuple(p.shape) for p in rows] == [(3, 4), (2, 4)]  # one piece per rank's shard, in order
+    assert torch.equal(torch.cat(rows), full["rows"])
+    assert [tuple(p.shape) for p in source.pieces("cols")] == [(4, 6)]  # across columns: whole
+    export.write_torch(source, tmp_path / "final.pt")
+    back = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    export.write_safetensors(source, tmp_path / "st", dtype=torch.bfloat16)
+    from safetensors.torch import load_file
+
+    st = load_file(str(tmp_path / "st" / "model-00001-of-00001.safetensors"))
+    assert all(torch.equal(st[k], full[k].to(torch.bfloat16)) for k in full)
+    # a mapped full-format file, in pieces of at most two rows' bytes
+    monkeypatch.setattr(export, "PIECE", 2 * 4 * 4)
+    saved = checkpoint.save(tmp_path / "full", 4, {"model": full, "optimizer": {}, "step": 4}, keep=2)
+    mapped = export.ModelTensors(saved)
+    assert [tuple(p.shape) for p in mapped.pieces("rows")] == [(2, 4), (2, 4), (1, 4)]
+    export.write_torch(mapped, tmp_path / "final-full.pt")
+    back = torch.load(tmp_path / "final-full.pt", weights_only=True, mmap=True)
+    assert all(torch.equal(back[k], full[k]) for k in full)

@@ -33,6 +33,7 @@ import torch
 from gearshift.workers import checkpoint, storage
 
 INDEX = "model.safetensors.index.json"
+PIECE = 64 << 20  # bytes of a mapped full tensor converted and written at once
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -58,7 +59,8 @@ class ModelTensors:
             from gearshift.workers import dcp as shards
 
             self._dcp, self._reader = dcp, lambda: shards.reader(self.folder)
-            meta = self._reader().read_metadata().state_dict_metadata
+            self._metadata = self._reader().read_metadata()
+            meta = self._metadata.state_dict_metadata
             self.names = {k[len("model."):]: (v.properties.dtype, list(v.size)) for k, v in meta.items()
                           if k.startswith("model.") and hasattr(v, "size")}
         else:  # whole tensors in state.pt: mapped, not read, so only the tensor being written is touched
@@ -78,6 +80,50 @@ class ModelTensors:
             warnings.simplefilter("ignore", UserWarning)
             self._dcp.load({"model." + name: out}, storage_reader=self._reader(), no_dist=True)
         return out
+
+    def pieces(self, name: str) -> Iterator[torch.Tensor]:
+        """The tensor as consecutive blocks of whole rows (dim 0), in order: their bytes, one after
+        the other, are the tensor's. From a DCP checkpoint whose shards of it are blocks of rows
+        (FSDP's and a column-parallel layer's), each shard is read alone, so a process holds one
+        shard of the tensor, not the tensor; otherwise (shards cut across columns) the whole
+        tensor is read, as one piece. From a mapped state.pt, blocks of about PIECE bytes."""
+        if self.format != checkpoint.DCP_FORMAT:
+            t = self._full[name]
+            rows = max(1, PIECE // max(1, t[0].numel() * t.element_size())) if t.dim() else 1
+            yield from (t[i:i + rows] for i in range(0, len(t), rows)) if t.dim() else (t,)
+            return
+        chunks = self._row_blocks(name)
+        if chunks is None:
+            yield self.read(name)
+            return
+        from torch.distributed.checkpoint.utils import _create_file_view
+
+        for info in chunks:
+            path = self.folder / checkpoint.DCP_DIR / info.relative_path
+            with (path.open("rb") if storage.is_remote(path) else open(path, "rb")) as f:
+                yield torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                                 weights_only=True)
+
+    def _row_blocks(self, name: str) -> list | None:
+        """Where each block of rows of `name` is stored, in row order; None when its shards are
+        not whole-row blocks that tile it (or are stored transformed, e.g. compressed)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        md, fqn = self._metadata, "model." + name
+        shape = list(md.state_dict_metadata[fqn].size)
+        if not shape:
+            return None
+        chunks = sorted(md.state_dict_metadata[fqn].chunks, key=lambda c: c.offsets[0])
+        at, out = 0, []
+        for c in chunks:
+            if c.offsets[0] != at or list(c.offsets[1:]) != [0] * (len(shape) - 1) or list(c.sizes[1:]) != shape[1:]:
+                return None
+            info = md.storage_data.get(MetadataIndex(fqn, c.offsets))
+            if info is None or getattr(info, "transform_descriptors", None):
+                return None
+            out.append(info)
+            at += c.sizes[0]
+        return out if at == shape[0] else None
 
 
 def _converted(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -155,21 +201,31 @@ def write_torch(source: ModelTensors, path: pathlib.Path, names: dict[str, str] 
     path = pathlib.Path(path)
     total = 0
     with _atomic(path) as tmp:
-        writer = torch._C.PyTorchFileWriter(str(tmp))
+        # the zip laid out whole first, each tensor's record reserved (no checksum: its bytes come
+        # later), then each tensor written into its record piece by piece
+        writer = torch._C.PyTorchFileWriter(str(tmp), False, 64)
         pickled = buf.getvalue()
         writer.write_record("data.pkl", pickled, len(pickled))
         for name, value in ((".format_version", "1"), (".storage_alignment", "64"), ("byteorder", sys.byteorder)):
             writer.write_record(name, value, len(value))
-        for (out, src), t_layout in zip(names.items(), layout.values()):
-            t = _converted(source.read(src), dtype)
-            if t.dtype != t_layout.storage.dtype:
-                raise ExportError(f"{src}: read as {t.dtype}, laid out as {t_layout.storage.dtype}")
-            nbytes = t.numel() * t.element_size()
-            writer.write_record(f"data/{t_layout.storage.key}", t.untyped_storage(), nbytes)
-            total += nbytes
-            del t
+        for t_layout in layout.values():
+            st = t_layout.storage
+            writer.write_record_metadata(f"data/{st.key}", st.numel * torch.empty(0, dtype=st.dtype).element_size())
         writer.write_end_of_file()
         del writer
+        reader = torch._C.PyTorchFileReader(str(tmp))
+        offsets = {t.storage.key: reader.get_record_offset(f"data/{t.storage.key}") for t in layout.values()}
+        del reader
+        with open(tmp, "r+b") as f:
+            for (out, src), t_layout in zip(names.items(), layout.values()):
+                f.seek(offsets[t_layout.storage.key])
+                for piece in source.pieces(src):
+                    t = _converted(piece, dtype)
+                    if t.dtype != t_layout.storage.dtype:
+                        raise ExportError(f"{src}: read as {t.dtype}, laid out as {t_layout.storage.dtype}")
+                    f.write(_bytes(t))
+                    total += t.numel() * t.element_size()
+                    del t, piece
     return total
 
 
@@ -240,9 +296,9 @@ def write_safetensors(source: ModelTensors, out_dir: pathlib.Path, names: dict[s
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for out in shard:
-                t = _converted(source.read(names[out]), dtype)
-                f.write(_bytes(t))
-                del t
+                for piece in source.pieces(names[out]):
+                    f.write(_bytes(_converted(piece, dtype)))
+                    del piece
         weight_map.update({out: file for out in shard})
     index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     checkpoint.write_file_atomic(out_dir / INDEX, json.dumps(index, indent=2).encode())
