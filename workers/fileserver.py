@@ -26,7 +26,8 @@ import uuid
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
 PROTOCOL = "gearshift"
-MARK = ".gearshift-served"  # in the served folder: the server's name (a worker seeing it sees the folder itself)
+MARK = ".gearshift-served/name"  # in the served folder: the server's name (a worker seeing it sees the folder
+# itself); in a folder of its own, so the checkpoints folder holds only folders
 BLOCK = 1 << 20  # bytes per read or write call to the server (a larger block is kept by malloc)
 IN_FLIGHT = 8  # blocks of one read or write at the server at once (its max_concurrency)
 CALL_TIMEOUT_S = 300.0  # one block, or one fsync, on a loaded node
@@ -130,11 +131,11 @@ def write_mark(root, name: str) -> None:
     """The mark by which a worker tells the driver's folder itself from one of the same name on
     another disk: the name of this start's server (whether or not it is started), written by the
     driver into the folder."""
-    root = pathlib.Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{MARK}.tmp-{os.getpid()}"
+    mark = pathlib.Path(root) / MARK
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    tmp = mark.with_name(f".{mark.name}.tmp-{os.getpid()}")
     tmp.write_text(name)
-    os.replace(tmp, root / MARK)
+    os.replace(tmp, mark)
 
 
 def url(server: str, path: str) -> str:
