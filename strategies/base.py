@@ -150,6 +150,12 @@ class Parallel:
         out = {"model": state.model_state(self.model), "optimizer": state.optimizer_state(optimizer, self.model)}
         return out if everywhere or rank == 0 else None
 
+    def state_tensors(self, optimizer: torch.optim.Optimizer) -> dict:
+        """`full_state`'s structure with the tensors not yet gathered (strategies/state.py), for a
+        caller that gathers them one at a time; every rank calls it (with `gathers_collectively`,
+        every rank then gathers each tensor, in the structure's order)."""
+        return state.state_tensors(self.model, optimizer)
+
     def load_full_state(self, optimizer: torch.optim.Optimizer, full: dict) -> None:
         """Take this rank's part of full tensors (any layout wrote them)."""
         state.load_model_state(self.model, full["model"])

@@ -237,6 +237,10 @@ class FSDPParallel(Parallel):
         self.at_rest()
         return super().full_state(optimizer, rank, everywhere)
 
+    def state_tensors(self, optimizer) -> dict:
+        self.at_rest()
+        return super().state_tensors(optimizer)
+
     def load_full_state(self, optimizer, full: dict) -> None:
         self.at_rest()
         super().load_full_state(optimizer, full)

@@ -76,6 +76,17 @@ def _names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
     return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What `model_state` and `optimizer_state` give, with each tensor as this rank holds it (a
+    DTensor not gathered): for a caller that gathers them one at a time (`full`), every rank in
+    the same order, the structure's."""
+    sd = optimizer.state_dict()
+    names = _names(optimizer, model)
+    hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+    return {"model": dict(model.state_dict()),
+            "optimizer": {"state": {names[i]: dict(st) for i, st in sd["state"].items()}, "hyperparameters": hyper}}
+
+
 def optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
     """Full tensors keyed by parameter name: layouts group and order parameters differently,
     so positions do not carry over from one layout to another; names do."""

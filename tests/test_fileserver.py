@@ -91,18 +91,24 @@ def test_a_run_on_unshared_storage_checkpoints_by_shards_and_resumes_under_anoth
     _resume_to_9_equals_plain_pytorch(tmp_path / "run", where, "data")
 
 
-def test_a_full_format_checkpoint_is_mapped_by_each_worker_not_handed_over(ray_cluster, tmp_path):
-    """checkpoint.format full: the resume hands the workers a reference, and each maps the file on
-    its own node (here fetched through the driver's server into a local copy)."""
+def test_a_full_format_checkpoint_is_streamed_in_and_mapped_by_each_worker(ray_cluster, tmp_path):
+    """checkpoint.format full under fsdp: the ranks gather the state a tensor at a time and rank 0
+    writes state.pt as it comes, through the driver's server (nothing is sent to the driver whole);
+    the resume (as tensor parallel) hands the workers a reference, and each maps the file on its
+    own node (here fetched through the server into a local copy)."""
     where = ["checkpoint.every=3", "optimizer.name=adam", "inject.unshared_storage=true", "cluster.num_workers=2",
              "checkpoint.format=full"]
-    summary = run_gearshift(MLP[0], MLP[1] + where + ["train.steps=6"], tmp_path / "run")
+    summary = run_gearshift(MLP[0], MLP[1] + where + ["train.steps=6", "parallel.strategy=fsdp"], tmp_path / "run")
     assert summary["status"] == "done"
+    records = [json.loads(line) for line in (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines()]
+    saved = [r for r in records if r.get("event") == "checkpoint"]
+    assert [r["step"] for r in saved] == [3, 6]
+    assert all(r["format"] == "full" and r["bytes"] > 0 for r in saved)  # rank 0's file, committed by the driver
     root = tmp_path / "run" / "checkpoints"
     assert checkpoint.verify(root / "step_00000006")[0]["format"] == checkpoint.FORMAT
     assert checkpoint.load(root / "step_00000006", whole=False) == {
         "full": str((root / "step_00000006" / "state.pt").resolve()), "step": 6}
-    _resume_to_9_equals_plain_pytorch(tmp_path / "run", where, "fsdp")
+    _resume_to_9_equals_plain_pytorch(tmp_path / "run", where, "tensor")
 
 
 def _resume_to_9_equals_plain_pytorch(run, where: list[str], strategy: str) -> None:

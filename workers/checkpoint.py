@@ -103,8 +103,9 @@ def _fsync_tree(folder: pathlib.Path) -> None:
 
 
 def commit(root: pathlib.Path, step: int, tmp: pathlib.Path, files: dict, keep: int,
-           meta: dict | None = None) -> pathlib.Path:
-    """Make the DCP checkpoint the ranks wrote into `tmp` visible as the checkpoint of `step`:
+           meta: dict | None = None, fmt: int = DCP_FORMAT) -> pathlib.Path:
+    """Make the checkpoint the ranks wrote into `tmp` (DCP shards, or in the full format rank 0's
+    state.pt: `fmt`) visible as the checkpoint of `step`:
     check every file the ranks reported is there with its size, write the manifest (last),
     fsync, rename, prune. Raises CheckpointError (and removes `tmp`) when a file is missing:
     then the workers wrote somewhere this process cannot see."""
@@ -116,7 +117,7 @@ def commit(root: pathlib.Path, step: int, tmp: pathlib.Path, files: dict, keep: 
             if not path.is_file() or path.stat().st_size != want["bytes"]:
                 raise CheckpointError(f"{tmp}: {name} that a worker wrote is missing or of another size here; "
                                       "the workers and the driver must share the run directory's file system")
-        manifest = {"format": DCP_FORMAT, "step": step, "created": time.time(), "files": files, **(meta or {})}
+        manifest = {"format": fmt, "step": step, "created": time.time(), "files": files, **(meta or {})}
         _fsync_tree(tmp)
         write_file_atomic(tmp / "manifest.json", json.dumps(manifest, indent=2).encode())
 

@@ -185,48 +185,79 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def write_torch(source: ModelTensors, path: pathlib.Path, names: dict[str, str] | None = None,
-                dtype: torch.dtype | None = None) -> int:
-    """A `torch.save` file of {name: tensor} (loadable with weights_only=True), written one tensor at
-    a time: the pickle of the dict first, with each tensor standing for its storage record, then
-    each record as its tensor is read, converted and dropped. `names`: {output name: checkpoint
-    name} (default: all, unchanged). Returns the bytes of tensor data written."""
-    names = names or {n: n for n in source.names}
-    layout = {}
-    for k, (out, src) in enumerate(names.items()):
-        d = _out_dtype(source.names[src][0], dtype)
-        layout[out] = _Tensor(_Storage(str(k), d, _numel(source.names[src][1])), source.names[src][1])
+def placeholder(dtype: torch.dtype, shape, key: int) -> "_Tensor":
+    """What stands for a tensor in a structure given to `write_streamed`: its dtype and shape, and
+    `key`, the tensor's place in the order the file is filled (0, 1, 2, ...)."""
+    shape = list(shape)
+    return _Tensor(_Storage(str(key), dtype, _numel(shape)), shape)
+
+
+def write_streamed(path: pathlib.Path, tree, tensors) -> int:
+    """A `torch.save` file of `tree` (loadable with weights_only=True) whose tensors are given one at
+    a time: `tree` holds a `placeholder` for each, and `tensors` yields, in the placeholders' key
+    order, for each one an iterable of pieces (blocks of whole rows, in order) in its dtype. The
+    pickle of the structure is written first, every tensor's record reserved (no checksum: its
+    bytes come later), then each record is filled piece by piece as the pieces come; nothing
+    holds more than a piece. Written under a temporary name, fsynced, renamed into place.
+    Returns the bytes of tensor data written."""
     buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(layout)
+    holders: list[_Tensor] = []
+
+    class Collect(_Pickler):
+        def persistent_id(self, obj):
+            return super().persistent_id(obj)
+
+        def reducer_override(self, obj):
+            if isinstance(obj, _Tensor):
+                holders.append(obj)
+            return NotImplemented
+
+    Collect(buf, protocol=2).dump(tree)
+    order = sorted(holders, key=lambda t: int(t.storage.key))
     path = pathlib.Path(path)
     total = 0
     with _atomic(path) as tmp:
-        # the zip laid out whole first, each tensor's record reserved (no checksum: its bytes come
-        # later), then each tensor written into its record piece by piece
         writer = torch._C.PyTorchFileWriter(str(tmp), False, 64)
         pickled = buf.getvalue()
         writer.write_record("data.pkl", pickled, len(pickled))
         for name, value in ((".format_version", "1"), (".storage_alignment", "64"), ("byteorder", sys.byteorder)):
             writer.write_record(name, value, len(value))
-        for t_layout in layout.values():
-            st = t_layout.storage
+        for t in order:
+            st = t.storage
             writer.write_record_metadata(f"data/{st.key}", st.numel * torch.empty(0, dtype=st.dtype).element_size())
         writer.write_end_of_file()
         del writer
         reader = torch._C.PyTorchFileReader(str(tmp))
-        offsets = {t.storage.key: reader.get_record_offset(f"data/{t.storage.key}") for t in layout.values()}
+        offsets = [reader.get_record_offset(f"data/{t.storage.key}") for t in order]
         del reader
         with open(tmp, "r+b") as f:
-            for (out, src), t_layout in zip(names.items(), layout.values()):
-                f.seek(offsets[t_layout.storage.key])
-                for piece in source.pieces(src):
-                    t = _converted(piece, dtype)
+            for t_layout, offset, pieces in zip(order, offsets, tensors, strict=True):
+                f.seek(offset)
+                written = 0
+                for piece in pieces:
+                    t = _converted(piece, None)
                     if t.dtype != t_layout.storage.dtype:
-                        raise ExportError(f"{src}: read as {t.dtype}, laid out as {t_layout.storage.dtype}")
+                        raise ExportError(f"tensor {t_layout.storage.key}: came as {t.dtype}, laid out as "
+                                          f"{t_layout.storage.dtype}")
                     f.write(_bytes(t))
-                    total += t.numel() * t.element_size()
+                    written += t.numel() * t.element_size()
                     del t, piece
+                if written != t_layout.storage.numel * torch.empty(0, dtype=t_layout.storage.dtype).element_size():
+                    raise ExportError(f"tensor {t_layout.storage.key}: {written} bytes came, its record holds "
+                                      f"{t_layout.storage.numel} elements of {t_layout.storage.dtype}")
+                total += written
     return total
+
+
+def write_torch(source: ModelTensors, path: pathlib.Path, names: dict[str, str] | None = None,
+                dtype: torch.dtype | None = None) -> int:
+    """A `torch.save` file of {name: tensor} (loadable with weights_only=True), written one tensor at
+    a time out of a checkpoint (`write_streamed`). `names`: {output name: checkpoint name}
+    (default: all, unchanged). Returns the bytes of tensor data written."""
+    names = names or {n: n for n in source.names}
+    tree = {out: placeholder(_out_dtype(source.names[src][0], dtype), source.names[src][1], k)
+            for k, (out, src) in enumerate(names.items())}
+    return write_streamed(path, tree, ((_converted(p, dtype) for p in source.pieces(src)) for src in names.values()))
 
 
 def _out_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:

@@ -20,7 +20,8 @@ from gearshift import strategies
 from gearshift.monitoring.comm import CommClock
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
-from gearshift.workers import components, dcp, oom, precision, recompute, rendezvous, schedules, storage
+from gearshift.workers import (components, dcp, full_format, oom, precision, recompute, rendezvous, schedules,
+                               storage)
 from gearshift.workers.comm import CommRoute
 from gearshift.workers.config import WorkerConfig
 from gearshift.workers.data import GlobalBatches, tokens_per_sample
@@ -126,6 +127,9 @@ class TrainWorker:
         self.step = 0
         self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options,
                                      served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
+        # the full format: where rank 0 writes state.pt as the ranks gather it (None: sent whole)
+        self.full_place = None if self.dcp_root is not None or self.rank != 0 else full_format.place(
+            cfg.checkpoint_dir, cfg.checkpoint_server, cfg.checkpoint_options, cfg.unshared_storage)
         if self.telemetry is None:
             self.telemetry = WorkerTelemetry(cfg, self.device)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
@@ -318,8 +322,14 @@ class TrainWorker:
 
     def checkpoint(self) -> dict:
         """This rank's part of a checkpoint of the current step (all ranks call it together): the
-        digests of the DCP shards it wrote, or (full format) the whole state on rank 0."""
+        digests of the DCP shards it wrote; or (full format) from rank 0 the digest of the state.pt
+        it wrote as the ranks gathered the state a tensor at a time, or, where rank 0 reaches no
+        place to write it, the whole state."""
         if self.dcp_root is None:
+            extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step}
+            if self.rank != 0 or self.full_place is not None:
+                part = full_format.save(self.parallel, self.optimizer, self.full_place, self.step, self.rank, extra)
+                return {"checkpoint_file": part} if part is not None else {}
             state = self.state()
             return {"checkpoint": state} if state is not None else {}
         hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}

@@ -27,6 +27,8 @@ class Checkpoints:
         """A worker's report batch, which may hold rank 0's full state or one rank's DCP part."""
         if "checkpoint" in batch:
             self._save_full(batch["checkpoint"])
+        elif "checkpoint_file" in batch:
+            self._commit([batch["checkpoint_file"]], fmt=checkpoint.FORMAT)
         elif "checkpoint_part" in batch:
             part = batch["checkpoint_part"]
             parts = self._parts.setdefault(part["step"], [])
@@ -39,6 +41,8 @@ class Checkpoints:
         parts = group.call("checkpoint")
         if "checkpoint" in parts[0]:
             return self._save_full(parts[0]["checkpoint"])
+        if "checkpoint_file" in parts[0]:
+            return self._commit([parts[0]["checkpoint_file"]], fmt=checkpoint.FORMAT)
         return self._commit([p["checkpoint_part"] for p in parts])
 
     def write_final(self, step: int, path: pathlib.Path) -> None:
@@ -54,15 +58,17 @@ class Checkpoints:
         self.report.event("checkpoint", step=state["step"], path=str(path), format="full")
         return int(state["step"])
 
-    def _commit(self, parts: list[dict]) -> int:
+    def _commit(self, parts: list[dict], fmt: int = checkpoint.DCP_FORMAT) -> int:
+        """A checkpoint the workers wrote into its temporary folder: every rank's DCP shards, or
+        (the full format) rank 0's state.pt."""
         from gearshift.workers import dcp
 
         # the folder the ranks wrote, named here (the ranks name it the same way, without asking)
         step, folder = parts[0]["step"], dcp.tmp_folder(self.root, parts[0]["step"])
         files = {name: digest for p in parts for name, digest in p["files"].items()}
-        path = checkpoint.commit(self.root, step, folder, files, self.job.checkpoint.keep, meta=self._meta())
-        self.report.event("checkpoint", step=step, path=str(path), format="dcp",
-                          bytes=sum(f["bytes"] for f in files.values()))
+        path = checkpoint.commit(self.root, step, folder, files, self.job.checkpoint.keep, meta=self._meta(), fmt=fmt)
+        self.report.event("checkpoint", step=step, path=str(path), format="dcp" if fmt == checkpoint.DCP_FORMAT
+                          else "full", bytes=sum(f["bytes"] for f in files.values()))
         return int(step)
 
     def _meta(self) -> dict:

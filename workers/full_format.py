@@ -1,0 +1,93 @@
+"""The full checkpoint format (whole tensors in one `state.pt`), written without building the state.
+
+Where the full format is still chosen (checkpoint.format: full), the ranks gather the state one
+tensor at a time (every rank takes part in each gather when the layout shards), and rank 0
+writes each into `state.pt` as it comes (workers/export.write_streamed: the file's structure
+first, then each tensor's record filled), in a temporary file on its own node; the file then goes
+into the checkpoint's temporary folder (moved, or uploaded block by block through the driver's
+file server or to the object store), and the driver commits it like a DCP checkpoint: manifest,
+rename. Rank 0 holds one gathered tensor at a time, never the state; the driver holds nothing.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import tempfile
+
+import torch
+
+from gearshift.strategies.state import full
+from gearshift.workers import checkpoint, dcp, export, storage
+
+STATE = "state.pt"
+
+
+def place(checkpoint_dir: str | None, server: str | None, options: dict | None, unshared: bool):
+    """Where this rank can put a full-format checkpoint's file: the driver's folder itself where
+    this node sees it, else through the driver's file server, else (a URL) the store; None when
+    nothing reaches it (then the state goes to the driver whole, as earlier versions sent it)."""
+    from gearshift.workers import fileserver
+
+    if not checkpoint_dir:
+        return None
+    root = storage.location(checkpoint_dir, options)
+    if storage.is_remote(root):
+        return root
+    if not unshared and dcp._sees(root, server):
+        return root
+    if server:
+        try:
+            via = storage.location(fileserver.url(server, str(root)))
+            return via if via.is_dir() else None
+        except Exception:  # noqa: BLE001 - no server answers: nothing reaches the folder from here
+            return None
+    return None
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors of a nested dict, in its order (every rank walks the same structure)."""
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    return [tree] if torch.is_tensor(tree) else []
+
+
+def _placeholders(tree, counter: list):
+    if isinstance(tree, dict):
+        return {k: _placeholders(v, counter) for k, v in tree.items()}
+    if torch.is_tensor(tree):
+        counter.append(None)
+        return export.placeholder(tree.dtype, tree.shape, len(counter) - 1)
+    return tree
+
+
+def save(parallel, optimizer, root, step: int, rank: int, extra: dict) -> dict | None:
+    """Rank 0 writes the checkpoint of `step` as `state.pt` into its temporary folder under `root`
+    and returns {"step", "folder", "files"}; the other ranks take part in the gathers and return
+    None. All ranks call it at the same step."""
+    tree = {**parallel.state_tensors(optimizer), **extra}
+    tensors = _tensors(tree)
+    if rank != 0:
+        if parallel.gathers_collectively:
+            for t in tensors:
+                full(t)  # this rank's part of each gather, in rank 0's order
+        return None
+    layout = _placeholders(tree, [])
+    local = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-state-"))
+    try:
+        written = local / STATE
+        export.write_streamed(written, layout, ((full(t).detach().cpu(),) for t in tensors))
+        files = {STATE: {"bytes": written.stat().st_size, "sha256": checkpoint.sha256_file(written)}}
+        folder = dcp.tmp_folder(root, step)
+        if storage.is_remote(folder):  # an object store: a checkpoint of this step written before stops counting
+            (folder / "manifest.json").unlink(missing_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        if storage.is_remote(folder):
+            with open(written, "rb") as src, (folder / STATE).open("wb") as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+        else:
+            shutil.move(str(written), folder / STATE)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    return {"step": step, "folder": str(folder), "files": files}
+
