@@ -4,9 +4,11 @@ Two formats, both loaded by any layout and world size:
 - `dcp` (format 2): `checkpoints/step_00000050/{dcp/.metadata, dcp/__R_0.distcp..., extra.pt,
   manifest.json}`. Every rank writes its own shards in parallel (workers/dcp.py); nothing is
   gathered. `extra.pt` holds the scaler state and the step.
-- `full` (format 1, what earlier versions wrote, and the fallback when the workers do not share
-  the driver's file system): `checkpoints/step_00000050/{state.pt, manifest.json}`, whole
-  tensors gathered to rank 0 and written by the driver.
+- `full` (format 1, what earlier versions wrote; chosen by checkpoint.format full, or when some
+  worker reaches the checkpoints' place by no route): `checkpoints/step_00000050/{state.pt,
+  manifest.json}`, whole tensors, gathered a tensor at a time and written by rank 0 as they come
+  (workers/full_format.py); the driver commits it. Where rank 0 reaches no place either, it
+  sends the whole state and the driver writes it (`save`).
 
 A checkpoint is written into a temporary folder, every file fsynced, then the folder renamed
 into place (rename is atomic on POSIX), so a crash mid-write leaves a `.step_*.tmp-*` folder that

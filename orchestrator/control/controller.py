@@ -263,9 +263,9 @@ class Controller:
                             "their shards there through a file server on this node (give checkpoint.path a folder "
                             "every node shares, or an object store, to spare this node's network)")
         if infos[0].get("checkpoint_format") == "full" and job.checkpoint.format == "auto" and not restart:
-            # some worker cannot reach the checkpoints' place: rank 0 will gather the whole state for each
+            # some worker reaches the checkpoints' place by no route: the full format, gathered a tensor at a time
             self.report.say("checkpoints: not every worker reaches " + str(self.checkpoint_root) + ", so each "
-                            "checkpoint gathers the whole state to one worker and the driver (format full); "
+                            "checkpoint is gathered whole, a tensor at a time, into one file (format full); "
                             "give checkpoint.path an object store or a folder every node shares to write shards")
         built = infos[0].get("build") or {}
         if built.get("why") and not restart:  # a sharded layout, yet every rank built the whole model

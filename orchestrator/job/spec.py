@@ -146,8 +146,9 @@ class CheckpointSpec:
     keep_best: bool = _f(False, _bool, "also keep the checkpoint with the lowest eval loss (needs eval.every > 0); "
                                        "checkpoints/best.json names it")
     format: str = _f("auto", _choice("auto", "dcp", "full"), "dcp: every worker writes its own shards "
-                     "(torch.distributed.checkpoint), nothing gathered; full: whole tensors gathered to one worker "
-                     "and written by the driver; auto: dcp when every worker reaches the checkpoints' place, else full")
+                     "(torch.distributed.checkpoint), nothing gathered; full: one state.pt of whole tensors, gathered a "
+                     "tensor at a time and written by the first worker; auto: dcp when every worker reaches the "
+                     "checkpoints' place (through the driver's file server where needed), else full")
     path: str | None = _f(None, _str_or_none, "where checkpoints go instead of the run directory's checkpoints/: a "
                           "folder every node shares, or an object-store or other fsspec URL (s3://bucket/prefix, "
                           "gs://..., memory://...); each run writes into its own <run dir name>/ there")
