@@ -47,9 +47,9 @@ rounding and whatever else the process touches (gloo's buffers, the data loader)
    (goal <= 0.30), over the full fp32 parameter bytes.
 5. Evaluation's peak growth (RSS peak in the phase minus the RSS after it) with micro-batches of
    2 over whole slices of a 64-sample global batch: `eval_micro_over_full_batch`.
-6. Checkpoint save and load seconds at 4 and 2 workers, full format (rank 0 gathers the whole
-   state, the driver torch.saves it; loading: the driver reads it and every worker takes its part)
-   against DCP (every rank writes its own shards, the driver commits the manifest; loading:
+6. Checkpoint save and load seconds at 4 and 2 workers, full format (the ranks gather a tensor
+   at a time, rank 0 writes state.pt as it comes, the driver commits it; loading: every worker
+   maps the file and takes its part) against DCP (every rank writes its own shards, the driver commits the manifest; loading:
    every rank reads its pieces), each timed as the driver sees it, as orchestrator/checkpoints.py
    does it, the two formats alternating; medians over repeats with their min-max spread.
 
@@ -223,12 +223,34 @@ def full_gather_switch(worker, layout: dict) -> dict:
     return {"seconds": time.perf_counter() - start, "layout": target.to_dict(), "step": w.step}
 
 
+def grown(worker, phase: str, method: str):
+    """(worker.method()'s result, this process's peak growth while it ran)."""
+    import gc
+
+    gc.collect()
+    before = _SAMPLER.enter(phase)
+    try:
+        result = getattr(worker, method)()
+    finally:
+        _SAMPLER.enter(None)
+    return result, _SAMPLER.peak(phase) - before
+
+
+def no_full_place(worker) -> None:
+    """Rank 0 reaches no place to write: the full format's state goes to the driver whole."""
+    worker.full_place = None
+
+
 def set_checkpoints(worker, fmt: str, root: str) -> str:
     """Write checkpoints as `fmt` (full or dcp) under `root` from now on (a collective)."""
     from gearshift.workers import dcp
 
+    from gearshift.workers import full_format
+
     worker.config = dataclasses.replace(worker.config, checkpoint_dir=root, checkpoint_format=fmt)
     worker.dcp_root = dcp.root_for(root, fmt, worker.device)
+    worker.full_place = full_format.place(root, None, None, False) if worker.dcp_root is None and worker.rank == 0 \
+        else None
     return "dcp" if worker.dcp_root else "full"
 
 
@@ -594,6 +616,7 @@ def checkpoint_rounds(group, world: int, repeats: int, step: int, log) -> dict:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-bench-memory-"))
     times: dict[str, list[float]] = {f"{k}_{f}": [] for k in ("save", "load") for f in ("full", "dcp")}
     sizes: dict[str, int] = {}
+    growth: dict[str, list[int]] = {"full": [], "dcp": [], "full_whole": []}  # the largest rank's, per save
     try:
         for r in range(repeats):
             for fmt in (("full", "dcp") if r % 2 == 0 else ("dcp", "full")):
@@ -602,16 +625,20 @@ def checkpoint_rounds(group, world: int, repeats: int, step: int, log) -> dict:
                 got = group.apply(set_checkpoints, fmt, str(root))
                 assert set(got) == {fmt}, got
                 t0 = time.perf_counter()
-                parts = group.call("checkpoint")
-                if fmt == "full":
-                    path = checkpoint.save(root, step, parts[0]["checkpoint"], keep=1)
+                got = group.call(grown, "ckpt_save", "checkpoint")
+                parts = [g[0] for g in got]
+                growth[fmt].append(max(g[1] for g in got))
+                if fmt == "full":  # rank 0 wrote state.pt as the ranks gathered it; committed here
+                    part = parts[0]["checkpoint_file"]
+                    path = checkpoint.commit(root, step, pathlib.Path(part["folder"]), part["files"], keep=1,
+                                             fmt=checkpoint.FORMAT)
                 else:
                     ps = [p["checkpoint_part"] for p in parts]
                     files = {n: d for p in ps for n, d in p["files"].items()}
                     path = checkpoint.commit(root, step, pathlib.Path(ps[0]["folder"]), files, keep=1)
                 t1 = time.perf_counter()
                 del parts
-                state = checkpoint.load(path)
+                state = checkpoint.load(path, whole=False)  # a reference: each rank reads (full: maps) its part
                 group.call("load", state)
                 t2 = time.perf_counter()
                 del state
@@ -621,9 +648,20 @@ def checkpoint_rounds(group, world: int, repeats: int, step: int, log) -> dict:
                 times[f"load_{fmt}"].append(t2 - t1)
                 log(f"  ckpt {world} workers  {fmt:<5} save {t1 - t0:6.2f} s  load {t2 - t1:6.2f} s  "
                     f"({sizes[fmt] / 2**30:.2f} GiB on disk)")
+        # once more in the full format as it was before it streamed: rank 0 gathers the whole state
+        # and sends it to the driver (what it still does where it reaches no place to write)
+        group.apply(set_checkpoints, "full", str(tmp / "full"))
+        group.apply(no_full_place)
+        got = group.call(grown, "ckpt_save", "checkpoint")
+        growth["full_whole"].append(max(g[1] for g in got))
+        del got
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out = {"bytes_full": sizes.get("full"), "bytes_dcp": sizes.get("dcp")}
+    for fmt, values in growth.items():  # over the bytes of the checkpoint (model and Adam state)
+        out[f"save_growth_over_state_{fmt}"] = max(values) / sizes["full"] if values and sizes.get("full") else None
+    log(f"  ckpt {world} workers  peak growth of the largest rank while saving, over the state's bytes: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in ((f, out[f'save_growth_over_state_{f}']) for f in growth) if v is not None))
     for k, v in times.items():
         out[k] = statistics.median(v)
         out[f"{k}_spread"] = spread(v)

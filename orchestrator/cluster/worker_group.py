@@ -241,13 +241,7 @@ class RayWorkerGroup:
                 f"{': ' + short if short else ''}. Available now: {ray.available_resources()}.") from None
 
         STARTUP.mark("placement")
-        if self.checkpoint_dir and "://" not in self.checkpoint_dir:
-            import uuid
-
-            from gearshift.workers import fileserver
-
-            self.file_server_name = f"gearshift-files-{uuid.uuid4().hex[:12]}"
-            fileserver.write_mark(self.checkpoint_dir, self.file_server_name)
+        self._name_file_server()
         # `request_stop` runs on a thread of its own while `train` runs (workers/stopping.py)
         actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         search_paths = [job.base_dir]
@@ -288,6 +282,17 @@ class RayWorkerGroup:
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos
+
+    def _name_file_server(self) -> None:
+        """A name for this start's file server (started only if needed, by _serve_checkpoints), and
+        the mark by which a worker tells the driver's checkpoints folder from one of the same name."""
+        import uuid
+
+        from gearshift.workers import fileserver
+
+        if self.checkpoint_dir and "://" not in self.checkpoint_dir:
+            self.file_server_name = f"gearshift-files-{uuid.uuid4().hex[:12]}"
+            fileserver.write_mark(self.checkpoint_dir, self.file_server_name)
 
     def _serve_checkpoints(self) -> None:
         """When a worker runs on another node than the driver (or inject.unshared_storage), start the

@@ -198,6 +198,18 @@ class Controller:
 
     # ------------------------------------------------------------------ the states
 
+    def _say_how_checkpoints_go(self, info: dict) -> None:
+        """At a run's start: how the workers reach the checkpoints, where it costs."""
+        if info.get("checkpoint_served"):
+            self.report.say(f"checkpoints: the workers do not all see {self.checkpoint_root}; they write and read "
+                            "their shards there through a file server on this node (give checkpoint.path a folder "
+                            "every node shares, or an object store, to spare this node's network)")
+        if info.get("checkpoint_format") == "full" and self.job.checkpoint.format == "auto":
+            # some worker reaches the checkpoints' place by no route: the full format, gathered a tensor at a time
+            self.report.say("checkpoints: not every worker reaches " + str(self.checkpoint_root) + ", so each "
+                            "checkpoint is gathered whole, a tensor at a time, into one file (format full); "
+                            "give checkpoint.path an object store or a folder every node shares to write shards")
+
     def _place(self) -> State:
         job = self.job
         self._enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
@@ -258,15 +270,8 @@ class Controller:
                 and not restart:
             self.report.say("activation checkpointing: the model has no blocks to checkpoint (no FSDP units found); "
                             "name them in train.activation_checkpointing")
-        if infos[0].get("checkpoint_served") and not restart:
-            self.report.say(f"checkpoints: the workers do not all see {self.checkpoint_root}; they write and read "
-                            "their shards there through a file server on this node (give checkpoint.path a folder "
-                            "every node shares, or an object store, to spare this node's network)")
-        if infos[0].get("checkpoint_format") == "full" and job.checkpoint.format == "auto" and not restart:
-            # some worker reaches the checkpoints' place by no route: the full format, gathered a tensor at a time
-            self.report.say("checkpoints: not every worker reaches " + str(self.checkpoint_root) + ", so each "
-                            "checkpoint is gathered whole, a tensor at a time, into one file (format full); "
-                            "give checkpoint.path an object store or a folder every node shares to write shards")
+        if not restart:
+            self._say_how_checkpoints_go(infos[0])
         built = infos[0].get("build") or {}
         if built.get("why") and not restart:  # a sharded layout, yet every rank built the whole model
             self.report.say(f"build: the whole model on every rank, not on the meta device: {built['why']}")
