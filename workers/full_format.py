@@ -32,8 +32,12 @@ def place(checkpoint_dir: str | None, server: str | None, options: dict | None, 
     if not checkpoint_dir:
         return None
     root = storage.location(checkpoint_dir, options)
-    if storage.is_remote(root):
-        return root
+    if storage.is_remote(root):  # an object store: only if this node gets through to it
+        try:
+            storage.probe(root)
+            return root
+        except Exception:  # noqa: BLE001 - whatever the storage says, this rank cannot use it
+            return None
     if not unshared and dcp._sees(root, server):
         return root
     if server:
