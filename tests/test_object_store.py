@@ -172,3 +172,22 @@ def test_a_run_checkpoints_to_the_object_store_and_resumes_under_another_layout(
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert max_diff(final, ref_state) <= 1e-4
     assert [p.name for p in checkpoint.list_checkpoints(root)][-1] == "step_00000009"
+
+
+def test_a_full_format_run_streams_its_state_into_the_object_store(ray_cluster, tmp_path, s3):
+    """checkpoint.format full with checkpoint.path in the store: rank 0 uploads the state.pt it
+    wrote as the ranks gathered it (fsdp: every rank takes part in each gather), the driver's
+    manifest makes it a checkpoint, and final.pt read back from it equals plain PyTorch."""
+    url, options = s3
+    where = ["checkpoint.path=" + url + "/full-runs", "checkpoint.storage_options=" + json.dumps(options),
+             "checkpoint.every=3", "checkpoint.format=full", "optimizer.name=adam", "cluster.num_workers=2",
+             "parallel.strategy=fsdp", "train.steps=3"]
+    summary = run_gearshift(MLP[0], MLP[1] + where, tmp_path / "run")
+    assert summary["status"] == "done"
+    root = _root(s3, "full-runs/run")
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_00000003"]
+    manifest, _ = checkpoint.verify(root / "step_00000003")
+    assert manifest["format"] == checkpoint.FORMAT and list(manifest["files"]) == ["state.pt"]
+    ref_state, _ = reference(load_job(MLP[0], MLP[1] + ["train.steps=3", "optimizer.name=adam"]))
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, ref_state) <= 1e-4
