@@ -133,6 +133,42 @@ def test_a_rank_stuck_in_a_step_is_detected_within_the_collective_timeout(ray_cl
     print(f"stuck rank: detected {detected_after:.1f} s after the last step (collective_timeout_s = 5)")
 
 
+def test_a_first_step_three_times_the_collective_timeout_on_every_rank_is_not_a_hang(ray_cluster, tmp_path):
+    base = MLP[1] + LAYOUTS["data"] + ["train.steps=6", "fault.collective_timeout_s=5", "fault.max_failures=0"]
+    run_gearshift(MLP[0], base, tmp_path / "clean")
+    job, slow = faulty(tmp_path, "slow_first_step_mlp", sleep_s=15)
+    start = time.monotonic()
+    summary = run_gearshift(job, base + slow, tmp_path / "slow")
+    took = time.monotonic() - start
+    assert summary["status"] == "done" and summary["steps_done"] == 6
+    assert not events(tmp_path / "slow", "failure") and not summary.get("failures")
+    steps = [r for r in records(tmp_path / "slow") if r["type"] == "step"]
+    assert steps[0]["step"] == 1 and steps[0]["step_time_max"] >= 15  # the first step did take that long
+    a = torch.load(tmp_path / "slow" / "final.pt", weights_only=True)
+    b = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
+    assert max_diff(a, b) == 0.0
+    print(f"first step {steps[0]['step_time_max']:.1f} s with collective_timeout_s = 5: no recovery, run {took:.0f} s")
+
+
+def test_every_rank_stuck_forever_inside_a_collective_is_caught_by_the_heartbeats(ray_cluster, tmp_path):
+    # no rank's collective raises (every rank waits in one that never times out): only the
+    # heartbeats can tell, by the time spent inside it
+    base = MLP[1] + LAYOUTS["data"] + ["train.steps=8", "checkpoint.every=2", "fault.collective_timeout_s=5"]
+    job, hang = faulty(tmp_path, "collective_hang_mlp", hang_at_step=5, hang_ranks=[0, 1])
+    summary = run_gearshift(job, base + hang, tmp_path / "stuck")
+    assert summary["status"] == "done" and summary["steps_done"] == 8
+    recs = records(tmp_path / "stuck")
+    [failure] = events(tmp_path / "stuck", "failure")
+    last_before = max(r["ended_at"] for r in recs if r["type"] == "step" and r["time"] < failure["time"])
+    # when the controller knew (the event comes after the workers are torn down)
+    detected_after = summary["failures"][0]["detected"] - last_before
+    assert detected_after <= 5 + 10, f"the stuck ranks were noticed {detected_after:.1f} s after their last step"
+    assert failure["kind"] == "silent" and failure["rank"] in (0, 1)
+    assert "inside one collective" in failure["error"] and "step 5" in failure["error"], failure["error"]
+    print(f"stuck in a collective: detected {detected_after:.1f} s after the last step (collective_timeout_s = 5): "
+          f"{failure['error']}")
+
+
 def reference_skipping(job, skip_step: int) -> dict:
     """Plain PyTorch on the same batches, with step `skip_step`'s update left out."""
     spec, paths = job.to_dict(), [job.base_dir]

@@ -9,6 +9,8 @@ It receives a typed `WorkerConfig`. Whatever differs between layouts is the busi
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
 import pathlib
 import time
 from typing import Any, Iterator
@@ -26,6 +28,7 @@ from gearshift.workers.comm import CommRoute
 from gearshift.workers.config import WorkerConfig
 from gearshift.workers.data import GlobalBatches, tokens_per_sample
 from gearshift.workers.evaluation import held_out_loss
+from gearshift.workers.heartbeat import ACTIVITY, in_phase
 from gearshift.workers.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
 from gearshift.workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
 from gearshift.workers.profiling import StepProfiler
@@ -34,6 +37,9 @@ from gearshift.workers.stopping import StopAgreement, flag_group
 from gearshift.workers.telemetry import WorkerTelemetry
 
 __all__ = ["NonFiniteStep", "TrainWorker", "WorkerConfig", "step_seed", "to_cpu"]
+
+# whether rendezvous.join can put this process on a GPU other than cuda:0 (use_devices needs it)
+_JOIN_TAKES_INDEX = "device_index" in inspect.signature(rendezvous.join).parameters
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -67,6 +73,7 @@ class TrainWorker:
         self.stop_chunk = -1   # the chunk the controller asked to stop early (request_stop)
         self.build_info: dict = {"on_meta": False}  # how the first build went (build() reports it)
         self.recomputed: list[str] = []  # the modules train.activation_checkpointing wrapped
+        self.device_index: int | None = None  # this worker's GPU among the node's shared ones (use_devices)
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -76,13 +83,32 @@ class TrainWorker:
         self.node_ip = info["node_ip"]
         return info
 
+    def use_devices(self, visible: str, index: int) -> bool:
+        """See every GPU the job holds on this node (`visible`, for CUDA_VISIBLE_DEVICES) and train
+        on the `index`-th of them (orchestrator/cluster/devices.py), so NCCL can use NVLink and
+        P2P between them. Only before CUDA starts in this process, and only where the rendezvous
+        can put the process on that device; otherwise nothing changes (each worker keeps its one
+        GPU as cuda:0) and False says so."""
+        if not _JOIN_TAKES_INDEX or torch.cuda.is_initialized():
+            return False
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        self.device_index = index
+        return True
+
     def free_port(self) -> int:
         return rendezvous.free_port()
 
     def setup(self, rank: int, world: int, master_addr: str, master_port: int, timeout_s: float) -> str:
         self.rank, self.world = rank, world
-        backend = self._join(master_addr, master_port, timeout_s)
+        with ACTIVITY.phase_of("rendezvous"):
+            backend = self._join(master_addr, master_port, timeout_s)
         return backend
+
+    def heartbeat(self) -> dict:
+        """What this worker is doing: {rank, step, phase, phase_s, since_step_s, in_collective_s}
+        (workers/heartbeat.py). Runs on the control thread, so a step, a compile or a checkpoint
+        that keeps the training thread busy does not hold it up."""
+        return ACTIVITY.beat(self.rank)
 
     def device_memory(self) -> dict:
         """This worker's device memory (free plus its own, before the model is built): strategy
@@ -93,8 +119,9 @@ class TrainWorker:
         joined = {}
 
         def make_groups():
+            index = {"device_index": self.device_index} if self.device_index is not None else {}
             joined["device"], joined["backend"] = rendezvous.join(self.rank, self.world, master_addr, master_port,
-                                                                  timeout_s, self.config.gpu)
+                                                                  timeout_s, self.config.gpu, **index)
             self.flags = flag_group(self.world)
 
         rendezvous.opened_by(make_groups)
@@ -112,6 +139,10 @@ class TrainWorker:
     def build(self, layout: dict | None = None) -> dict:
         """Build the model, data and optimizer in `layout` (default: the job's; the driver
         passes one when the placement decides it, e.g. hsdp's group of a node's workers)."""
+        with ACTIVITY.phase_of("build"):
+            return self._build(layout)
+
+    def _build(self, layout: dict | None) -> dict:
         cfg = self.config
         paths = cfg.search_paths
         self.loss_fn = components.build_loss(dict(cfg.loss), paths)
@@ -245,9 +276,11 @@ class TrainWorker:
         if self.flags is None:
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flags)
+        with ACTIVITY.collective():
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flags)
         return bool(flag.item())
 
+    @in_phase("rejoin")
     def rejoin(self, master_addr: str, master_port: int, timeout_s: float) -> dict:
         """After a step that ran out of memory somewhere: leave the broken process group, form a
         new one with the same ranks, and put the layout in force on it. Every tensor stays where
@@ -274,6 +307,7 @@ class TrainWorker:
         oom.give_back(self.device)
         return {"seconds": time.perf_counter() - start, "step": self.step}
 
+    @in_phase("switch")
     def reshard(self, layout: dict, bucket_cap_mb: float | None = None) -> dict:
         """Switch: move the live model and optimizer state to another layout (or the same one
         with another `bucket_cap_mb`), in memory, on the same processes, tensor by tensor (a
@@ -320,6 +354,7 @@ class TrainWorker:
             return None
         return to_cpu({**full, "scaler": self.scaler.state_dict(), "step": self.step})
 
+    @in_phase("checkpoint")
     def checkpoint(self) -> dict:
         """This rank's part of a checkpoint of the current step (all ranks call it together): the
         digests of the DCP shards it wrote; or (full format) from rank 0 the digest of the state.pt
@@ -338,6 +373,7 @@ class TrainWorker:
         files = dcp.save(self.parallel.model, self.optimizer, folder, self.rank, self.world, extra)
         return {"checkpoint_part": {"step": self.step, "folder": str(folder), "files": files}}
 
+    @in_phase("load")
     def load_pretrained(self) -> dict:
         """Read model.pretrained's weights into the model as laid out, this rank's pieces only
         (all ranks call it together, before the first step); {"tensors", "bytes", "seconds"}."""
@@ -353,6 +389,7 @@ class TrainWorker:
             torch.cuda.synchronize(self.device)
         return {**got, "seconds": round(time.perf_counter() - start, 3), "memory": oom.memory_figures(self.device)}
 
+    @in_phase("load")
     def load(self, state: dict) -> int:
         """Continue from a checkpoint: {"dcp": folder} (each rank reads its pieces), {"full": file}
         (each rank maps the file on its node and takes its pieces) or full tensors."""
@@ -450,6 +487,7 @@ class TrainWorker:
 
     # ---------------------------------------------------------------- evaluation
 
+    @in_phase("evaluate")
     def evaluate(self, max_batches: int | None = None) -> dict:
         """Mean loss over the held-out data (eval.data) under the layout in force; all ranks call
         it at the same step boundary (workers/evaluation.py says how the data is split)."""
@@ -487,6 +525,15 @@ class TrainWorker:
             clock.take()  # nothing timed between steps belongs to the first one
         agreement = (StopAgreement(self.flags, lambda: self.stop_chunk == chunk) if chunk is not None else None)
         pending = _Pending(self.step, clock)
+        ACTIVITY.progressed()  # the time between chunks is the controller's, not a slow step
+        ACTIVITY.set_phase("step")
+        try:
+            yield from self._loop(until_step, checkpoint_every, flush_s, last_step, agreement, pending)
+        finally:
+            ACTIVITY.set_phase("idle")
+
+    def _loop(self, until_step, checkpoint_every, flush_s, last_step, agreement, pending) -> Iterator[dict]:
+        clock = self.clock
         while self.step < until_step:
             try:
                 if agreement is not None and agreement.stop_here():
@@ -502,6 +549,7 @@ class TrainWorker:
                 yield {"rank": self.rank, "step_failed": self._step_failed(err)}
                 return
             self.step += 1
+            ACTIVITY.stepped(self.step)
             pending.add(loss, data_span, lr)
             # the run's last step gets its own final save; a chunk's last step (before a possible
             # switch) is checkpointed like any other

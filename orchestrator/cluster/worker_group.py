@@ -18,6 +18,8 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 from gearshift.orchestrator.errors import GearshiftError, UsageError, WorkerFailed
 from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.control.startup import STARTUP
+from gearshift.orchestrator.cluster.devices import share_devices
+from gearshift.orchestrator.cluster.liveness import Liveness
 
 log = logging.getLogger("gearshift")
 
@@ -25,7 +27,7 @@ log = logging.getLogger("gearshift")
 # call into a fresh actor imports torch and builds the model.
 CALL_TIMEOUT_S = 300.0
 CALL_MARGIN_S = 30.0   # a call that runs collectives may take the collective timeout plus this
-STALL_MARGIN_S = 5.0   # no step report for the collective timeout plus this: a worker is stuck
+STALL_MARGIN_S = 5.0   # no report nor heartbeat, or one collective, for the collective timeout plus this: stuck
 
 
 class _QuietTokenNotice(logging.Filter):
@@ -263,6 +265,7 @@ class RayWorkerGroup:
         self.workers = [handles[i] for i in order]
         self.infos = [infos[i] for i in order]
         self._check_tp_groups_are_node_local()
+        self._share_devices()
         self._serve_checkpoints()
 
         master_addr = self.infos[0]["node_ip"]
@@ -282,6 +285,18 @@ class RayWorkerGroup:
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos
+
+    def _share_devices(self) -> None:
+        """Let the workers of each node see all of the node's GPUs the job holds, each on its own
+        (devices.py); a CPU job, or a worker that cannot, keeps what Ray gave it."""
+        if not self.job.cluster.gpus_per_worker:
+            return
+        shares = share_devices(self.infos)
+        used = self._get([w.use_devices.remote(s.visible, s.index) for w, s in zip(self.workers, shares, strict=True)],
+                         "start")
+        for info, share, ok in zip(self.infos, shares, used, strict=True):
+            if ok:
+                info.update(cuda_visible_devices=share.visible, device_index=share.index)
 
     def _name_file_server(self) -> None:
         """A name for this start's file server (started only if needed, by _serve_checkpoints), and
@@ -425,30 +440,37 @@ class RayWorkerGroup:
     def train(self, until_step: int, checkpoint_every: int, stall_timeout_s: float | None = None,
               last_step: int | None = None, stoppable: bool = False) -> Iterator[tuple[int, dict]]:
         """Stream (rank, report) pairs from every worker's step loop until all have finished.
-        No report from any worker for `stall_timeout_s` (default: the collective timeout plus a
-        margin: a rank stuck in a step has its peers' collectives time out by then) is a failure."""
+
+        While no report comes in, the workers are asked for heartbeats (liveness.py says when and
+        how a verdict is reached): a worker that answers is alive however long its step takes. One
+        that answers nothing for `stall_timeout_s` (default: the collective timeout plus a margin),
+        or waits inside one collective that long, or a group that finishes no step for
+        fault.progress_timeout_s, is a failure."""
         import ray
 
-        stall_timeout_s = stall_timeout_s or self.job.fault.collective_timeout_s + STALL_MARGIN_S
+        fault = self.job.fault
+        stall_timeout_s = stall_timeout_s or fault.collective_timeout_s + STALL_MARGIN_S
         self.chunk += 1
         chunk, flush_s = (self.chunk, 0.0) if stoppable else (None, 0.5)  # stoppable: every step reported as it ends
         gens = {w.train.remote(until_step, checkpoint_every, flush_s, last_step, chunk): rank
                 for rank, w in enumerate(self.workers)}
-        last_progress = time.monotonic()
+        watch = Liveness(len(self.workers), stall_timeout_s, fault.progress_timeout_s, time.monotonic())
+        beats: dict[Any, int] = {}  # heartbeat calls in flight -> rank (one per rank at a time)
         while gens:
             ready, _ = ray.wait(list(gens), num_returns=1, timeout=1.0)
             if not ready:
-                if time.monotonic() - last_progress > stall_timeout_s:
-                    raise WorkerFailed(None, f"no worker reported a step for {stall_timeout_s:g} s",
-                                       kind=WorkerFailed.SILENT)
+                self._hear(beats, watch)
+                hung = watch.verdict(time.monotonic())
+                if hung is not None:
+                    raise WorkerFailed(hung.rank, hung.reason, kind=WorkerFailed.SILENT)
                 continue
-            last_progress = time.monotonic()
             for gen in ready:
                 rank = gens[gen]
                 try:
                     ref = next(gen)
                 except StopIteration:
                     del gens[gen]
+                    watch.finished(rank, time.monotonic())
                     continue
                 try:
                     report = ray.get(ref, timeout=CALL_TIMEOUT_S)
@@ -456,13 +478,38 @@ class RayWorkerGroup:
                     raise WorkerFailed(rank, f"its report did not arrive within {CALL_TIMEOUT_S:g} s",
                                        kind=WorkerFailed.SILENT) from None
                 except ray.exceptions.RayActorError as err:
-                    info = self.infos[rank]
-                    raise WorkerFailed(rank, f"its process (pid {info['pid']} on {info['node_ip']}) died: killed, "
-                                             "crashed, out of memory or its node was lost", details=str(err),
-                                       kind=WorkerFailed.DIED) from None
+                    raise self._died(rank, err) from None
                 except ray.exceptions.RayError as err:
                     raise _task_failure(err, rank) from None
+                watch.reported(rank, time.monotonic())
                 yield rank, report
+
+    def _hear(self, beats: dict, watch: Liveness) -> None:
+        """Take the heartbeats that have come back, and ask again where the watch says so. A
+        worker still answering its last one is not asked twice, so a frozen one is not buried
+        in calls."""
+        import ray
+
+        if beats:
+            done, _ = ray.wait(list(beats), num_returns=len(beats), timeout=0)
+            for ref in done:
+                rank = beats.pop(ref)
+                try:
+                    watch.answered(rank, ray.get(ref, timeout=0), time.monotonic())
+                except ray.exceptions.RayActorError as err:
+                    raise self._died(rank, err) from None
+                except ray.exceptions.RayError as err:  # an answer that could not be read tells nothing
+                    log.debug("heartbeat of rank %d: %s", rank, err)
+        if watch.should_poll(time.monotonic()):
+            waiting = set(beats.values())
+            for rank, w in enumerate(self.workers):
+                if rank not in waiting:
+                    beats[w.heartbeat.options(concurrency_group="control").remote()] = rank
+
+    def _died(self, rank: int, err) -> WorkerFailed:
+        info = self.infos[rank]
+        return WorkerFailed(rank, f"its process (pid {info['pid']} on {info['node_ip']}) died: killed, crashed, out "
+                                  "of memory or its node was lost", details=str(err), kind=WorkerFailed.DIED)
 
     def regroup(self) -> None:
         master_addr = self.infos[0]["node_ip"]

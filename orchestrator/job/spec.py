@@ -246,8 +246,11 @@ class FaultSpec:
 
     max_failures: int = _f(3, _max_failures, "worker or node failures to recover from (restart from the latest "
                                              "checkpoint); -1: no limit")
-    collective_timeout_s: float = _f(300.0, _float(1.0, 86400.0), "a collective or a worker silent this long is "
-                                                                 "a failure")
+    collective_timeout_s: float = _f(300.0, _float(1.0, 86400.0), "a collective, or a worker answering neither "
+                                     "with a step nor a heartbeat, this long (plus 5 s) is a failure")
+    progress_timeout_s: float = _f(3600.0, _float(1.0, 604800.0), "workers that all answer their heartbeats but "
+                                   "finish no step for this long are taken for hung (a slow step, a first compile "
+                                   "or a checkpoint counts as alive until then)")
     on_node_loss: str = _f("shrink", _choice("shrink", "wait"), "shrink: continue on the workers that still fit; "
                                                               "wait: wait for a replacement node")
     replacement_timeout_s: float = _f(600.0, _float(0.0, 86400.0), "on_node_loss wait: how long, then fail")
