@@ -146,6 +146,18 @@ def worker_bundle(job: Job) -> dict[str, float]:
     return bundle
 
 
+def with_env(options: dict, env: dict[str, str]) -> dict:
+    """Actor `options` whose runtime_env also sets `env` (cluster.env) in the worker's process:
+    Ray sets runtime_env's env_vars before the process starts, so they are there before torch,
+    NCCL or any process group reads them. Variables already in `options` stay unless the job names
+    them too; the job-level runtime_env's env_vars Ray merges in itself."""
+    if not env:
+        return options
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env}
+    return {**options, "runtime_env": runtime_env}
+
+
 def _fits(job: Job, resources: dict[str, float]) -> str | None:
     """Why the cluster's total resources cannot hold the job, or None."""
     need = {k: v * job.cluster.num_workers for k, v in worker_bundle(job).items()}
@@ -248,11 +260,11 @@ class RayWorkerGroup:
         actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         search_paths = [job.base_dir]
         handles = [
-            actor_cls.options(
+            actor_cls.options(**with_env(dict(
                 num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
                 max_restarts=0, max_concurrency=1,
-            ).remote(WorkerConfig.from_job(job.to_dict(), search_paths, self.checkpoint_dir, feeders,
+            ), job.cluster.env)).remote(WorkerConfig.from_job(job.to_dict(), search_paths, self.checkpoint_dir, feeders,
                                            self.file_server_name), job.cluster.cpus_per_worker)
             for i in range(job.cluster.num_workers)
         ]

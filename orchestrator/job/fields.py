@@ -495,3 +495,35 @@ def _pretrained(v, path):
                                 "gearshift export), or {path: FOLDER, prefix: STR} where prefix is what the model's "
                                 "names carry in front of the file's, e.g. 'lm.'")
     return {"path": v["path"], "prefix": v.get("prefix", "")}
+
+
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# set by Ray for the GPUs it assigns (and shared within a node by gearshift): a job's own value
+# would hand a worker GPUs that are not its
+_ENV_RESERVED = ("CUDA_VISIBLE_DEVICES",)
+
+
+@_schema({"type": ["object", "null"], "propertyNames": {"pattern": _ENV_NAME, "not": {"enum": list(_ENV_RESERVED)}},
+          "additionalProperties": {"type": ["string", "number"]}})
+def _env(v, path):
+    """{NAME: value} set in every worker's environment; values become strings (1 -> "1")."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise JobError(path, v, "must be a mapping of environment variable names to values, e.g. "
+                                "{NCCL_DEBUG: INFO, NCCL_IB_DISABLE: 1}")
+    out = {}
+    for name, value in v.items():
+        if not isinstance(name, str) or not re.fullmatch(_ENV_NAME, name):
+            raise JobError(f"{path}.{name}", value, "is not an environment variable name: a name is letters, digits "
+                                                    "and '_', not starting with a digit (e.g. NCCL_DEBUG)")
+        if name in _ENV_RESERVED:
+            raise JobError(f"{path}.{name}", value, "is set by Ray for the GPUs it assigns to each worker, not by the "
+                                                    "job", "gearshift lets the workers of a node see each other's GPUs "
+                                                           "itself.")
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)) or \
+                (isinstance(value, float) and not math.isfinite(value)):
+            raise JobError(f"{path}.{name}", value, "must be a string or a number (quote anything else: 'true', "
+                                                    "'a,b')")
+        out[name] = value if isinstance(value, str) else str(value)
+    return out

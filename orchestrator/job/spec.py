@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,8 @@ class ClusterSpec:
     placement: str = _f("pack", _choice("pack", "spread"), "Ray placement group strategy: pack workers onto "
                                                            "few nodes, or spread them")
     placement_timeout_s: float = _f(60.0, _float(0.0, lo_open=True), "fail when the cluster cannot fit the job by then")
+    env: dict = _f({}, _env, "environment variables set in every worker before any process group exists "
+                             "(NCCL_*, ...): {NAME: value}, values strings or numbers")
 
 
 @dataclass(frozen=True)
