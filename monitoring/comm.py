@@ -7,7 +7,11 @@
   from then until backward returns (DDP waits for every bucket there) the rank only waits.
 - tensor parallel: DTensor's collectives go through torch's functional collectives; wrappers
   time each launch and each wait (the wait may come later, at the output's first use).
-- gradient averaging (hybrid) and the clipping norm's all-reduce: timed where they run.
+- hybrid's data-parallel average: its buckets are all-reduced asynchronously as backward
+  produces them (strategies/grads.py OverlappedAverager); only the wait after backward for
+  those still in flight is comm wait, and the time they ran behind backward is counted apart
+  as hidden (host timing: the span from each launch to its completion, outside that wait).
+- the clipping norm's all-reduce: timed where it runs.
 
 The simulated network (`inject.*`, workers/simnet.py) delays collectives from inside these
 timed spans, so a known delay shows up as measured wait; the clock itself knows nothing of it.
@@ -28,8 +32,12 @@ class CommClock:
         self.cuda = device.type == "cuda"
         self.wait = 0.0  # seconds blocked in this step (host timing)
         self.calls = 0  # collectives timed in this step
+        # where a layout can tell (hybrid's overlapped average): seconds its asynchronous collectives
+        # ran behind compute in this step, and seconds this rank then waited for them
+        self.hidden, self.hidden_waited = 0.0, 0.0
         self._spans: list = []  # CUDA (start, end) event pairs of this step
         self._last_launch = None
+        self._timed_hidden = False
 
     # ------------------------------------------------------------ the step's bookkeeping
 
@@ -46,12 +54,14 @@ class CommClock:
         else:
             self.wait += end - start
 
-    def take(self) -> tuple[object, int]:
-        """This step's comm wait (seconds, or CUDA spans to resolve later) and call count; resets."""
+    def take(self) -> tuple[object, int, tuple[float, float] | None]:
+        """This step's comm wait (seconds, or CUDA spans to resolve later), call count and (hidden
+        seconds, seconds waited for those collectives), None where nothing was measured; resets."""
         wait = self._spans if self.cuda else self.wait
-        calls = self.calls
+        calls, hidden = self.calls, (self.hidden, self.hidden_waited) if self._timed_hidden else None
         self.wait, self.calls, self._spans, self._last_launch = 0.0, 0, [], None
-        return wait, calls
+        self.hidden, self.hidden_waited, self._timed_hidden = 0.0, 0.0, False
+        return wait, calls, hidden
 
     @staticmethod
     def resolve(wait) -> float:
@@ -63,6 +73,20 @@ class CommClock:
                 total += start.elapsed_time(end) / 1000.0
             return total
         return wait
+
+    def add_hidden(self, hidden_s: float, waited_s: float) -> None:
+        self.hidden += hidden_s
+        self.hidden_waited += waited_s
+        self._timed_hidden = True
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """Time a wait for collectives launched earlier (counted at their launch)."""
+        start = self.mark()
+        try:
+            yield
+        finally:
+            self.add(start, self.mark())
 
     @contextlib.contextmanager
     def blocked(self):

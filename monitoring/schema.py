@@ -40,6 +40,12 @@ STEP = {
     "comm_wait_frac_mean": (OPT_NUM, "comm wait / step time, mean over ranks"),
     "comm_wait_frac_max": (OPT_NUM, "comm wait / step time, largest over ranks"),
     "comm_calls": (int, "collectives timed on one rank in this step (buckets for data)"),
+    "comm_hidden_mean": (OPT_NUM, "seconds the data-parallel all-reduces ran behind backward instead of being "
+                                  "waited for, mean over ranks (hybrid's overlapped average, host-timed on CPU); "
+                                  "null where not measured"),
+    "comm_hidden_frac_mean": (OPT_NUM, "the share of those all-reduces' time hidden behind backward: hidden / "
+                                       "(hidden + the wait for them after backward), mean over ranks; null where "
+                                       "not measured"),
     "samples_per_s": (NUM, "global batch / step_time_max"),
     "tokens_per_s": (OPT_NUM, "samples_per_s x tokens per sample, for sequence models; else null"),
     "peak_mem_bytes": (OPT_NUM, "peak memory of the rank that used most (device memory on GPU, "

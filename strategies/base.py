@@ -34,6 +34,7 @@ class Options:
     bucket_cap_mb: float = 25.0
     fp16: bool = False  # fp16 autocast: gradients are loss-scaled
     fsdp_units: tuple[str, ...] = ()  # parallel.fsdp_units (empty: found, strategies/fsdp.py find_units)
+    dp_overlap: bool = True  # hybrid: the data-parallel average overlaps backward (parallel.dp_overlap)
 
 
 class SwitchAborted(RuntimeError):
@@ -55,6 +56,17 @@ class Comm(Protocol):
     def blocked(self, nbytes: int, dim: str): ...  # a context around one blocking collective on `dim`
 
     def functional(self, active: bool) -> None: ...  # DTensor's collectives on the tp dimension
+
+    # an asynchronous collective (hybrid's overlapped dp average): counted at launch, completed
+    # later by the simulated link's delay, waited for inside `waiting`, and how long it ran
+    # hidden behind compute
+    def launched(self, dim: str) -> None: ...
+
+    def delay_s(self, nbytes: int, dim: str) -> float: ...
+
+    def waiting(self): ...  # a context around the wait for collectives launched earlier
+
+    def hidden(self, hidden_s: float, waited_s: float) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ gradients over the data-parallel replicas of a tensor-parallel model (hybrid).""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterable
 
 import torch
@@ -50,8 +51,9 @@ def grad_norm(params: Iterable[torch.Tensor], tp_group=None, timer=None) -> torc
 
 class GradAverager:
     """Average gradients over the data-parallel group after backward, in buckets of at most
-    `bucket_cap_mb` (one all-reduce per bucket). Used where DDP cannot wrap the model: its
-    tensor-parallel parameters are DTensors. Runs after backward, so it does not overlap."""
+    `bucket_cap_mb` (one all-reduce per bucket), one bucket after the other. Where DDP cannot
+    wrap the model (its tensor-parallel parameters are DTensors), `OverlappedAverager` is what
+    runs; this one stays for comparison (parallel.dp_overlap: false) and as its reference."""
 
     def __init__(self, params: list[torch.nn.Parameter], group, bucket_cap_mb: float):
         self.params = [p for p in params if p.requires_grad]
@@ -76,15 +78,156 @@ class GradAverager:
         if bucket:
             self._reduce(bucket)
 
+    def syncing(self, on: bool) -> None:
+        """Nothing to switch: this one averages after backward, when the worker asks."""
+
+    def close(self) -> None:
+        """Nothing to remove."""
+
     def _reduce(self, grads: list[torch.Tensor]) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
         with self.timer(flat.numel() * flat.element_size()) if self.timer is not None else contextlib.nullcontext():
             dist.all_reduce(flat, group=self.group)  # gloo has no AVG: sum, then divide
         flat.div_(self.size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        _scatter(flat, grads)
+
+
+def _scatter(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive runs of `params` of at least `cap_bytes` each (the last may be smaller), as
+    DDP cuts its buckets: a bucket is sent once its last parameter's gradient is in."""
+    out, bucket, used = [], [], 0
+    for p in params:
+        bucket.append(p)
+        local = _local(p)
+        used += local.numel() * local.element_size()
+        if used >= cap_bytes:
+            out.append(bucket)
+            bucket, used = [], 0
+    return out + ([bucket] if bucket else [])
+
+
+class OverlappedAverager:
+    """Average gradients over the data-parallel group while backward still computes, as DDP does
+    for a model it can wrap: parameters are cut into buckets of about `bucket_cap_mb` in the
+    reverse of their order (the order backward produces their gradients), each parameter's
+    post-accumulate-grad hook counts its bucket down, and a bucket whose gradients are all in is
+    all-reduced asynchronously at once. Buckets are launched in their fixed order on every rank
+    (a bucket ready early waits for the ones before it), so the collectives line up across ranks
+    whatever order the hooks fire in. `finish()`, after backward, launches what backward never
+    reached (parameters without a gradient this step), waits, and writes each average back.
+
+    Comm wait is only the time `finish` blocks: an all-reduce that completed behind backward is
+    not waited for. `route` (the worker's CommRoute, or None) times that wait, counts the
+    launches, delays each all-reduce's completion by the simulated link, and is told how much of
+    the all-reduces' time was hidden behind backward and how long this rank then waited."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group, bucket_cap_mb: float):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.route = None
+        self._sync = True  # False in the micro-batches of a step before its last (no_sync)
+        trained = [p for p in params if p.requires_grad]
+        self.buckets = _buckets(list(reversed(trained)), int(bucket_cap_mb * 1024 * 1024))
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in trained] if self.size > 1 else []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._missing = [len(b) for b in self.buckets]
+        self._next = 0  # the next bucket to launch: buckets go out in order
+        self._inflight: list[tuple] = []  # (grads, flat, future, launched_at, done_at holder)
+
+    def syncing(self, on: bool) -> None:
+        """Off around the backward of a micro-batch that is not the step's last: gradients only
+        accumulate, and the hooks launch nothing."""
+        self._sync = on
+
+    def _ready(self, param: torch.nn.Parameter) -> None:
+        if not self._sync:
+            return
+        b = self._bucket_of[id(param)]
+        self._missing[b] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] <= 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        grads = [_local(p.grad) for p in self.buckets[b] if p.grad is not None]
+        if not grads:  # every rank skips the same bucket: the same parameters went unused
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        nbytes = flat.numel() * flat.element_size()
+        route = self.route
+        launched = time.perf_counter()
+        fut = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
+        delay = route.delay_s(nbytes, "dp") if route is not None else 0.0
+        done: list[float] = []
+
+        def complete(f):
+            if delay:  # the simulated link: the all-reduce completes later by its delay
+                time.sleep(delay)
+            done.append(time.perf_counter())
+            return f.value()
+
+        fut = fut.then(complete)
+        if route is not None:
+            route.launched("dp")
+        self._inflight.append((grads, flat, fut, launched, done))
+
+    def finish(self) -> None:
+        """After backward: the buckets backward never completed go out now, every all-reduce is
+        waited for, and the averages are written back into the gradients."""
+        if self.size == 1:
+            return
+        if not self._sync:
+            raise RuntimeError("the data-parallel average was asked for inside no_sync")
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        route = self.route
+        started = time.perf_counter()
+        with route.waiting() if route is not None else contextlib.nullcontext():
+            for _, _, fut, _, _ in self._inflight:
+                fut.wait()
+        ended = time.perf_counter()
+        if route is not None:
+            route.hidden(_hidden(self._inflight, started, ended), ended - started)
+        for grads, flat, _, _, _ in self._inflight:
+            flat.div_(self.size)  # gloo has no AVG: sum, then divide
+            _scatter(flat, grads)
+        self._reset()
+
+    __call__ = finish
+
+    def close(self) -> None:
+        """Remove the hooks (the layout goes; the parameters may live on in another)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _hidden(inflight: list[tuple], wait_start: float, wait_end: float) -> float:
+    """Seconds in which some all-reduce was in flight while this rank was not waiting for it (it
+    computed backward meanwhile): the union of the [launch, done] spans outside the wait."""
+    spans = sorted((launched, done[0] if done else wait_end) for _, _, _, launched, done in inflight)
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in spans:
+        b = min(b, wait_start)  # what ran on into the wait was waited for, not hidden
+        if b <= a:
+            continue
+        if cur_end is None or a > cur_end:
+            total += (cur_end - cur_start) if cur_end is not None else 0.0
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    return total + ((cur_end - cur_start) if cur_end is not None else 0.0)
 
 
 def sharded_grad_scaler(device_type: str, enabled: bool, group=None):

@@ -4,24 +4,47 @@ workers of one node, on the fast link), data-parallel replicas of that group acr
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gearshift.strategies import fsdp, tensor
 from gearshift.strategies.base import Options, Parallel
-from gearshift.strategies.grads import GradAverager
+from gearshift.strategies.grads import GradAverager, OverlappedAverager
 from gearshift.strategies.layout import Layout
 
 
 class HybridParallel(tensor.TensorParallel):
     def __init__(self, model: nn.Module, layout: Layout, options: Options, mesh: DeviceMesh):
         super().__init__(model, model, layout, options, mesh)
-        # DDP cannot wrap a model of DTensors: gradients are averaged over dp after backward
-        self.averager = GradAverager(list(model.parameters()), mesh["dp"].get_group(), options.bucket_cap_mb)
-        self.averager.timer = lambda nbytes: self.blocked(nbytes, "dp")
+        # DDP cannot wrap a model of DTensors: the data-parallel average is ours, launched bucket
+        # by bucket as backward produces the gradients (or, parallel.dp_overlap false, after it)
+        params, group = list(model.parameters()), mesh["dp"].get_group()
+        if options.dp_overlap:
+            self.averager = OverlappedAverager(params, group, options.bucket_cap_mb)
+        else:
+            self.averager = GradAverager(params, group, options.bucket_cap_mb)
+            self.averager.timer = lambda nbytes: self.blocked(nbytes, "dp")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.averager.syncing(False)
+        try:
+            yield
+        finally:
+            self.averager.syncing(True)
 
     def after_backward(self) -> None:
         self.averager()
+
+    def attach(self, comm) -> None:
+        super().attach(comm)
+        self.averager.route = comm
+
+    def detach(self) -> None:
+        super().detach()
+        self.averager.close()
 
 
 def apply(model: nn.Module, mesh: DeviceMesh, layout: Layout, plan: dict[str, str],

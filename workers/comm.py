@@ -29,6 +29,21 @@ class CommRoute:
             with self.net.blocked(nbytes, dim) if self.net is not None else contextlib.nullcontext():
                 yield
 
+    def launched(self, dim: str) -> None:
+        if self.clock is not None:
+            self.clock.calls += 1
+
+    def delay_s(self, nbytes: int, dim: str) -> float:
+        """How much later an asynchronous collective completes on the simulated link."""
+        return self.net.delay(nbytes, dim) if self.net is not None else 0.0
+
+    def waiting(self):
+        return self.clock.waiting() if self.clock is not None else contextlib.nullcontext()
+
+    def hidden(self, hidden_s: float, waited_s: float) -> None:
+        if self.clock is not None and not self.clock.cuda:  # host times: meaningless where the host runs ahead
+            self.clock.add_hidden(hidden_s, waited_s)
+
     def functional(self, active: bool) -> None:
         # the delay wrappers go in first, so the timing wrappers (outside them) see the delay
         delay_functional_collectives(self.net if active else None)

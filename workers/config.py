@@ -34,6 +34,7 @@ class WorkerConfig:
     dp_shard: bool  # hybrid: the data dimension sharded
     tp_plan: Mapping[str, str]
     fsdp_units: tuple[str, ...]  # parallel.fsdp_units: the FSDP units' patterns (empty: found)
+    dp_overlap: bool  # parallel.dp_overlap: hybrid's data-parallel average overlaps backward
     bucket_cap_mb: float  # the value training starts with (bucket_cap_mb auto: the tuner's start)
     gpu: bool  # one GPU per worker; otherwise CPU and gloo
     telemetry: bool
@@ -74,6 +75,7 @@ class WorkerConfig:
             checkpoint_dir=checkpoint_dir, checkpoint_format=(job.get("checkpoint") or {}).get("format", "auto"),
             checkpoint_options=dict((job.get("checkpoint") or {}).get("storage_options") or {}),
             tp_plan=par.get("tp_plan") or {}, fsdp_units=tuple(par.get("fsdp_units") or ()),
+            dp_overlap=bool(par.get("dp_overlap", True)),
             bucket_cap_mb=job["tune"]["start"] if par["bucket_cap_mb"] == "auto" else par["bucket_cap_mb"],
             gpu=job["cluster"]["gpus_per_worker"] > 0, telemetry=tel["enabled"],
             sample_period_s=tel["sample_period_s"], ray_metrics=tel["ray_metrics"], on_nan=job["fault"]["on_nan"],

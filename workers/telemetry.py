@@ -56,8 +56,9 @@ class WorkerTelemetry:
             spans[-1][0][1].synchronize()  # every event of the report is on this stream, before it
             report["step_times"] = [a.elapsed_time(b) / 1000.0 for (a, b), _, _ in spans]
         report["data_times"] = [b - a if not cuda else a.elapsed_time(b) / 1000.0 for _, (a, b), _ in spans]
-        report["comm_waits"] = [CommClock.resolve(wait) for _, _, (wait, _) in spans]
-        report["comm_calls"] = [calls for _, _, (_, calls) in spans]
+        report["comm_waits"] = [CommClock.resolve(wait) for _, _, (wait, _, _) in spans]
+        report["comm_calls"] = [calls for _, _, (_, calls, _) in spans]
+        report["comm_hidden"] = [hidden for _, _, (_, _, hidden) in spans]
         report["peak_mem_bytes"] = self.peak_memory()
         now = time.monotonic()
         if now - self.extras_at < self.EXTRAS_S:

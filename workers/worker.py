@@ -214,7 +214,7 @@ class TrainWorker:
         if strategies.lookup(layout.strategy).needs_plan:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
         options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16",
-                                     fsdp_units=cfg.fsdp_units)
+                                     fsdp_units=cfg.fsdp_units, dp_overlap=cfg.dp_overlap)
         make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer))  # noqa: E731
         if move_from:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them

@@ -31,7 +31,7 @@ class StepMerger:
     """Collects per-rank reports and releases a step, aggregated over ranks, once every rank has
     reported it. `context` (strategy, dp, tp, bucket_cap_mb) is stamped on every record."""
 
-    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls", "step_ends", "lrs")
+    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls", "step_ends", "lrs", "comm_hidden")
 
     def __init__(self, world: int, global_batch: int, context: dict, tokens_per_sample: int | None = None):
         self.world = world
@@ -58,7 +58,7 @@ class StepMerger:
         return sorted(done, key=lambda r: r["step"])
 
     def _merge(self, step: int, per_rank: list[tuple]) -> dict:
-        losses, times, data, waits, calls, ends, lrs = (list(c) for c in zip(*per_rank))
+        losses, times, data, waits, calls, ends, lrs, hidden = (list(c) for c in zip(*per_rank))
         slowest = max(range(self.world), key=lambda r: times[r])
         rate = self.global_batch / times[slowest] if times[slowest] > 0 else 0.0
         timed = all(w is not None for w in waits)  # telemetry off: only loss and step time
@@ -75,6 +75,7 @@ class StepMerger:
             "comm_wait_mean": mean(waits) if timed else None, "comm_wait_max": max(waits) if timed else None,
             "comm_wait_frac_mean": mean(fracs) if timed else None, "comm_wait_frac_max": max(fracs) if timed else None,
             "comm_calls": max(calls) if timed else 0,
+            **_hidden(hidden if timed else [None]),
             "samples_per_s": rate,
             "tokens_per_s": rate * self.tokens_per_sample if self.tokens_per_sample else None,
             "peak_mem_bytes": max(self.peak_mem.values()) if self.peak_mem else None,
@@ -83,6 +84,16 @@ class StepMerger:
                       "comm_wait": waits if timed else None, "comm_wait_frac": fracs,
                       "samples_per_s": [self.local_batch / t if t > 0 else 0.0 for t in times]},
         }
+
+
+def _hidden(per_rank: list) -> dict:
+    """Where a layout measured it (hybrid's overlapped average): seconds its all-reduces ran behind
+    backward, and their share of those all-reduces' time (hidden / (hidden + waited for))."""
+    if any(h is None for h in per_rank):
+        return {"comm_hidden_mean": None, "comm_hidden_frac_mean": None}
+    fracs = [h / (h + w) if h + w > 0 else 0.0 for h, w in per_rank]
+    return {"comm_hidden_mean": sum(h for h, _ in per_rank) / len(per_rank),
+            "comm_hidden_frac_mean": sum(fracs) / len(fracs)}
 
 
 class RunStats:

@@ -136,6 +136,9 @@ class ParallelSpec:
                                                 "replicated across groups); null: the workers of one node")
     dp_shard: bool = _f(False, _bool, "hybrid: shard the data dimension's state (FSDP over dp) instead of "
                                       "replicating it")
+    dp_overlap: bool = _f(True, _bool, "hybrid: all-reduce the data-parallel gradients bucket by bucket while "
+                                       "backward still computes (false: after backward, one bucket after the "
+                                       "other; for comparisons)")
     fsdp_units: list = _f([], _fsdp_units, "fsdp, hsdp, hybrid dp_shard: the modules sharded as units of their own "
                           "(module-name patterns such as model.layers.*, or class names); empty: a Hugging Face "
                           "model's _no_split_modules, else the blocks of the outermost ModuleList at any depth")
