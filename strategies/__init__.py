@@ -93,13 +93,14 @@ def lookup(name: str, search_paths: Iterable[str] = ()) -> Strategy:
 
 def parallelize(model: nn.Module, layout: Layout, plan: dict[str, str] | None, options: Options) -> Parallel:
     """Lay `model` (already on the device, the same initial weights on every rank) out as
-    `layout` over the default process group."""
+    `layout` over the default process group (on the mesh of its shape that an earlier layout
+    made, if any: strategies/mesh.py)."""
     strategy = lookup(layout.strategy)
     mesh = None
     if strategy.mesh != REPLICATE:
-        from torch.distributed.device_mesh import init_device_mesh
+        from gearshift.strategies.mesh import device_mesh
 
-        mesh = init_device_mesh(options.device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+        mesh = device_mesh(options.device.type, (layout.dp, layout.tp), ("dp", "tp"))
     return strategy.apply(model, mesh, layout, plan, options)
 
 

@@ -27,7 +27,7 @@ import fnmatch
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from gearshift.strategies import grads, tensor
 from gearshift.strategies.base import Options, Parallel
 from gearshift.strategies.layout import Layout
+from gearshift.strategies.mesh import device_mesh
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -292,8 +293,8 @@ def mesh_for(layout: Layout, device: torch.device) -> DeviceMesh:
     """fsdp: ("dp",) over every worker; hsdp: ("replicate", "shard") with groups of layout.shard
     consecutive ranks (an hsdp whose one group spans every rank is plain fsdp)."""
     if layout.replicas == 1:
-        return init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
-    return init_device_mesh(device.type, (layout.replicas, layout.shard), mesh_dim_names=("replicate", "shard"))
+        return device_mesh(device.type, (layout.dp,), ("dp",))
+    return device_mesh(device.type, (layout.replicas, layout.shard), ("replicate", "shard"))
 
 
 def apply(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, plan, options: Options) -> FSDPParallel:

@@ -10,6 +10,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from gearshift.strategies import mesh
+
 
 def node_info() -> dict:
     import ray
@@ -61,6 +63,7 @@ def leave() -> None:
     group stays alive as long as a layout holds it (DDP's reducer does), so its connections are
     half-closed (this side writes no more): the peer reads the end of the stream and its
     collective raises; this side's next collective on it would fail, and there is none."""
+    mesh.forget()  # their meshes die with them, and a new group must not be handed one
     if not dist.is_initialized():
         return
     if dist.get_backend() == "nccl":
@@ -83,7 +86,8 @@ def leave() -> None:
 
 def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float,
          gpu: bool) -> tuple[torch.device, str]:
-    """Join the process group; (this worker's device, the backend)."""
+    """Join the process group; (this worker's device, the backend). Every group made after it
+    (the layouts' meshes, the stop agreement's) takes its timeout, `timeout_s`."""
     # The job, not the host, decides: a CPU job on a GPU node must not touch GPUs that Ray
     # never reserved for it (Ray leaves CUDA_VISIBLE_DEVICES alone when num_gpus is 0).
     if gpu:
@@ -96,8 +100,13 @@ def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: f
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    mesh.forget()  # a mesh of a group this process had before is not one of this group's
+    # device_id binds the group to this GPU: NCCL connects now, where a broken peer shows at
+    # once, rather than at the first collective, and the meshes' sub-groups are split from it
+    # (ncclCommSplit) instead of each going through a rendezvous of its own
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
     return device, backend
 
 

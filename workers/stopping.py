@@ -17,11 +17,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from gearshift.strategies.mesh import group_timeout
+
 
 def flag_group(world: int):
     """The process group the flags travel in (every rank must call this at the same point); None
-    for one process, whose flag is its own."""
-    return dist.new_group(backend="gloo") if world > 1 else None
+    for one process, whose flag is its own. It times out with the default group (the job's
+    collective timeout), not after torch's 30 minutes."""
+    return dist.new_group(backend="gloo", timeout=group_timeout()) if world > 1 else None
 
 
 class StopAgreement:
