@@ -142,7 +142,7 @@ EVENTS = {
                 "are buffered and retried) and at the end (`status`: done or incomplete; `sent`, `unsent` and "
                 "`dropped` records, `artifacts` sent or not, the last `error`)",
     "non_finite": "a step's loss or gradient norm was NaN or Inf: its update was not applied and its batch skipped "
-                  "(`step`, `loss`, `grad_norm`, `layer`: the first module whose output was not finite, `action`)",
+                  "(`step`, `loss`, `grad_norm`, `layer`: the first module whose output was not finite, `action`; where a fused optimizer skipped it on the device, `checked` says so and `grad_norm` and `layer` are null)",
 }
 
 BY_TYPE = {"step": STEP, "sample": SAMPLE, "eval": EVAL, "event": EVENT}

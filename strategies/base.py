@@ -130,6 +130,27 @@ class Parallel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
+    def found_inf(self, norm: torch.Tensor | None = None) -> torch.Tensor:
+        """1.0 when some gradient of this step is NaN or Inf on any rank, else 0.0: a float tensor
+        on the device, the same on every rank, that nothing here reads (a fused optimizer skips
+        the update with it on the device). `norm`, the clipping norm, is global already; without
+        it, one foreach norm of this rank's gradients, agreed over all ranks where they hold
+        different pieces (`gathers_collectively`), by a MAX all-reduce of one number."""
+        if norm is not None:
+            return (~torch.isfinite(norm)).to(torch.float32).reshape(())
+        grads = [g.to_local() if hasattr(g, "to_local") else g
+                 for g in (p.grad for p in self.model.parameters()) if g is not None]
+        if grads:
+            found = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).to(torch.float32)
+        else:
+            found = torch.zeros((), dtype=torch.float32, device=self.options.device)
+        if self.gathers_collectively:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return found
+
     def compile(self, options: dict) -> None:
         """torch.compile what forward runs on (the DDP wrapper too: its graph breaks at bucket
         boundaries, so the all-reduces still overlap backward). A layout that torch cannot

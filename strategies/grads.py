@@ -35,18 +35,25 @@ def grad_norm(params: Iterable[torch.Tensor], tp_group=None, timer=None) -> torc
     grads = [p.grad for p in params if p.grad is not None]
     # every rank reaches the all-reduce below, even one without gradients, or the others would wait
     device = _local(grads[0]).device if grads else _local(params[0]).device if params else torch.device("cpu")
-    sharded = torch.zeros((), device=device, dtype=torch.float32)
-    replicated = torch.zeros((), device=device, dtype=torch.float32)
-    for g in grads:
-        sq = _local(g).float().pow(2).sum()
-        if isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements):
-            sharded += sq
-        else:
-            replicated += sq
+    is_shard = [isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements) for g in grads]
+    sharded = _sum_of_squares([_local(g) for g, s in zip(grads, is_shard) if s], device)
+    replicated = _sum_of_squares([_local(g) for g, s in zip(grads, is_shard) if not s], device)
     if tp_group is not None:
         with timer(sharded.element_size()) if timer is not None else contextlib.nullcontext():
             dist.all_reduce(sharded, group=tp_group)
     return (sharded + replicated).sqrt()
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """The sum of the tensors' squared 2-norms in fp32, by foreach kernels (one launch per dtype)."""
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        norms = torch._foreach_norm(group)
+        total += torch.stack(norms).float().pow(2).sum()
+    return total
 
 
 class GradAverager:
@@ -128,21 +135,46 @@ class OverlappedAverager:
     launches, delays each all-reduce's completion by the simulated link, and is told how much of
     the all-reduces' time was hidden behind backward and how long this rank then waited."""
 
-    def __init__(self, params: list[torch.nn.Parameter], group, bucket_cap_mb: float):
-        self.group = group
+    def __init__(self, model: torch.nn.Module, group, bucket_cap_mb: float):
+        self.model, self.group = model, group
         self.size = dist.get_world_size(group)
+        self.cap_bytes = int(bucket_cap_mb * 1024 * 1024)
         self.route = None
         self._sync = True  # False in the micro-batches of a step before its last (no_sync)
-        trained = [p for p in params if p.requires_grad]
-        self.buckets = _buckets(list(reversed(trained)), int(bucket_cap_mb * 1024 * 1024))
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        self._bucket_of: dict[int, int] = {}
+        self._hooks: list = []
+        # Bound on the first forward, not here: a model laid out on the meta device gets its real
+        # storage afterwards (to_empty swaps it into the same Parameter objects), and a hook put
+        # on a parameter before that swap stays with the meta storage and never fires
+        self._rebind = model.register_forward_pre_hook(self._bind_once) if self.size > 1 else None
+        self._reset()
+
+    def _bind(self) -> None:
+        """Buckets and hooks on the model's parameters as they are now."""
+        for h in self._hooks:
+            h.remove()
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.buckets = _buckets(list(reversed(trained)), self.cap_bytes)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in trained] if self.size > 1 else []
+        for p in trained:
+            if p._post_accumulate_grad_hooks is not None and not p._post_accumulate_grad_hooks:
+                # an empty table left from before a storage swap: dropped, so that the hook below is
+                # registered with the storage the parameter has now
+                p._post_accumulate_grad_hooks = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in trained]
+
+    def _bind_once(self, module, args) -> None:
+        self._rebind.remove()
+        self._rebind = None
+        self._bind()
         self._reset()
 
     def _reset(self) -> None:
         self._missing = [len(b) for b in self.buckets]
         self._next = 0  # the next bucket to launch: buckets go out in order
         self._inflight: list[tuple] = []  # (grads, flat, future, launched_at, done_at holder)
+        self._heard = False  # some hook fired this step
 
     def syncing(self, on: bool) -> None:
         """Off around the backward of a micro-batch that is not the step's last: gradients only
@@ -152,6 +184,7 @@ class OverlappedAverager:
     def _ready(self, param: torch.nn.Parameter) -> None:
         if not self._sync:
             return
+        self._heard = True
         b = self._bucket_of[id(param)]
         self._missing[b] -= 1
         while self._next < len(self.buckets) and self._missing[self._next] <= 0:
@@ -188,6 +221,9 @@ class OverlappedAverager:
             return
         if not self._sync:
             raise RuntimeError("the data-parallel average was asked for inside no_sync")
+        if not self.buckets:  # no forward ran through the model itself (its wrapper called around it)
+            self._bind()
+        stale = not self._heard  # no hook fired: the parameters were replaced since the hooks went on
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
@@ -202,6 +238,8 @@ class OverlappedAverager:
         for grads, flat, _, _, _ in self._inflight:
             flat.div_(self.size)  # gloo has no AVG: sum, then divide
             _scatter(flat, grads)
+        if stale:  # this step's average ran after backward; the next one overlaps again
+            self._bind()
         self._reset()
 
     __call__ = finish
@@ -211,6 +249,9 @@ class OverlappedAverager:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._rebind is not None:
+            self._rebind.remove()
+            self._rebind = None
 
 
 def _hidden(inflight: list[tuple], wait_start: float, wait_end: float) -> float:
@@ -274,8 +315,9 @@ def mesh_grad_norm(params: Iterable[torch.Tensor], timer=None) -> torch.Tensor:
         key, mesh = ((), None)
         if isinstance(g, DTensor) and _shard_dims(g):
             key, mesh = (g.device_mesh.mesh_dim_names or (), _shard_dims(g)), g.device_mesh
-        entry = sums.setdefault(key, [mesh, torch.zeros((), device=device, dtype=torch.float32)])
-        entry[1] += _local(g).float().pow(2).sum()
+        sums.setdefault(key, [mesh, []])[1].append(_local(g))
+    for entry in sums.values():
+        entry[1] = _sum_of_squares(entry[1], device)
     total = torch.zeros((), device=device, dtype=torch.float32)
     # every rank holds the same keys (same model, same layout): sorted, the all-reduces line up
     for key in sorted(sums, key=repr):

@@ -20,11 +20,11 @@ class HybridParallel(tensor.TensorParallel):
         super().__init__(model, model, layout, options, mesh)
         # DDP cannot wrap a model of DTensors: the data-parallel average is ours, launched bucket
         # by bucket as backward produces the gradients (or, parallel.dp_overlap false, after it)
-        params, group = list(model.parameters()), mesh["dp"].get_group()
+        group = mesh["dp"].get_group()
         if options.dp_overlap:
-            self.averager = OverlappedAverager(params, group, options.bucket_cap_mb)
+            self.averager = OverlappedAverager(model, group, options.bucket_cap_mb)
         else:
-            self.averager = GradAverager(params, group, options.bucket_cap_mb)
+            self.averager = GradAverager(list(model.parameters()), group, options.bucket_cap_mb)
             self.averager.timer = lambda nbytes: self.blocked(nbytes, "dp")
 
     @contextlib.contextmanager

@@ -210,6 +210,20 @@ def test_a_nan_step_is_not_applied_and_its_batch_is_skipped(ray_cluster, tmp_pat
     assert max_diff(final, reference_skipping(job, 4)) <= 1e-4
 
 
+def test_a_nan_step_skipped_on_the_device_with_a_fused_optimizer(ray_cluster, tmp_path):
+    """optimizer.fused (the default on GPU): the step's found-inf flag goes into the fused kernel,
+    which leaves the state as it was, and the worker reads the flag with the step's report, so
+    the step never waits on the host. The record says so; the result is the one without step 4."""
+    job_file, nan = faulty(tmp_path, "nan_mlp", nan_at_step=4)
+    overrides = MLP[1] + LAYOUTS["fsdp"] + ["optimizer.fused=true"]
+    summary = run_gearshift(job_file, overrides + nan, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 12
+    [bad] = events(tmp_path / "run", "non_finite")
+    assert bad["step"] == 4 and bad["layer"] is None and "on the device" in bad["checked"]
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, reference_skipping(load_job(MLP[0], overrides), 4)) <= 1e-4
+
+
 def test_on_nan_stop_ends_the_run_naming_the_layer(ray_cluster, tmp_path, capsys):
     job_file, nan = faulty(tmp_path, "nan_mlp", nan_at_step=3)
     code = cli.main(["run", str(job_file), "--run-dir", str(tmp_path / "run"),

@@ -164,3 +164,39 @@ def test_job_field_reaches_the_worker():
     assert WorkerConfig.from_job(job.to_dict()).dp_overlap is False
     assert WorkerConfig.from_job(load_job(os.path.join(os.path.dirname(__file__), "..", "examples",
                                                        "gpt.yaml")).to_dict()).dp_overlap is True
+
+
+def _inflight_at_each_finish(worker):
+    """Runs in each worker: how many buckets were already in flight when backward returned, for
+    two training steps of the real step loop (the model was built on the meta device)."""
+    par = worker.parallel
+    seen, finish = [], par.after_backward
+
+    def after_backward():
+        seen.append(len(par.averager._inflight))
+        finish()
+
+    par.after_backward = after_backward
+    list(worker.train(worker.step + 2, 0, 1000.0))
+    return seen, worker.build_info["on_meta"]
+
+
+def test_a_model_built_on_meta_overlaps_in_the_worker():
+    """The layout is applied on the meta device and its storage swapped in afterwards: hooks put on
+    before that swap never fire, so the averager binds them on the first forward. In the worker's
+    own loop, buckets are in flight before backward returns from the very first step."""
+    from bench.local_group import LocalGroup
+    from gearshift.orchestrator.job import job_from_dict
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    job = job_from_dict({"model": {"name": "gpt", "kwargs": {"vocab_size": 128, "block_size": 16, "n_layer": 2,
+                                                           "n_head": 4, "n_embd": 32}},
+                         "data": "chars", "train": {"steps": 2, "global_batch_size": 8},
+                         "cluster": {"num_workers": 4},
+                         "parallel": {"strategy": "hybrid", "tp_size": 2, "bucket_cap_mb": 0.01},
+                         "telemetry": {"ray_metrics": False}}).to_dict()
+    with LocalGroup(job, 4, search_paths=[root], cpus=0.5) as group:
+        group.call("build")
+        for seen, on_meta in group.apply(_inflight_at_each_finish):
+            assert on_meta
+            assert len(seen) == 2 and all(n >= 3 for n in seen), seen

@@ -261,13 +261,18 @@ def build_loss(spec: dict, search_paths: Iterable[str] = ()) -> Callable:
     return loss
 
 
-def build_optimizer(params, spec: dict) -> torch.optim.Optimizer:
+def build_optimizer(params, spec: dict, device: torch.device | None = None) -> torch.optim.Optimizer:
+    """The job's optimizer; fused (optimizer.fused, auto: on CUDA), whose kernels take the
+    step's found-inf flag and skip the update on the device (workers/worker.py)."""
     name, lr, wd = spec["name"], spec["lr"], spec["weight_decay"]
+    fused = spec.get("fused", "auto")
+    fused = (device is not None and device.type == "cuda") if fused == "auto" else bool(fused)
+    extra = {"fused": True} if fused else {}  # left out otherwise: torch picks foreach or the loop itself
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=spec["momentum"], nesterov=spec["nesterov"],
-                               weight_decay=wd)
+                               weight_decay=wd, **extra)
     cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
-    return cls(params, lr=lr, betas=tuple(spec["betas"]), eps=spec["eps"], weight_decay=wd)
+    return cls(params, lr=lr, betas=tuple(spec["betas"]), eps=spec["eps"], weight_decay=wd, **extra)
 
 
 def model_for_checks(model_spec: dict, search_paths: Iterable[str] = ()) -> tuple[nn.Module, dict | None]:

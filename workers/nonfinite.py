@@ -40,11 +40,20 @@ def first_non_finite_module(model: nn.Module, forward) -> str | None:
     return found[0] if found else None
 
 
-def non_finite_step(step: int, loss: torch.Tensor, norm: torch.Tensor, layer: str | None, stop: bool) -> dict:
-    """The record of a skipped step, or NonFiniteStep when the job says to stop (fault.on_nan)."""
-    found = {"step": step + 1, "loss": float(loss.detach()), "grad_norm": float(norm), "layer": layer}
+def non_finite_step(step: int, loss: torch.Tensor, norm: torch.Tensor | None, layer: str | None, stop: bool,
+                    on_device: bool = False) -> dict:
+    """The record of a skipped step, or NonFiniteStep when the job says to stop (fault.on_nan).
+    `on_device`: the device skipped the update itself (a fused optimizer took the step's found-inf
+    flag), and the flag was read with the step's report: `step` is then the step counted from 1,
+    the gradient norm was not computed and no forward pass looked for the layer."""
+    number = step if on_device else step + 1
+    found = {"step": number, "loss": float(loss.detach()), "grad_norm": None if norm is None else float(norm),
+             "layer": layer}
+    if on_device:
+        found["checked"] = "on the device (optimizer.fused): the first non-finite layer is not looked for"
     if stop:
-        raise NonFiniteStep(f"step {step + 1}: loss {found['loss']}, gradient norm {found['grad_norm']}; the "
-                            f"first non-finite output was {layer or 'not found in a forward pass'} "
-                            f"(fault.on_nan = stop)")
+        where = layer or ("not looked for (the step was checked on the device)" if on_device
+                          else "not found in a forward pass")
+        raise NonFiniteStep(f"step {number}: loss {found['loss']}, gradient norm {found['grad_norm']}; the "
+                            f"first non-finite output was {where} (fault.on_nan = stop)")
     return found

@@ -215,7 +215,7 @@ class TrainWorker:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
         options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16",
                                      fsdp_units=cfg.fsdp_units, dp_overlap=cfg.dp_overlap)
-        make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer))  # noqa: E731
+        make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer), self.device)  # noqa: E731
         if move_from:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
 
@@ -453,7 +453,11 @@ class TrainWorker:
             total += loss.detach().float()
         return total
 
-    def _one_step(self, step: int) -> tuple[torch.Tensor, tuple | None, float]:
+    def _one_step(self, step: int) -> tuple[torch.Tensor, tuple | None, float, torch.Tensor | None]:
+        """One optimizer step: (the loss, the data span, the learning rate, the step's found-inf
+        flag where the update was skipped on the device for it, else None). Nothing here waits
+        for the device: norms are computed only for clipping, and where the optimizer is fused
+        the flag goes into its kernels and is read with the step's report (see _report)."""
         clip, clock = self.config.grad_clip, self.clock
         data_start = clock.mark() if clock else None
         x, y = self._batch(step)  # seeded by the step before loading: augmentation draws the same anywhere
@@ -470,20 +474,29 @@ class TrainWorker:
             self.scaler.unscale_(self.optimizer)
             norm = self.parallel.clip_grad_norm(clip)
         lr = self.lr_at(step + 1)
-        if not self.scaler.is_enabled():  # fp16's scaler skips steps with inf gradients itself
-            norm = self.parallel.grad_norm() if norm is None else norm
-            # the norm is the same on every rank (gradients are all-reduced, or their norm is), so
-            # every rank takes the same decision; a non-finite loss makes non-finite gradients
-            if not (torch.isfinite(norm) and torch.isfinite(loss)):
-                self._non_finite(step, x, loss, norm)
-                return loss, data_span, lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        found = None
+        if not self.scaler.is_enabled():  # fp16's scaler finds inf gradients and skips the step itself
+            # the same on every rank (the clipping norm is global, or the layout agrees on it), so
+            # every rank takes the same decision; a non-finite loss makes non-finite gradients
+            found = self.parallel.found_inf(norm)
+            if not _skips_on_device(self.optimizer):  # the loop and foreach kernels take no flag: the host reads it
+                if found.item():
+                    self._non_finite(step, x, loss, norm if norm is not None else self.parallel.grad_norm())
+                    return loss, data_span, lr, None
+                found = None
         self.updating = True
-        self.scaler.step(self.optimizer)
+        if found is not None:  # what GradScaler hands a fused optimizer: it skips the update if found
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found
+        try:
+            self.scaler.step(self.optimizer)
+        finally:
+            if found is not None:
+                del self.optimizer.grad_scale, self.optimizer.found_inf
         self.scaler.update()
         self.updating = False
-        return loss, data_span, lr
+        return loss, data_span, lr, found
 
     # ---------------------------------------------------------------- evaluation
 
@@ -540,7 +553,7 @@ class TrainWorker:
                     agreement = None  # stopped: nothing outstanding on the group
                     break
                 self.profiler.before_step(self.step, self.parallel.model)
-                loss, data_span, lr = self._one_step(self.step)
+                loss, data_span, lr, found = self._one_step(self.step)
             except Exception as err:  # noqa: BLE001 - out of memory here or on a peer; anything else is raised
                 if not isinstance(err, torch.OutOfMemoryError) and not oom.peer_gone(err):
                     raise
@@ -550,7 +563,7 @@ class TrainWorker:
                 return
             self.step += 1
             ACTIVITY.stepped(self.step)
-            pending.add(loss, data_span, lr)
+            pending.add(loss, data_span, lr, found)
             # the run's last step gets its own final save; a chunk's last step (before a possible
             # switch) is checkpointed like any other
             ckpt = checkpoint_every and self.step % checkpoint_every == 0 and self.step < (last_step or until_step)
@@ -582,6 +595,9 @@ class TrainWorker:
 
     def _report(self, pending: "_Pending", checkpoint: bool) -> dict:
         report = pending.report(self.rank)
+        for bad in pending.skipped_on_device(report["losses"]):  # read with the losses: no sync of its own
+            self.non_finite.append(non_finite_step(bad, torch.tensor(report["losses"][bad - pending.first]),
+                                                   None, None, stop=self.config.on_nan == "stop", on_device=True))
         if self.non_finite:
             report["non_finite"], self.non_finite = self.non_finite, []
         if self.clock:
@@ -601,6 +617,12 @@ class TrainWorker:
             dist.destroy_process_group()
 
 
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` takes a found-inf flag and skips the update on the device (torch's
+    fused kernels, as GradScaler uses them)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"))
+
+
 def _fsdp_units(model: torch.nn.Module, patterns: tuple[str, ...]) -> dict:
     from gearshift.strategies.fsdp import describe_units  # FSDP2 is imported only where it is used
 
@@ -616,12 +638,15 @@ class _Pending:
         self.times: list[float] = []
         self.ends: list[float] = []
         self.lrs: list[float] = []
+        self.found: list[tuple[int, torch.Tensor]] = []  # (index, found-inf flag) of steps checked on the device
         self.spans: list = []
         self.started = self.t_prev = time.perf_counter()
         self.step_start = clock.mark() if clock else None
 
-    def add(self, loss: torch.Tensor, data_span, lr: float) -> None:
+    def add(self, loss: torch.Tensor, data_span, lr: float, found: torch.Tensor | None = None) -> None:
         now = time.perf_counter()
+        if found is not None:
+            self.found.append((len(self.losses), found))
         self.losses.append(loss)
         self.lrs.append(lr)
         self.times.append(now - self.t_prev)
@@ -634,6 +659,14 @@ class _Pending:
 
     def age(self) -> float:
         return self.t_prev - self.started
+
+    def skipped_on_device(self, losses: list[float]) -> list[int]:
+        """The steps (counted from 1) whose update the device skipped for a non-finite gradient;
+        their flags come to the host in one copy, after the losses' (`report` made that one)."""
+        if not self.found:
+            return []
+        flags = torch.stack([f for _, f in self.found]).tolist()
+        return [self.first + i + 1 for (i, _), flag in zip(self.found, flags) if flag]
 
     def report(self, rank: int) -> dict:
         return {"rank": rank, "first_step": self.first, "losses": torch.stack(self.losses).float().tolist(),

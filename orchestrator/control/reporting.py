@@ -311,8 +311,11 @@ class Reporter:
     def non_finite(self, bad: dict) -> None:
         self.skipped.append(bad)
         self.event("non_finite", **bad, action="skipped the batch; the update was not applied")
-        self.say(f"step {bad['step']}: loss {bad['loss']:.4g}, gradient norm {bad['grad_norm']:.4g}: first "
-                 f"non-finite output in {bad['layer']}; update not applied, batch skipped (fault.on_nan = skip)")
+        norm = "" if bad.get("grad_norm") is None else f", gradient norm {bad['grad_norm']:.4g}"
+        where = (f"first non-finite output in {bad['layer']}" if not bad.get("checked")
+                 else "a gradient not finite (checked on the device)")
+        self.say(f"step {bad['step']}: loss {bad['loss']:.4g}{norm}: {where}; update not applied, batch skipped "
+                 "(fault.on_nan = skip)")
 
     def decided(self, decision, step: int, applied: int | None = None) -> None:
         """A decision, seen in the record of `step` and carried out at step boundary `applied`

@@ -145,6 +145,13 @@ def _bool(v, path):
     return v
 
 
+@_schema({"anyOf": [{"type": "boolean"}, {"type": "string", "enum": ["auto"]}]})
+def _bool_or_auto(v, path):
+    if not isinstance(v, bool) and v != "auto":
+        raise JobError(path, v, "must be true, false or 'auto'")
+    return v
+
+
 @_schema({"type": ["string", "null"], "pattern": r"\S"})
 def _str_or_none(v, path):
     if v is not None and (not isinstance(v, str) or not v.strip()):

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,9 @@ class OptimizerSpec:
     nesterov: bool = _f(False, _bool, "sgd only")
     betas: tuple = _f((0.9, 0.999), _betas, "adam and adamw")
     eps: float = _f(1e-8, _float(0.0, lo_open=True), "adam and adamw")
+    fused: bool | str = _f("auto", _bool_or_auto, "torch's fused update kernels; they also skip a step whose "
+                           "gradients are not finite on the device, so the step never waits on the host to "
+                           "decide; auto: on GPU")
     schedule: ScheduleSpec = _section(ScheduleSpec, "the learning rate over the run: warm-up and decay")
 
 
