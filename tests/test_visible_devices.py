@@ -38,14 +38,22 @@ def test_a_worker_with_two_gpus_is_refused():
         share_devices([{"node_id": "a", "gpu_ids": ["0", "1"]}])
 
 
-def test_a_worker_keeps_its_one_gpu_until_the_rendezvous_can_place_it(monkeypatch):
+def test_a_worker_keeps_its_one_gpu_once_cuda_has_started(monkeypatch):
     import os
 
     from gearshift.workers import worker
 
-    monkeypatch.setattr(worker, "_JOIN_TAKES_INDEX", False)
+    monkeypatch.setattr(worker.torch.cuda, "is_initialized", lambda: True)
     w = worker.TrainWorker.__new__(worker.TrainWorker)
     w.device_index = None
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert w.use_devices("0,1", 1) is False
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == before and w.device_index is None
+
+
+def test_the_rendezvous_takes_the_shared_index():
+    import inspect
+
+    from gearshift.workers import rendezvous
+
+    assert inspect.signature(rendezvous.join).parameters["device_index"].default == 0

@@ -85,7 +85,7 @@ def leave() -> None:
 
 
 def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float,
-         gpu: bool) -> tuple[torch.device, str]:
+         gpu: bool, device_index: int = 0) -> tuple[torch.device, str]:
     """Join the process group; (this worker's device, the backend). Every group made after it
     (the layouts' meshes, the stop agreement's) takes its timeout, `timeout_s`."""
     # The job, not the host, decides: a CPU job on a GPU node must not touch GPUs that Ray
@@ -94,8 +94,14 @@ def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: f
         if not torch.cuda.is_available():
             raise RuntimeError("cluster.gpus_per_worker is 1 but this worker sees no CUDA device "
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU, so it is always cuda:0 here
-        device = torch.device("cuda", 0)
+        # Ray sets CUDA_VISIBLE_DEVICES to this worker's GPU (cuda:0 here), or the worker group
+        # widened it to every GPU the job holds on this node and named this worker's among them
+        # (orchestrator/cluster/devices.py), so NCCL may use NVLink and P2P between them
+        if device_index >= torch.cuda.device_count():
+            raise RuntimeError(f"this worker was given GPU {device_index} of the node's shared ones, but sees "
+                               f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        device = torch.device("cuda", device_index)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:

@@ -9,7 +9,6 @@ It receives a typed `WorkerConfig`. Whatever differs between layouts is the busi
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import pathlib
 import time
@@ -31,15 +30,13 @@ from gearshift.workers.evaluation import held_out_loss
 from gearshift.workers.heartbeat import ACTIVITY, in_phase
 from gearshift.workers.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
 from gearshift.workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
+from gearshift.workers.pending import PendingSteps, skips_on_device
 from gearshift.workers.profiling import StepProfiler
 from gearshift.workers.simnet import SimulatedNetwork
 from gearshift.workers.stopping import StopAgreement, flag_group
 from gearshift.workers.telemetry import WorkerTelemetry
 
 __all__ = ["NonFiniteStep", "TrainWorker", "WorkerConfig", "step_seed", "to_cpu"]
-
-# whether rendezvous.join can put this process on a GPU other than cuda:0 (use_devices needs it)
-_JOIN_TAKES_INDEX = "device_index" in inspect.signature(rendezvous.join).parameters
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -86,10 +83,9 @@ class TrainWorker:
     def use_devices(self, visible: str, index: int) -> bool:
         """See every GPU the job holds on this node (`visible`, for CUDA_VISIBLE_DEVICES) and train
         on the `index`-th of them (orchestrator/cluster/devices.py), so NCCL can use NVLink and
-        P2P between them. Only before CUDA starts in this process, and only where the rendezvous
-        can put the process on that device; otherwise nothing changes (each worker keeps its one
-        GPU as cuda:0) and False says so."""
-        if not _JOIN_TAKES_INDEX or torch.cuda.is_initialized():
+        P2P between them. Only before CUDA starts in this process; otherwise nothing changes (each
+        worker keeps its one GPU as cuda:0) and False says so."""
+        if torch.cuda.is_initialized():
             return False
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
         self.device_index = index
@@ -481,7 +477,7 @@ class TrainWorker:
             # the same on every rank (the clipping norm is global, or the layout agrees on it), so
             # every rank takes the same decision; a non-finite loss makes non-finite gradients
             found = self.parallel.found_inf(norm)
-            if not _skips_on_device(self.optimizer):  # the loop and foreach kernels take no flag: the host reads it
+            if not skips_on_device(self.optimizer):  # the loop and foreach kernels take no flag: the host reads it
                 if found.item():
                     self._non_finite(step, x, loss, norm if norm is not None else self.parallel.grad_norm())
                     return loss, data_span, lr, None
@@ -537,7 +533,7 @@ class TrainWorker:
         if clock:
             clock.take()  # nothing timed between steps belongs to the first one
         agreement = (StopAgreement(self.flags, lambda: self.stop_chunk == chunk) if chunk is not None else None)
-        pending = _Pending(self.step, clock)
+        pending = PendingSteps(self.step, clock)
         ACTIVITY.progressed()  # the time between chunks is the controller's, not a slow step
         ACTIVITY.set_phase("step")
         try:
@@ -571,7 +567,7 @@ class TrainWorker:
                 yield self._report(pending, bool(ckpt)) | self.profiler.take()  # the window's trace, once
                 # the next step's time starts after the report left: a checkpoint's copy and
                 # serialisation is not training time (the controller times checkpoints itself)
-                pending = _Pending(self.step, clock)
+                pending = PendingSteps(self.step, clock)
         if agreement is not None:
             agreement.close()
         if pending.losses:  # stopped early between flushes
@@ -593,7 +589,7 @@ class TrainWorker:
                 "micro_batch": self.micro_batch or self.config.global_batch_size // self.layout.dp,
                 "message": f"{type(err).__name__}: {str(err)[:500]}", **figures}
 
-    def _report(self, pending: "_Pending", checkpoint: bool) -> dict:
+    def _report(self, pending: PendingSteps, checkpoint: bool) -> dict:
         report = pending.report(self.rank)
         for bad in pending.skipped_on_device(report["losses"]):  # read with the losses: no sync of its own
             self.non_finite.append(non_finite_step(bad, torch.tensor(report["losses"][bad - pending.first]),
@@ -614,60 +610,13 @@ class TrainWorker:
         if self.telemetry is not None:
             self.telemetry.stop()
         if dist.is_initialized():
+            from gearshift.strategies import mesh
+
+            mesh.forget()  # the meshes' groups go with the default group
             dist.destroy_process_group()
-
-
-def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer.step` takes a found-inf flag and skips the update on the device (torch's
-    fused kernels, as GradScaler uses them)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"))
 
 
 def _fsdp_units(model: torch.nn.Module, patterns: tuple[str, ...]) -> dict:
     from gearshift.strategies.fsdp import describe_units  # FSDP2 is imported only where it is used
 
     return describe_units(model, patterns)
-
-
-class _Pending:
-    """The steps since the last report: losses (still on the device), times and comm spans."""
-
-    def __init__(self, first: int, clock: CommClock | None):
-        self.first, self.clock = first, clock
-        self.losses: list[torch.Tensor] = []
-        self.times: list[float] = []
-        self.ends: list[float] = []
-        self.lrs: list[float] = []
-        self.found: list[tuple[int, torch.Tensor]] = []  # (index, found-inf flag) of steps checked on the device
-        self.spans: list = []
-        self.started = self.t_prev = time.perf_counter()
-        self.step_start = clock.mark() if clock else None
-
-    def add(self, loss: torch.Tensor, data_span, lr: float, found: torch.Tensor | None = None) -> None:
-        now = time.perf_counter()
-        if found is not None:
-            self.found.append((len(self.losses), found))
-        self.losses.append(loss)
-        self.lrs.append(lr)
-        self.times.append(now - self.t_prev)
-        self.ends.append(time.time())  # wall clock: steps line up across processes and tools
-        self.t_prev = now
-        if self.clock:
-            step_end = self.clock.mark()
-            self.spans.append(((self.step_start, step_end), data_span, self.clock.take()))
-            self.step_start = step_end
-
-    def age(self) -> float:
-        return self.t_prev - self.started
-
-    def skipped_on_device(self, losses: list[float]) -> list[int]:
-        """The steps (counted from 1) whose update the device skipped for a non-finite gradient;
-        their flags come to the host in one copy, after the losses' (`report` made that one)."""
-        if not self.found:
-            return []
-        flags = torch.stack([f for _, f in self.found]).tolist()
-        return [self.first + i + 1 for (i, _), flag in zip(self.found, flags) if flag]
-
-    def report(self, rank: int) -> dict:
-        return {"rank": rank, "first_step": self.first, "losses": torch.stack(self.losses).float().tolist(),
-                "step_times": self.times, "step_ends": self.ends, "lrs": self.lrs}
