@@ -14,9 +14,11 @@ all-reduces' time that ran behind backward instead of being waited for: `comm_hi
 in its step records (the averager times each bucket from launch to completion on the host, and
 what of that falls outside its wait after backward is hidden).
 
-The model is sized so that backward computes about as long as its gradients take over the link
-(the overlap can hide at most the shorter of the two): at 40mbit a GPT of 2 x 128 wide layers on
-64-token sequences, 128 sequences a step.
+The run is sized so that backward computes about as long as its gradients take over the link
+(the overlap can hide at most the shorter of the two): at 40mbit the built-in GPT (2 layers of
+128, about 0.45 M parameters) on 64-token sequences, 256 sequences a step, in buckets of 0.25 MB
+(`--bucket-mb`; the job's 25 MB would put this model's gradients in one bucket, which can only
+go out once backward is done, as DDP's would).
 
     sudo python bench/overlap.py                 # 40mbit, 3 repeats of 40 steps each way
     sudo python bench/overlap.py --quick         # 3 repeats of 20 steps: about 8 minutes
@@ -83,7 +85,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="steps a run (default 40, --quick 20)")
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of every figure")
-    ap.add_argument("--batch", type=int, default=128, help="global batch (sequences of 64 tokens)")
+    ap.add_argument("--batch", type=int, default=256, help="global batch (sequences of 64 tokens)")
+    ap.add_argument("--bucket-mb", type=float, default=0.25, help="parallel.bucket_cap_mb for both variants")
     ap.add_argument("--set", action="append", default=[], dest="extra", help="more job overrides, KEY=VALUE")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -99,7 +102,8 @@ def main() -> None:
         for rep in range(args.repeats):
             order = list(VARIANTS) if rep % 2 == 0 else list(reversed(VARIANTS))
             for variant in order:
-                r = run_one(tb, variant, steps, args.warmup, args.batch, pathlib.Path(tmp), args.extra)
+                r = run_one(tb, variant, steps, args.warmup, args.batch, pathlib.Path(tmp),
+                            [f"parallel.bucket_cap_mb={args.bucket_mb}", *args.extra])
                 runs[variant].append(r)
                 frac = f"{r['hidden_frac']:.2f}" if r["hidden_frac"] is not None else "-"
                 print(f"  repeat {rep + 1} {variant:6s}: step {r['step_s'] * 1e3:7.1f} ms, comm wait "
@@ -117,7 +121,7 @@ def main() -> None:
     print(f"after / before step time: {s['median']:.3f} ({s['min']:.3f}..{s['max']:.3f}); data-parallel all-reduce "
           f"time hidden behind backward: {statistics.median(fracs) if fracs else float('nan'):.2f}")
     print(json.dumps({
-        "rate": args.rate, "batch": args.batch, "steps": steps, "repeats": args.repeats,
+        "rate": args.rate, "batch": args.batch, "bucket_cap_mb": args.bucket_mb, "steps": steps, "repeats": args.repeats,
         "hybrid_step_after_over_before": s["median"], "hybrid_step_after_over_before_min": s["min"],
         "hybrid_step_after_over_before_max": s["max"],
         "hybrid_dp_wait_hidden_frac": statistics.median(fracs) if fracs else None,
