@@ -55,6 +55,10 @@ class Comm(Protocol):
 
     def blocked(self, nbytes: int, dim: str): ...  # a context around one blocking collective on `dim`
 
+    # around a collective whose wait is timed elsewhere (FSDP2 on CUDA: where the compute stream
+    # waits for it): counted and delayed by the simulated link, not timed
+    def delayed(self, nbytes: int, dim: str): ...
+
     def functional(self, active: bool) -> None: ...  # DTensor's collectives on the tp dimension
 
     # an asynchronous collective (hybrid's overlapped dp average): counted at launch, completed

@@ -10,14 +10,26 @@ Three layouts use it:
 - `hybrid` with parallel.dp_shard: tensor parallel over mesh["tp"] first, then fully sharded over
   mesh["dp"] (torchtitan's 2-D layout; FSDP2 stacks a strided shard on top of the tp shard).
 
-Comm timing (`attach`): FSDP2 takes custom all-gather and reduce-scatter objects; ours run the
-collective synchronously inside `comm.blocked(nbytes, "dp")`. On gloo/CPU FSDP2 runs them
-synchronously anyway, so the span is exactly the time compute is blocked. hsdp's all-reduce
-across groups is issued by FSDP2 itself; it is timed from the end of the reduce-scatter to
-FSDP2's all-reduce hook, which runs right after it (with groups of one rank there is no
-reduce-scatter to start from: only the simulated delay and the count are recorded). On CUDA, FSDP2 issues these on side streams
-and CommClock's events sit on the compute stream, so the spans there undercount (the
-prefetched all-gathers overlap compute by design); the simulated network's delay still applies.
+Mixed precision (Options.mixed_precision, from train.precision bf16 and parallel.reduce_dtype):
+FSDP2's MixedPrecisionPolicy gathers the parameters in bf16 for forward and backward, keeps the
+sharded fp32 parameters as the optimizer's master weights and reduces the gradients in fp32 (or
+bf16). On gloo, which has no AVG reduction, FSDP2 sums and divides afterwards
+(set_force_sum_reduction_for_comms); NCCL averages in the collective.
+
+Comm wait (`attach`), what this rank's compute waits for:
+- CPU, gloo: FSDP2 runs its collectives synchronously on the training thread, so our custom
+  all-gather and reduce-scatter objects time each inside `comm.blocked(nbytes, "dp")`: the span is
+  exactly the time compute is blocked. hsdp's all-reduce across groups is issued by FSDP2 itself;
+  it is timed from the end of the reduce-scatter to FSDP2's all-reduce hook, which runs right after
+  it (with groups of one rank there is no reduce-scatter to start from: only the simulated delay
+  and the count are recorded).
+- CUDA: FSDP2 issues them on streams of its own, and a prefetched all-gather overlaps compute by
+  design, so a span around the launch says nothing of what compute waited. There the wait is
+  timed where the compute stream waits on each collective's event (strategies/stream_waits.py:
+  two timing events on the compute stream around its wait, from the all-gather's copy-out to the
+  reduces' waits at the end of backward); the custom collectives only count and delay (the
+  simulated network). Where torch lacks what that needs, the host-side spans stay, with a logged
+  note. This CUDA path has not been run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
-from gearshift.strategies import grads, tensor
+from gearshift.strategies import grads, stream_waits, tensor
 from gearshift.strategies.base import Options, Parallel
 from gearshift.strategies.layout import Layout
 from gearshift.strategies.mesh import device_mesh
@@ -156,8 +168,8 @@ def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 class _Timed:
-    """FSDP2's all-gather / reduce-scatter run synchronously inside the comm route's blocked
-    span, so compute waiting on them counts as comm wait on "dp"."""
+    """FSDP2's all-gather / reduce-scatter, run through the layout's span for one collective
+    (`FSDPParallel.collective`): timed on CPU, counted and delayed on CUDA."""
 
     def __init__(self, parallel: "FSDPParallel"):
         self.parallel = parallel
@@ -165,15 +177,15 @@ class _Timed:
 
 class _TimedAllGather(_Timed, DefaultAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        with self.parallel.blocked(output_tensor.numel() * output_tensor.element_size(), "dp"):
+        with self.parallel.collective(output_tensor.numel() * output_tensor.element_size()):
             return super().__call__(output_tensor, input_tensor, group, async_op=False)
 
 
 class _TimedReduceScatter(_Timed, DefaultReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        with self.parallel.blocked(input_tensor.numel() * input_tensor.element_size(), "dp"):
+        with self.parallel.collective(input_tensor.numel() * input_tensor.element_size()):
             work = super().__call__(output_tensor, input_tensor, group, op, async_op=False)
-        if self.parallel.all_reduces:
+        if self.parallel.all_reduces and self.parallel.waits is None:
             # FSDP2 all-reduces the output across groups next; its hook closes this span
             self.parallel.open_all_reduce(output_tensor.numel() * output_tensor.element_size())
         return work
@@ -191,6 +203,21 @@ class FSDPParallel(Parallel):
         self._all_reduce_open = False
         # hsdp: FSDP2 all-reduces each reduce-scatter's output across the replica groups
         self.all_reduces = mesh.mesh_dim_names == ("replicate", "shard")
+        self._stream_waits = stream_waits.for_root(model, options.device)
+
+    @property
+    def waits(self):
+        """The compute stream's waits on FSDP2's collectives, where they are timed (CUDA), else None."""
+        w = self._stream_waits
+        return w if w is not None and w.active else None
+
+    def collective(self, nbytes: int):
+        """Around one collective FSDP2 issues: the blocked span on CPU; on CUDA, where the wait is
+        timed on the compute stream, only its count and the simulated link's delay."""
+        if self.waits is None:
+            return self.blocked(nbytes, "dp")
+        delayed = getattr(self.comm, "delayed", None) if self.comm is not None else None
+        return delayed(nbytes, "dp") if delayed is not None else contextlib.nullcontext()
 
     def param_groups(self) -> list[dict]:
         """One group per mesh: with tp, tensor-parallel shards live on the (dp, tp) mesh and the
@@ -261,6 +288,9 @@ class FSDPParallel(Parallel):
         self._all_reduce_open = True
 
     def _all_reduce_done(self, output: torch.Tensor) -> None:
+        if self.waits is not None:  # CUDA: counted and delayed here, its wait timed on the compute stream
+            with self.collective(output.numel() * output.element_size()):
+                return
         if not self._all_reduce_open:
             # groups of one rank: FSDP2 skips the reduce-scatter that opens the span, so only
             # the simulated link's delay and the call count are recorded, not the all-reduce
@@ -280,6 +310,8 @@ class FSDPParallel(Parallel):
             # only hsdp needs the hook (it ends the all-reduce's span); elsewhere FSDP2 would
             # run it after every reduce-scatter for nothing
             module.set_all_reduce_hook(self._all_reduce_done if timed and self.all_reduces else None)
+        if self._stream_waits is not None:
+            self._stream_waits.comm = comm
         if timed and self.layout.tp > 1:
             comm.functional(True)  # DTensor's collectives are the tp traffic
 

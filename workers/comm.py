@@ -29,6 +29,13 @@ class CommRoute:
             with self.net.blocked(nbytes, dim) if self.net is not None else contextlib.nullcontext():
                 yield
 
+    @contextlib.contextmanager
+    def delayed(self, nbytes: int, dim: str):
+        if self.clock is not None:
+            self.clock.calls += 1
+        with self.net.blocked(nbytes, dim) if self.net is not None else contextlib.nullcontext():
+            yield
+
     def launched(self, dim: str) -> None:
         if self.clock is not None:
             self.clock.calls += 1
