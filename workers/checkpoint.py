@@ -45,6 +45,7 @@ DCP_FORMAT = 2  # torch.distributed.checkpoint shards under dcp/, written by eve
 DCP_DIR = "dcp"
 EXTRA = "extra.pt"
 _NAME = re.compile(r"^step_(\d{8})$")
+_TMP = re.compile(r"^\.step_(\d{8})\.tmp-")
 
 
 class CheckpointError(RuntimeError):
@@ -201,8 +202,12 @@ def _prune(root: pathlib.Path, keep: int) -> None:
             if m and int(m.group(1)) < newest and not (stale / "manifest.json").exists():
                 remove_tree(stale)
         return
+    newest = _step_of(complete[-1]) if complete else -1
     for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-write
-        if stale.stat().st_mtime < time.time() - 60:
+        # one of a newer step may be a write behind the steps still going on: it goes once a newer
+        # checkpoint is in
+        m = _TMP.match(stale.name)
+        if (m is None or int(m.group(1)) < newest) and stale.stat().st_mtime < time.time() - 60:
             shutil.rmtree(stale, ignore_errors=True)
 
 

@@ -3,9 +3,15 @@
 Nothing is gathered: a rank writes the pieces of the model and optimizer state it holds (a
 tensor replicated on several ranks is written once, by one of them), all ranks at once, into
 the checkpoint's temporary folder; DCP's `.metadata` is written last, by rank 0, after every
-rank's data is on disk. Each rank then hashes its share of the files and reports the digests;
-the driver writes the manifest and renames the folder into place (workers/checkpoint.py), so a
-checkpoint becomes visible only when complete.
+rank's data is on disk. Each rank hashes its files as it writes them (workers/hashing.py: nothing
+is read back) and reports the digests; the driver writes the manifest and renames the folder into
+place (workers/checkpoint.py), so a checkpoint becomes visible only when complete.
+
+`start_save` writes behind the training steps (DCP's `async_save`): the rank's state is copied
+to the CPU (one copy of this rank's state), then written by a thread of DCP's while training goes
+on; `PendingSave.part()` is the rank's part once the write is done. The planner's collectives of
+that thread run on a gloo group of their own (`save_group`), never on the group the training
+steps use, whose collectives they would interleave with in a different order on each rank.
 
 Optimizer state is keyed by parameter name (torch's `get_state_dict`), not by position, and
 tensors are stored with their global shapes: loading reads what this rank's layout needs from
@@ -14,17 +20,27 @@ whichever files hold it, so any layout and world size can load what any other wr
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
+import io
+import logging
 import pathlib
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import io
+from gearshift.workers import checkpoint, hashing, storage
+from gearshift.workers.checkpoint import CheckpointError, DCP_DIR, EXTRA
 
-from gearshift.workers import checkpoint, storage
-from gearshift.workers.checkpoint import CheckpointError, DCP_DIR, EXTRA, sha256_file
+log = logging.getLogger("gearshift.checkpoint")
+
+# how long a checkpoint step (or the end of a chunk) waits for the write before it: the write's
+# collectives time out on their own with the job's collective timeout, so only storage that
+# takes no more bytes and raises nothing meets this
+WRITE_TIMEOUT_S = 3600.0
 
 
 def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options: dict | None = None,
@@ -139,12 +155,18 @@ def tmp_folder(root, step: int):
 
 
 def _writer(folder):
+    """DCP's writer for `folder`, every file it writes hashed on the way (workers/hashing.py)."""
     dcp = _dcp()
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter((folder / DCP_DIR).url, sync_files=False, thread_count=1, **folder.options)
-    return dcp.FileSystemWriter(str(folder / DCP_DIR), sync_files=True, thread_count=1)
+        return hashing.hashed(FsspecWriter((folder / DCP_DIR).url, sync_files=False, thread_count=1,
+                                           **folder.options))
+    return hashing.hashed(dcp.FileSystemWriter(str(folder / DCP_DIR), sync_files=True, thread_count=1))
+
+
+def _written(writer) -> dict:
+    return {f"{DCP_DIR}/{name}": digest for name, digest in hashing.digests(writer).items()}
 
 
 def reader(folder):
@@ -173,12 +195,9 @@ def _dcp():
     return dcp
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path, rank: int, world: int,
-         extra: dict) -> dict:
-    """Write this rank's shards of the model and optimizer under `folder` (all ranks call it at
-    the same step); rank 0 also writes `extra` (scaler, step). Returns this rank's share of the
-    file digests: {relative path: {"bytes", "sha256"}}."""
-    folder = storage.location(folder)
+def _prepare(folder, rank: int) -> None:
+    """Rank 0 readies the folder; every rank waits for it (on the training group, from the
+    training thread: all ranks are at the same step)."""
     if rank == 0:
         if storage.is_remote(folder):  # a checkpoint of this step written before (a rerun) stops counting first
             (folder / "manifest.json").unlink(missing_ok=True)
@@ -186,20 +205,136 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
         for stale in (folder / DCP_DIR).glob("*"):  # a crashed attempt at this step left files behind
             stale.unlink()
     dist.barrier()
-    dcp = _dcp()
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    writer = _writer(folder)
     # param_groups stay out: layouts group parameters differently (by mesh), and the
     # hyperparameters come from the job (the learning rate is set every step)
-    metadata = dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, storage_writer=writer)
-    files = sorted({f"{DCP_DIR}/{info.relative_path}" for info in metadata.storage_data.values()})
-    mine = files[rank::world]  # the hashing is spread over the ranks, like the writing
-    if rank == 0:
-        checkpoint.write_file_atomic(folder / EXTRA, checkpoint.torch_bytes(extra))
-        mine += [f"{DCP_DIR}/.metadata", EXTRA]
-    return {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)} for name in mine}
+    return {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+
+
+def _write_extra(folder, rank: int, extra: dict) -> dict:
+    """Rank 0 writes `extra` (scaler, step) and hashes the bytes it wrote; other ranks nothing."""
+    if rank != 0:
+        return {}
+    data = checkpoint.torch_bytes(extra)
+    checkpoint.write_file_atomic(folder / EXTRA, data)
+    return {EXTRA: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path, rank: int, world: int,
+         extra: dict) -> dict:
+    """Write this rank's shards of the model and optimizer under `folder` (all ranks call it at
+    the same step) and wait for them; rank 0 also writes `extra` (scaler, step). Returns this
+    rank's digests of what it wrote: {relative path: {"bytes", "sha256"}}."""
+    folder = storage.location(folder)
+    _prepare(folder, rank)
+    writer = _writer(folder)
+    _dcp().save(_state(model, optimizer), storage_writer=writer)
+    return {**_written(writer), **_write_extra(folder, rank, extra)}
+
+
+def save_group():
+    """The gloo group a rank's writes behind training coordinate on (every rank makes it at the
+    same point); it times out with the job's collective timeout, so a lost peer fails the write
+    instead of hanging it. None without a process group."""
+    if not dist.is_initialized():
+        return None
+    from gearshift.strategies.mesh import group_timeout
+
+    return dist.new_group(backend="gloo", timeout=group_timeout())
+
+
+class PendingSave:
+    """One rank's checkpoint being written behind the training steps."""
+
+    def __init__(self, step: int, folder, future, writer, files: dict):
+        self.step, self.folder, self.future, self.writer, self.files = step, folder, future, writer, files
+        self.started, self.finished = time.time(), None
+        # stamped by the thread that wrote it, when it ends: the write's end, not when it was noticed
+        future.add_done_callback(lambda _: setattr(self, "finished", time.time()))
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def part(self, timeout: float = WRITE_TIMEOUT_S) -> dict:
+        """This rank's part of the checkpoint (waits for the write; raises what it raised):
+        {"step", "folder", "files", "written": [start, end] (wall clock)}."""
+        try:
+            self.future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise CheckpointError(f"the checkpoint of step {self.step} was still being written after {timeout:g} s "
+                                  f"({self.folder})") from None
+        finished = self.finished or time.time()  # the callback may run just after result() returns
+        return {"step": self.step, "folder": str(self.folder), "files": {**_written(self.writer), **self.files},
+                "written": [self.started, finished]}
+
+
+def start_save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path, step: int, rank: int,
+               extra: dict, group) -> PendingSave:
+    """Start writing this rank's shards under `folder` behind the training steps (all ranks call
+    it at the same step): the state is copied to the CPU here, so the steps that follow may
+    change the model; DCP writes the copy in a thread of its own, coordinating over `group`
+    (`save_group`). Rank 0 writes `extra` now (it is small)."""
+    folder = storage.location(folder)
+    _prepare(folder, rank)
+    files = _write_extra(folder, rank, extra)
+    writer = _writer(folder)
+    dcp = _dcp()
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    # a thread, not a process: the staged copy is handed over without pickling it again
+    future = dcp.async_save(_state(model, optimizer), storage_writer=writer, process_group=group,
+                            async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    return PendingSave(step, folder, future, writer, files)
+
+
+class Behind:
+    """A rank's checkpoints written behind its training steps, one at a time."""
+
+    def __init__(self):
+        self.pending: PendingSave | None = None
+        self.group = None  # save_group's, made at the first write (every rank at the same step)
+        self.rank = 0
+
+    def start(self, model, optimizer, folder, step: int, rank: int, extra: dict) -> dict:
+        """Start the checkpoint of `step` behind the steps (all ranks together). A write still in
+        flight is waited for first; its part (as a report's entry) is returned."""
+        done = self.take(wait=True)
+        if self.group is None:
+            self.group = save_group()
+        self.pending = start_save(model, optimizer, folder, step, rank, extra, self.group)
+        self.rank = rank
+        return done
+
+    def take(self, wait: bool) -> dict:
+        """{"checkpoint_part": ...} of the write in flight once it has ended (`wait`: waited for,
+        at most WRITE_TIMEOUT_S; a write that failed raises, as the synchronous save would); {}
+        while it goes on, or when there is none."""
+        if self.pending is None or not (wait or self.pending.done()):
+            return {}
+        pending, self.pending = self.pending, None
+        return {"checkpoint_part": {**pending.part(), "rank": self.rank}}
+
+    def settle(self) -> None:
+        """Outside a train call (a switch, a load, a checkpoint, shutdown): wait for a write still
+        in flight. Its part can no longer be reported, so that checkpoint is never committed (a
+        train call reports its writes before it ends: this only follows one cut short)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        try:
+            pending.part()
+        except Exception as err:  # noqa: BLE001 - nothing counts on that checkpoint any more
+            log.warning("the checkpoint of step %d failed behind the steps: %s", pending.step, err)
+
+    def drop(self) -> None:
+        """Forget the write in flight (the group it coordinates on is about to be left, so it
+        fails or ends unreported: never committed either way)."""
+        self.pending = None
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path) -> dict:

@@ -71,6 +71,8 @@ class TrainWorker:
         self.build_info: dict = {"on_meta": False}  # how the first build went (build() reports it)
         self.recomputed: list[str] = []  # the modules train.activation_checkpointing wrapped
         self.device_index: int | None = None  # this worker's GPU among the node's shared ones (use_devices)
+        self.async_save = True  # checkpoint.async_save: DCP checkpoints in the loop are written behind the steps
+        self.writes = dcp.Behind()  # that checkpoint, while it is written (one at a time)
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -115,6 +117,7 @@ class TrainWorker:
         joined = {}
 
         def make_groups():
+            self.writes.group = None  # gone with the groups it was made beside; made again at the next save
             index = {"device_index": self.device_index} if self.device_index is not None else {}
             joined["device"], joined["backend"] = rendezvous.join(self.rank, self.world, master_addr, master_port,
                                                                   timeout_s, self.config.gpu, **index)
@@ -312,6 +315,7 @@ class TrainWorker:
         position and random state carry over (the data order and the per-step seeds are
         functions of the step). All ranks call it at the same step boundary."""
         start = time.perf_counter()
+        self.writes.settle()  # the state moves: nothing may still be reading it
         if bucket_cap_mb is not None:
             self.bucket_cap_mb = float(bucket_cap_mb)
         strategies.lookup(layout["strategy"], self.config.search_paths)  # a user's own may not be loaded yet
@@ -352,10 +356,12 @@ class TrainWorker:
 
     @in_phase("checkpoint")
     def checkpoint(self) -> dict:
-        """This rank's part of a checkpoint of the current step (all ranks call it together): the
-        digests of the DCP shards it wrote; or (full format) from rank 0 the digest of the state.pt
-        it wrote as the ranks gathered the state a tensor at a time, or, where rank 0 reaches no
-        place to write it, the whole state."""
+        """This rank's part of a checkpoint of the current step, written before it returns (all
+        ranks call it together; a write still in flight behind the steps is waited for first):
+        the digests of the DCP shards it wrote; or (full format) from rank 0 the digest of the
+        state.pt it wrote as the ranks gathered the state a tensor at a time, or, where rank 0
+        reaches no place to write it, the whole state."""
+        self.writes.settle()
         if self.dcp_root is None:
             extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step}
             if self.rank != 0 or self.full_place is not None:
@@ -363,11 +369,23 @@ class TrainWorker:
                 return {"checkpoint_file": part} if part is not None else {}
             state = self.state()
             return {"checkpoint": state} if state is not None else {}
-        hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step, "hyperparameters": to_cpu(hyper)}
         folder = dcp.tmp_folder(self.dcp_root, self.step)
-        files = dcp.save(self.parallel.model, self.optimizer, folder, self.rank, self.world, extra)
-        return {"checkpoint_part": {"step": self.step, "folder": str(folder), "files": files}}
+        files = dcp.save(self.parallel.model, self.optimizer, folder, self.rank, self.world, self._extra())
+        return {"checkpoint_part": {"step": self.step, "folder": str(folder), "files": files, "rank": self.rank}}
+
+    def _extra(self) -> dict:
+        hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        return {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step, "hyperparameters": to_cpu(hyper)}
+
+    def _checkpoint_behind(self) -> dict:
+        """A checkpoint step in the loop, DCP format with checkpoint.async_save: this rank's state
+        is copied to the CPU and written behind the steps that follow. Only one write is in flight
+        per rank: a checkpoint step that finds the one before still being written waits for it
+        here (its part goes with this report). This one's part goes with a later report of this
+        train call, at the latest with its end."""
+        with ACTIVITY.phase_of("checkpoint"):
+            return self.writes.start(self.parallel.model, self.optimizer, dcp.tmp_folder(self.dcp_root, self.step),
+                                     self.step, self.rank, self._extra())
 
     @in_phase("load")
     def load_pretrained(self) -> dict:
@@ -390,6 +408,7 @@ class TrainWorker:
         """Continue from a checkpoint: {"dcp": folder} (each rank reads its pieces), {"full": file}
         (each rank maps the file on its node and takes its pieces) or full tensors."""
         cfg = self.config
+        self.writes.settle()
         if "dcp" in state:
             state = dcp.load(self.parallel.model, self.optimizer,
                              dcp.locate(state["dcp"], self.dcp_root, cfg.checkpoint_options))
@@ -520,15 +539,18 @@ class TrainWorker:
                                                stop=self.config.on_nan == "stop"))
 
     def train(self, until_step: int, checkpoint_every: int = 0, flush_s: float = 0.5,
-              last_step: int | None = None, chunk: int | None = None) -> Iterator[dict]:
+              last_step: int | None = None, chunk: int | None = None, async_save: bool = True) -> Iterator[dict]:
         """Run steps up to `until_step`, yielding batches of per-step reports.
 
         A batch is yielded every `flush_s` seconds, at each checkpoint step (rank 0 attaches the
         state), where train.profile's window ends (its trace attached) and at the end. Losses stay
         on the device until a flush, so a step never waits on a device-to-host copy to be reported.
         With `chunk`, the controller may end it early (`request_stop(chunk)`): every rank stops at
-        the same step boundary, the one they agree on (workers/stopping.py).
+        the same step boundary, the one they agree on (workers/stopping.py). With `async_save`
+        (checkpoint.async_save), a DCP checkpoint is written behind the steps and this rank's part
+        of it reported once written, at the latest in a batch of its own at the end (no steps).
         """
+        self.async_save = async_save
         clock = self.clock
         if clock:
             clock.take()  # nothing timed between steps belongs to the first one
@@ -538,6 +560,10 @@ class TrainWorker:
         ACTIVITY.set_phase("step")
         try:
             yield from self._loop(until_step, checkpoint_every, flush_s, last_step, agreement, pending)
+            with ACTIVITY.phase_of("checkpoint"):
+                tail = self.writes.take(wait=True)  # the chunk ends with every write of it reported
+            if tail:
+                yield {"rank": self.rank, "first_step": self.step, "losses": [], **tail}
         finally:
             ACTIVITY.set_phase("idle")
 
@@ -579,6 +605,8 @@ class TrainWorker:
         ran_out = isinstance(err, torch.OutOfMemoryError)
         kind = ("oom_in_update" if self.updating else "oom") if ran_out else "aborted"
         figures = oom.memory_figures(self.device)  # what was held when it failed
+        # a write behind the steps coordinates on a group about to be left: it fails, uncommitted
+        self.writes.drop()
         self.updating = False
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -598,11 +626,16 @@ class TrainWorker:
             report["non_finite"], self.non_finite = self.non_finite, []
         if self.clock:
             self.telemetry.add_timings(report, pending.spans, self.clock.cuda)
-        if checkpoint:
+        if not checkpoint:
+            report.update(self.writes.take(wait=False))  # a write behind the steps that has ended
+        elif self.async_save and self.dcp_root is not None:
+            report.update(self._checkpoint_behind())  # every rank takes part (a barrier, the write's plan)
+        else:
             report.update(self.checkpoint())  # a collective when sharded: every rank takes part
         return report
 
     def shutdown(self) -> None:
+        self.writes.settle()
         self._close_loader()
         if self.parallel is not None:
             self.parallel.detach()  # this worker's clock must not outlive it

@@ -464,7 +464,8 @@ class RayWorkerGroup:
         stall_timeout_s = stall_timeout_s or fault.collective_timeout_s + STALL_MARGIN_S
         self.chunk += 1
         chunk, flush_s = (self.chunk, 0.0) if stoppable else (None, 0.5)  # stoppable: every step reported as it ends
-        gens = {w.train.remote(until_step, checkpoint_every, flush_s, last_step, chunk): rank
+        gens = {w.train.remote(until_step, checkpoint_every, flush_s, last_step, chunk,
+                                  self.job.checkpoint.async_save): rank
                 for rank, w in enumerate(self.workers)}
         watch = Liveness(len(self.workers), stall_timeout_s, fault.progress_timeout_s, time.monotonic())
         beats: dict[Any, int] = {}  # heartbeat calls in flight -> rank (one per rank at a time)

@@ -2,9 +2,12 @@
 
 The workers write a checkpoint's data (workers/dcp.py: every rank its own shards; or, in the
 full format, rank 0's whole state, which the driver writes). A DCP checkpoint arrives as one
-part per rank, each naming the files that rank hashed; once every rank's part is in, the driver
-writes the manifest and renames the folder into place (workers/checkpoint.commit), so no
-checkpoint is visible before all of its data is on disk.
+part per rank, each naming the files that rank hashed as it wrote them; once every rank's part
+is in, the driver writes the manifest and renames the folder into place (workers/checkpoint.commit),
+so no checkpoint is visible before all of its data is on disk. Written behind the steps
+(checkpoint.async_save), a rank's part comes with a later report of the same chunk, once its write
+has ended; a part of a chunk that failed is forgotten with it (`new_chunk`), and its folder, never
+committed, is pruned.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from gearshift.workers import checkpoint, storage
 class Checkpoints:
     def __init__(self, job: Job, root: pathlib.Path, report: Reporter):
         self.job, self.root, self.report = job, storage.location(root), report
-        self._parts: dict[int, list[dict]] = {}  # step -> the DCP parts the ranks sent so far
+        self._parts: dict[int, dict[int, dict]] = {}  # step -> rank -> the DCP parts the ranks sent so far
 
     def add(self, batch: dict, world: int) -> None:
         """A worker's report batch, which may hold rank 0's full state or one rank's DCP part."""
@@ -31,10 +34,15 @@ class Checkpoints:
             self._commit([batch["checkpoint_file"]], fmt=checkpoint.FORMAT)
         elif "checkpoint_part" in batch:
             part = batch["checkpoint_part"]
-            parts = self._parts.setdefault(part["step"], [])
-            parts.append(part)
+            parts = self._parts.setdefault(part["step"], {})
+            parts[part.get("rank", len(parts))] = part
             if len(parts) == world:
-                self._commit(self._parts.pop(part["step"]))
+                self._commit(list(self._parts.pop(part["step"]).values()))
+
+    def new_chunk(self) -> None:
+        """A chunk starts: every rank reports its writes before its chunk ends, so a part still
+        waiting for its peers belongs to a chunk that failed, whose step will be written again."""
+        self._parts.clear()
 
     def save_now(self, group) -> int:
         """A checkpoint of the step the workers are at (all ranks take part); its step."""
@@ -67,8 +75,11 @@ class Checkpoints:
         step, folder = parts[0]["step"], dcp.tmp_folder(self.root, parts[0]["step"])
         files = {name: digest for p in parts for name, digest in p["files"].items()}
         path = checkpoint.commit(self.root, step, folder, files, self.job.checkpoint.keep, meta=self._meta(), fmt=fmt)
+        # written behind the steps: when the last rank's write ended, to line up with the steps' ends
+        written = {} if not all("written" in p for p in parts) else {
+            "write_started": min(p["written"][0] for p in parts), "write_ended": max(p["written"][1] for p in parts)}
         self.report.event("checkpoint", step=step, path=str(path), format="dcp" if fmt == checkpoint.DCP_FORMAT
-                          else "full", bytes=sum(f["bytes"] for f in files.values()))
+                          else "full", bytes=sum(f["bytes"] for f in files.values()), **written)
         return int(step)
 
     def _meta(self) -> dict:

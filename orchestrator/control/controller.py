@@ -443,6 +443,7 @@ class Controller:
                             {**self.layout.to_dict(), "bucket_cap_mb": self.tuning.bucket}, self.tokens_per_sample)
         pending, kept, reached = None, False, self.step
         stoppable = self._stoppable and not self.tuning.active
+        self.checkpoints.new_chunk()
         for rank, batch in self.group.train(until, job.checkpoint.every, last_step=job.train.steps,
                                             **({"stoppable": True} if stoppable else {})):
             if "step_failed" in batch:  # this rank dropped its step; its loop has ended

@@ -162,6 +162,9 @@ class CheckpointSpec:
                           "gs://..., memory://...); each run writes into its own <run dir name>/ there")
     storage_options: dict = _f({}, _mapping, "passed to fsspec for checkpoint.path: an S3-compatible endpoint_url, "
                                "key and secret, a region, ...")
+    async_save: bool = _f(True, _bool, "dcp format: each worker copies its state to CPU memory at a checkpoint step "
+                          "and writes it while training goes on (torch.distributed.checkpoint.async_save); false: the "
+                          "step waits for the write. The full format is always written in the step")
 
 
 @dataclass(frozen=True)
