@@ -301,8 +301,11 @@ class Behind:
         self.rank = 0
 
     def start(self, model, optimizer, folder, step: int, rank: int, extra: dict) -> dict:
-        """Start the checkpoint of `step` behind the steps (all ranks together). A write still in
-        flight is waited for first; its part (as a report's entry) is returned."""
+        """Start the checkpoint of `step` behind the steps (all ranks together, at a checkpoint
+        step of the loop): this rank's state is copied to the CPU and written while the steps that
+        follow run. One write at a time per rank: one still in flight is waited for here first, and
+        its part (as a report's entry) is returned; this one's part comes from `take`, with a later
+        report of the same train call, or at its end at the latest."""
         done = self.take(wait=True)
         if self.group is None:
             self.group = save_group()

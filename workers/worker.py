@@ -356,11 +356,10 @@ class TrainWorker:
 
     @in_phase("checkpoint")
     def checkpoint(self) -> dict:
-        """This rank's part of a checkpoint of the current step, written before it returns (all
-        ranks call it together; a write still in flight behind the steps is waited for first):
-        the digests of the DCP shards it wrote; or (full format) from rank 0 the digest of the
-        state.pt it wrote as the ranks gathered the state a tensor at a time, or, where rank 0
-        reaches no place to write it, the whole state."""
+        """This rank's part of a checkpoint of the current step, written before it returns (all ranks
+        call it together, after any write behind the steps): the digests of the DCP shards it wrote;
+        or (full format) from rank 0 the digest of the state.pt it wrote as the ranks gathered the
+        state a tensor at a time, or, where rank 0 reaches no place to write it, the whole state."""
         self.writes.settle()
         if self.dcp_root is None:
             extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step}
@@ -376,16 +375,6 @@ class TrainWorker:
     def _extra(self) -> dict:
         hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
         return {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step, "hyperparameters": to_cpu(hyper)}
-
-    def _checkpoint_behind(self) -> dict:
-        """A checkpoint step in the loop, DCP format with checkpoint.async_save: this rank's state
-        is copied to the CPU and written behind the steps that follow. Only one write is in flight
-        per rank: a checkpoint step that finds the one before still being written waits for it
-        here (its part goes with this report). This one's part goes with a later report of this
-        train call, at the latest with its end."""
-        with ACTIVITY.phase_of("checkpoint"):
-            return self.writes.start(self.parallel.model, self.optimizer, dcp.tmp_folder(self.dcp_root, self.step),
-                                     self.step, self.rank, self._extra())
 
     @in_phase("load")
     def load_pretrained(self) -> dict:
@@ -546,9 +535,8 @@ class TrainWorker:
         state), where train.profile's window ends (its trace attached) and at the end. Losses stay
         on the device until a flush, so a step never waits on a device-to-host copy to be reported.
         With `chunk`, the controller may end it early (`request_stop(chunk)`): every rank stops at
-        the same step boundary, the one they agree on (workers/stopping.py). With `async_save`
-        (checkpoint.async_save), a DCP checkpoint is written behind the steps and this rank's part
-        of it reported once written, at the latest in a batch of its own at the end (no steps).
+        the same step boundary, the one they agree on (workers/stopping.py). With `async_save`, a DCP
+        checkpoint is written behind the steps, its part reported once written, at the end at the latest.
         """
         self.async_save = async_save
         clock = self.clock
@@ -628,8 +616,10 @@ class TrainWorker:
             self.telemetry.add_timings(report, pending.spans, self.clock.cuda)
         if not checkpoint:
             report.update(self.writes.take(wait=False))  # a write behind the steps that has ended
-        elif self.async_save and self.dcp_root is not None:
-            report.update(self._checkpoint_behind())  # every rank takes part (a barrier, the write's plan)
+        elif self.async_save and self.dcp_root is not None:  # written behind the steps (dcp.Behind.start)
+            with ACTIVITY.phase_of("checkpoint"):  # every rank takes part (a barrier, the write's plan)
+                report.update(self.writes.start(self.parallel.model, self.optimizer, dcp.tmp_folder(
+                    self.dcp_root, self.step), self.step, self.rank, self._extra()))
         else:
             report.update(self.checkpoint())  # a collective when sharded: every rank takes part
         return report
