@@ -161,6 +161,15 @@ def run(job: JobLike | None = None, *, overrides: Overrides = None, run_dir: str
     return train(job, run_at, resume_state, address=address, run_dir=run_dir, view=view)
 
 
+def _fsdp_precision_note(job: Job) -> str | None:
+    """Why FSDP2 keeps fp32 gathers under a bf16 job, where a layout that FSDP2 shards may run."""
+    from gearshift.workers.config import fsdp_mixed_precision
+
+    sharded = job.parallel.strategy in ("fsdp", "hsdp", "auto") or job.parallel.dp_shard or any(
+        e.get("strategy") in ("fsdp", "hsdp") or e.get("dp_shard") for e in job.adapt.schedule or ())
+    return fsdp_mixed_precision(job.train.precision)[1] if sharded else None
+
+
 def _view(progress: bool, stream: TextIO | None = None):
     from gearshift.monitoring.progress import ProgressView
 
@@ -240,6 +249,9 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
     resuming_at = f", resuming at step {resume[1]['step']}" if resume else ""
     view.say(f"gearshift: {job.name} ({job.fingerprint()}): {job.cluster.num_workers} worker(s), "
              f"strategy {job.parallel.strategy}, {job.train.steps} steps{resuming_at}; run dir {run.path}")
+    note = _fsdp_precision_note(job)
+    if note:
+        view.say(f"gearshift: note: {note}")
     try:
         with ray_session(address, num_cpus=embedded_cpus(job)) as session:
             def group_factory(j):

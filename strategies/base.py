@@ -35,6 +35,9 @@ class Options:
     fp16: bool = False  # fp16 autocast: gradients are loss-scaled
     fsdp_units: tuple[str, ...] = ()  # parallel.fsdp_units (empty: found, strategies/fsdp.py find_units)
     dp_overlap: bool = True  # hybrid: the data-parallel average overlaps backward (parallel.dp_overlap)
+    # FSDP2's (param_dtype, reduce_dtype), "bf16" | "fp32": gathers and compute in the first, the
+    # gradients reduced in the second, fp32 master weights; None: everything in fp32
+    mixed_precision: tuple[str, str] | None = None
 
 
 class SwitchAborted(RuntimeError):

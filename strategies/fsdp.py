@@ -38,9 +38,10 @@ import contextlib
 import fnmatch
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
@@ -140,27 +141,76 @@ def _units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> list
 
 def describe_units(model: nn.Module, patterns: tuple[str, ...] | list[str] = ()) -> dict:
     """What the startup record says of the FSDP units: how they were found, how many, the first
-    few names (and, when none were found, that the root alone is one)."""
+    few names (and, when none were found, that the root alone is one), and, for a model FSDP2
+    has sharded, the mixed precision it holds (held_precision)."""
     units, how = find_units(model, patterns, outside=True)
     names = [n for n, _ in units]
     out = {"found_by": how, "count": len(names), "first": names[:3]}
+    held = held_precision(model)
+    if held is not None:
+        out["mixed_precision"] = held
     if how == "none":
         out["note"] = ("no repeated blocks found: under fsdp, hsdp or hybrid dp_shard the whole model is one unit, "
                        "every parameter gathered for the whole step; name the blocks with parallel.fsdp_units")
     return out
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, patterns: tuple[str, ...] | list[str] = ()) -> nn.Module:
-    """fully_shard every unit, then the root, in place (torchtitan's order). A unit frees its
-    gathered parameters after forward (gathered again for backward) except the last, whose
-    backward comes right away; the root's stay gathered from forward into backward."""
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def policy(mixed_precision: tuple[str, str] | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for Options.mixed_precision, (param_dtype, reduce_dtype) by name; None:
+    parameters gathered and gradients reduced in their own dtype (fp32)."""
+    if mixed_precision is None:
+        return MixedPrecisionPolicy()
+    bad = [d for d in mixed_precision if d not in _DTYPES]
+    if len(mixed_precision) != 2 or bad:
+        raise ValueError(f"mixed_precision {mixed_precision!r}: must be (param_dtype, reduce_dtype), each one of "
+                         + ", ".join(_DTYPES))
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision[0]], reduce_dtype=_DTYPES[mixed_precision[1]])
+
+
+def _on_gloo(mesh: DeviceMesh) -> bool:
+    return any(dist.get_backend(mesh.get_group(i)) == "gloo" for i in range(mesh.ndim))
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, patterns: tuple[str, ...] | list[str] = (),
+          mixed_precision: tuple[str, str] | None = None) -> nn.Module:
+    """fully_shard every unit, then the root, in place (torchtitan's order), all with the same
+    mixed-precision policy. A unit frees its gathered parameters after forward (gathered again
+    for backward) except the last, whose backward comes right away; the root's stay gathered
+    from forward into backward."""
+    mp_policy = policy(mixed_precision)
     units = _units(model, patterns)
     for i, unit in enumerate(units):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=i < len(units) - 1)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    # gloo has no AVG reduction: FSDP2's supported fallback sums, then divides by the dp size
-    model.set_force_sum_reduction_for_comms(True)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=i < len(units) - 1, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    if _on_gloo(mesh):
+        # sum, then divide by the dp size (FSDP2's fallback for a backend without AVG), so
+        # nothing rests on gloo's AVG; NCCL averages inside the collective. FSDP2 keeps the
+        # setting per unit: set on the root alone, it would not reach the others.
+        for module in _fsdp_modules(model):
+            module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def held_precision(model: nn.Module) -> dict | None:
+    """The mixed precision FSDP2 holds for `model`'s units, read back from its state: the dtype
+    names (None: the parameter's own), whether reductions are forced to sums, and how many
+    units; None when `model` is not sharded by FSDP2."""
+    seen = set()
+    for module in _fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            p = group.mp_policy
+            seen.add((str(p.param_dtype).removeprefix("torch.") if p.param_dtype else None,
+                      str(p.reduce_dtype).removeprefix("torch.") if p.reduce_dtype else None,
+                      bool(group.force_sum_reduction_for_comms)))
+    if not seen:
+        return None
+    if len(seen) > 1:
+        return {"mixed": sorted(seen, key=str)}
+    param, reduce, force_sum = seen.pop()
+    return {"param_dtype": param, "reduce_dtype": reduce, "force_sum": force_sum}
 
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
@@ -333,7 +383,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None, layout: Layout, plan, optio
     """Shard `model` (on the device, or on meta to be materialised with `to_empty`) as
     `layout` (fsdp or hsdp); builds its own mesh when `mesh` is None."""
     mesh = mesh if mesh is not None else mesh_for(layout, options.device)
-    shard(model, mesh, options.fsdp_units)
+    shard(model, mesh, options.fsdp_units, options.mixed_precision)
     return FSDPParallel(model, layout, options, mesh)
 
 
@@ -341,5 +391,5 @@ def apply_2d(model: nn.Module, mesh: DeviceMesh, layout: Layout, plan: dict[str,
              options: Options) -> FSDPParallel:
     """Tensor parallel over mesh["tp"], then fully sharded over mesh["dp"] (hybrid dp_shard)."""
     tensor.shard(model, mesh["tp"], plan)
-    shard(model, mesh["dp"], options.fsdp_units)
+    shard(model, mesh["dp"], options.fsdp_units, options.mixed_precision)
     return FSDPParallel(model, layout, options, mesh)

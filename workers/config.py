@@ -61,6 +61,9 @@ class WorkerConfig:
     checkpoint_server: str | None = None  # the driver's FileServer actor, for nodes that do not see checkpoint_dir
     unshared_storage: bool = False  # inject.unshared_storage: act as if checkpoint_dir were not visible here
     feeders: Mapping[str, str] = field(default_factory=dict)  # streamed data, eval.data: feeder actor names
+    # FSDP2's (param_dtype, reduce_dtype) under fsdp, hsdp and hybrid dp_shard; None: fp32 gathers
+    # and reductions (see fsdp_mixed_precision)
+    fsdp_mixed_precision: tuple[str, str] | None = None
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",), checkpoint_dir: str | None = None,
@@ -87,7 +90,30 @@ class WorkerConfig:
             fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
             compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train),
             checkpoint_server=checkpoint_server, unshared_storage=bool(inject.get("unshared_storage", False)),
-            feeders=dict(feeders or {}))
+            feeders=dict(feeders or {}),
+            fsdp_mixed_precision=fsdp_mixed_precision(train["precision"], par.get("reduce_dtype", "fp32"))[0])
+
+
+def fsdp_mixed_precision(precision, reduce_dtype: str = "fp32") -> tuple[tuple[str, str] | None, str | None]:
+    """The (param_dtype, reduce_dtype) FSDP2 shards with for train.precision, and a note for the
+    run's start when bf16 is asked for but FSDP2 keeps fp32 gathers.
+
+    bf16: parameters gathered in bf16 for forward and backward, reduced in `reduce_dtype`
+    (parallel.reduce_dtype), the optimizer updating the fp32 shards. Not with precision phases:
+    FSDP2's policy is fixed when a layout is built, and a layout built before the fp32 warm-up
+    ends would compute those fp32 steps in bf16; a module kept in fp32 would get bf16 weights
+    with its fp32 inputs. There, as with fp16 and fp32, the shards are gathered in fp32 and
+    autocast computes in the job's dtype, as under the other layouts."""
+    dtype = _dtype(precision)
+    if dtype != "bf16":
+        return None, None
+    warmup, kept = _phases(precision)
+    if not warmup and not kept:
+        return ("bf16", reduce_dtype), None
+    why = " and ".join(w for w in ("fp32_warmup_steps" if warmup else "", "keep_fp32" if kept else "") if w)
+    return None, (f"train.precision sets {why}: fsdp, hsdp and hybrid dp_shard gather parameters in fp32 and "
+                  "compute under bf16 autocast for the whole run (FSDP2's bf16 gathers are fixed when a layout is "
+                  "built, for every step and module); parallel.reduce_dtype does not apply")
 
 
 def _checkpointing(setting) -> bool | tuple[str, ...]:

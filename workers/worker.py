@@ -213,7 +213,8 @@ class TrainWorker:
         if strategies.lookup(layout.strategy).needs_plan:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
         options = strategies.Options(self.device, self.bucket_cap_mb, fp16=cfg.precision == "fp16",
-                                     fsdp_units=cfg.fsdp_units, dp_overlap=cfg.dp_overlap)
+                                     fsdp_units=cfg.fsdp_units, dp_overlap=cfg.dp_overlap,
+                                     mixed_precision=cfg.fsdp_mixed_precision)
         make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer), self.device)  # noqa: E731
         if move_from:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them

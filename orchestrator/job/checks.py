@@ -18,7 +18,21 @@ def check_job(job: Job) -> None:
         raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
     _check_pretrained(job)
     _check_checkpoint_path(job)
+    _check_reduce_dtype(job)
     _check_sizes(job)
+
+
+def _check_reduce_dtype(job: Job) -> None:
+    """A bf16 reduction exists only where FSDP2 gathers in bf16 (workers/config.py says when)."""
+    from gearshift.workers.config import fsdp_mixed_precision
+
+    if job.parallel.reduce_dtype == "fp32":
+        return
+    if fsdp_mixed_precision(job.train.precision, job.parallel.reduce_dtype)[0] is None:
+        raise JobError("parallel.reduce_dtype", job.parallel.reduce_dtype,
+                       "applies only where fsdp, hsdp and hybrid dp_shard gather in bf16: train.precision bf16 "
+                       "without fp32_warmup_steps or keep_fp32",
+                       f"train.precision is {job.train.precision!r}; leave parallel.reduce_dtype at fp32.")
 
 
 def _check_checkpoint_path(job: Job) -> None:

@@ -145,6 +145,9 @@ class ParallelSpec:
     fsdp_units: list = _f([], _fsdp_units, "fsdp, hsdp, hybrid dp_shard: the modules sharded as units of their own "
                           "(module-name patterns such as model.layers.*, or class names); empty: a Hugging Face "
                           "model's _no_split_modules, else the blocks of the outermost ModuleList at any depth")
+    reduce_dtype: str = _f("fp32", _choice("fp32", "bf16"), "fsdp, hsdp, hybrid dp_shard with train.precision bf16: "
+                           "the dtype gradients are reduced in (parameters are gathered in bf16; the optimizer "
+                           "updates fp32 master weights either way); bf16 halves the reduce-scatter's bytes")
 
 
 @dataclass(frozen=True)
