@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 
 _CONSTANT = {"name": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}
-_IN_LOOP = {"workers": 0, "prefetch": 2, "pin_memory": False}
+_IN_LOOP = {"workers": 0, "prefetch": 2, "pin_memory": "auto"}
 
 
 @dataclass(frozen=True)

@@ -103,4 +103,12 @@ def open_loader(cfg, dataset, batches: GlobalBatches, step: int, dp_rank: int, d
         sys.path[:0] = [p for p in cfg.search_paths if p not in sys.path]
     steps = StepBatches(dataset, batches, dp_rank, dp, cfg.seed)
     return StepLoader(steps, step, cfg.loader["workers"], cfg.loader["prefetch"],
-                      cfg.loader["pin_memory"] and device.type == "cuda")
+                      pin_memory(cfg.loader.get("pin_memory", "auto"), device))
+
+
+def pin_memory(setting: bool | str, device: torch.device) -> bool:
+    """data.loader.pin_memory for a worker on `device`: auto is on with a GPU; page-locked host
+    memory only speeds up copies to a GPU, so on CPU it is off whatever the job says."""
+    if setting not in (True, False, "auto"):
+        raise ValueError(f"data.loader.pin_memory = {setting!r}: must be true, false or 'auto'")
+    return device.type == "cuda" and setting is not False

@@ -31,7 +31,8 @@ class LoaderSpec:
     workers: int = _f(0, _int(0, 64), "loader processes per worker reading batches ahead; 0 reads in the "
                                       "step loop")
     prefetch: int = _f(2, _int(1, 64), "batches each loader process keeps ready (with workers > 0)")
-    pin_memory: bool = _f(False, _bool, "page-locked batches for faster copies to a GPU (ignored on CPU)")
+    pin_memory: bool | str = _f("auto", _bool_or_auto, "page-locked batches for faster, asynchronous copies to a "
+                                "GPU; auto: on where the worker has a GPU (with workers > 0; ignored on CPU)")
 
 
 @dataclass(frozen=True)
