@@ -21,8 +21,8 @@ from gearshift import strategies
 from gearshift.monitoring.comm import CommClock
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
-from gearshift.workers import (components, dcp, full_format, oom, precision, recompute, rendezvous, schedules,
-                               storage)
+from gearshift.workers import (components, dcp, full_format, oom, precision, priority, recompute, rendezvous,
+                               schedules, storage)
 from gearshift.workers.comm import CommRoute
 from gearshift.workers.config import WorkerConfig
 from gearshift.workers.data import GlobalBatches, tokens_per_sample
@@ -55,6 +55,7 @@ class TrainWorker:
     def __init__(self, config: WorkerConfig, cpus: float = 1.0):
         self.config = config
         torch.set_num_threads(max(1, int(cpus)))
+        self.priority = priority.as_parent()  # Ray's workers run 15 nice levels below it (workers/priority.py)
         self.rank, self.world, self.step = 0, 1, 0
         self.device = torch.device("cpu")
         self.parallel: strategies.Parallel | None = None
@@ -78,6 +79,7 @@ class TrainWorker:
 
     def node_info(self) -> dict:
         info = rendezvous.node_info()
+        info["nice"] = self.priority
         self.gpu_ids = [str(g) for g in info["gpu_ids"]] if self.config.gpu else []
         self.node_ip = info["node_ip"]
         return info
@@ -421,7 +423,9 @@ class TrainWorker:
 
     def _autocast(self):
         """Autocast to the job's dtype, after the fp32 warm-up steps (precision phases)."""
-        on = self.autocast_dtype is not None and self.step >= self.config.fp32_warmup_steps
+        if self.autocast_dtype is None:  # fp32: a disabled autocast still costs ~0.1 ms a step to enter
+            return contextlib.nullcontext()
+        on = self.step >= self.config.fp32_warmup_steps
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=on)
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -545,6 +549,7 @@ class TrainWorker:
             clock.take()  # nothing timed between steps belongs to the first one
         agreement = (StopAgreement(self.flags, lambda: self.stop_chunk == chunk) if chunk is not None else None)
         pending = PendingSteps(self.step, clock)
+        priority.as_parent()  # threads started since (the process groups') take the worker's priority too
         ACTIVITY.progressed()  # the time between chunks is the controller's, not a slow step
         ACTIVITY.set_phase("step")
         try:
