@@ -507,8 +507,6 @@ class TrainWorker:
         self.updating = False
         return loss, data_span, lr, found
 
-    # ---------------------------------------------------------------- evaluation
-
     @in_phase("evaluate")
     def evaluate(self, max_batches: int | None = None) -> dict:
         """Mean loss over the held-out data (eval.data) under the layout in force; all ranks call
