@@ -155,7 +155,10 @@ class Parallel:
             import torch.distributed as dist
 
             if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+                # a point where the ranks wait for each other: timed as comm wait, as the norm's
+                # all-reduce was (a straggler's cost shows here when backward has no collective)
+                with self.blocked(found.element_size(), "tp" if self.layout.tp > 1 else "dp"):
+                    dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return found
 
     def compile(self, options: dict) -> None:

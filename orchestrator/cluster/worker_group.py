@@ -468,7 +468,11 @@ class RayWorkerGroup:
                                   self.job.checkpoint.async_save): rank
                 for rank, w in enumerate(self.workers)}
         watch = Liveness(len(self.workers), stall_timeout_s, fault.progress_timeout_s, time.monotonic())
-        beats: dict[Any, int] = {}  # heartbeat calls in flight -> rank (one per rank at a time)
+        # heartbeat calls in flight -> rank (one per rank at a time); kept on the group so that
+        # shutdown drops them while Ray is still up (an ObjectRef freed after ray.shutdown, at the
+        # interpreter's exit, can crash the process)
+        beats: dict[Any, int] = {}
+        self._beats = beats
         while gens:
             ready, _ = ray.wait(list(gens), num_returns=1, timeout=1.0)
             if not ready:
@@ -574,6 +578,7 @@ class RayWorkerGroup:
         survivor may be blocked in a collective and would not answer, so it is killed at once."""
         import ray
 
+        getattr(self, "_beats", {}).clear()
         if self.workers:
             if polite:
                 with contextlib.suppress(Exception):
