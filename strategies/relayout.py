@@ -18,6 +18,7 @@ The old layout is unusable afterwards: its storage is gone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Callable
 
@@ -39,7 +40,8 @@ from gearshift.strategies.state import full, shard_like
 def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout,
              plan: dict[str, str] | None, options: Options,
              make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-             agree: Callable[[bool], bool] | None = None) -> tuple[Parallel, torch.optim.Optimizer]:
+             agree: Callable[[bool], bool] | None = None,
+             gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[Parallel, torch.optim.Optimizer]:
     """Move `old` (with `old_optimizer`) to `layout`. `model` is the same architecture built on
     the meta device; `make_optimizer(param_groups)` builds the optimizer for the new layout.
     Every rank calls this at the same step boundary. Returns the new layout and its optimizer,
@@ -47,7 +49,10 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
 
     The new layout's storage is allocated before anything moves; `agree(ok)` (every rank's ok,
     all ranks calling it) is the commit point after it. A rank that ran out of memory there says
-    so, and every rank raises SwitchAborted with the old layout and its optimizer untouched."""
+    so, and every rank raises SwitchAborted with the old layout and its optimizer untouched.
+
+    `gather(t)` gives a tensor's full value where the old layout's own group cannot (its ranks
+    are gone: strategies/survivors.py); with it no piece is taken to be in place already."""
     _at_rest(old.model)
     _drop_grads(old.model)
     old.detach()
@@ -69,13 +74,14 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
                             + (f": {type(failure).__name__}: {failure}" if failure is not None else
                                " on another rank (out of memory)"), own=failure is not None)
     saved, hyper = _take_optimizer_state(old_optimizer, old.model)
+    move = functools.partial(_move, gather=gather)
     if meta_ok:
-        _fill(new.model, sources)
+        _fill(new.model, sources, move)
     else:
-        _fill(model, sources)
+        _fill(model, sources, move)
         new = parallelize(model, layout, plan, options)
     optimizer = make_optimizer(new.param_groups())
-    _fill_optimizer(optimizer, new.model, saved, hyper)
+    _fill_optimizer(optimizer, new.model, saved, hyper, move)
     return new, optimizer
 
 
@@ -135,15 +141,15 @@ def _same_piece(old: torch.Tensor, like: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def _move(old: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _move(old: torch.Tensor, like: torch.Tensor, gather: Callable | None = None) -> torch.Tensor:
     """This rank's piece of `old`'s full value laid out as `like` is (a DTensor shard or a plain
     tensor), as a tensor of its own; `old`'s storage is freed."""
-    if _same_piece(old, like):  # this rank holds its piece already (a new mesh of the same shape)
+    if gather is None and _same_piece(old, like):  # this rank holds its piece already (a new mesh of the same shape)
         piece = DTensor.from_local(old.to_local().detach().clone(), like.device_mesh, like.placements,
                                    run_check=False, shape=like.shape, stride=like.stride())
         _free(old)
         return piece
-    value = full(old.detach())  # a collective when `old` is sharded
+    value = (gather or full)(old.detach())  # a collective when `old` is sharded
     if isinstance(like, DTensor) and tuple(value.shape) == tuple(like.shape):
         piece = shard_like(value, like)
     else:
@@ -153,7 +159,7 @@ def _move(old: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _fill(model: nn.Module, sources: dict[str, torch.Tensor]) -> None:
+def _fill(model: nn.Module, sources: dict[str, torch.Tensor], move: Callable = _move) -> None:
     """Copy every parameter and buffer of `model` (materialised, empty) from `sources` (the old
     layout's tensors, by name), one at a time, in the same order on every rank."""
     targets = {**dict(model.named_parameters()), **_buffers(model)}
@@ -161,7 +167,7 @@ def _fill(model: nn.Module, sources: dict[str, torch.Tensor]) -> None:
     if missing:
         raise KeyError(f"the new model does not match the old one: {sorted(missing)[:5]}")
     for name, target in targets.items():
-        piece = _move(sources.pop(name), target)
+        piece = move(sources.pop(name), target)
         _local(target).copy_(_local(piece))
         _free(piece)  # may be the old tensor itself (a whole one moving to a whole one)
 
@@ -176,7 +182,8 @@ def _take_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) ->
     return saved, hyper
 
 
-def _fill_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict, hyper: dict) -> None:
+def _fill_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved: dict, hyper: dict,
+                    move: Callable = _move) -> None:
     """Each parameter's state moved to its new layout: tensors shaped like the parameter
     (exp_avg, exp_avg_sq, momentum_buffer) become its piece; scalars (step) carry over as they are."""
     for group in optimizer.param_groups:
@@ -185,4 +192,4 @@ def _fill_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved: d
         old = saved.pop(name, None)
         if old is None:
             continue
-        optimizer.state[p] = {k: _move(v, p) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in old.items()}
+        optimizer.state[p] = {k: move(v, p) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in old.items()}

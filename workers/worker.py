@@ -21,8 +21,8 @@ from gearshift import strategies
 from gearshift.monitoring.comm import CommClock
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
-from gearshift.workers import (components, dcp, full_format, oom, precision, priority, recompute, rendezvous,
-                               schedules, storage)
+from gearshift.workers import (components, dcp, full_format, oom, precision, priority, recompute, regroup,
+                               rendezvous, schedules, storage)
 from gearshift.workers.comm import CommRoute
 from gearshift.workers.config import WorkerConfig
 from gearshift.workers.data import GlobalBatches, tokens_per_sample
@@ -159,9 +159,7 @@ class TrainWorker:
         self.step = 0
         self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options,
                                      served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
-        # the full format: where rank 0 writes state.pt as the ranks gather it (None: sent whole)
-        self.full_place = None if self.dcp_root is not None or self.rank != 0 else full_format.place(
-            cfg.checkpoint_dir, cfg.checkpoint_server, cfg.checkpoint_options, cfg.unshared_storage)
+        self._place_full()
         if self.telemetry is None:
             self.telemetry = WorkerTelemetry(cfg, self.device)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
@@ -176,6 +174,12 @@ class TrainWorker:
                 "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
 
+    def _place_full(self) -> None:
+        """The full format: where rank 0 writes state.pt as the ranks gather it (None: sent whole)."""
+        cfg = self.config
+        self.full_place = None if self.dcp_root is not None or self.rank != 0 else full_format.place(
+            cfg.checkpoint_dir, cfg.checkpoint_server, cfg.checkpoint_options, cfg.unshared_storage)
+
     def set_micro_batch(self, micro_batch: int | None) -> int:
         """Compute this rank's share of each step `micro_batch` samples at a time (None: all at
         once), accumulating gradients over the rest; the accumulation count."""
@@ -184,7 +188,8 @@ class TrainWorker:
         self.accumulation = share // self.micro_batch if self.micro_batch else 1
         return self.accumulation
 
-    def _lay_out(self, layout: Layout, move_from: tuple | None = None, rewrap: tuple | None = None) -> None:
+    def _lay_out(self, layout: Layout, move_from: tuple | None = None, rewrap: tuple | None = None,
+                 gather=None) -> None:
         """Build the model and lay it out as `layout`, with its optimizer, scaler and comm route:
         afresh (seeded: the same initial weights on every rank, and in a 1-process run), or, in a
         switch, on the meta device with the state moved over from `move_from` (old parallel,
@@ -222,7 +227,7 @@ class TrainWorker:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
 
             self.parallel, self.optimizer = relayout(*move_from, model, layout, plan, options, make_optimizer,
-                                                     agree=self._agree)
+                                                     agree=self._agree, gather=gather)
         elif rewrap is not None:
             self.parallel, self.optimizer = strategies.parallelize(model, layout, plan, options), rewrap[1]
         else:
@@ -283,31 +288,12 @@ class TrainWorker:
         return bool(flag.item())
 
     @in_phase("rejoin")
-    def rejoin(self, master_addr: str, master_port: int, timeout_s: float) -> dict:
-        """After a step that ran out of memory somewhere: leave the broken process group, form a
-        new one with the same ranks, and put the layout in force on it. Every tensor stays where
-        it is: a replicated layout's module and optimizer are wrapped again; a sharded one's
-        pieces move to the same places on the new mesh, with no collective of the old group."""
-        start = time.perf_counter()
-        oom.leave_group()
-        self._join(master_addr, master_port, timeout_s)
-        self.optimizer.zero_grad(set_to_none=True)
-        if strategies.lookup(self.layout.strategy).meta_ok:
-            result = self.reshard(self.layout.to_dict())
-            if "failed" in result:
-                raise RuntimeError(f"rank {self.rank}: the layout in force could not be rebuilt on the new process "
-                                   f"group: {result['failed']['message']}")
-        else:
-            scaler = self.scaler.state_dict()
-            old = (self.parallel, self.optimizer)
-            self.parallel.detach()
-            self.parallel = self.optimizer = None
-            self._lay_out(self.layout, rewrap=old)
-            del old
-            if scaler:
-                self.scaler.load_state_dict(scaler)
-        oom.give_back(self.device)
-        return {"seconds": time.perf_counter() - start, "step": self.step}
+    def rejoin(self, master_addr: str, master_port: int, timeout_s: float, rank: int | None = None,
+               world: int | None = None, layout: dict | None = None, old_ranks: list[int] | None = None) -> dict:
+        """After a step that failed somewhere (out of memory, a lost peer): leave the broken process
+        group and form a new one, the state kept in place; with `rank`, `world`, `layout` and
+        `old_ranks`, an elastic shrink onto fewer workers (workers/regroup.py)."""
+        return regroup.rejoin(self, master_addr, master_port, timeout_s, rank, world, layout, old_ranks)
 
     @in_phase("switch")
     def reshard(self, layout: dict, bucket_cap_mb: float | None = None) -> dict:

@@ -13,12 +13,13 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Iterator
 
 from gearshift.orchestrator.errors import GearshiftError, UsageError, WorkerFailed
 from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.control.startup import STARTUP
 from gearshift.orchestrator.cluster.devices import share_devices
+from gearshift.orchestrator.cluster.group import WorkerGroup  # noqa: F401 (the interface, re-exported)
 from gearshift.orchestrator.cluster.liveness import Liveness
 
 log = logging.getLogger("gearshift")
@@ -166,51 +167,6 @@ def _fits(job: Job, resources: dict[str, float]) -> str | None:
     return "; ".join(short) or None
 
 
-@runtime_checkable
-class WorkerGroup(Protocol):
-    """What the controller asks of a group of workers, one per rank. `call` runs a TrainWorker
-    method on every rank (the controller switches layouts with
-    `call("reshard", layout.to_dict(), bucket_cap_mb_or_None)`); `train` streams
-    (rank, report) pairs until every rank reached `until_step`. A failure anywhere is a
-    `WorkerFailed`."""
-
-    def start(self) -> list[dict]:
-        """Place and start the workers, build the model; one info dict per rank, in rank order."""
-
-    def call(self, method: str, *args) -> list:
-        """`method(*args)` on every rank; the results in rank order."""
-
-    def put(self, value: Any) -> Any:
-        """A reference to `value` that `call` can hand to every rank without copying it per rank."""
-
-    def train(self, until_step: int, checkpoint_every: int, last_step: int | None = None,
-              stoppable: bool = False) -> Iterator[tuple[int, dict]]:
-        """Every rank's step loop to `until_step`, as (rank, report) pairs as they arrive.
-        `stoppable`: each step is reported as it ends, and `stop_early` may end the loop sooner,
-        every rank at the same step boundary."""
-
-    def stop_early(self) -> None:
-        """Ask the workers to end the `stoppable` step loop in progress soon (within two steps of
-        the one being trained when they hear of it); returns at once. A group that cannot does not
-        define it, and the controller ends its chunks where the policy may decide instead."""
-
-    def regroup(self) -> None:
-        """After a step that ran out of memory: every worker leaves its broken process group and
-        joins a new one with the same ranks, keeping its state (TrainWorker.rejoin)."""
-
-    def dead_ranks(self) -> dict[int, str]:
-        """After a failure: the ranks whose worker is gone, with the reason given for each."""
-
-    def alive_node_ids(self) -> set[str]:
-        """The ids of the cluster's nodes that are alive now (none known: an empty set)."""
-
-    def alive_node_resources(self) -> list[dict[str, float]]:
-        """What each alive node holds in all (e.g. {"CPU": 8, "GPU": 4}), node by node."""
-
-    def shutdown(self, polite: bool = True) -> None:
-        """Stop every worker and release what the group holds; never raises."""
-
-
 class RayWorkerGroup:
     def __init__(self, job: Job, embedded: bool, checkpoint_dir: str | None = None):
         self.job = job
@@ -224,6 +180,7 @@ class RayWorkerGroup:
         self.chunk = 0  # the number of the stoppable step loop in progress (stop_early names it)
         self.file_server = None  # serves checkpoint_dir to workers on other nodes (workers/fileserver.py)
         self.file_server_name = None  # named anew at each start (a killed actor's name is freed late)
+        self._lost: dict = {}  # elastic: ranks lost in the step loop in progress
 
     # ---------------------------------------------------------------- start
 
@@ -462,6 +419,10 @@ class RayWorkerGroup:
 
         fault = self.job.fault
         stall_timeout_s = stall_timeout_s or fault.collective_timeout_s + STALL_MARGIN_S
+        # elastic: a rank that dies does not end the stream at once; the survivors' loops end
+        # first (their collectives lose it), each reporting where it stopped
+        lost: dict[int, WorkerFailed] = {}
+        self._lost = lost
         self.chunk += 1
         chunk, flush_s = (self.chunk, 0.0) if stoppable else (None, 0.5)  # stoppable: every step reported as it ends
         gens = {w.train.remote(until_step, checkpoint_every, flush_s, last_step, chunk,
@@ -495,11 +456,21 @@ class RayWorkerGroup:
                     raise WorkerFailed(rank, f"its report did not arrive within {CALL_TIMEOUT_S:g} s",
                                        kind=WorkerFailed.SILENT) from None
                 except ray.exceptions.RayActorError as err:
-                    raise self._died(rank, err) from None
+                    if self.job.on_node_loss != "elastic":
+                        raise self._died(rank, err) from None
+                    lost[rank] = self._died(rank, err)
+                    lost[rank].detected = time.time()
+                    del gens[gen]
+                    watch.finished(rank, time.monotonic())
+                    continue
                 except ray.exceptions.RayError as err:
                     raise _task_failure(err, rank) from None
                 watch.reported(rank, time.monotonic())
                 yield rank, report
+        if lost:
+            err = lost[min(lost)]
+            err.lost_ranks = sorted(lost)
+            raise err
 
     def _hear(self, beats: dict, watch: Liveness) -> None:
         """Take the heartbeats that have come back, and ask again where the watch says so. A
@@ -511,6 +482,8 @@ class RayWorkerGroup:
             done, _ = ray.wait(list(beats), num_returns=len(beats), timeout=0)
             for ref in done:
                 rank = beats.pop(ref)
+                if rank in self._lost:
+                    continue  # dead, and accounted for (elastic)
                 try:
                     watch.answered(rank, ray.get(ref, timeout=0), time.monotonic())
                 except ray.exceptions.RayActorError as err:
@@ -520,7 +493,7 @@ class RayWorkerGroup:
         if watch.should_poll(time.monotonic()):
             waiting = set(beats.values())
             for rank, w in enumerate(self.workers):
-                if rank not in waiting:
+                if rank not in waiting and rank not in self._lost:
                     beats[w.heartbeat.options(concurrency_group="control").remote()] = rank
 
     def _died(self, rank: int, err) -> WorkerFailed:
@@ -533,6 +506,23 @@ class RayWorkerGroup:
         port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
         self._get([w.rejoin.remote(master_addr, port, self.job.fault.collective_timeout_s) for w in self.workers],
                   "rejoin", self.call_timeout_s)
+
+    def shrink(self, keep: list[int], layout: dict) -> list[dict]:
+        """Elastic: go on with the workers of ranks `keep` (in that order: new rank i is keep[i]),
+        the others killed, on a new process group in `layout`; each survivor's rejoin result."""
+        import ray
+
+        for rank, w in enumerate(self.workers):
+            if rank not in keep:
+                with contextlib.suppress(Exception):
+                    ray.kill(w, no_restart=True)
+        self.workers, self.infos = [self.workers[r] for r in keep], [dict(self.infos[r], rank=i)
+                                                                     for i, r in enumerate(keep)]
+        master_addr = self.infos[0]["node_ip"]
+        port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
+        t = self.job.fault.collective_timeout_s
+        return self._get([w.rejoin.remote(master_addr, port, t, i, len(keep), layout, keep)
+                          for i, w in enumerate(self.workers)], "rejoin", self.call_timeout_s)
 
     def stop_early(self) -> None:
         for w in self.workers:  # every rank hears it; the first to act on it is enough

@@ -44,6 +44,7 @@ from gearshift.orchestrator.control.boundary import Boundary, Then, next_boundar
 from gearshift.orchestrator.control.bucket_tuning import BucketTuning, initial_bucket
 from gearshift.orchestrator.control.checkpoints import Checkpoints
 from gearshift.orchestrator.errors import GearshiftError, WorkerFailed
+from gearshift.orchestrator.control.elastic import Elastic, Plan
 from gearshift.orchestrator.control.evaluation import Evaluation
 from gearshift.orchestrator.control.memory import OutOfMemory
 from gearshift.orchestrator.job import Job, accumulation, scheduled
@@ -130,6 +131,7 @@ class Controller:
         self.report = Reporter(job, run, view)
         self.checkpoint_root = run.checkpoint_root(job.checkpoint, job.base_dir)  # checkpoint.path, or the run dir's
         self.recovery = Recovery(self.report, self.checkpoint_root)
+        self.elastic = Elastic(self.report)
         self.tuning = tuning or BucketTuning()
         self.tuning.attach(self)
         self.checkpoints = Checkpoints(job, self.checkpoint_root, self.report)
@@ -295,7 +297,7 @@ class Controller:
                             nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
                             strategy_history=self.history, switches=self.switches, tuning=self.tuning.rounds,
                             failures=self.recovery.failures, non_finite_steps=self.report.skipped,
-                            oom=self.memory.records)
+                            oom=self.memory.records, resizes=self.elastic.resizes)
         self.summary.setdefault("resumed_from_step", start_step if self._load and not restart else None)
         self.node_sizes = node_sizes(job, infos)
         self._enter(State.TRAINING, from_step=start_step, steps_target=job.train.steps)
@@ -352,12 +354,49 @@ class Controller:
         stats = self.report.stats
         failed_at = stats.last["step"] if stats.last else 0
         self.tuning.reset()
+        dropped, self._dropped = self._dropped, []
+        why = None
+        if self.job.on_node_loss == "elastic" and self.group is not None:
+            plan = self.elastic.plan(self._failure, self._failures, self.job, self.layout, dropped, self.micro)
+            if isinstance(plan, Plan):
+                try:
+                    return self._shrink(plan)
+                except WorkerFailed as err:  # lost again while resizing: restart from the checkpoint
+                    self._failure, why = err, f"the resize failed: {err.reason}"
+            else:
+                why = plan
         group, self.group = self.group, None
+        old = self.layout
         # raises when the failure is not one a restart can fix
         self.job, self._load = self.recovery.recover(self._failure, self._failures, self.job, group, self.infos,
-                                                     failed_at)
+                                                     failed_at, elastic=why)
+        if why is not None:
+            self.elastic.fell_back(why, self._load[1]["step"] if self._load else 0, failed_at, old,
+                                   self.job.cluster.num_workers)
         self._restart = True
         return State.PLACING
+
+    def _shrink(self, plan: Plan) -> State:
+        """Elastic: the survivors form a new group in memory and go on at the step that failed."""
+        start, old, err = time.time(), self.layout, self._failure
+        results = self.group.shrink(plan.keep, plan.layout.to_dict())
+        steps = sorted({r["step"] for r in results})
+        if steps != [plan.step]:
+            raise WorkerFailed(None, f"after the resize the survivors are at steps {steps}, not {plan.step}",
+                               kind=WorkerFailed.SILENT)
+        self.job = dataclasses.replace(self.job, cluster=dataclasses.replace(self.job.cluster,
+                                                                             num_workers=len(plan.keep)))
+        self.infos = [dict(self.infos[r], rank=i) for i, r in enumerate(plan.keep)]
+        self.layout, self.step = plan.layout, plan.step
+        self.node_sizes = node_sizes(self.job, self.infos)
+        self.history.append(self._history_entry(plan.step, plan.layout))
+        self.summary["world_size"] = len(plan.keep)
+        self.elastic.resized(plan, old, err, self._failures, self.job, time.time() - start)
+        if self.policy is not None:  # the candidates of the smaller world
+            self.policy = self._make_policy()
+        self._enter(State.TRAINING, from_step=plan.step, steps_target=self.job.train.steps)
+        self.tuning.begin(plan.step)
+        return State.TRAINING
 
     def _finish(self) -> None:
         """DONE: the final checkpoint and final.pt. A worker lost here is not recovered from."""
@@ -444,8 +483,7 @@ class Controller:
         pending, kept, reached = None, False, self.step
         stoppable = self._stoppable and not self.tuning.active
         self.checkpoints.new_chunk()
-        for rank, batch in self.group.train(until, job.checkpoint.every, last_step=job.train.steps,
-                                            **({"stoppable": True} if stoppable else {})):
+        for rank, batch in self._stream(merger, until, stoppable):
             if "step_failed" in batch:  # this rank dropped its step; its loop has ended
                 self._dropped.append(batch["step_failed"])
                 continue
@@ -456,6 +494,7 @@ class Controller:
             for record in merger.add(rank, batch):
                 reached = record["step"]
                 self.recovery.trained(record, job.cluster.num_workers)
+                self.elastic.trained(record, self.layout)
                 report.step(record)
                 if self.tuning.active:
                     self.tuning.add(record)
@@ -472,6 +511,19 @@ class Controller:
                 report.profiled(rank, batch["profile"])
             self.checkpoints.add(batch, job.cluster.num_workers)
         return pending, kept, reached if stoppable or self._dropped else until
+
+    def _stream(self, merger: StepMerger, until: int, stoppable: bool):
+        """The workers' reports; where ranks were lost, the steps they never reported are recorded
+        over the ranks that did (`partial`) before the failure goes on to RECOVERING."""
+        job = self.job
+        try:
+            yield from self.group.train(until, job.checkpoint.every, last_step=job.train.steps,
+                                        **({"stoppable": True} if stoppable else {}))
+        except WorkerFailed as err:
+            if getattr(err, "lost_ranks", None):
+                for record in merger.partial():
+                    self.report.step(record)
+            raise
 
     def _out_of_memory(self) -> State:
         """Ranks dropped a step, every one at the same boundary (self.step): out of memory on one of

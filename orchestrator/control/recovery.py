@@ -36,10 +36,11 @@ class Recovery:
         self._recovering: dict | None = None  # the failure whose restart has not trained a step yet
 
     def recover(self, err: WorkerFailed, failures: int, job: Job, group: WorkerGroup | None, infos: list[dict],
-                failed_at: int) -> tuple[Job, tuple[str, dict] | None]:
+                failed_at: int, elastic: str | None = None) -> tuple[Job, tuple[str, dict] | None]:
         """After a lost, silent or disconnected worker: tear the group down (no survivor is left
         blocked in a collective: every actor is killed), pick what to continue on, and return the
-        job to restart and the latest checkpoint that verifies (None: from the start). Raises
+        job to restart and the latest checkpoint that verifies (None: from the start). `elastic`:
+        why the survivors could not go on in memory (fault.on_node_loss elastic). Raises
         `err` when the failure is not one a restart can fix, or the job's fault.max_failures is
         used up."""
         f = job.fault
@@ -59,7 +60,8 @@ class Recovery:
             action += f"; {how}"
         self.report.event("failure", step=failed_at, rank=err.rank, kind=err.kind, error=err.reason,
                           failures=failures, max_failures=f.max_failures, lost_nodes=lost, dead_ranks=sorted(dead),
-                          action=action, steps_to_recompute=max(0, failed_at - restore_step))
+                          action=action, steps_to_recompute=max(0, failed_at - restore_step),
+                          **({"elastic": elastic} if elastic else {}))
         self.failures.append({"step": failed_at, "detected": detected, "kind": err.kind, "rank": err.rank,
                               "restored_step": restore_step, "lost_nodes": lost})
         self._recovering = self.failures[-1]
@@ -118,7 +120,7 @@ def after_node_loss(job: Job, lost: list[str], group: WorkerGroup) -> tuple[Job,
     """fault.on_node_loss: wait for a replacement (placement waits up to replacement_timeout_s),
     or shrink to the workers that fit what is left. The job to restart, and what was done."""
     f = job.fault
-    if f.on_node_loss == "wait":
+    if job.on_node_loss == "wait":
         cluster = dataclasses.replace(job.cluster, placement_timeout_s=max(f.replacement_timeout_s, 1.0))
         return (dataclasses.replace(job, cluster=cluster),
                 f"node {', '.join(lost)} lost: waiting up to {f.replacement_timeout_s:g} s for a replacement "
@@ -132,12 +134,17 @@ def after_node_loss(job: Job, lost: list[str], group: WorkerGroup) -> tuple[Job,
         n -= 1
     if n < 1:
         raise GearshiftError(f"node {', '.join(lost)} was lost and what is left cannot hold one worker of "
-                             f"{bundle} (free: {free}); fault.on_node_loss = shrink has nothing to shrink to")
+                             f"{bundle} (free: {free}); fault.on_node_loss = {job.on_node_loss} has nothing to "
+                             "shrink to")
+    if n < (job.cluster.min_workers or 1):
+        raise GearshiftError(f"node {', '.join(lost)} was lost: what is left holds {n} worker(s) of {bundle} that "
+                             f"divide the global batch ({batch}), below cluster.min_workers "
+                             f"({job.cluster.min_workers})")
     job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, num_workers=n))
     try:
         job.layout  # noqa: B018 (it validates)
     except LayoutError:  # a tensor-parallel or shard size the fewer workers cannot hold: data parallel
         job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, strategy="data", tp_size=None,
                                                                     shard_size=None, dp_shard=False))
-    return job, (f"node {', '.join(lost)} lost: continuing on {n} worker(s) (fault.on_node_loss = shrink; the "
+    return job, (f"node {', '.join(lost)} lost: continuing on {n} worker(s) (fault.on_node_loss = {job.on_node_loss}; the "
                  f"global batch stays {batch})")

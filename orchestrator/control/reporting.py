@@ -57,9 +57,18 @@ class StepMerger:
                 done.append(self._merge(step, [ranks[r] for r in range(self.world)]))
         return sorted(done, key=lambda r: r["step"])
 
+    def partial(self) -> list[dict]:
+        """The steps some rank never reported (it was lost), merged over the ranks that did; each
+        record's `partial` lists them (its loss is over their shares of the batch alone)."""
+        out = []
+        for step in sorted(self._pending):
+            ranks = self._pending.pop(step)
+            out.append({**self._merge(step, [ranks[r] for r in sorted(ranks)]), "partial": sorted(ranks)})
+        return out
+
     def _merge(self, step: int, per_rank: list[tuple]) -> dict:
         losses, times, data, waits, calls, ends, lrs, hidden = (list(c) for c in zip(*per_rank))
-        slowest = max(range(self.world), key=lambda r: times[r])
+        slowest = max(range(len(per_rank)), key=lambda r: times[r])
         rate = self.global_batch / times[slowest] if times[slowest] > 0 else 0.0
         timed = all(w is not None for w in waits)  # telemetry off: only loss and step time
         fracs = [min(1.0, w / t) if t > 0 else 0.0 for w, t in zip(waits, times)] if timed else None

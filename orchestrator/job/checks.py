@@ -20,6 +20,18 @@ def check_job(job: Job) -> None:
     _check_checkpoint_path(job)
     _check_reduce_dtype(job)
     _check_sizes(job)
+    _check_elastic(job)
+
+
+def _check_elastic(job: Job) -> None:
+    n, m = job.cluster.num_workers, job.cluster.min_workers
+    if m is not None and m > n:
+        raise JobError("cluster.min_workers", m, f"must be at most cluster.num_workers ({n})",
+                       "It is the fewest workers the run goes on with after losing some.")
+    if job.fault.on_node_loss == "elastic" and job.min_workers >= n:
+        raise JobError("fault.on_node_loss", "elastic",
+                       f"needs room to shrink: cluster.min_workers ({job.min_workers}) must be below "
+                       f"num_workers ({n})", f"Set cluster.min_workers, e.g. {max(1, n // 2)}.")
 
 
 def _check_reduce_dtype(job: Job) -> None:

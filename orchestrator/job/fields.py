@@ -249,6 +249,16 @@ def _micro_batch(v, path):
     return None if v is None else _int(1)(v, path)
 
 
+@_schema(_nullable(_number("integer", 1)))
+def _min_workers(v, path):
+    return None if v is None else _int(1)(v, path)
+
+
+@_schema(_nullable({"type": "string", "enum": ["elastic", "shrink", "wait"]}))
+def _on_node_loss(v, path):
+    return None if v is None else _choice("elastic", "shrink", "wait")(v, path)
+
+
 @_schema(_nullable(_number("number", 0.0)))
 def _grad_clip(v, path):
     return None if v is None else _float(0.0)(v, path) or None

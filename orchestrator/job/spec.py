@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _name, _nullable, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _min_workers, _name, _nullable, _on_node_loss, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,10 @@ class ClusterSpec:
     placement_timeout_s: float = _f(60.0, _float(0.0, lo_open=True), "fail when the cluster cannot fit the job by then")
     env: dict = _f({}, _env, "environment variables set in every worker before any process group exists "
                              "(NCCL_*, ...): {NAME: value}, values strings or numbers")
+    min_workers: int | None = _f(None, _min_workers, "the fewest workers the run goes on with after losing some "
+                                 "(fault.on_node_loss elastic or shrink). Below num_workers, the survivors of a loss "
+                                 "go on in memory (elastic is the default); null: no bound for shrink, and a lost "
+                                 "worker is restarted from the checkpoint")
 
 
 @dataclass(frozen=True)
@@ -266,8 +270,11 @@ class FaultSpec:
     progress_timeout_s: float = _f(3600.0, _float(1.0, 604800.0), "workers that all answer their heartbeats but "
                                    "finish no step for this long are taken for hung (a slow step, a first compile "
                                    "or a checkpoint counts as alive until then)")
-    on_node_loss: str = _f("shrink", _choice("shrink", "wait"), "shrink: continue on the workers that still fit; "
-                                                              "wait: wait for a replacement node")
+    on_node_loss: str | None = _f(None, _on_node_loss, "elastic: the survivors go on in memory from the step that "
+                                  "failed, on fewer workers, where they hold every piece of the state (else restart "
+                                  "from the checkpoint); shrink: restart from the checkpoint on the workers that still "
+                                  "fit; wait: restart when a replacement node joins; null: elastic when "
+                                  "cluster.min_workers < num_workers, else shrink")
     replacement_timeout_s: float = _f(600.0, _float(0.0, 86400.0), "on_node_loss wait: how long, then fail")
     on_nan: str = _f("skip", _choice("skip", "stop"), "a step with a non-finite loss or gradient norm: skip its "
                                                     "batch (the update is not applied) or stop the run")
@@ -343,6 +350,20 @@ class Job:
         if strategy != "hsdp" or self.parallel.shard_size is not None:
             return self.parallel.shard_size
         return self.cluster.num_workers // max(1, self.inject.nodes)
+
+    @property
+    def on_node_loss(self) -> str:
+        """fault.on_node_loss resolved: elastic where cluster.min_workers leaves room below
+        num_workers, else shrink, unless the job names one."""
+        if self.fault.on_node_loss is not None:
+            return self.fault.on_node_loss
+        return "elastic" if self.min_workers < self.cluster.num_workers else "shrink"
+
+    @property
+    def min_workers(self) -> int:
+        """cluster.min_workers resolved (null: num_workers)."""
+        m = self.cluster.min_workers
+        return self.cluster.num_workers if m is None else min(m, self.cluster.num_workers)
 
     @property
     def dp_size(self) -> int:

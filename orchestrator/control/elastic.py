@@ -1,0 +1,162 @@
+"""Elastic shrink: when workers die mid-step and the ranks that are left still hold every piece
+of the model and optimizer state, the run goes on in memory on fewer workers, from the step that
+failed, without a checkpoint or a restart of the survivors' processes.
+
+What survives is a property of the layout alone (`pieces_lost`): a rank (dp_rank, tp_rank)
+holds the piece (tp_rank, dp_rank % shard), so data parallel loses nothing while one worker is
+left, hybrid with a replicated data dimension nothing while each tensor-parallel slice has a
+survivor, hsdp nothing while each shard index has one; fsdp over every worker, tensor, and hybrid
+with dp_shard hold each piece once. `plan` says what the survivors go on as (`shrunk`: the
+layout in force, or the nearest one that fits fewer workers and divides the global batch), or
+why they cannot, and the controller falls back to the checkpoint. `trained` writes the `resize`
+record once the first step on the new world has trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from gearshift.orchestrator.errors import WorkerFailed
+from gearshift.orchestrator.job import Job, accumulation
+from gearshift.orchestrator.control.reporting import Reporter
+from gearshift.strategies.layout import Layout, LayoutError
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the survivors go on as: `keep[i]` is the old rank of new rank i; `step` is where they
+    all stopped (the failed step is step + 1)."""
+
+    layout: Layout
+    keep: list[int]
+    step: int
+    lost: list[int]
+    detected: float
+
+
+def pieces_lost(layout: Layout, lost: set[int] | list[int]) -> list[dict]:
+    """The pieces of the state that only lost ranks held, as {"tp": t, "shard": j} (none: the
+    survivors hold it all)."""
+    held = {(r % layout.tp, (r // layout.tp) % layout.shard) for r in range(layout.world) if r not in set(lost)}
+    return [{"tp": t, "shard": j} for t in range(layout.tp) for j in range(layout.shard) if (t, j) not in held]
+
+
+def _same_shape(layout: Layout, n: int) -> Layout:
+    """The layout in force, on `n` workers: the same tensor-parallel size or shard group where
+    `n` allows it, else fsdp for a sharded one and data parallel for the rest."""
+    from gearshift import strategies
+
+    tries = []
+    if layout.tp == 1 and layout.shard == 1:
+        tries.append((layout.strategy, n, 1, 1))
+    if layout.tp > 1 and n % layout.tp == 0:
+        tries.append((layout.strategy, n // layout.tp, layout.tp, 1))
+    if layout.shard > 1 and n % layout.shard == 0:
+        tries.append((layout.strategy, n, 1, layout.shard))
+    if layout.shard > 1 and "fsdp" in strategies.STRATEGIES:
+        tries.append(("fsdp", n, 1, n))
+    tries.append(("data", n, 1, 1))
+    for strategy, dp, tp, shard in tries:
+        try:
+            return Layout(strategy, dp, tp, shard)
+        except LayoutError:
+            continue
+    return Layout("data", n, 1, 1)
+
+
+def _cover(layout: Layout, survivors: list[int], n: int) -> list[int] | None:
+    """`n` of the survivors that between them hold every piece (one holder per piece first, in
+    rank order, then the others), in rank order; None if they cannot."""
+    first: dict[tuple, int] = {}
+    for r in survivors:
+        first.setdefault((r % layout.tp, (r // layout.tp) % layout.shard), r)
+    if len(first) > n:
+        return None
+    chosen = set(first.values())
+    for r in survivors:
+        if len(chosen) >= n:
+            break
+        chosen.add(r)
+    return sorted(chosen)
+
+
+def shrunk(job: Job, layout: Layout, survivors: list[int], micro: int | None) -> tuple[Layout, list[int]] | None:
+    """The largest world of survivors (down to cluster.min_workers) whose layout divides the
+    global batch (micro-batches included), and the survivors it keeps; None if none does."""
+    for n in range(len(survivors), job.min_workers - 1, -1):
+        target = _same_shape(layout, n)
+        batch = job.train.global_batch_size
+        if batch % target.dp or accumulation(batch, micro, target.dp) is None:
+            continue
+        keep = _cover(layout, survivors, n)
+        if keep is not None:
+            return target, keep
+    return None
+
+
+class Elastic:
+    """The resizes of one run (the summary's `resizes`) and the one waiting for its first step."""
+
+    def __init__(self, report: Reporter):
+        self.report = report
+        self.resizes: list[dict] = []
+        self._pending: dict | None = None
+
+    def plan(self, err: WorkerFailed, failures: int, job: Job, layout: Layout, dropped: list[dict],
+             micro: int | None) -> Plan | str:
+        """What the survivors of `err` go on as, or why they cannot (a sentence)."""
+        lost = getattr(err, "lost_ranks", None)
+        if not lost:
+            return "no worker was lost inside the step loop"
+        f = job.fault
+        if f.max_failures != -1 and failures > f.max_failures:
+            return "fault.max_failures is used up"
+        gone = pieces_lost(layout, lost)
+        if gone:
+            return (f"{layout} held {len(gone)} piece(s) of the state only on the lost rank(s) {lost}: "
+                    + ", ".join(f"tensor slice {p['tp']} / shard {p['shard']}" for p in gone[:4]))
+        survivors = [r for r in range(layout.world) if r not in lost]
+        steps = {d["step"] for d in dropped}
+        if sorted(d["rank"] for d in dropped) != survivors or len(steps) != 1:
+            return ("the survivors did not all stop at one step (stopped: "
+                    + ", ".join(f"rank {d['rank']} before step {d['step']}" for d in dropped) + ")")
+        found = shrunk(job, layout, survivors, micro)
+        if found is None:
+            return (f"no layout on {job.min_workers} to {len(survivors)} of the survivors divides the global batch "
+                    f"({job.train.global_batch_size}) (cluster.min_workers = {job.min_workers})")
+        target, keep = found
+        return Plan(target, keep, steps.pop() - 1, sorted(lost), getattr(err, "detected", time.time()))
+
+    def resized(self, plan: Plan, old: Layout, err: WorkerFailed, failures: int, job: Job, seconds: float) -> None:
+        """The survivors are on the new world: the failure record now, `resize` at the first step."""
+        self.report.event("failure", step=plan.step + 1, rank=err.rank, kind=err.kind, error=err.reason,
+                          failures=failures, max_failures=job.fault.max_failures, dead_ranks=plan.lost,
+                          action=f"elastic: go on in memory from step {plan.step} on {len(plan.keep)} worker(s) "
+                                 f"as {plan.layout}", steps_to_recompute=1)
+        self._pending = {"from": old.to_dict(), "to": plan.layout.to_dict(), "lost_ranks": plan.lost,
+                         "kept_ranks": plan.keep, "world_size": [old.world, plan.layout.world],
+                         "from_checkpoint": False, "steps_redone": 1, "regroup_seconds": seconds,
+                         "detected": plan.detected, "restored_step": plan.step}
+        self.report.say(f"step {plan.step + 1}: rank(s) {plan.lost} lost -> going on in memory on "
+                        f"{len(plan.keep)} worker(s) as {plan.layout} (the state is all on the survivors)")
+
+    def fell_back(self, why: str, restored_step: int, failed_at: int, old: Layout, world: int) -> None:
+        """No shrink in memory: the restart from a checkpoint carries the `resize` record."""
+        self.report.say(f"elastic: not in memory ({why}); restarting from the checkpoint")
+        self._pending = {"from": old.to_dict(), "to": None, "world_size": [old.world, world],
+                         "from_checkpoint": True, "why": why, "steps_redone": max(0, failed_at - restored_step),
+                         "detected": time.time(), "restored_step": restored_step}
+
+    def trained(self, record: dict, layout: Layout) -> None:
+        """The first step after a resize: its record."""
+        if self._pending is None:
+            return
+        r, self._pending = self._pending, None
+        r["to"] = r["to"] or layout.to_dict()
+        r["world_size"][1] = layout.world
+        r["seconds"] = time.time() - r.pop("detected")
+        self.resizes.append({"step": record["step"], **r})
+        self.report.event("resize", step=record["step"], **r)
+        self.report.say(f"step {record['step']}: training again on {layout.world} worker(s) {r['seconds']:.1f} s "
+                        f"after the loss ({'from the checkpoint' if r['from_checkpoint'] else 'in memory'})")

@@ -1,0 +1,131 @@
+"""Elastic shrink: a worker killed mid-step, and the survivors go on in memory on fewer workers
+from the step that failed, ending where single-process PyTorch on the same global batches ends;
+where some piece of the state lived only on the lost rank, the run restarts from its checkpoint
+and says why. The pure logic first (what survives, what the survivors go on as), then Ray."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gearshift.orchestrator.control.elastic import Elastic, pieces_lost, shrunk
+from gearshift.orchestrator.errors import WorkerFailed
+from gearshift.orchestrator.job import JobError, load_job
+from gearshift.strategies.layout import Layout
+from test_fault import Killer, events
+from test_train_equivalence import MLP, max_diff, reference, run_gearshift
+
+
+# ----------------------------------------------------------------------------- what survives
+
+@pytest.mark.parametrize("layout,lost,pieces", [
+    (Layout("data", 4, 1), [3], 0),
+    (Layout("data", 4, 1), [0, 1, 2], 0),
+    (Layout("hybrid", 2, 2), [3], 0),          # tp slice 1 lives on rank 1 too
+    (Layout("hybrid", 2, 2), [1, 3], 1),       # both holders of tp slice 1
+    (Layout("hsdp", 4, 1, 2), [1], 0),         # shard 1 lives on rank 3 too
+    (Layout("hsdp", 4, 1, 2), [0, 2], 1),
+    (Layout("fsdp", 4, 1, 4), [2], 1),         # one group: each shard once
+    (Layout("tensor", 1, 4), [0], 1),
+    (Layout("hybrid", 2, 2, 2), [3], 1),       # dp_shard: each (tp, shard) piece once
+])
+def test_the_pieces_only_lost_ranks_held(layout, lost, pieces):
+    assert len(pieces_lost(layout, lost)) == pieces
+
+
+def _job(*overrides):
+    return load_job(MLP[0], MLP[1] + ["cluster.num_workers=4", "cluster.min_workers=1", *overrides])
+
+
+def test_the_survivors_go_on_as_the_largest_layout_that_divides_the_batch():
+    job = _job("train.global_batch_size=24")
+    assert shrunk(job, Layout("data", 4, 1), [0, 1, 2], None) == (Layout("data", 3, 1), [0, 1, 2])
+    job = _job("train.global_batch_size=32")  # 32 % 3: two of the three go on
+    assert shrunk(job, Layout("data", 4, 1), [0, 1, 3], None) == (Layout("data", 2, 1), [0, 1])
+    # hybrid(2x2) losing rank 3: tp 2 does not divide 3 workers, so data(3), keeping both slices' holders
+    job = _job("train.global_batch_size=24", "parallel.strategy=hybrid", "parallel.tp_size=2")
+    assert shrunk(job, Layout("hybrid", 2, 2), [0, 1, 2], None) == (Layout("data", 3, 1), [0, 1, 2])
+    # hybrid losing two ranks of one replica: the other replica goes on as hybrid(1x2)
+    assert shrunk(job, Layout("hybrid", 2, 2), [2, 3], None) == (Layout("hybrid", 1, 2), [2, 3])
+    # hsdp(4, shard 2) losing a rank: 3 workers cannot hold groups of 2, so fsdp(3)... unless the
+    # batch does not divide 3: fsdp over the 2 that hold both shards
+    job = _job("train.global_batch_size=32")
+    assert shrunk(job, Layout("hsdp", 4, 1, 2), [0, 2, 3], None) == (Layout("hsdp", 2, 1, 2), [0, 3])
+    # micro-batches must divide too: 24 / 3 = 8 is not a multiple of 16... so 2 workers (12 each? no: 16 > 12)
+    assert shrunk(_job("train.global_batch_size=24", "cluster.min_workers=3"), Layout("data", 4, 1),
+                  [0, 1, 2], 16) is None
+
+
+def test_a_plan_says_why_the_survivors_cannot_go_on_in_memory():
+    elastic = Elastic(report=None)
+    job = _job("train.global_batch_size=24", "parallel.strategy=fsdp")
+    err = WorkerFailed(2, "its process died", kind=WorkerFailed.DIED)
+    err.lost_ranks = [2]
+    why = elastic.plan(err, 1, job, Layout("fsdp", 4, 1, 4), [], None)
+    assert isinstance(why, str) and "only on the lost rank(s) [2]" in why and "shard 2" in why
+    # every survivor must have stopped at one step
+    why = elastic.plan(err, 1, _job("train.global_batch_size=24"), Layout("data", 4, 1),
+                       [{"rank": 0, "step": 7}, {"rank": 1, "step": 8}, {"rank": 3, "step": 7}], None)
+    assert isinstance(why, str) and "did not all stop at one step" in why
+    plan = elastic.plan(err, 1, _job("train.global_batch_size=24"), Layout("data", 4, 1),
+                        [{"rank": r, "step": 8} for r in (0, 1, 3)], None)
+    assert plan.layout == Layout("data", 3, 1) and plan.keep == [0, 1, 3] and plan.step == 7
+
+
+def test_elastic_needs_room_below_num_workers_and_min_workers_at_most_num_workers():
+    with pytest.raises(JobError) as e:
+        load_job(MLP[0], MLP[1] + ["fault.on_node_loss=elastic"])
+    assert e.value.field == "fault.on_node_loss" and "cluster.min_workers" in str(e.value)
+    with pytest.raises(JobError) as e:
+        load_job(MLP[0], MLP[1] + ["cluster.min_workers=3"])
+    assert e.value.field == "cluster.min_workers" and "at most cluster.num_workers (2)" in str(e.value)
+    assert load_job(MLP[0], MLP[1] + ["cluster.min_workers=1"]).on_node_loss == "elastic"
+    assert load_job(MLP[0], MLP[1]).on_node_loss == "shrink"
+    assert load_job(MLP[0], MLP[1] + ["cluster.min_workers=1", "fault.on_node_loss=wait"]).on_node_loss == "wait"
+
+
+# ----------------------------------------------------------------------------- on Ray, for real
+
+SLOW = ["train.steps=30", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2",
+        "cluster.num_workers=4", "cluster.cpus_per_worker=1", "cluster.min_workers=1", "train.global_batch_size=24"]
+
+
+def _killed_run(tmp_path, overrides, rank=3, at_step=15):
+    killer = Killer(tmp_path / "run", rank=rank, at_step=at_step)
+    killer.start()
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    killer.join(timeout=5)
+    assert killer.killed, "the worker was never killed"
+    return summary
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("layout", [["parallel.strategy=data"],
+                                    ["parallel.strategy=hybrid", "parallel.tp_size=2"]], ids=["data", "hybrid"])
+def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
+    overrides = MLP[1] + SLOW + layout
+    summary = _killed_run(tmp_path, overrides)
+    assert summary["status"] == "done" and summary["steps_done"] == 30, summary.get("error")
+    [resize] = events(tmp_path / "run", "resize")
+    assert resize["from_checkpoint"] is False and resize["steps_redone"] <= 1 and resize["lost_ranks"] == [3]
+    assert resize["world_size"] == [4, 3] and summary["world_size"] == 3
+    assert not events(tmp_path / "run", "restored")  # no checkpoint was read
+    ref, _ = reference(load_job(MLP[0], overrides))
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, ref) <= 1e-5
+    print(f"{layout}: resized {resize['from']} -> {resize['to']} in {resize['seconds']:.2f} s "
+          f"(regroup {resize['regroup_seconds']:.2f} s)")
+
+
+@pytest.mark.ray
+def test_fsdp_losing_a_rank_falls_back_to_the_checkpoint_and_says_why(ray_cluster, tmp_path):
+    overrides = MLP[1] + SLOW + ["parallel.strategy=fsdp"]
+    summary = _killed_run(tmp_path, overrides)
+    assert summary["status"] == "done" and summary["steps_done"] == 30, summary.get("error")
+    [failure] = events(tmp_path / "run", "failure")
+    assert "only on the lost rank(s) [3]" in failure["elastic"], failure
+    [resize] = events(tmp_path / "run", "resize")
+    assert resize["from_checkpoint"] is True and "only on the lost rank" in resize["why"]
+    ref, _ = reference(load_job(MLP[0], overrides))
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, ref) <= 1e-5
