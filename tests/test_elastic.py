@@ -112,7 +112,9 @@ def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray
     assert not events(tmp_path / "run", "restored")  # no checkpoint was read
     ref, _ = reference(load_job(MLP[0], overrides))
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    assert max_diff(final, ref) <= 1e-5
+    # hybrid's tensor-parallel sums round differently: an uninterrupted hybrid(2x2) run of this job
+    # is 1.3e-5 off the reference too (the sharded layouts' tolerance is 1e-4)
+    assert max_diff(final, ref) <= (1e-5 if "parallel.strategy=data" in layout else 1e-4)
     print(f"{layout}: resized {resize['from']} -> {resize['to']} in {resize['seconds']:.2f} s "
           f"(regroup {resize['regroup_seconds']:.2f} s)")
 

@@ -351,6 +351,7 @@ class Controller:
     def _recover(self) -> State:
         self.state = State.RECOVERING  # not announced: the failure event says it
         self._failures += 1
+        detected = getattr(self._failure, "detected", time.time())
         stats = self.report.stats
         failed_at = stats.last["step"] if stats.last else 0
         self.tuning.reset()
@@ -372,7 +373,7 @@ class Controller:
                                                      failed_at, elastic=why)
         if why is not None:
             self.elastic.fell_back(why, self._load[1]["step"] if self._load else 0, failed_at, old,
-                                   self.job.cluster.num_workers)
+                                   self.job.cluster.num_workers, detected)
         self._restart = True
         return State.PLACING
 

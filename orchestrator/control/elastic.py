@@ -95,6 +95,11 @@ def shrunk(job: Job, layout: Layout, survivors: list[int], micro: int | None) ->
     return None
 
 
+def _piece(layout: Layout, p: dict) -> str:
+    parts = ([f"tensor slice {p['tp']}"] if layout.tp > 1 else []) + ([f"shard {p['shard']}"] if layout.shard > 1 else [])
+    return " of ".join(parts) or "the whole state"
+
+
 class Elastic:
     """The resizes of one run (the summary's `resizes`) and the one waiting for its first step."""
 
@@ -115,7 +120,7 @@ class Elastic:
         gone = pieces_lost(layout, lost)
         if gone:
             return (f"{layout} held {len(gone)} piece(s) of the state only on the lost rank(s) {lost}: "
-                    + ", ".join(f"tensor slice {p['tp']} / shard {p['shard']}" for p in gone[:4]))
+                    + ", ".join(_piece(layout, p) for p in gone[:4]) + (", ..." if len(gone) > 4 else ""))
         survivors = [r for r in range(layout.world) if r not in lost]
         steps = {d["step"] for d in dropped}
         if sorted(d["rank"] for d in dropped) != survivors or len(steps) != 1:
@@ -141,12 +146,13 @@ class Elastic:
         self.report.say(f"step {plan.step + 1}: rank(s) {plan.lost} lost -> going on in memory on "
                         f"{len(plan.keep)} worker(s) as {plan.layout} (the state is all on the survivors)")
 
-    def fell_back(self, why: str, restored_step: int, failed_at: int, old: Layout, world: int) -> None:
+    def fell_back(self, why: str, restored_step: int, failed_at: int, old: Layout, world: int,
+                  detected: float) -> None:
         """No shrink in memory: the restart from a checkpoint carries the `resize` record."""
         self.report.say(f"elastic: not in memory ({why}); restarting from the checkpoint")
         self._pending = {"from": old.to_dict(), "to": None, "world_size": [old.world, world],
                          "from_checkpoint": True, "why": why, "steps_redone": max(0, failed_at - restored_step),
-                         "detected": time.time(), "restored_step": restored_step}
+                         "detected": detected, "restored_step": restored_step}
 
     def trained(self, record: dict, layout: Layout) -> None:
         """The first step after a resize: its record."""
