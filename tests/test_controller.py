@@ -111,6 +111,9 @@ class FakeGroup:
     def regroup(self):
         raise AssertionError("no step runs out of memory here")
 
+    def shrink(self, keep, layout):
+        raise AssertionError("no worker is lost in memory here")
+
     def alive_node_ids(self):  # no nodes known: a failure is a worker loss
         return set()
 

@@ -29,23 +29,6 @@ class WorkerGroup(Protocol):
         `stoppable`: each step is reported as it ends, and `stop_early` may end the loop sooner,
         every rank at the same step boundary."""
 
-    def shrink(self, keep: list[int], layout: dict) -> list[dict]:
-        """Elastic: go on with the workers of ranks `keep` (in that order: new rank i is keep[i]),
-        the others killed, on a new process group in `layout`; each survivor's rejoin result."""
-        import ray
-
-        for rank, w in enumerate(self.workers):
-            if rank not in keep:
-                with contextlib.suppress(Exception):
-                    ray.kill(w, no_restart=True)
-        self.workers, self.infos = [self.workers[r] for r in keep], [dict(self.infos[r], rank=i)
-                                                                     for i, r in enumerate(keep)]
-        master_addr = self.infos[0]["node_ip"]
-        port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
-        t = self.job.fault.collective_timeout_s
-        return self._get([w.rejoin.remote(master_addr, port, t, i, len(keep), layout, keep)
-                          for i, w in enumerate(self.workers)], "rejoin", self.call_timeout_s)
-
     def stop_early(self) -> None:
         """Ask the workers to end the `stoppable` step loop in progress soon (within two steps of
         the one being trained when they hear of it); returns at once. A group that cannot does not

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import time
 import traceback
 from typing import Callable
@@ -52,7 +51,7 @@ from gearshift.orchestrator.policy.online import OnlineModel
 from gearshift.orchestrator.policy.adaptive import AdaptConfig, Decision, Policy, candidate_layouts
 from gearshift.orchestrator.control.recovery import Recovery
 from gearshift.orchestrator.control.reporting import Reporter, StepMerger
-from gearshift.orchestrator.records.rundir import RunDir
+from gearshift.orchestrator.records.rundir import RunDir, earlier_history
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup
 from gearshift.strategies.layout import Layout
 
@@ -604,17 +603,6 @@ class Controller:
 
     def _history_entry(self, step: int, layout: Layout) -> dict:
         return {"step": step, **layout.to_dict(), "bucket_cap_mb": self.tuning.bucket}
-
-
-def earlier_history(run: RunDir, start_step: int) -> list[dict]:
-    """A resumed run keeps the layouts its earlier legs used before the resume point."""
-    if not run.summary.is_file():
-        return []
-    try:
-        old = json.loads(run.summary.read_text()).get("strategy_history", [])
-    except ValueError:
-        return []
-    return [h for h in old if h.get("step", 0) < start_step]
 
 
 def scheduled_layout(job: Job, step: int) -> Layout | None:

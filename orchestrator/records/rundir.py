@@ -177,3 +177,14 @@ def find_resumable(job: Job, root: str | None = None) -> RunDir | None:
         except (JobError, GearshiftError):
             continue
     return None
+
+
+def earlier_history(run: RunDir, start_step: int) -> list[dict]:
+    """A resumed run keeps the layouts its earlier legs used before the resume point."""
+    if not run.summary.is_file():
+        return []
+    try:
+        old = json.loads(run.summary.read_text()).get("strategy_history", [])
+    except ValueError:
+        return []
+    return [h for h in old if h.get("step", 0) < start_step]
