@@ -2,8 +2,8 @@
 writes checkpoints and the run's outputs, and tears everything down whatever happens.
 
     PLACING -> STARTING -> TRAINING <-> SWITCHING
-       ^                      |     \\-> DONE
-       |                      v
+       ^                      |  ^  \\-> DONE
+       |                      v  |     (elastic: the survivors go on in memory, orchestrator/control/elastic.py)
        \\------------- RECOVERING        (a worker lost in PLACING, STARTING or SWITCHING too)
 
     any state -> FAILED                 (an error no restart fixes, fault.max_failures used up, Ctrl-C)
