@@ -76,7 +76,8 @@ def run(tmp_path, mode: str) -> pathlib.Path:
     run_dir = tmp_path / mode
     # its own session: whatever the cluster started goes with it, even if the test gives up
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, mode, str(run_dir), str(ROOT),
-                             json.dumps(BASE + [f"fault.on_node_loss={mode}", "fault.replacement_timeout_s=120"])],
+                             json.dumps(BASE + [f"fault.on_node_loss={mode}", "fault.replacement_timeout_s=120"]
+                                        + (["cluster.min_workers=1"] if mode == "elastic" else []))],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}:"
                                                                               f"{os.environ.get('PATH', '')}"})
@@ -95,7 +96,7 @@ def recorded(run_dir, name):
     return [r for r in recs if r["type"] == "event" and r["event"] == name]
 
 
-@pytest.mark.parametrize("mode", ["shrink", "wait"])
+@pytest.mark.parametrize("mode", ["shrink", "wait", "elastic"])
 def test_a_lost_node_shrinks_the_job_or_waits_for_a_replacement(tmp_path, mode):
     run_dir = run(tmp_path, mode)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -103,8 +104,17 @@ def test_a_lost_node_shrinks_the_job_or_waits_for_a_replacement(tmp_path, mode):
     failures = recorded(run_dir, "failure")
     assert failures and failures[0]["lost_nodes"], failures
     action = failures[0]["action"]
-    [recovered] = recorded(run_dir, "recovered")[-1:]
-    if mode == "shrink":
+    if mode == "elastic":  # the two workers of the head node go on in memory, nothing restarted
+        [resize] = recorded(run_dir, "resize")
+        assert "elastic: go on in memory" in action and resize["from_checkpoint"] is False, (action, resize)
+        assert resize["world_size"] == [4, 2] and resize["lost_ranks"] == [2, 3] and summary["world_size"] == 2
+        assert not recorded(run_dir, "restored")
+        recovered = {"time": resize["time"], "world_size": 2, "steps_recomputed": resize["steps_redone"]}
+    else:
+        [recovered] = recorded(run_dir, "recovered")[-1:]
+    if mode == "elastic":
+        pass
+    elif mode == "shrink":
         assert "continuing on 2 worker(s)" in action and recovered["world_size"] == 2
         assert summary["world_size"] == 2
     else:

@@ -43,7 +43,7 @@ from gearshift.orchestrator.control.boundary import Boundary, Then, next_boundar
 from gearshift.orchestrator.control.bucket_tuning import BucketTuning, initial_bucket
 from gearshift.orchestrator.control.checkpoints import Checkpoints
 from gearshift.orchestrator.errors import GearshiftError, WorkerFailed
-from gearshift.orchestrator.control.elastic import Elastic, Plan
+from gearshift.orchestrator.control.elastic import Elastic, Plan, dead_now, gone_nodes
 from gearshift.orchestrator.control.evaluation import Evaluation
 from gearshift.orchestrator.control.memory import OutOfMemory
 from gearshift.orchestrator.job import Job, accumulation, scheduled
@@ -357,7 +357,8 @@ class Controller:
         dropped, self._dropped = self._dropped, []
         why = None
         if self.job.on_node_loss == "elastic" and self.group is not None:
-            plan = self.elastic.plan(self._failure, self._failures, self.job, self.layout, dropped, self.micro)
+            plan = self.elastic.plan(self._failure, self._failures, self.job, self.layout, dropped, self.micro,
+                                     dead=dead_now(self.group))
             if isinstance(plan, Plan):
                 try:
                     return self._shrink(plan)
@@ -379,6 +380,7 @@ class Controller:
     def _shrink(self, plan: Plan) -> State:
         """Elastic: the survivors form a new group in memory and go on at the step that failed."""
         start, old, err = time.time(), self.layout, self._failure
+        lost_nodes = gone_nodes(self.infos, plan.lost, self.group)
         results = self.group.shrink(plan.keep, plan.layout.to_dict())
         steps = sorted({r["step"] for r in results})
         if steps != [plan.step]:
@@ -391,7 +393,7 @@ class Controller:
         self.node_sizes = node_sizes(self.job, self.infos)
         self.history.append(self._history_entry(plan.step, plan.layout))
         self.summary["world_size"] = len(plan.keep)
-        self.elastic.resized(plan, old, err, self._failures, self.job, time.time() - start)
+        self.elastic.resized(plan, old, err, self._failures, self.job, time.time() - start, lost_nodes)
         if self.policy is not None:  # the candidates of the smaller world
             self.policy = self._make_policy()
         self._enter(State.TRAINING, from_step=plan.step, steps_target=self.job.train.steps)

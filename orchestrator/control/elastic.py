@@ -109,11 +109,13 @@ class Elastic:
         self._pending: dict | None = None
 
     def plan(self, err: WorkerFailed, failures: int, job: Job, layout: Layout, dropped: list[dict],
-             micro: int | None) -> Plan | str:
-        """What the survivors of `err` go on as, or why they cannot (a sentence)."""
-        lost = getattr(err, "lost_ranks", None)
-        if not lost:
+             micro: int | None, dead: list[int] = ()) -> Plan | str:
+        """What the survivors of `err` go on as, or why they cannot (a sentence). `dead`: ranks the
+        group finds gone now (a rank may report its step dropped, then die with its node)."""
+        if not getattr(err, "lost_ranks", None):
             return "no worker was lost inside the step loop"
+        lost = sorted(set(err.lost_ranks) | set(dead))
+        dropped = [d for d in dropped if d["rank"] not in lost]
         f = job.fault
         if f.max_failures != -1 and failures > f.max_failures:
             return "fault.max_failures is used up"
@@ -133,13 +135,16 @@ class Elastic:
         target, keep = found
         return Plan(target, keep, steps.pop() - 1, sorted(lost), getattr(err, "detected", time.time()))
 
-    def resized(self, plan: Plan, old: Layout, err: WorkerFailed, failures: int, job: Job, seconds: float) -> None:
+    def resized(self, plan: Plan, old: Layout, err: WorkerFailed, failures: int, job: Job, seconds: float,
+                lost_nodes: list[str]) -> None:
         """The survivors are on the new world: the failure record now, `resize` at the first step."""
         self.report.event("failure", step=plan.step + 1, rank=err.rank, kind=err.kind, error=err.reason,
                           failures=failures, max_failures=job.fault.max_failures, dead_ranks=plan.lost,
+                          lost_nodes=lost_nodes,
                           action=f"elastic: go on in memory from step {plan.step} on {len(plan.keep)} worker(s) "
                                  f"as {plan.layout}", steps_to_recompute=1)
         self._pending = {"from": old.to_dict(), "to": plan.layout.to_dict(), "lost_ranks": plan.lost,
+                         "lost_nodes": lost_nodes,
                          "kept_ranks": plan.keep, "world_size": [old.world, plan.layout.world],
                          "from_checkpoint": False, "steps_redone": 1, "regroup_seconds": seconds,
                          "detected": plan.detected, "restored_step": plan.step}
@@ -166,3 +171,24 @@ class Elastic:
         self.report.event("resize", step=record["step"], **r)
         self.report.say(f"step {record['step']}: training again on {layout.world} worker(s) {r['seconds']:.1f} s "
                         f"after the loss ({'from the checkpoint' if r['from_checkpoint'] else 'in memory'})")
+
+
+def dead_now(group) -> list[int]:
+    """The ranks the group finds gone now (none where it cannot say)."""
+    try:
+        return sorted(group.dead_ranks())
+    except Exception:  # noqa: BLE001 - the ranks the stream lost are what is known
+        return []
+
+
+def gone_nodes(infos: list[dict], lost: list[int], group) -> list[str]:
+    """The nodes of the lost ranks that the cluster no longer counts alive (as recovery names
+    them: "ip (id)"); none where the cluster knows of no nodes or cannot say."""
+    try:
+        alive = group.alive_node_ids()
+    except Exception:  # noqa: BLE001 - worker losses, as far as is known
+        return []
+    if not alive:
+        return []
+    held = {infos[r].get("node_id"): infos[r].get("node_ip") for r in lost if r < len(infos)}
+    return [f"{ip} ({nid[:8]})" for nid, ip in held.items() if nid and nid not in alive]
