@@ -492,3 +492,45 @@ def test_auto_with_a_model_that_fits_nowhere_stops_with_the_predictions(tmp_path
     assert "data dp=2" in str(err.value) and "fsdp" in str(err.value) and "GiB" in str(err.value)
     summary = json.loads(run.summary.read_text())
     assert summary["status"] == "failed" and "fits no layout" in summary["error"]
+
+
+class LosingGroup(FakeGroup):
+    """Rank 1 is lost inside step `lose_at` of the first group (rank 0 drops that step); a second
+    loss lands while the survivors form their new group."""
+
+    def train(self, until, every, last_step=None, stoppable=False):
+        lose = self.fail_at is not None and self.step <= self.fail_at < until and not getattr(self, "lost_once", False)
+        for rank, report in super().train(self.fail_at if lose else until, every, last_step, stoppable):
+            yield rank, report
+        if lose:
+            self.lost_once = True
+            yield 0, {"rank": 0, "step_failed": {"kind": "aborted", "rank": 0, "step": self.step + 1,
+                                                 "message": "RuntimeError: Connection closed by peer"}}
+            err = WorkerFailed(1, "its process died", kind=WorkerFailed.DIED)
+            err.lost_ranks = [1]
+            raise err
+
+    def shrink(self, keep, layout):
+        self.shrunk = (keep, layout)
+        raise WorkerFailed(0, "a worker process died during 'rejoin'", kind=WorkerFailed.DIED)
+
+
+def test_a_loss_during_an_elastic_resize_falls_back_to_the_checkpoint(tmp_path):
+    job = load_job(ROOT / "examples/mlp.yaml", ["train.steps=10", "checkpoint.every=2", "cluster.min_workers=1"])
+    run = RunDir.create(job, str(tmp_path / "run"))
+    groups = []
+
+    def factory(j):
+        groups.append(LosingGroup(j, fail_at=5 if not groups else None, run=run))
+        return groups[-1]
+
+    summary = Controller(job, run, factory).run()
+    assert groups[0].shrunk == ([0], {"strategy": "data", "dp": 1, "tp": 1})  # what the survivor was to go on as
+    assert summary["status"] == "done" and summary["steps_done"] == 10
+    records = read(run.telemetry)
+    [failure] = [r for r in records if r.get("event") == "failure"]
+    assert failure["elastic"].startswith("the resize failed: a worker process died") and failure["dead_ranks"] == []
+    [resize] = [r for r in records if r.get("event") == "resize"]
+    assert resize["from_checkpoint"] is True and resize["restored_step"] == 4 and resize["steps_redone"] == 1
+    assert [r["step"] for r in records if r.get("event") == "restored"] == [4]
+    assert torch.load(run.final, weights_only=True)["w"].tolist() == [10.0, 10.0]

@@ -131,3 +131,24 @@ def test_fsdp_losing_a_rank_falls_back_to_the_checkpoint_and_says_why(ray_cluste
     ref, _ = reference(load_job(MLP[0], overrides))
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert max_diff(final, ref) <= 1e-5
+
+
+@pytest.mark.ray
+def test_two_workers_lost_at_once_end_where_plain_pytorch_ends_or_restart(ray_cluster, tmp_path):
+    """The second loss lands while the first is handled (the survivors' drain or their new group):
+    the run ends correctly either in memory or from the checkpoint, and never hangs."""
+    overrides = MLP[1] + SLOW + ["parallel.strategy=data"]
+    killers = [Killer(tmp_path / "run", rank=r, at_step=15) for r in (3, 1)]
+    for k in killers:
+        k.start()
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    for k in killers:
+        k.join(timeout=5)
+    assert all(k.killed for k in killers)
+    assert summary["status"] == "done" and summary["steps_done"] == 30, summary.get("error")
+    resizes = events(tmp_path / "run", "resize")
+    assert resizes and all(r["world_size"][1] <= 3 for r in resizes)
+    ref, _ = reference(load_job(MLP[0], overrides))
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, ref) <= 1e-5
+    print("two losses:", [(r["from"], r["to"], r["from_checkpoint"], round(r["seconds"], 2)) for r in resizes])
