@@ -1,0 +1,192 @@
+"""What losing a node costs: the survivors going on in memory (elastic) against a restart from the
+checkpoint, on the same job, the same cluster and the same loss.
+
+Each run starts a two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: a head and
+one more node, 2 CPUs each), trains the built-in GPT of examples/gpt.yaml on 4 workers (two per
+node, placement pack), and removes the second node (its raylet and its workers killed, as a
+machine that fails) once step `--lose-at` has trained. Variants, interleaved in each repeat:
+
+- data, elastic:   data(4), cluster.min_workers 1: the two survivors go on in memory as data(2);
+- data, restart:   data(4), fault.on_node_loss shrink: every worker restarted, from the newest
+                   checkpoint (checkpoint.every), on the 2 workers left;
+- hybrid, elastic / restart: the same under hybrid(2x2); the lost node held a whole data-parallel
+                   replica, so the survivors hold both tensor-parallel slices (hybrid(1x2)).
+
+Figures per run, from the run's own records and the time the node was removed:
+
+- back_s: seconds from the removal until the step that failed has trained again on the smaller
+  world (the cost of the loss: detection, regroup or restart, and the steps computed again);
+- first_step_s: seconds from the removal to the first step trained after it;
+- step_s: the median step time before the loss; back_s / step_s is `shrink_s_over_step_s`;
+- steps_redone: steps computed twice.
+
+    python bench/elastic.py            # 3 repeats
+    python bench/elastic.py --quick    # 1 repeat, fewer steps: a smoke check
+
+The last line is one JSON object: `shrink_s_over_step_s_<layout>` (elastic back_s over the steady
+step), `in_memory_over_restart_s_<layout>` (elastic back_s over restart back_s), medians over the
+repeats with their spread, and every run. Growing onto a node that joins is not measured: a
+running job does not use one yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SCRIPT = r"""
+import json, pathlib, sys, threading, time
+from ray.cluster_utils import Cluster
+import ray
+
+run_dir, root, lose_at = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                        "_system_config": fast})
+node = cluster.add_node(num_cpus=2)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, logging_level="WARNING")
+log = {}
+
+def chaos():
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        tel = run_dir / "telemetry.jsonl"
+        recs = [json.loads(l) for l in tel.read_text().splitlines()] if tel.exists() else []
+        if max((r["step"] for r in recs if r["type"] == "step"), default=0) >= lose_at:
+            break
+        time.sleep(0.02)
+    log["removed"] = time.time()
+    cluster.remove_node(node, allow_graceful=False)
+
+threading.Thread(target=chaos, daemon=True).start()
+from gearshift.orchestrator.commands import cli
+overrides = json.loads(sys.argv[4])
+code = cli.main(["run", str(pathlib.Path(root) / "examples" / "gpt.yaml"), "--run-dir", str(run_dir),
+                 *[a for o in overrides for a in ("--set", o)]])
+(run_dir / "chaos.json").write_text(json.dumps(log))
+ray.shutdown()
+cluster.shutdown()
+sys.exit(code)
+"""
+
+LAYOUTS = {"data": ["parallel.strategy=data"], "hybrid": ["parallel.strategy=hybrid", "parallel.tp_size=2"]}
+PATHS = {"elastic": ["cluster.min_workers=1"], "restart": ["fault.on_node_loss=shrink"]}
+
+
+def one_run(work: pathlib.Path, layout: str, path: str, steps: int, lose_at: int, every: int,
+            extra: list[str] = ()) -> dict:
+    run_dir = work / f"{layout}-{path}-{len(list(work.iterdir()))}"
+    overrides = ["cluster.num_workers=4", "cluster.cpus_per_worker=1", "cluster.placement=pack",
+                 f"train.steps={steps}", f"checkpoint.every={every}", "fault.max_failures=3",
+                 "telemetry.ray_metrics=false", *LAYOUTS[layout], *PATHS[path], *extra]
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), str(ROOT), str(lose_at), json.dumps(overrides)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            env={**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+    try:
+        _, err = proc.communicate(timeout=900)
+    finally:  # whatever the cluster started goes with the session
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    if proc.returncode != 0:
+        raise SystemExit(f"{layout}/{path} failed (exit {proc.returncode}):\n{err[-3000:]}")
+    return figures(run_dir)
+
+
+def figures(run_dir: pathlib.Path) -> dict:
+    """The run's cost of the loss. The removed node's processes may train on for a moment after
+    the removal (they exit once their raylet is gone), so the loss is timed from the end of the
+    last step every rank finished (the one before the failed step), not from the removal."""
+    recs = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    removed = json.loads((run_dir / "chaos.json").read_text())["removed"]
+    at = next(i for i, r in enumerate(recs) if r.get("event") == "failure")
+    failure = recs[at]
+    failed = failure["step"]
+    steps_before = [r for r in recs[:at] if r["type"] == "step" and not r.get("partial")]
+    last = max(steps_before, key=lambda r: r["step"])
+    lost_at = last["ended_at"] if last["step"] == failed - 1 else removed
+    back = next(r for r in recs[at:] if r["type"] == "step" and r["step"] >= failed)
+    first = next(r for r in recs[at:] if r["type"] == "step")
+    resize = next((r for r in recs if r.get("event") == "resize"), None)
+    recovered = next((r for r in recs if r.get("event") == "recovered"), None)
+    in_memory = bool(resize and not resize["from_checkpoint"])
+    redone = resize["steps_redone"] if in_memory else (recovered or {}).get("steps_recomputed")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"step_s": statistics.median(r["step_time_max"] for r in steps_before if r["step"] > 3),
+            "first_step_s": first["ended_at"] - lost_at, "back_s": back["ended_at"] - lost_at,
+            "trained_after_removal": failed - 1 - max([r["step"] for r in steps_before if r["time"] < removed] or [0]),
+            "steps_redone": redone, "failed_step": failed, "world": [4, summary["world_size"]],
+            "in_memory": in_memory, "to": (resize or {}).get("to"), "why_not_in_memory": failure.get("elastic"),
+            "final_loss": summary.get("final_loss")}
+
+
+def med(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one repeat, fewer steps")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--layouts", default="data,hybrid")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="job overrides for every run, e.g. model.kwargs='{n_layer: 4, n_embd: 256}'")
+    args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    steps, lose_at, every = (30, 14, 10) if args.quick else (40, 18, 10)
+    layouts = [x for x in args.layouts.split(",") if x]
+    print(f"GPT (examples/gpt.yaml{', ' + ' '.join(args.overrides) if args.overrides else ''}), 4 workers on a 2-node Ray cluster (2 CPUs each), the second node removed "
+          f"after step {lose_at}; checkpoint.every {every}; {repeats} repeat(s), interleaved; "
+          f"{platform.machine()} with {os.cpu_count()} cores", flush=True)
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="gearshift-elastic-") as tmp:
+        work = pathlib.Path(tmp)
+        for rep in range(repeats):
+            for layout in layouts:
+                order = ["elastic", "restart"] if rep % 2 == 0 else ["restart", "elastic"]
+                for path in order:
+                    f = one_run(work, layout, path, steps, lose_at, every, args.overrides)
+                    runs.setdefault(f"{layout}/{path}", []).append(f)
+                    print(f"  repeat {rep + 1} {layout:6s} {path:7s}  step {f['step_s']:.3f} s  first step after "
+                          f"{f['first_step_s']:5.2f} s  back at the failed step after {f['back_s']:5.2f} s  "
+                          f"{f['steps_redone']} redone  world {f['world']}  in memory {f['in_memory']}"
+                          + (f" ({f['why_not_in_memory']})" if f["why_not_in_memory"] else ""), flush=True)
+    out = {"bench": "elastic", "repeats": repeats, "lose_at": lose_at, "checkpoint_every": every,
+           "overrides": args.overrides, "runs": runs}
+    print(f"\n{'':16s}{'back_s':>24s}{'first_step_s':>24s}{'step_s':>10s}  redone")
+    for key, rs in runs.items():
+        b, f, s = med([r["back_s"] for r in rs]), med([r["first_step_s"] for r in rs]), med([r["step_s"] for r in rs])
+        print(f"{key:16s}{b[0]:8.2f} [{b[1]:.2f}..{b[2]:.2f}]{f[0]:8.2f} [{f[1]:.2f}..{f[2]:.2f}]{s[0]:10.3f}  "
+              f"{sorted(r['steps_redone'] for r in rs)}")
+    for layout in layouts:
+        el, re = runs.get(f"{layout}/elastic", []), runs.get(f"{layout}/restart", [])
+        shrink = [r["back_s"] / r["step_s"] for r in el]
+        ratio = [e["back_s"] / r["back_s"] for e, r in zip(el, re)]
+        if shrink:
+            out[f"shrink_s_over_step_s_{layout}"], lo, hi = med(shrink)
+            out[f"shrink_s_over_step_s_{layout}_spread"] = [lo, hi]
+            print(f"shrink_s_over_step_s_{layout:6s}       {out[f'shrink_s_over_step_s_{layout}']:.2f}  [{lo:.2f}..{hi:.2f}]")
+        if ratio:
+            out[f"in_memory_over_restart_s_{layout}"], lo, hi = med(ratio)
+            out[f"in_memory_over_restart_s_{layout}_spread"] = [lo, hi]
+            print(f"in_memory_over_restart_s_{layout:6s}   {out[f'in_memory_over_restart_s_{layout}']:.3f}  "
+                  f"[{lo:.3f}..{hi:.3f}]")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
