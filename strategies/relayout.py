@@ -18,6 +18,7 @@ The old layout is unusable afterwards: its storage is gone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from typing import Callable
@@ -35,9 +36,30 @@ from gearshift.strategies.layout import Layout
 # torch warns about it on every such tensor; one gather per tensor is what a switch is.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 from gearshift.strategies.state import full, shard_like
+from gearshift.strategies.survivors import Absent
 
 
-def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout,
+@dataclasses.dataclass
+class Held:
+    """The old layout's state as `relayout` takes it from a layout: tensors by name (parameters,
+    and buffers as "buffer:NAME"), the optimizer's per-parameter state by parameter name, its
+    hyperparameters. A worker joining a group holds it as stand-ins (strategies/survivors.py)."""
+
+    sources: dict
+    saved: dict
+    hyper: dict
+
+
+def held_state(parallel: Parallel, optimizer: torch.optim.Optimizer) -> Held:
+    """This rank's `Held` state, for describing it; nothing is moved or freed."""
+    _at_rest(parallel.model)
+    name_of = {id(p): n for n, p in parallel.model.named_parameters()}
+    return Held({**dict(parallel.model.named_parameters()), **_buffers(parallel.model)},
+                {name_of[id(p)]: st for p, st in optimizer.state.items()},
+                {k: v for k, v in optimizer.param_groups[0].items() if k != "params"})
+
+
+def relayout(old: Parallel | Held, old_optimizer: torch.optim.Optimizer | None, model: nn.Module, layout: Layout,
              plan: dict[str, str] | None, options: Options,
              make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
              agree: Callable[[bool], bool] | None = None,
@@ -52,11 +74,15 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
     so, and every rank raises SwitchAborted with the old layout and its optimizer untouched.
 
     `gather(t)` gives a tensor's full value where the old layout's own group cannot (its ranks
-    are gone: strategies/survivors.py); with it no piece is taken to be in place already."""
-    _at_rest(old.model)
-    _drop_grads(old.model)
-    old.detach()
-    sources = {**dict(old.model.named_parameters()), **_buffers(old.model)}
+    are gone: strategies/survivors.py); with it no piece is taken to be in place already. A rank
+    that held nothing before (joining a group) passes its stand-ins as `old` (a Held)."""
+    if isinstance(old, Held):
+        sources = dict(old.sources)
+    else:
+        _at_rest(old.model)
+        _drop_grads(old.model)
+        old.detach()
+        sources = {**dict(old.model.named_parameters()), **_buffers(old.model)}
     meta_ok = lookup(layout.strategy).meta_ok
     failure = None
     try:
@@ -73,7 +99,8 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
         raise SwitchAborted(f"the new layout {layout} could not be allocated"
                             + (f": {type(failure).__name__}: {failure}" if failure is not None else
                                " on another rank (out of memory)"), own=failure is not None)
-    saved, hyper = _take_optimizer_state(old_optimizer, old.model)
+    saved, hyper = (dict(old.saved), old.hyper) if isinstance(old, Held) else \
+        _take_optimizer_state(old_optimizer, old.model)
     move = functools.partial(_move, gather=gather)
     if meta_ok:
         _fill(new.model, sources, move)
@@ -116,6 +143,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _free(t: torch.Tensor, keep: torch.Tensor | None = None) -> None:
     """Give back `t`'s memory now, unless `keep` (what replaces it) lives in the same storage."""
+    if not torch.is_tensor(t):  # a stand-in for a tensor this rank never held
+        return
     storage = _local(t).untyped_storage()
     if keep is not None and _local(keep).untyped_storage().data_ptr() == storage.data_ptr():
         return
@@ -192,4 +221,5 @@ def _fill_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, saved: d
         old = saved.pop(name, None)
         if old is None:
             continue
-        optimizer.state[p] = {k: move(v, p) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in old.items()}
+        optimizer.state[p] = {k: move(v, p) if torch.is_tensor(v) and v.dim() > 0 or isinstance(v, Absent) else v
+                              for k, v in old.items()}

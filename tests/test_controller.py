@@ -111,8 +111,14 @@ class FakeGroup:
     def regroup(self):
         raise AssertionError("no step runs out of memory here")
 
-    def shrink(self, keep, layout):
+    def shrink(self, keep, layout, behind=()):
         raise AssertionError("no worker is lost in memory here")
+
+    def joinable(self):  # no new worker is ever placed
+        return 0
+
+    def grow(self, count, layout):
+        raise AssertionError("no worker joins here")
 
     def alive_node_ids(self):  # no nodes known: a failure is a worker loss
         return set()
@@ -510,7 +516,7 @@ class LosingGroup(FakeGroup):
             err.lost_ranks = [1]
             raise err
 
-    def shrink(self, keep, layout):
+    def shrink(self, keep, layout, behind=()):
         self.shrunk = (keep, layout)
         raise WorkerFailed(0, "a worker process died during 'rejoin'", kind=WorkerFailed.DIED)
 

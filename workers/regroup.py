@@ -1,11 +1,15 @@
 """A worker forms a new process group with its state in place: after a step that failed on some
-rank (out of memory there, so the same ranks go on), or after ranks were lost (an elastic shrink:
+rank (out of memory there, so the same ranks go on), after ranks were lost (an elastic shrink:
 the survivors go on as fewer ranks, and the state they hold moves onto the layout chosen for
-them, strategies/survivors.py putting back together what the old group can no longer gather)."""
+them, strategies/survivors.py putting back together what the old group can no longer gather),
+or with new workers (an elastic grow: they join holding nothing, as stand-ins made from a
+holder's `describe`, and receive their pieces as the state moves onto the larger layout)."""
 
 from __future__ import annotations
 
 import time
+
+import torch
 
 from gearshift import strategies
 from gearshift.strategies.base import SwitchAborted
@@ -14,7 +18,7 @@ from gearshift.workers import oom
 
 
 def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: int | None, world: int | None,
-           layout: dict | None, old_ranks: list[int] | None) -> dict:
+           layout: dict | None, old_ranks: list | None, joining: dict | None = None) -> dict:
     """Leave the broken group and join a new one. Every tensor stays where it is: a replicated
     layout's module and optimizer are wrapped again; a sharded one's pieces move to the same
     places on the new mesh, with no collective of the old group. With `rank` of `world`, `layout`
@@ -25,6 +29,14 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
     if rank is not None:
         worker.rank, worker.world = rank, world
     worker._join(master_addr, master_port, timeout_s)
+    if joining is not None:  # a new worker, or one a step behind: it receives the others' state
+        if worker.parallel is not None:  # what it held is a step old: given up
+            worker.parallel.detach()
+            worker.parallel = worker.optimizer = None
+            oom.give_back(worker.device)
+        worker._prepare()
+        _move_survivors(worker, Layout.from_dict(layout), old_ranks, joining)
+        return {"seconds": time.perf_counter() - start, "step": worker.step, "layout": worker.layout.to_dict()}
     worker.optimizer.zero_grad(set_to_none=True)
     if layout is not None:
         _move_survivors(worker, Layout.from_dict(layout), old_ranks)
@@ -46,15 +58,53 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
     return {"seconds": time.perf_counter() - start, "step": worker.step, "layout": worker.layout.to_dict()}
 
 
-def _move_survivors(worker, target: Layout, old_ranks: list[int]) -> None:
+def describe(worker) -> dict:
+    """The state `worker` holds, described for a worker joining the group: each tensor's shape,
+    dtype and old placement (strategies/survivors.py), the optimizer's scalars, the step."""
+    from gearshift.strategies.relayout import held_state
+    from gearshift.strategies.survivors import describe as tensor
+
+    held = held_state(worker.parallel, worker.optimizer)
+    return {"sources": {n: tensor(t) for n, t in held.sources.items()},
+            "saved": {n: {k: tensor(v) if torch.is_tensor(v) and v.dim() > 0 else _cpu(v) for k, v in st.items()}
+                      for n, st in held.saved.items()},
+            "hyper": {k: _cpu(v) for k, v in held.hyper.items()}, "scaler": worker.scaler.state_dict(),
+            "step": worker.step, "micro_batch": worker.micro_batch}
+
+
+def _cpu(v):
+    return v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+
+
+def _stand_ins(joining: dict, device: torch.device):
+    """A joining worker's `Held`: stand-ins for the tensors it receives, the scalars as they are."""
+    from gearshift.strategies.relayout import Held
+    from gearshift.strategies.survivors import absent
+
+    def one(v):
+        if isinstance(v, dict) and "shape" in v and "dtype" in v:
+            return absent(v, device)
+        return v.to(device) if torch.is_tensor(v) and device.type != "cpu" else v
+
+    return Held({n: absent(d, device) for n, d in joining["sources"].items()},
+                {n: {k: one(v) for k, v in st.items()} for n, st in joining["saved"].items()},
+                dict(joining["hyper"]))
+
+
+def _move_survivors(worker, target: Layout, old_ranks: list, joining: dict | None = None) -> None:
     """The old layout's state, as the survivors hold it, laid out as `target` on the new group
-    (a switch whose full tensors come from strategies/survivors.py)."""
+    (a switch whose full tensors come from strategies/survivors.py); a joining worker holds
+    stand-ins and receives its pieces."""
     from gearshift.strategies.survivors import Survivors
 
-    scaler = worker.scaler.state_dict()
-    old = (worker.parallel, worker.optimizer)
-    worker.parallel.detach()
-    worker.parallel = worker.optimizer = None
+    if joining is not None:
+        scaler, old = joining["scaler"], (_stand_ins(joining, worker.device), None)
+        worker.step, worker.micro_batch = joining["step"], joining["micro_batch"]
+    else:
+        scaler = worker.scaler.state_dict()
+        old = (worker.parallel, worker.optimizer)
+        worker.parallel.detach()
+        worker.parallel = worker.optimizer = None
     try:
         worker._lay_out(target, move_from=old, gather=Survivors(old_ranks).full)
     except SwitchAborted as err:

@@ -145,23 +145,11 @@ class TrainWorker:
 
     def _build(self, layout: dict | None) -> dict:
         cfg = self.config
-        paths = cfg.search_paths
-        self.loss_fn = components.build_loss(dict(cfg.loss), paths)
-        self.dataset = open_data(cfg, "data")  # map-style, or a Ray Dataset streamed by its feeder
-        self.batches = GlobalBatches(len(self.dataset), cfg.global_batch_size, cfg.seed)
-        self.eval_dataset = open_data(cfg, "eval.data") if cfg.eval_data else None
-        self.autocast_dtype = _DTYPES[cfg.precision]
-        self.lr_at = schedules.build(dict(cfg.schedule), cfg.lr, cfg.total_steps, paths)
-        self.bucket_cap_mb = cfg.bucket_cap_mb
-        strategies.lookup(cfg.strategy, paths)  # a user's own strategy is imported from the job's folder
+        self._prepare()
         self._lay_out(Layout.from_dict(layout) if layout else
                       Layout.for_workers(cfg.strategy, self.world, cfg.tp_size, cfg.shard_size, cfg.dp_shard))
         self.step = 0
-        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options,
-                                     served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
         self._place_full()
-        if self.telemetry is None:
-            self.telemetry = WorkerTelemetry(cfg, self.device)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
@@ -173,6 +161,23 @@ class TrainWorker:
                 "checkpoint_served": storage.is_served(self.dcp_root),
                 "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.node_ip, self.gpu_ids)}
+
+    def _prepare(self) -> None:
+        """What a worker needs besides its layout: loss, data, schedule, where checkpoints go."""
+        cfg = self.config
+        paths = cfg.search_paths
+        self.loss_fn = components.build_loss(dict(cfg.loss), paths)
+        self.dataset = open_data(cfg, "data")  # map-style, or a Ray Dataset streamed by its feeder
+        self.batches = GlobalBatches(len(self.dataset), cfg.global_batch_size, cfg.seed)
+        self.eval_dataset = open_data(cfg, "eval.data") if cfg.eval_data else None
+        self.autocast_dtype = _DTYPES[cfg.precision]
+        self.lr_at = schedules.build(dict(cfg.schedule), cfg.lr, cfg.total_steps, paths)
+        self.bucket_cap_mb = cfg.bucket_cap_mb
+        strategies.lookup(cfg.strategy, paths)  # a user's own strategy is imported from the job's folder
+        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options,
+                                     served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
+        if self.telemetry is None:
+            self.telemetry = WorkerTelemetry(cfg, self.device)
 
     def _place_full(self) -> None:
         """The full format: where rank 0 writes state.pt as the ranks gather it (None: sent whole)."""
@@ -289,11 +294,17 @@ class TrainWorker:
 
     @in_phase("rejoin")
     def rejoin(self, master_addr: str, master_port: int, timeout_s: float, rank: int | None = None,
-               world: int | None = None, layout: dict | None = None, old_ranks: list[int] | None = None) -> dict:
-        """After a step that failed somewhere (out of memory, a lost peer): leave the broken process
-        group and form a new one, the state kept in place; with `rank`, `world`, `layout` and
-        `old_ranks`, an elastic shrink onto fewer workers (workers/regroup.py)."""
-        return regroup.rejoin(self, master_addr, master_port, timeout_s, rank, world, layout, old_ranks)
+               world: int | None = None, layout: dict | None = None, old_ranks: list | None = None,
+               joining: dict | None = None) -> dict:
+        """Leave the process group and form a new one, the state kept in place (after a step that
+        failed somewhere); with `rank`, `world`, `layout` and `old_ranks`, onto another number of
+        workers (elastic), a new worker passing the holders' description as `joining`
+        (workers/regroup.py)."""
+        return regroup.rejoin(self, master_addr, master_port, timeout_s, rank, world, layout, old_ranks, joining)
+
+    def describe(self) -> dict:
+        """The state this rank holds, as a worker joining the group needs to know it (no data)."""
+        return regroup.describe(self)
 
     @in_phase("switch")
     def reshard(self, layout: dict, bucket_cap_mb: float | None = None) -> dict:
@@ -542,6 +553,10 @@ class TrainWorker:
                 tail = self.writes.take(wait=True)  # the chunk ends with every write of it reported
             if tail:
                 yield {"rank": self.rank, "first_step": self.step, "losses": [], **tail}
+        except Exception as err:  # noqa: BLE001 - a peer lost between steps (a checkpoint's collective)
+            if not oom.peer_gone(err):
+                raise
+            yield {"rank": self.rank, "step_failed": self._step_failed(err)}
         finally:
             ACTIVITY.set_phase("idle")
 

@@ -38,10 +38,19 @@ class WorkerGroup(Protocol):
         """After a step that ran out of memory: every worker leaves its broken process group and
         joins a new one with the same ranks, keeping its state (TrainWorker.rejoin)."""
 
-    def shrink(self, keep: list[int], layout: dict) -> list[dict]:
+    def shrink(self, keep: list[int], layout: dict, behind: list[int] = ()) -> list[dict]:
         """Elastic: ranks were lost mid-step and the survivors' loops have ended. Go on with the
         workers of ranks `keep` (new rank i is keep[i]; the others are stopped) on a new process
-        group, the state they hold moved onto `layout` (TrainWorker.rejoin); their results."""
+        group, the state they hold moved onto `layout` (TrainWorker.rejoin); their results. Those
+        in `behind` stopped a step short of the others and receive the state."""
+
+    def joinable(self) -> int:
+        """Elastic: how many new workers are placed and could join now; returns at once. A group
+        that cannot grow does not define it."""
+
+    def grow(self, count: int, layout: dict) -> list[dict]:
+        """Elastic: `count` joinable workers join as the last ranks, on a new process group with
+        every worker, the state moved onto `layout` (the newcomers receive their pieces)."""
 
     def dead_ranks(self) -> dict[int, str]:
         """After a failure: the ranks whose worker is gone, with the reason given for each."""

@@ -20,6 +20,7 @@ from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.control.startup import STARTUP
 from gearshift.orchestrator.cluster.devices import share_devices
 from gearshift.orchestrator.cluster.group import WorkerGroup  # noqa: F401 (the interface, re-exported)
+from gearshift.orchestrator.cluster.growth import Growth
 from gearshift.orchestrator.cluster.liveness import Liveness
 
 log = logging.getLogger("gearshift")
@@ -181,15 +182,16 @@ class RayWorkerGroup:
         self.file_server = None  # serves checkpoint_dir to workers on other nodes (workers/fileserver.py)
         self.file_server_name = None  # named anew at each start (a killed actor's name is freed late)
         self._lost: dict = {}  # elastic: ranks lost in the step loop in progress
+        self.slots: list[tuple] = []  # (placement group, bundle index) of each rank's worker
+        self.growth = Growth()  # elastic: workers waiting to join, in the slots no rank holds
 
     # ---------------------------------------------------------------- start
 
     def start(self) -> list[dict]:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from gearshift.workers.worker import TrainWorker, WorkerConfig
+        from gearshift.workers.worker import WorkerConfig
 
         job = self.job
         short = _fits(job, ray.cluster_resources())
@@ -213,18 +215,9 @@ class RayWorkerGroup:
 
         STARTUP.mark("placement")
         self._name_file_server()
-        # `request_stop` runs on a thread of its own while `train` runs (workers/stopping.py)
-        actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
-        search_paths = [job.base_dir]
-        handles = [
-            actor_cls.options(**with_env(dict(
-                num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                max_restarts=0, max_concurrency=1,
-            ), job.cluster.env)).remote(WorkerConfig.from_job(job.to_dict(), search_paths, self.checkpoint_dir, feeders,
-                                           self.file_server_name), job.cluster.cpus_per_worker)
-            for i in range(job.cluster.num_workers)
-        ]
+        self._config = WorkerConfig.from_job(job.to_dict(), [job.base_dir], self.checkpoint_dir, feeders,
+                                             self.file_server_name)
+        handles = [self._spawn(self.pg, i) for i in range(job.cluster.num_workers)]
         self.workers = handles
         infos = self._get([h.node_info.remote() for h in handles], "start")
         STARTUP.mark("workers")
@@ -233,6 +226,8 @@ class RayWorkerGroup:
         order = sorted(range(len(handles)), key=lambda i: (infos[i]["node_ip"], infos[i]["node_id"], i))
         self.workers = [handles[i] for i in order]
         self.infos = [infos[i] for i in order]
+        self.slots = [(self.pg, i) for i in order]
+        self.growth.reserve(job, worker_bundle(job))
         self._check_tp_groups_are_node_local()
         self._share_devices()
         self._serve_checkpoints()
@@ -254,6 +249,22 @@ class RayWorkerGroup:
         for rank, (info, backend, built) in enumerate(zip(self.infos, backends, builds, strict=True)):
             info.update(rank=rank, backend=backend, **built)
         return self.infos
+
+    def _spawn(self, pg, index: int):
+        """A TrainWorker actor in bundle `index` of placement group `pg`. Its `request_stop` and
+        `heartbeat` run on a thread of their own while `train` runs (workers/stopping.py)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from gearshift.workers.worker import TrainWorker
+
+        job = self.job
+        actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
+        return actor_cls.options(**with_env(dict(
+            num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            max_restarts=0, max_concurrency=1,
+        ), job.cluster.env)).remote(self._config, job.cluster.cpus_per_worker)
 
     def _share_devices(self) -> None:
         """Let the workers of each node see all of the node's GPUs the job holds, each on its own
@@ -507,21 +518,49 @@ class RayWorkerGroup:
         self._get([w.rejoin.remote(master_addr, port, self.job.fault.collective_timeout_s) for w in self.workers],
                   "rejoin", self.call_timeout_s)
 
-    def shrink(self, keep: list[int], layout: dict) -> list[dict]:
+    def shrink(self, keep: list[int], layout: dict, behind: list[int] = ()) -> list[dict]:
         """Elastic: go on with the workers of ranks `keep` (in that order: new rank i is keep[i]),
-        the others killed, on a new process group in `layout`; each survivor's rejoin result."""
+        the others killed, on a new process group in `layout`; each survivor's rejoin result.
+        The ranks in `behind` stopped a step short: they receive the state as new workers do."""
         import ray
 
+        joining = self._get([self.workers[keep[0]].describe.remote()], "describe")[0] if behind else None
         for rank, w in enumerate(self.workers):
             if rank not in keep:
                 with contextlib.suppress(Exception):
                     ray.kill(w, no_restart=True)
+        self.growth.release([self.slots[r] for r in range(len(self.workers)) if r not in keep])
         self.workers, self.infos = [self.workers[r] for r in keep], [dict(self.infos[r], rank=i)
                                                                      for i, r in enumerate(keep)]
+        self.slots = [self.slots[r] for r in keep]
+        old_ranks = [None if r in behind else r for r in keep]
+        return self._rejoin(layout, old_ranks, joining)
+
+    def joinable(self) -> int:
+        """Elastic: how many new workers are placed and could join now (returns at once)."""
+        return self.growth.ready(self)
+
+    def grow(self, count: int, layout: dict) -> list[dict]:
+        """Elastic: `count` of the joinable workers join as the last ranks; every worker forms a
+        new process group and the state moves onto `layout`, the newcomers receiving their
+        pieces (TrainWorker.rejoin). Each worker's result."""
+        joining = self._get([self.workers[0].describe.remote()], "describe")[0]
+        new = self.growth.take(count)
+        old_world = len(self.workers)
+        infos = self._get([h.node_info.remote() for h, _ in new], "start")
+        self.workers += [h for h, _ in new]
+        self.slots += [slot for _, slot in new]
+        self.infos += [dict(info, rank=old_world + i) for i, info in enumerate(infos)]
+        return self._rejoin(layout, list(range(old_world)) + [None] * count, joining)
+
+    def _rejoin(self, layout: dict, old_ranks: list, joining: dict | None) -> list[dict]:
+        """Every worker on a new group of them all in `layout`; a rank whose old rank is None
+        receives its state, described by `joining`."""
         master_addr = self.infos[0]["node_ip"]
         port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
-        t = self.job.fault.collective_timeout_s
-        return self._get([w.rejoin.remote(master_addr, port, t, i, len(keep), layout, keep)
+        t, world = self.job.fault.collective_timeout_s, len(self.workers)
+        return self._get([w.rejoin.remote(master_addr, port, t, i, world, layout, old_ranks,
+                                          joining if old_ranks[i] is None else None)
                           for i, w in enumerate(self.workers)], "rejoin", self.call_timeout_s)
 
     def stop_early(self) -> None:
@@ -569,6 +608,7 @@ class RayWorkerGroup:
         import ray
 
         getattr(self, "_beats", {}).clear()
+        self.growth.shutdown()
         if self.workers:
             if polite:
                 with contextlib.suppress(Exception):

@@ -43,17 +43,20 @@ from gearshift.orchestrator.control.boundary import Boundary, Then, next_boundar
 from gearshift.orchestrator.control.bucket_tuning import BucketTuning, initial_bucket
 from gearshift.orchestrator.control.checkpoints import Checkpoints
 from gearshift.orchestrator.errors import GearshiftError, WorkerFailed
-from gearshift.orchestrator.control.elastic import Elastic, Plan, dead_now, gone_nodes
+from gearshift.orchestrator.control.elastic import Elastic, Plan, dead_now, gone_nodes, grown
 from gearshift.orchestrator.control.evaluation import Evaluation
 from gearshift.orchestrator.control.memory import OutOfMemory
-from gearshift.orchestrator.job import Job, accumulation, scheduled
-from gearshift.orchestrator.policy.online import OnlineModel
-from gearshift.orchestrator.policy.adaptive import AdaptConfig, Decision, Policy, candidate_layouts
+from gearshift.orchestrator.job import Job, scheduled
+from gearshift.orchestrator.policy.adaptive import Decision, Policy
+from gearshift.orchestrator.policy.for_job import job_policy, layout_candidates
 from gearshift.orchestrator.control.recovery import Recovery
 from gearshift.orchestrator.control.reporting import Reporter, StepMerger
 from gearshift.orchestrator.records.rundir import RunDir, earlier_history
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup
 from gearshift.strategies.layout import Layout
+
+
+GROW_EVERY = 5  # elastic, below max_workers: steps between looks for workers that can join
 
 
 class State(enum.Enum):
@@ -69,55 +72,6 @@ class State(enum.Enum):
 PolicyFactory = Callable[[Job, Layout, list[int], "int | None"], Policy]  # the last: device memory (bytes)
 
 
-def layout_candidates(job: Job, node_sizes: list[int], sharded: bool) -> list[Layout]:
-    """The layouts the workers (per node) can take that the model can be split into and this
-    process can build, data first (adaptive.candidate_layouts says the order)."""
-    from gearshift import strategies
-    from gearshift.workers import components
-    from gearshift.workers.components import ComponentError
-
-    def shardable(tp: int) -> bool:  # a model that cannot be split tp ways is not a candidate
-        dp = job.cluster.num_workers // tp  # nor a layout whose dp the micro-batches do not fit
-        if tp > 1 and accumulation(job.train.global_batch_size, job.train.micro_batch_size, dp) is None:
-            return False
-        try:
-            components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, tp, [job.base_dir])
-            return True
-        except ComponentError:
-            return False
-
-    candidates = candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable, sharded=sharded)
-    # only layouts whose strategy this process can build (fsdp and hsdp are named before they exist)
-    return [c for c in candidates if c.strategy in strategies.STRATEGIES]
-
-
-def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_bytes: int | None = None) -> Policy:
-    """The policy a job's `adapt` section asks for, starting on `layout`. Its candidates are the
-    layouts the workers (per node) can take that the model can be split into. Given the devices'
-    memory, layouts with sharded state join them and no layout predicted not to fit is switched
-    to (costmodel.memory_check); without it memory is not judged, and sharded state, whose only
-    gain is memory, is not offered."""
-    from gearshift.orchestrator.policy import costmodel
-
-    a = job.adapt
-    config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide,
-                         memory_threshold=a.memory_threshold)
-    shape = costmodel.shape_of_job(job)
-    fits = None if device_memory_bytes is None else costmodel.memory_check(job, device_memory_bytes, model=shape)
-    candidates = layout_candidates(job, node_sizes, sharded=fits is not None)
-    # the cost model, fitted as the run goes from its own records (no prior: a live run's hardware is
-    # what it measures)
-    model = OnlineModel(shape, job.train.global_batch_size, node_sizes, predict_error=config.predict_error,
-                        unseen_error=config.unseen_error)
-    need = None
-    if device_memory_bytes is not None:
-        settings = costmodel.memory_settings(job)
-        need = lambda lay: costmodel.memory(shape, lay.dp, lay.tp, lay.shard,  # noqa: E731
-                                            global_batch=job.train.global_batch_size, **settings)["total"]
-    return Policy(config, candidates, layout, fits=fits, model=model, total_steps=job.train.steps,
-                  memory=(need, device_memory_bytes) if need else None)
-
-
 class Controller:
     def __init__(self, job: Job, run: RunDir, group_factory: Callable[[Job], WorkerGroup],
                  resume: tuple[str, dict] | None = None, view: ProgressView | None = None,
@@ -131,6 +85,8 @@ class Controller:
         self.checkpoint_root = run.checkpoint_root(job.checkpoint, job.base_dir)  # checkpoint.path, or the run dir's
         self.recovery = Recovery(self.report, self.checkpoint_root)
         self.elastic = Elastic(self.report)
+        self.home = job.layout  # elastic: the layout a run grows back to at its own size
+        self.max_workers = job.cluster.max_workers or job.cluster.num_workers
         self.tuning = tuning or BucketTuning()
         self.tuning.attach(self)
         self.checkpoints = Checkpoints(job, self.checkpoint_root, self.report)
@@ -310,6 +266,8 @@ class Controller:
         workers stopped for a decision); what happens there."""
         if self.step >= self.job.train.steps:
             return State.DONE
+        if self._may_grow():
+            self._grow()
         until = self._chunk_end(self.step)
         decision, kept, until = self._train_chunk(until)
         self.step = until
@@ -381,21 +339,14 @@ class Controller:
         """Elastic: the survivors form a new group in memory and go on at the step that failed."""
         start, old, err = time.time(), self.layout, self._failure
         lost_nodes = gone_nodes(self.infos, plan.lost, self.group)
-        results = self.group.shrink(plan.keep, plan.layout.to_dict())
+        results = self.group.shrink(plan.keep, plan.layout.to_dict(), plan.behind)
         steps = sorted({r["step"] for r in results})
         if steps != [plan.step]:
             raise WorkerFailed(None, f"after the resize the survivors are at steps {steps}, not {plan.step}",
                                kind=WorkerFailed.SILENT)
-        self.job = dataclasses.replace(self.job, cluster=dataclasses.replace(self.job.cluster,
-                                                                             num_workers=len(plan.keep)))
-        self.infos = [dict(self.infos[r], rank=i) for i, r in enumerate(plan.keep)]
-        self.layout, self.step = plan.layout, plan.step
-        self.node_sizes = node_sizes(self.job, self.infos)
-        self.history.append(self._history_entry(plan.step, plan.layout))
-        self.summary["world_size"] = len(plan.keep)
+        self.step = plan.step
+        self._on_world(plan.layout, [dict(self.infos[r], rank=i) for i, r in enumerate(plan.keep)])
         self.elastic.resized(plan, old, err, self._failures, self.job, time.time() - start, lost_nodes)
-        if self.policy is not None:  # the candidates of the smaller world
-            self.policy = self._make_policy()
         self._enter(State.TRAINING, from_step=plan.step, steps_target=self.job.train.steps)
         self.tuning.begin(plan.step)
         return State.TRAINING
@@ -472,7 +423,35 @@ class Controller:
             until = min(until, self.tuning.trial_end)
         elif self.policy is not None and not self._stoppable:  # end the chunk where the policy may decide
             until = min(until, self.policy.next_decision(step))
+        if self._may_grow():  # new workers are taken in where a chunk ends
+            until = min(until, step + GROW_EVERY)
         return until
+
+    def _may_grow(self) -> bool:
+        n = self.job.cluster.num_workers
+        return self.job.on_node_loss == "elastic" and n < self.max_workers and hasattr(self.group, "joinable")
+
+    def _grow(self) -> None:
+        """Elastic: workers placed since (a node joined, a lost worker's place came back) join
+        the run here, with no restart: the state moves onto the larger world."""
+        target = grown(self.job, self.layout, self.home, self.group.joinable(), self.max_workers, self.micro)
+        if target is None:
+            return
+        start, old = time.time(), self.layout
+        results = self.group.grow(target.world - old.world, target.to_dict())
+        self._on_world(target, list(self.group.infos))
+        self.elastic.grew(old, target, max(r["seconds"] for r in results), start)
+
+    def _on_world(self, layout: Layout, infos: list[dict]) -> None:
+        """Elastic: the run goes on as `layout` on the workers of `infos`, from self.step."""
+        self.job = dataclasses.replace(self.job, cluster=dataclasses.replace(self.job.cluster,
+                                                                             num_workers=layout.world))
+        self.infos, self.layout = infos, layout
+        self.node_sizes = node_sizes(self.job, infos)
+        self.history.append(self._history_entry(self.step, layout))
+        self.summary["world_size"] = layout.world
+        if self.policy is not None:  # the candidates of the new world
+            self.policy = self._make_policy()
 
     def _train_chunk(self, until: int) -> tuple[Decision | None, bool, int]:
         """Train to `until`. Returns the first switch or revert the policy asked for on the way

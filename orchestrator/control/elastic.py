@@ -8,8 +8,10 @@ left, hybrid with a replicated data dimension nothing while each tensor-parallel
 survivor, hsdp nothing while each shard index has one; fsdp over every worker, tensor, and hybrid
 with dp_shard hold each piece once. `plan` says what the survivors go on as (`shrunk`: the
 layout in force, or the nearest one that fits fewer workers and divides the global batch), or
-why they cannot, and the controller falls back to the checkpoint. `trained` writes the `resize`
-record once the first step on the new world has trained.
+why they cannot, and the controller falls back to the checkpoint. `grown` says what the run
+grows to when new workers can join (orchestrator/cluster/growth.py starts them in the slots no
+rank holds). `trained` writes the `resize` record once the first step on the new world has
+trained.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Plan:
     step: int
     lost: list[int]
     detected: float
+    behind: list[int] = dataclasses.field(default_factory=list)  # kept ranks a step behind: they receive
 
 
 def pieces_lost(layout: Layout, lost: set[int] | list[int]) -> list[dict]:
@@ -65,31 +68,35 @@ def _same_shape(layout: Layout, n: int) -> Layout:
     return Layout("data", n, 1, 1)
 
 
-def _cover(layout: Layout, survivors: list[int], n: int) -> list[int] | None:
-    """`n` of the survivors that between them hold every piece (one holder per piece first, in
-    rank order, then the others), in rank order; None if they cannot."""
+def _cover(layout: Layout, survivors: list[int], n: int, holders: list[int] | None = None) -> list[int] | None:
+    """`n` of the survivors that between them hold every piece (one holder per piece first, then
+    the others), holders first, each part in rank order; None if they cannot. `holders`: the
+    survivors whose state counts (default: all); the others only receive."""
+    holders = survivors if holders is None else holders
     first: dict[tuple, int] = {}
-    for r in survivors:
+    for r in holders:
         first.setdefault((r % layout.tp, (r // layout.tp) % layout.shard), r)
-    if len(first) > n:
+    if len(first) > n or len(first) < layout.tp * layout.shard:
         return None
     chosen = set(first.values())
-    for r in survivors:
+    for r in [*holders, *survivors]:
         if len(chosen) >= n:
             break
         chosen.add(r)
-    return sorted(chosen)
+    return sorted(chosen, key=lambda r: (r not in holders, r))
 
 
-def shrunk(job: Job, layout: Layout, survivors: list[int], micro: int | None) -> tuple[Layout, list[int]] | None:
+def shrunk(job: Job, layout: Layout, survivors: list[int], micro: int | None,
+           holders: list[int] | None = None) -> tuple[Layout, list[int]] | None:
     """The largest world of survivors (down to cluster.min_workers) whose layout divides the
-    global batch (micro-batches included), and the survivors it keeps; None if none does."""
+    global batch (micro-batches included), and the survivors it keeps, `holders` (default: all)
+    first; None if none does."""
     for n in range(len(survivors), job.min_workers - 1, -1):
         target = _same_shape(layout, n)
         batch = job.train.global_batch_size
         if batch % target.dp or accumulation(batch, micro, target.dp) is None:
             continue
-        keep = _cover(layout, survivors, n)
+        keep = _cover(layout, survivors, n, holders)
         if keep is not None:
             return target, keep
     return None
@@ -98,6 +105,18 @@ def shrunk(job: Job, layout: Layout, survivors: list[int], micro: int | None) ->
 def _piece(layout: Layout, p: dict) -> str:
     parts = ([f"tensor slice {p['tp']}"] if layout.tp > 1 else []) + ([f"shard {p['shard']}"] if layout.shard > 1 else [])
     return " of ".join(parts) or "the whole state"
+
+
+def grown(job: Job, layout: Layout, home: Layout, ready: int, top: int, micro: int | None) -> Layout | None:
+    """The largest world up to `top` workers that `ready` joinable ones can make, whose layout
+    divides the global batch: the run's own layout (`home`, before any shrink) once the world is
+    its size again, else the layout in force on more workers; None if no larger one does."""
+    for n in range(min(layout.world + ready, top), layout.world, -1):
+        target = home if n == home.world else _same_shape(layout, n)
+        batch = job.train.global_batch_size
+        if not batch % target.dp and accumulation(batch, micro, target.dp) is not None:
+            return target
+    return None
 
 
 class Elastic:
@@ -124,16 +143,23 @@ class Elastic:
             return (f"{layout} held {len(gone)} piece(s) of the state only on the lost rank(s) {lost}: "
                     + ", ".join(_piece(layout, p) for p in gone[:4]) + (", ..." if len(gone) > 4 else ""))
         survivors = [r for r in range(layout.world) if r not in lost]
-        steps = {d["step"] for d in dropped}
-        if sorted(d["rank"] for d in dropped) != survivors or len(steps) != 1:
-            return ("the survivors did not all stop at one step (stopped: "
+        if sorted(d["rank"] for d in dropped) != survivors:
+            return "not every survivor said where it stopped"
+        # a collective can complete on some ranks and not on others when a peer dies inside it:
+        # the survivors a step behind receive the state of those ahead, as a new worker does
+        step = max(d["step"] for d in dropped)
+        ahead = [d["rank"] for d in dropped if d["step"] == step]
+        if any(d["step"] < step - 1 for d in dropped) or pieces_lost(layout, [r for r in range(layout.world)
+                                                                             if r not in ahead]):
+            return ("the survivors that trained furthest do not hold every piece (stopped: "
                     + ", ".join(f"rank {d['rank']} before step {d['step']}" for d in dropped) + ")")
-        found = shrunk(job, layout, survivors, micro)
+        found = shrunk(job, layout, survivors, micro, holders=ahead)
         if found is None:
             return (f"no layout on {job.min_workers} to {len(survivors)} of the survivors divides the global batch "
                     f"({job.train.global_batch_size}) (cluster.min_workers = {job.min_workers})")
         target, keep = found
-        return Plan(target, keep, steps.pop() - 1, sorted(lost), getattr(err, "detected", time.time()))
+        return Plan(target, keep, step - 1, sorted(lost), getattr(err, "detected", time.time()),
+                    behind=[r for r in keep if r not in ahead])
 
     def resized(self, plan: Plan, old: Layout, err: WorkerFailed, failures: int, job: Job, seconds: float,
                 lost_nodes: list[str]) -> None:
@@ -150,6 +176,13 @@ class Elastic:
                          "detected": plan.detected, "restored_step": plan.step}
         self.report.say(f"step {plan.step + 1}: rank(s) {plan.lost} lost -> going on in memory on "
                         f"{len(plan.keep)} worker(s) as {plan.layout} (the state is all on the survivors)")
+
+    def grew(self, old: Layout, new: Layout, seconds: float, started: float) -> None:
+        """New workers joined: `resize` at the first step on the larger world."""
+        self._pending = {"from": old.to_dict(), "to": new.to_dict(), "world_size": [old.world, new.world],
+                         "joined": new.world - old.world, "from_checkpoint": False, "steps_redone": 0,
+                         "regroup_seconds": seconds, "detected": started}
+        self.report.say(f"{new.world - old.world} worker(s) joined: going on as {new} (no restart)")
 
     def fell_back(self, why: str, restored_step: int, failed_at: int, old: Layout, world: int,
                   detected: float) -> None:
@@ -169,8 +202,12 @@ class Elastic:
         r["seconds"] = time.time() - r.pop("detected")
         self.resizes.append({"step": record["step"], **r})
         self.report.event("resize", step=record["step"], **r)
-        self.report.say(f"step {record['step']}: training again on {layout.world} worker(s) {r['seconds']:.1f} s "
-                        f"after the loss ({'from the checkpoint' if r['from_checkpoint'] else 'in memory'})")
+        if r.get("joined"):
+            self.report.say(f"step {record['step']}: training on {layout.world} worker(s), {r['seconds']:.1f} s after "
+                            "the new ones were taken in")
+        else:
+            self.report.say(f"step {record['step']}: training again on {layout.world} worker(s) {r['seconds']:.1f} s "
+                            f"after the loss ({'from the checkpoint' if r['from_checkpoint'] else 'in memory'})")
 
 
 def dead_now(group) -> list[int]:

@@ -28,10 +28,19 @@ def _check_elastic(job: Job) -> None:
     if m is not None and m > n:
         raise JobError("cluster.min_workers", m, f"must be at most cluster.num_workers ({n})",
                        "It is the fewest workers the run goes on with after losing some.")
-    if job.fault.on_node_loss == "elastic" and job.min_workers >= n:
+    top = job.cluster.max_workers
+    if top is not None and top < n:
+        raise JobError("cluster.max_workers", top, f"must be at least cluster.num_workers ({n})",
+                       "It is the most workers an elastic run grows to.")
+    if top is not None and top > n and job.on_node_loss != "elastic":
+        raise JobError("cluster.max_workers", top, f"grows a run past num_workers ({n}) only under "
+                       f"fault.on_node_loss elastic, not {job.on_node_loss}", "Set cluster.min_workers below "
+                       "num_workers (elastic is then the default), or fault.on_node_loss: elastic.")
+    if job.fault.on_node_loss == "elastic" and job.min_workers >= n and (top or n) <= n:
         raise JobError("fault.on_node_loss", "elastic",
-                       f"needs room to shrink: cluster.min_workers ({job.min_workers}) must be below "
-                       f"num_workers ({n})", f"Set cluster.min_workers, e.g. {max(1, n // 2)}.")
+                       f"needs room to shrink or grow: cluster.min_workers ({job.min_workers}) must be below "
+                       f"num_workers ({n}), or cluster.max_workers above it",
+                       f"Set cluster.min_workers, e.g. {max(1, n // 2)}.")
 
 
 def _check_reduce_dtype(job: Job) -> None:

@@ -128,6 +128,9 @@ class ClusterSpec:
                                  "(fault.on_node_loss elastic or shrink). Below num_workers, the survivors of a loss "
                                  "go on in memory (elastic is the default); null: no bound for shrink, and a lost "
                                  "worker is restarted from the checkpoint")
+    max_workers: int | None = _f(None, _min_workers, "elastic: the most workers the run grows to when the cluster "
+                                 "has room (a node joins, a lost worker's place comes back), taken in at a step "
+                                 "boundary without a restart; null: num_workers")
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,7 @@ class FaultSpec:
                                   "failed, on fewer workers, where they hold every piece of the state (else restart "
                                   "from the checkpoint); shrink: restart from the checkpoint on the workers that still "
                                   "fit; wait: restart when a replacement node joins; null: elastic when "
-                                  "cluster.min_workers < num_workers, else shrink")
+                                  "cluster.min_workers is below num_workers or cluster.max_workers above it, else shrink")
     replacement_timeout_s: float = _f(600.0, _float(0.0, 86400.0), "on_node_loss wait: how long, then fail")
     on_nan: str = _f("skip", _choice("skip", "stop"), "a step with a non-finite loss or gradient norm: skip its "
                                                     "batch (the update is not applied) or stop the run")
@@ -357,7 +360,8 @@ class Job:
         num_workers, else shrink, unless the job names one."""
         if self.fault.on_node_loss is not None:
             return self.fault.on_node_loss
-        return "elastic" if self.min_workers < self.cluster.num_workers else "shrink"
+        n = self.cluster.num_workers
+        return "elastic" if self.min_workers < n or (self.cluster.max_workers or n) > n else "shrink"
 
     @property
     def min_workers(self) -> int:
