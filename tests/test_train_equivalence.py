@@ -51,8 +51,12 @@ def reference(job: Job) -> tuple[dict, list[float]]:
     dataset = components.build_dataset(spec["data"], spec["model"], paths)
     loss_fn = components.build_loss(spec["loss"], paths)
     o = job.optimizer
-    opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name](
-        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                              weight_decay=o.weight_decay)
+    else:
+        opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name](
+            model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
     losses = []
     for step in range(job.train.steps):

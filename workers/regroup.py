@@ -112,4 +112,4 @@ def _move_survivors(worker, target: Layout, old_ranks: list, joining: dict | Non
     del old
     if scaler:
         worker.scaler.load_state_dict(scaler)
-    worker._place_full()
+    worker._checkpoints()  # every rank of the new group: where they all write

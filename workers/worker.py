@@ -149,7 +149,7 @@ class TrainWorker:
         self._lay_out(Layout.from_dict(layout) if layout else
                       Layout.for_workers(cfg.strategy, self.world, cfg.tp_size, cfg.shard_size, cfg.dp_shard))
         self.step = 0
-        self._place_full()
+        self._checkpoints()
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
@@ -174,14 +174,14 @@ class TrainWorker:
         self.lr_at = schedules.build(dict(cfg.schedule), cfg.lr, cfg.total_steps, paths)
         self.bucket_cap_mb = cfg.bucket_cap_mb
         strategies.lookup(cfg.strategy, paths)  # a user's own strategy is imported from the job's folder
-        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options,
-                                     served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
         if self.telemetry is None:
             self.telemetry = WorkerTelemetry(cfg, self.device)
 
-    def _place_full(self) -> None:
-        """The full format: where rank 0 writes state.pt as the ranks gather it (None: sent whole)."""
+    def _checkpoints(self) -> None:
+        """Where checkpoints go (a collective) and where rank 0 writes the full format's state.pt."""
         cfg = self.config
+        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, self.device, cfg.checkpoint_options,
+                                     served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
         self.full_place = None if self.dcp_root is not None or self.rank != 0 else full_format.place(
             cfg.checkpoint_dir, cfg.checkpoint_server, cfg.checkpoint_options, cfg.unshared_storage)
 
