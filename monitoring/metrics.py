@@ -8,6 +8,7 @@ merges step records; a worker updates its Ray gauges once per report (about twic
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 log = logging.getLogger("gearshift")
@@ -23,6 +24,7 @@ RUN_GAUGES = {
     "gearshift_eval_loss": ("mean loss over the held-out data (eval.data) at the last evaluation", ()),
     "gearshift_eval_step": ("the step of the last evaluation", ()),
     "gearshift_strategy_info": ("the layout in force (value 1)", ("strategy", "dp", "tp")),
+    "gearshift_world_size": ("workers training at the last step (elastic runs shrink and grow)", ()),
 }
 RANK_GAUGES = {
     "gearshift_step_time_seconds": ("wall time of this rank's last step", ("rank",)),
@@ -39,6 +41,8 @@ COUNTERS = {
     "gearshift_checkpoints": ("checkpoints written", ()),
     "gearshift_decisions": ("automatic decisions taken", ("decision",)),
     "gearshift_switches": ("layout switches carried out", ()),
+    "gearshift_resizes": ("elastic resizes (from_checkpoint: true when the run restarted to do it)",
+                          ("from_checkpoint",)),
 }
 _RANK_FIELDS = {"step_time": "gearshift_step_time_seconds", "data_time": "gearshift_data_time_seconds",
                 "comm_wait": "gearshift_comm_wait_seconds", "comm_wait_frac": "gearshift_comm_wait_fraction"}
@@ -61,6 +65,8 @@ class MetricsEndpoint:
         self.counters = {name: Counter(name, text, ("job", *labels), registry=self.registry)
                          for name, (text, labels) in COUNTERS.items()}
         self._strategy: tuple | None = None
+        self._world = 0
+        self._sources: dict[int, set] = {}  # rank -> the sample sources it reported (to drop them)
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as err:
@@ -77,6 +83,7 @@ class MetricsEndpoint:
             self.gauges["gearshift_eval_step"].labels(self.job).set(record["step"])
         elif kind == "sample":
             source = record.get("source", "")
+            self._sources.setdefault(int(record["rank"]), set()).add(source)
             for field, name in _SAMPLE_FIELDS.items():
                 if record.get(field) is not None:
                     self.gauges[name].labels(self.job, str(record["rank"]), source).set(record[field])
@@ -88,6 +95,8 @@ class MetricsEndpoint:
                 self.counters["gearshift_decisions"].labels(self.job, str(record.get("decision", ""))).inc()
             elif event == "switch":
                 self.counters["gearshift_switches"].labels(self.job).inc()
+            elif event == "resize":
+                self.counters["gearshift_resizes"].labels(self.job, str(record.get("from_checkpoint")).lower()).inc()
 
     def _step(self, r: dict) -> None:
         g, job = self.gauges, self.job
@@ -105,10 +114,25 @@ class MetricsEndpoint:
                 g["gearshift_strategy_info"].remove(job, *self._strategy)
             g["gearshift_strategy_info"].labels(job, *strategy).set(1)
             self._strategy = strategy
+        self._world_is(r["dp"] * r["tp"])
         for field, name in _RANK_FIELDS.items():
             for rank, value in enumerate(r["ranks"].get(field) or []):
                 if value is not None:
                     g[name].labels(job, str(rank)).set(value)
+
+    def _world_is(self, world: int) -> None:
+        """The world size gauge; after a shrink the series of the ranks that are gone are dropped
+        (a scrape would otherwise go on showing their last figures)."""
+        self.gauges["gearshift_world_size"].labels(self.job).set(world)
+        for rank in range(world, self._world):
+            for name in _RANK_FIELDS.values():
+                with contextlib.suppress(KeyError):
+                    self.gauges[name].remove(self.job, str(rank))
+            for source in self._sources.pop(rank, ()):
+                for name in _SAMPLE_FIELDS.values():
+                    with contextlib.suppress(KeyError):
+                        self.gauges[name].remove(self.job, str(rank), source)
+        self._world = world
 
     def close(self) -> None:
         self.server.shutdown()

@@ -29,6 +29,7 @@ MARKER_STYLE = {  # event kind -> vertical line style; one legend entry per kind
     "resumed": dict(color="tab:cyan", lw=1.4, ls="-."),
     "decision": dict(color="tab:purple", lw=1.4, ls=":"),
     "switch": dict(color="black", lw=1.4, ls="--"),
+    "resize": dict(color="tab:orange", lw=1.6, ls="-"),
     "failed": dict(color="red", lw=2.0, ls="-"),
 }
 
@@ -164,6 +165,8 @@ def markers(records) -> list[tuple[str, float, str]]:
         if kind == "switch":
             to = r.get("to")
             label = (to.get("kind") or to.get("strategy") or "") if isinstance(to, dict) else str(to or "")
+        elif kind == "resize" and isinstance(r.get("world_size"), list):
+            label = "->".join(str(n) for n in r["world_size"])
         out.append((kind, float(step), label))
     return out
 
@@ -239,6 +242,8 @@ def summarise(records, run_dir) -> dict:
         "profiles": _profiles(records),
         "decisions": len(_events(records, "decision")),
         "switches": len(_events(records, "switch")),
+        "resizes": [{"step": r.get("step"), "world_size": r.get("world_size"), "from_checkpoint": r.get("from_checkpoint"),
+                     "seconds": r.get("seconds")} for r in _events(records, "resize")],
         "final_state": final_state,
         "last_state": final,
         "error": states[-1].get("error") if final == "failed" else None,
@@ -298,6 +303,12 @@ def format_summary(s: dict) -> str:
                                   f"{best['step']}; {_plural(len(s['evals']), 'evaluation')})"))
     rows.append(("events", f"{_plural(s['checkpoints'], 'checkpoint')}, {_plural(s['decisions'], 'decision')}, "
                            f"{_plural(s['switches'], 'switch').replace('switchs', 'switches')}"))
+    if s.get("resizes"):
+        rows.append(("world size", ", then ".join(
+            f"{r['world_size'][0]} -> {r['world_size'][1]} workers at step {r['step']} "
+            f"({'from the checkpoint' if r['from_checkpoint'] else 'in memory'}"
+            + (f", {r['seconds']:.1f} s)" if isinstance(r.get("seconds"), (int, float)) else ")")
+            for r in s["resizes"] if isinstance(r.get("world_size"), list))))
     final = s["final_state"]
     if final == "failed":
         final = f"failed: {s['error'] or 'no error recorded'}"

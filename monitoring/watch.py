@@ -27,7 +27,7 @@ from rich.text import Text
 from gearshift.monitoring.telemetry import LOG_PREFIX, TelemetryError
 
 COMM_WAIT_HIGH_PCT = 15.0  # the adaptive policy's default threshold (docs/design.md)
-NOTABLE = ("decision", "switch", "checkpoint", "resumed", "failed")
+NOTABLE = ("decision", "switch", "checkpoint", "resumed", "failed", "resize")
 ENDED = ("done", "failed")
 WINDOW = 10  # per-rank figures are a mean over this many steps: one step's figures flicker too much to read
 REFRESH_S = 0.25
@@ -74,10 +74,22 @@ class WatchState:
             name = record.get("event")
             if name == "state":
                 self._state(record)
+            elif name == "resize":
+                self._resized(record)
             # a sampler event matters only when a worker fell back to psutil (it says why)
             if name in NOTABLE or (name == "state" and record.get("state") == "failed") or \
                     (name == "sampler" and record.get("reason")):
                 self.events.append(record)
+
+    def _resized(self, record: dict) -> None:
+        """An elastic resize: the ranks past the new world are gone, and the recent steps' per-rank
+        figures belong to the old one."""
+        sizes = record.get("world_size")
+        if isinstance(sizes, list) and len(sizes) == 2 and isinstance(sizes[1], int):
+            for table in (self.samples, self.workers):
+                for rank in [r for r in table if isinstance(r, int) and r >= sizes[1]]:
+                    del table[rank]
+            self.recent.clear()
 
     def _state(self, record: dict) -> None:
         self.state = record.get("state")
@@ -162,6 +174,12 @@ def _event_text(e: dict) -> tuple[str, str]:
         return "switch", f"at step {e.get('step', '?')}: {_layout(e.get('from'))} -> {_layout(e.get('to'))}{took}"
     if name == "checkpoint":
         return "checkpoint", f"step {e.get('step', '?')}: {e.get('path', '')}"
+    if name == "resize":
+        sizes = e.get("world_size") or ["?", "?"]
+        how = "from the checkpoint" if e.get("from_checkpoint") else "in memory"
+        took = f" in {e['seconds']:.1f} s" if isinstance(e.get("seconds"), (int, float)) else ""
+        return "resize", (f"at step {e.get('step', '?')}: {sizes[0]} -> {sizes[1]} workers, {_layout(e.get('from'))} -> "
+                          f"{_layout(e.get('to'))} {how}{took}")
     if name == "resumed":
         return "resumed", f"from {e.get('checkpoint', '?')} at step {e.get('step', '?')}"
     if name == "state":

@@ -230,3 +230,65 @@ def test_a_shrunk_run_grows_back_when_the_lost_place_returns(ray_cluster, tmp_pa
     assert max_diff(final, ref) <= (1e-5 if "parallel.strategy=data" in layout else 1e-4)
     print(f"{layout}: shrank at step {shrink['step']}, grew back at step {grow['step']} "
           f"({grow['regroup_seconds']:.2f} s to regroup)")
+
+
+def test_prometheus_follows_the_world_size_and_forgets_lost_ranks():
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gearshift.monitoring.metrics import MetricsEndpoint
+
+    def step(n, dp):
+        return {"type": "step", "step": n, "loss": 1.0, "samples_per_s": 10.0, "bucket_cap_mb": 25.0,
+                "strategy": "data", "dp": dp, "tp": 1, "ranks": {"step_time": [0.1] * dp, "comm_wait": [0.01] * dp}}
+
+    def scrape(url):
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    m = MetricsEndpoint("job")
+    try:
+        m.observe({"type": "sample", "rank": 3, "source": "psutil", "util_pct": 50.0})
+        m.observe(step(1, 4))
+        got = scrape(m.url)
+        assert got[("gearshift_world_size", (("job", "job"),))] == 4
+        assert ("gearshift_step_time_seconds", (("job", "job"), ("rank", "3"))) in got
+        m.observe({"type": "event", "event": "resize", "from_checkpoint": False})
+        m.observe(step(2, 3))
+        got = scrape(m.url)
+        assert got[("gearshift_world_size", (("job", "job"),))] == 3
+        assert got[("gearshift_resizes_total", (("from_checkpoint", "false"), ("job", "job")))] == 1
+        assert not [k for k in got if ("rank", "3") in k[1]], "the lost rank's series stay"
+        assert ("gearshift_step_time_seconds", (("job", "job"), ("rank", "2"))) in got
+    finally:
+        m.close()
+
+
+def test_watch_and_report_show_the_world_size_over_time(tmp_path):
+    from gearshift.monitoring.report import format_summary, markers, summarise
+    from gearshift.monitoring.watch import WatchState, _event_text
+
+    def step(n, dp, t):
+        return {"type": "step", "time": t, "step": n, "loss": 1.0, "samples_per_s": 10.0, "step_time_max": 0.1,
+                "strategy": "data", "dp": dp, "tp": 1, "bucket_cap_mb": 25.0,
+                "ranks": {"step_time": [0.1] * dp, "comm_wait": [0.0] * dp}}
+
+    resize = {"type": "event", "event": "resize", "time": 3.0, "step": 3, "world_size": [4, 3], "from_checkpoint": False,
+              "seconds": 1.2, "from": {"strategy": "data", "dp": 4, "tp": 1}, "to": {"strategy": "data", "dp": 3, "tp": 1}}
+    records = [{"type": "event", "event": "state", "state": "training", "time": 0.0, "from_step": 0, "steps_target": 4},
+               step(1, 4, 1.0), step(2, 4, 2.0),
+               {"type": "sample", "time": 2.0, "rank": 3, "source": "psutil", "util_pct": 40.0},
+               resize, step(3, 3, 3.0), step(4, 3, 4.0)]
+    state = WatchState()
+    for r in records:
+        state.add(r)
+    assert 3 not in state.samples and all(len(r["ranks"]["step_time"]) == 3 for r in state.recent)
+    kind, text = _event_text(resize)
+    assert kind == "resize" and "4 -> 3 workers" in text and "in memory" in text
+    assert ("resize", 3.0, "4->3") in markers(records)
+    s = summarise(records, tmp_path)
+    assert s["resizes"] == [{"step": 3, "world_size": [4, 3], "from_checkpoint": False, "seconds": 1.2}]
+    assert "4 -> 3 workers at step 3 (in memory, 1.2 s)" in format_summary(s)
