@@ -23,6 +23,9 @@ import torch.distributed as dist
 # (device type, shape, dim names) -> (mesh, the default group it was made on, its groups), the
 # groups held weakly: the cache must not keep a destroyed group's connections open
 _MESHES: dict[tuple, tuple] = {}
+# how groups are made: the worker wraps it to note the connections they open, so that leaving
+# (workers/rendezvous.py) reaches the sub-groups' peers too
+MAKE_GROUPS = [lambda make: make()]
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
@@ -35,8 +38,11 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, key[1], mesh_dim_names=key[2],
-                                backend_override=_with_timeout(key[1], group_timeout(world)) or None)
+        made = []
+        MAKE_GROUPS[0](lambda: made.append(init_device_mesh(
+            device_type, key[1], mesh_dim_names=key[2],
+            backend_override=_with_timeout(key[1], group_timeout(world)) or None)))
+        mesh = made[0]
         _MESHES[key] = (mesh, weakref.ref(world), tuple(weakref.ref(g) for g in mesh.get_all_groups()))
     return _MESHES[key][0]
 

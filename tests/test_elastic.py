@@ -174,17 +174,20 @@ def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray
 
 
 @pytest.mark.ray
-def test_fsdp_losing_a_rank_falls_back_to_the_checkpoint_and_says_why(ray_cluster, tmp_path):
-    overrides = MLP[1] + SLOW + ["parallel.strategy=fsdp"]
+@pytest.mark.parametrize("layout,why", [(["parallel.strategy=fsdp"], "only on the lost rank(s) [3]"),
+                                        (["parallel.strategy=hsdp", "parallel.shard_size=2"], "not moved in memory yet")],
+                         ids=["fsdp", "hsdp"])
+def test_sharded_layouts_losing_a_rank_fall_back_to_the_checkpoint_and_say_why(ray_cluster, tmp_path, layout, why):
+    overrides = MLP[1] + SLOW + layout
     summary = _killed_run(tmp_path, overrides)
     assert summary["status"] == "done" and summary["steps_done"] == 30, summary.get("error")
     [failure] = events(tmp_path / "run", "failure")
-    assert "only on the lost rank(s) [3]" in failure["elastic"], failure
+    assert why in failure["elastic"], failure
     [resize] = events(tmp_path / "run", "resize")
-    assert resize["from_checkpoint"] is True and "only on the lost rank" in resize["why"]
+    assert resize["from_checkpoint"] is True and why in resize["why"]
     ref, _ = reference(load_job(MLP[0], overrides))
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    assert max_diff(final, ref) <= 1e-5
+    assert max_diff(final, ref) <= 1e-4  # the sharded layouts' tolerance
 
 
 @pytest.mark.ray
@@ -292,3 +295,20 @@ def test_watch_and_report_show_the_world_size_over_time(tmp_path):
     s = summarise(records, tmp_path)
     assert s["resizes"] == [{"step": 3, "world_size": [4, 3], "from_checkpoint": False, "seconds": 1.2}]
     assert "4 -> 3 workers at step 3 (in memory, 1.2 s)" in format_summary(s)
+
+
+
+@pytest.mark.ray
+def test_a_run_grows_past_num_workers_when_the_cluster_has_room(ray_cluster, tmp_path):
+    """cluster.max_workers above num_workers: a placement group of its own waits for room for
+    each extra worker (here the cluster has it at once); the worker joins at a step boundary."""
+    overrides = MLP[1] + SLOW + SGD + ["cluster.num_workers=2", "cluster.max_workers=3", "train.steps=80",
+                                       "fault.collective_timeout_s=20"]
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 80, summary.get("error")
+    [grow] = events(tmp_path / "run", "resize")
+    assert grow["world_size"] == [2, 3] and grow["joined"] == 1 and grow["to"] == {"strategy": "data", "dp": 3, "tp": 1}
+    assert summary["world_size"] == 3
+    job = load_job(MLP[0], overrides)
+    ref = sharded_reference(job, replicas_of(tmp_path / "run", 2))
+    assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5

@@ -57,6 +57,9 @@ def opened_by(make_groups) -> None:
     _GROUP_SOCKETS.update(_tcp_sockets() - before)
 
 
+mesh.MAKE_GROUPS[0] = opened_by  # a mesh's sub-groups open connections of their own
+
+
 def leave() -> None:
     """Leave every process group now, so that a peer blocked in one of its collectives fails at
     once instead of at the collective timeout. NCCL has an abort for that. Gloo has none, and a
