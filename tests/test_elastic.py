@@ -12,10 +12,9 @@ from gearshift.orchestrator.control.elastic import Elastic, pieces_lost, shrunk
 from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.job import JobError, load_job
 from gearshift.strategies.layout import Layout
-from gearshift.workers import components
 from gearshift.workers.data import GlobalBatches, load_batch
 from test_fault import Killer, events
-from test_train_equivalence import MLP, max_diff, reference, run_gearshift
+from test_train_equivalence import MLP, max_diff, plain_parts, reference, run_gearshift
 
 
 def sharded_reference(job, replicas) -> dict:
@@ -25,15 +24,7 @@ def sharded_reference(job, replicas) -> dict:
     changes (a resize) round differently from a whole-batch step, and over a hundred steps
     momentum turns that rounding into 1e-2 (measured: a data(4) -> data(3) plan, 120 SGD steps,
     0.015 off the whole-batch loop and 1e-7 off this one)."""
-    spec, paths = job.to_dict(), [job.base_dir]
-    torch.manual_seed(job.train.seed)
-    model = components.build_model(spec["model"], paths)
-    dataset = components.build_dataset(spec["data"], spec["model"], paths)
-    loss_fn = components.build_loss(spec["loss"], paths)
-    o = job.optimizer
-    opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay) \
-        if o.name == "sgd" else {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name](
-            model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    model, dataset, loss_fn, opt = plain_parts(job)
     order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
     params = list(model.parameters())
     for step in range(job.train.steps):

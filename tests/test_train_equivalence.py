@@ -43,7 +43,9 @@ def user_job(tmp_path: pathlib.Path) -> tuple[pathlib.Path, list[str]]:
     return job, []
 
 
-def reference(job: Job) -> tuple[dict, list[float]]:
+def plain_parts(job: Job):
+    """What a plain single-process loop of `job` starts from: the seeded model, the dataset, the
+    loss and the job's optimizer, built as torch builds them."""
     spec = job.to_dict()
     paths = [job.base_dir]
     torch.manual_seed(job.train.seed)
@@ -57,6 +59,11 @@ def reference(job: Job) -> tuple[dict, list[float]]:
     else:
         opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name](
             model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return model, dataset, loss_fn, opt
+
+
+def reference(job: Job) -> tuple[dict, list[float]]:
+    model, dataset, loss_fn, opt = plain_parts(job)
     order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
     losses = []
     for step in range(job.train.steps):
