@@ -428,8 +428,9 @@ class Controller:
         return until
 
     def _may_grow(self) -> bool:
-        n = self.job.cluster.num_workers
-        return self.job.on_node_loss == "elastic" and n < self.max_workers and hasattr(self.group, "joinable")
+        n = self.job.cluster.num_workers  # a tuning round's trials are timed on one world: not during one
+        return (self.job.on_node_loss == "elastic" and n < self.max_workers and hasattr(self.group, "joinable")
+                and not self.tuning.active)
 
     def _grow(self) -> None:
         """Elastic: workers placed since (a node joined, a lost worker's place came back) join
