@@ -108,6 +108,10 @@ def test_a_plan_says_why_the_survivors_cannot_go_on_in_memory():
     why = elastic.plan(err, 1, _job("train.global_batch_size=24"), Layout("data", 4, 1),
                        [{"rank": 0, "step": 6}, {"rank": 1, "step": 8}, {"rank": 3, "step": 8}], None)
     assert isinstance(why, str) and "rank 0 before step 6" in why  # two steps apart: not one collective
+    # hsdp keeps every piece, yet FSDP2's state after a dropped step is not moved in memory yet
+    why = elastic.plan(err, 1, _job("train.global_batch_size=24", "parallel.strategy=hsdp", "parallel.shard_size=2"),
+                       Layout("hsdp", 4, 1, 2), [{"rank": r, "step": 8} for r in (0, 1, 3)], None)
+    assert isinstance(why, str) and "not moved in memory yet" in why
     plan = elastic.plan(err, 1, _job("train.global_batch_size=24"), Layout("data", 4, 1),
                         [{"rank": r, "step": 8} for r in (0, 1, 3)], None)
     assert plan.layout == Layout("data", 3, 1) and plan.keep == [0, 1, 3] and plan.step == 7
@@ -165,9 +169,7 @@ def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("layout,why", [(["parallel.strategy=fsdp"], "only on the lost rank(s) [3]"),
-                                        (["parallel.strategy=hsdp", "parallel.shard_size=2"], "not moved in memory yet")],
-                         ids=["fsdp", "hsdp"])
+@pytest.mark.parametrize("layout,why", [(["parallel.strategy=fsdp"], "only on the lost rank(s) [3]")], ids=["fsdp"])
 def test_sharded_layouts_losing_a_rank_fall_back_to_the_checkpoint_and_say_why(ray_cluster, tmp_path, layout, why):
     overrides = MLP[1] + SLOW + layout
     summary = _killed_run(tmp_path, overrides)

@@ -107,7 +107,9 @@ def test_a_lost_node_shrinks_the_job_or_waits_for_a_replacement(tmp_path, mode):
     if mode == "elastic":  # the two workers of the head node go on in memory, nothing restarted
         [resize] = recorded(run_dir, "resize")
         assert "elastic: go on in memory" in action and resize["from_checkpoint"] is False, (action, resize)
-        assert resize["world_size"] == [4, 2] and resize["lost_ranks"] == [2, 3] and summary["world_size"] == 2
+        # the lost node's two ranks (which two depends on how the nodes sort), the others kept
+        assert resize["world_size"] == [4, 2] and len(resize["lost_ranks"]) == 2 and summary["world_size"] == 2
+        assert sorted(resize["lost_ranks"] + resize["kept_ranks"]) == [0, 1, 2, 3]
         assert not recorded(run_dir, "restored")
         recovered = {"time": resize["time"], "world_size": 2, "steps_recomputed": resize["steps_redone"]}
     else:
