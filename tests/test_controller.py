@@ -540,3 +540,40 @@ def test_a_loss_during_an_elastic_resize_falls_back_to_the_checkpoint(tmp_path):
     assert resize["from_checkpoint"] is True and resize["restored_step"] == 4 and resize["steps_redone"] == 1
     assert [r["step"] for r in records if r.get("event") == "restored"] == [4]
     assert torch.load(run.final, weights_only=True)["w"].tolist() == [10.0, 10.0]
+
+
+class LosingWhileGrowing(FakeGroup):
+    """A new worker is ready to join from step 5; a worker is lost while the group takes it in."""
+
+    def joinable(self):
+        return int(self.step >= 5)
+
+    def joining(self, count):
+        return [{"rank": 2, "node_ip": "127.0.0.2", "node_id": "n2", "pid": 2, "backend": "gloo"}] * count
+
+    def grow(self, count, layout):
+        self.grew = (count, layout)
+        raise WorkerFailed(1, "a worker process died during 'rejoin'", kind=WorkerFailed.DIED)
+
+
+def test_a_loss_while_new_workers_join_restarts_from_the_checkpoint_and_says_why(tmp_path):
+    job = load_job(ROOT / "examples/mlp.yaml", ["train.steps=10", "checkpoint.every=2", "cluster.max_workers=3",
+                                                 "train.global_batch_size=24"])
+    run = RunDir.create(job, str(tmp_path / "run"))
+    groups = []
+
+    def factory(j):
+        groups.append((LosingWhileGrowing if not groups else FakeGroup)(j, run=run))
+        return groups[-1]
+
+    summary = Controller(job, run, factory).run()
+    assert groups[0].grew == (1, {"strategy": "data", "dp": 3, "tp": 1})  # what the run was growing to
+    assert summary["status"] == "done" and summary["steps_done"] == 10 and len(groups) == 2
+    records = read(run.telemetry)
+    [failure] = [r for r in records if r.get("event") == "failure"]
+    assert "during 'rejoin'" in failure["error"] and "restart from step 4" in failure["action"], failure
+    assert failure["elastic"] == ("a worker was lost while 1 new worker(s) joined as data dp=3 tp=1, the state "
+                                  "moving between worlds")
+    [resize] = [r for r in records if r.get("event") == "resize"]
+    assert resize["from_checkpoint"] is True and resize["world_size"] == [2, 2] and resize["restored_step"] == 4
+    assert torch.load(run.final, weights_only=True)["w"].tolist() == [10.0, 10.0]

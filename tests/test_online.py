@@ -264,3 +264,54 @@ def test_a_link_change_during_the_judgement_restarts_it_instead_of_reverting():
                  and h["evidence"].get("reason", "").startswith("judgement restarted")]
     assert restarted, decisions
     assert not [d for _, d in decisions if isinstance(d, Revert)]
+
+
+def _fitted_on(truth_hw: Hardware, layout: Layout, node_sizes: list[int]) -> Policy:
+    """A live run's policy (no prior) that has measured `layout` on `truth_hw` for a window."""
+    c = AdaptConfig(window=10, cooldown=20)
+    online = OnlineModel(GPT, BATCH, node_sizes, predict_error=c.predict_error, unseen_error=c.unseen_error)
+    policy = Policy(c, candidate_layouts(layout.world, node_sizes, sharded=False), layout, model=online,
+                    total_steps=2000)
+    pred = costmodel.predict(GPT, truth_hw, BATCH, layout.dp, layout.tp)
+    online.update(layout, [record(s, layout, pred, BATCH) for s in range(1, 11)])
+    return policy
+
+
+@pytest.mark.parametrize("factor,pays", [(1.0, True), (0.01, False)], ids=["fast_link", "slow_link"])
+def test_a_grow_is_priced_by_the_cost_model_and_pays_only_where_the_larger_world_is_faster(factor, pays):
+    """data(4) on two nodes of 2 grows to data(8) on four: half the compute a rank, a ring with
+    more hops. On the fast link the gain pays the grow many times; on a link 100x slower, where the
+    wait is most of the step, the larger world is predicted slower, and the run stays as it is
+    (measured against the cost model given the true figures of both worlds)."""
+    from gearshift.orchestrator.policy.growing import price_grow
+
+    truth = replace(at(HW, factor), nodes=2, per_node=2)
+    policy = _fitted_on(truth, Layout("data", 4, 1), [2, 2])
+    verdict, ev = price_grow(policy, Layout("data", 8, 1), [2, 2, 2, 2], step=100, resizes_s=[3.0])
+    # the truth, for the check: the cost model with the true figures on the larger world
+    now = costmodel.predict(GPT, truth, BATCH, 4, 1).step_s
+    bigger = costmodel.predict(GPT, replace(truth, nodes=4), BATCH, 8, 1).step_s
+    assert (bigger < now) is pays and verdict is pays
+    assert ev["now"]["step_s"] == pytest.approx(now, rel=0.02)
+    assert ev["grown"]["step_s"] == pytest.approx(bigger, rel=0.05) and ev["link_measured"] is True
+    assert ev["grow_cost_s"] == 3.0 and ev["steps_left"] == 1900 and ev["pays"] is pays
+    # the fast link's wait is all behind compute: the larger world priced as if it stayed hidden
+    assert ev["link_hidden"] is pays and ("grown_at_slowest_link" in ev) is pays
+
+
+def test_a_grow_onto_a_second_node_takes_the_unmeasured_link_as_no_faster_than_the_nodes_own():
+    """A run on one node has not measured a link between nodes: the grow is priced with the node's
+    own link (a bound) and the larger error of an unseen cost; nothing measured yet: no verdict."""
+    from gearshift.orchestrator.policy.growing import price_grow
+
+    one = replace(HW, nodes=1, per_node=4)
+    c = AdaptConfig(window=10)
+    fresh = Policy(c, candidate_layouts(4, [4], sharded=False), Layout("data", 4, 1),
+                   model=OnlineModel(GPT, BATCH, [4]), total_steps=2000)
+    assert price_grow(fresh, Layout("data", 8, 1), [4, 4], step=5) == (None, {})
+    policy = _fitted_on(one, Layout("data", 4, 1), [4])
+    _, ev = price_grow(policy, Layout("data", 8, 1), [4, 4], step=100)
+    assert ev["link_measured"] is False and ev["grown"]["error"] == c.unseen_error
+    larger, measured = policy.model.on([4, 4])
+    assert not measured and larger.hw.inter.bandwidth <= policy.model.hw.intra.bandwidth
+    assert larger.hw.nodes == 2 and policy.model.hw.nodes == 1  # the run's own model is left as it was

@@ -48,6 +48,9 @@ class WorkerGroup(Protocol):
         """Elastic: how many new workers are placed and could join now; returns at once. A group
         that cannot grow does not define it."""
 
+    def joining(self, count: int) -> list[dict]:
+        """Elastic: the node info of the first `count` joinable workers (where they would run)."""
+
     def grow(self, count: int, layout: dict) -> list[dict]:
         """Elastic: `count` joinable workers join as the last ranks, on a new process group with
         every worker, the state moved onto `layout` (the newcomers receive their pieces)."""

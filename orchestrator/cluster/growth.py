@@ -20,7 +20,7 @@ class Growth:
     def __init__(self):
         self.free: list[tuple] = []            # (placement group, bundle index) with no worker yet
         self.waiting: dict[Any, tuple] = {}    # node_info ref -> (actor, slot): started, not placed yet
-        self.joinable: list[tuple] = []        # (actor, slot): placed, answering
+        self.joinable: list[tuple] = []        # (actor, slot, node info): placed, answering
         self.reserved: list[Any] = []          # the placement groups of cluster.max_workers' extra slots
         self.on = False
 
@@ -54,8 +54,7 @@ class Growth:
             for ref in done:
                 handle, slot = self.waiting.pop(ref)
                 try:
-                    ray.get(ref, timeout=0)
-                    self.joinable.append((handle, slot))
+                    self.joinable.append((handle, slot, ray.get(ref, timeout=0)))
                 except Exception:  # noqa: BLE001 - it died before joining: the slot is free again
                     with contextlib.suppress(Exception):
                         ray.kill(handle, no_restart=True)
@@ -69,7 +68,7 @@ class Growth:
     def shutdown(self) -> None:
         import ray
 
-        for handle, _ in [*self.waiting.values(), *self.joinable]:
+        for handle, *_ in [*self.waiting.values(), *self.joinable]:
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
         self.waiting, self.joinable, self.free = {}, [], []

@@ -540,6 +540,9 @@ class RayWorkerGroup:
         """Elastic: how many new workers are placed and could join now (returns at once)."""
         return self.growth.ready(self)
 
+    def joining(self, count: int) -> list[dict]:
+        return [info for _, _, info in self.growth.joinable[:count]]
+
     def grow(self, count: int, layout: dict) -> list[dict]:
         """Elastic: `count` of the joinable workers join as the last ranks; every worker forms a
         new process group and the state moves onto `layout`, the newcomers receiving their
@@ -547,9 +550,9 @@ class RayWorkerGroup:
         joining = self._get([self.workers[0].describe.remote()], "describe")[0]
         new = self.growth.take(count)
         old_world = len(self.workers)
-        infos = self._get([h.node_info.remote() for h, _ in new], "start")
-        self.workers += [h for h, _ in new]
-        self.slots += [slot for _, slot in new]
+        infos = self._get([h.node_info.remote() for h, *_ in new], "start")
+        self.workers += [h for h, *_ in new]
+        self.slots += [slot for _, slot, _ in new]
         self.infos += [dict(info, rank=old_world + i) for i, info in enumerate(infos)]
         return self._rejoin(layout, list(range(old_world)) + [None] * count, joining)
 

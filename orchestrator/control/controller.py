@@ -438,8 +438,18 @@ class Controller:
         target = grown(self.job, self.layout, self.home, self.group.joinable(), self.max_workers, self.micro)
         if target is None:
             return
+        if self.policy is not None:  # strategy auto: a bigger world on a slow link may not pay
+            infos = self.infos + self.group.joining(target.world - self.layout.world)
+            sizes = node_sizes(dataclasses.replace(self.job, cluster=dataclasses.replace(
+                self.job.cluster, num_workers=target.world)), infos)
+            if not self.elastic.priced(self.policy, target, sizes, self.step, self.job.adapt.window):
+                return
         start, old = time.time(), self.layout
-        results = self.group.grow(target.world - old.world, target.to_dict())
+        try:
+            results = self.group.grow(target.world - old.world, target.to_dict())
+        except WorkerFailed as err:  # the state was moving between worlds: the checkpoint has it whole
+            err.growing = f"{target.world - old.world} new worker(s) joined as {target}"
+            raise
         self._on_world(target, list(self.group.infos))
         self.elastic.grew(old, target, max(r["seconds"] for r in results), start)
 

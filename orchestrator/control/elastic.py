@@ -126,11 +126,36 @@ class Elastic:
         self.report = report
         self.resizes: list[dict] = []
         self._pending: dict | None = None
+        self._said: tuple | None = None     # the last grow verdict recorded: (pays, target)
+        self._price_at = 0                  # a grow that did not pay is priced again from this step
+
+    def priced(self, policy, target: Layout, node_sizes: list[int], step: int, window: int) -> bool:
+        """strategy auto: whether the grow to `target` (on nodes of `node_sizes`) pays, by the
+        policy's cost model (policy/growing.py); the verdict is a `decision` record when it is new.
+        Deciding by trial, the grow is not priced; with nothing measured yet it waits."""
+        from gearshift.orchestrator.policy.adaptive import Report
+        from gearshift.orchestrator.policy.growing import price_grow
+
+        if not policy.predicting:
+            return True
+        if step < self._price_at:
+            return False
+        pays, evidence = price_grow(policy, target, node_sizes, step,
+                                    [r["seconds"] for r in self.resizes if not r["from_checkpoint"]])
+        if pays is None:
+            return False
+        if (pays, target) != self._said:
+            self._said = (pays, target)
+            self.report.decided(Report("grow" if pays else "no_grow", evidence), step)
+        self._price_at = step if pays else step + window
+        return pays
 
     def plan(self, err: WorkerFailed, failures: int, job: Job, layout: Layout, dropped: list[dict],
              micro: int | None, dead: list[int] = ()) -> Plan | str:
         """What the survivors of `err` go on as, or why they cannot (a sentence). `dead`: ranks the
         group finds gone now (a rank may report its step dropped, then die with its node)."""
+        if getattr(err, "growing", None):
+            return f"a worker was lost while {err.growing}, the state moving between worlds"
         if not getattr(err, "lost_ranks", None):
             return "no worker was lost inside the step loop"
         lost = sorted(set(err.lost_ranks) | set(dead))

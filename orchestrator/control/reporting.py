@@ -179,10 +179,24 @@ def describe(decision) -> str:
         return head + ": " + said
     if ev.get("predictions"):
         return head + ": " + predicted_text(ev, target)
+    if name in ("grow", "no_grow"):
+        return f"{name} -> {layout_text(ev['to'])}: " + grow_text(ev)
     if ev.get("predicted_step_s") is not None and ev.get("measured_step_s") is not None:
         parts = [f"measured {ev['measured_step_s'] * 1e3:.4g} ms a step, predicted {ev['predicted_step_s'] * 1e3:.4g}"
                  f" ({ev['prediction_error']:+.0%})"] + parts
     return head + (f" ({', '.join(parts[:6])})" if parts else "")
+
+
+def grow_text(ev: dict) -> str:
+    """A grow priced by the cost model, in a line: the two predictions and what it was weighed on."""
+    now, grown, left = ev["now"], ev["grown"], ev["steps_left"]
+    said = (f"predicted {grown['step_s'] * 1e3:.4g} ms a step (+-{grown['error']:.0%}) on nodes of "
+            f"{ev['node_sizes']} against {now['step_s'] * 1e3:.4g} ms now; gain {ev['gain_s_per_step'] * left:.3g} s "
+            f"over {left} steps {'>' if ev['pays'] else 'does not pay'} "
+            f"(1 + {ev['switch_margin']:g}) x the grow's {ev['grow_cost_s']:.3g} s")
+    if not ev["link_measured"]:
+        said += "; the link between nodes is not measured yet: taken as no faster than the node's own"
+    return said
 
 
 def predicted_text(ev: dict, target) -> str:

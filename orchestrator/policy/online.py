@@ -27,6 +27,7 @@ measured so far (see `error`).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 from statistics import median
@@ -87,6 +88,7 @@ class OnlineModel:
         self.seen: dict[Layout, Seen] = {}
         self.rate_from: Layout | None = None  # the layout the device rate was fitted from
         self.link_fitted = False
+        self.link_bound = False               # the fitted link is only the slowest the waits allow
         self.rest_s = 0.0                     # step time beyond compute and wait (data loading, skew)
         self.bucket_cap_mb = 25.0
         self.errors: list[float] = []          # measured / predicted - 1 of each checked move
@@ -145,7 +147,9 @@ class OnlineModel:
         target = wait - self.seen[layout].offset_s
         # a wait at the model's floor (the transfers all hidden behind compute, or latency alone)
         # does not show the link: take the slowest link that still leaves it there (+1 % of compute)
-        target = max(target, self._wait(layout, FREE) + 0.01 * compute)
+        floor = self._wait(layout, FREE) + 0.01 * compute
+        self.link_bound = target <= floor  # the wait does not show the link: the fit is its slowest
+        target = max(target, floor)
         self.hw, self.link_fitted = self._at(calibration._solve(lambda bw: self._wait(layout, bw), target)), True
 
     def _work(self, layout: Layout) -> float:
@@ -189,6 +193,22 @@ class OnlineModel:
         compute = seen.compute_s if seen else pred.compute_s
         wait = max(0.0, pred.exposed_wait_s + (seen.offset_s if seen else 0.0))
         return Estimate(layout, compute + wait + self.rest_s, compute, wait, seen is not None, self.error(layout))
+
+    def on(self, node_sizes: list[int], link: float | None = None) -> tuple["OnlineModel", bool]:
+        """The model fitted so far on another world (a run about to grow or shrink): the same device
+        rate, step overhead and links, the nodes as `node_sizes` has them. And whether the link the
+        new world's collectives cross is one this run measured: one that spans nodes where the run
+        has run on one node only is taken as no faster than the node's own link (fitted), a bound.
+        `link`: the fitted link's bandwidth taken as this instead."""
+        nodes, per_node = len(node_sizes), math.ceil(sum(node_sizes) / len(node_sizes))
+        other = copy.copy(self)
+        other.hw = replace(self._at(link) if link is not None else self.hw, nodes=nodes, per_node=per_node)
+        measured = self.hw.nodes > 1 or nodes == 1
+        if not measured:
+            intra = self.hw.intra
+            other.hw = replace(other.hw, inter=Link(min(self.hw.inter.bandwidth, intra.bandwidth),
+                                                    max(self.hw.inter.latency, intra.latency)))
+        return other, measured
 
     def switch_cost(self, step_s: float) -> float:
         """Seconds a switch costs: the run's measured switches (median), or `switch_steps` steps."""
