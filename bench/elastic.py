@@ -1,32 +1,43 @@
-"""What losing a node costs: the survivors going on in memory (elastic) against a restart from the
-checkpoint, on the same job, the same cluster and the same loss.
+"""What losing a node costs, and what taking in a node that joins costs: the survivors going on
+in memory (elastic) against a restart from the checkpoint, on the same job, the same cluster and
+the same loss; and a run growing in memory onto a node added mid-run.
 
-Each run starts a two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: a head and
-one more node, 2 CPUs each), trains the built-in GPT of examples/gpt.yaml on 4 workers (two per
-node, placement pack), and removes the second node (its raylet and its workers killed, as a
-machine that fails) once step `--lose-at` has trained. Variants, interleaved in each repeat:
+Each run starts a Ray cluster on this machine (`ray.cluster_utils.Cluster`, 2 CPUs a node) and
+trains the built-in GPT of examples/gpt.yaml. Variants, interleaved in each repeat:
 
-- data, elastic:   data(4), cluster.min_workers 1: the two survivors go on in memory as data(2);
-- data, restart:   data(4), fault.on_node_loss shrink: every worker restarted, from the newest
-                   checkpoint (checkpoint.every), on the 2 workers left;
-- hybrid, elastic / restart: the same under hybrid(2x2); the lost node held a whole data-parallel
-                   replica, so the survivors hold both tensor-parallel slices (hybrid(1x2)).
+- data, elastic:   data(4) on two nodes (two workers each, placement pack), cluster.min_workers 1;
+                   the second node is removed (its raylet and its workers killed, as a machine
+                   that fails) once step `--lose-at` has trained: the two survivors go on in
+                   memory as data(2);
+- data, restart:   the same with fault.on_node_loss shrink: every worker restarted, from the
+                   newest checkpoint (checkpoint.every), on the 2 workers left;
+- data, grow:      data(2) on the head alone, cluster.max_workers 4; a node joins (`ray start
+                   --address`) once step `--lose-at` has trained: its two workers are started
+                   and taken in at a step boundary, data(4), no restart;
+- hybrid, elastic / restart / grow: the same under hybrid(2x2) (the lost node held a whole
+                   data-parallel replica, so the survivors hold both tensor-parallel slices:
+                   hybrid(1x2)); the grow from hybrid(1x2) to hybrid(2x2).
 
-Figures per run, from the run's own records and the time the node was removed:
+Figures per run, from the run's own records:
 
-- back_s: seconds from the removal until the step that failed has trained again on the smaller
-  world (the cost of the loss: detection, regroup or restart, and the steps computed again);
-- first_step_s: seconds from the removal to the first step trained after it;
-- step_s: the median step time before the loss; back_s / step_s is `shrink_s_over_step_s`;
-- steps_redone: steps computed twice.
+- back_s: seconds from the loss (the end of the last step every rank finished) until the step
+  that failed has trained again on the smaller world (the cost of the loss: detection, regroup
+  or restart, and the steps computed again);
+- first_step_s: seconds from the loss to the first step trained after it;
+- step_s: the median step time before the loss or the join; back_s / step_s is
+  `shrink_s_over_step_s`;
+- steps_redone: steps computed twice;
+- grow: grow_s, the seconds the run stood still for the newcomers (from the step boundary where
+  they were taken in to the end of the first step on the larger world; the run trains on while
+  the node registers and its workers start), over step_s: `grow_s_over_step_s`; ready_s, from the
+  node's `ray start` to that first step; the phases of the regroup.
 
     python bench/elastic.py            # 3 repeats
     python bench/elastic.py --quick    # 1 repeat, fewer steps: a smoke check
 
 The last line is one JSON object: `shrink_s_over_step_s_<layout>` (elastic back_s over the steady
-step), `in_memory_over_restart_s_<layout>` (elastic back_s over restart back_s), medians over the
-repeats with their spread, and every run. Growing onto a node that joins is not measured: a
-running job does not use one yet.
+step), `in_memory_over_restart_s_<layout>` (elastic back_s over restart back_s),
+`grow_s_over_step_s_<layout>`, medians over the repeats with their spread, and every run.
 """
 
 from __future__ import annotations
@@ -51,14 +62,14 @@ import json, pathlib, sys, threading, time
 from ray.cluster_utils import Cluster
 import ray
 
-run_dir, root, lose_at = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+run_dir, root, lose_at, mode = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[5]
 fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
                                                         "_system_config": fast})
-node = cluster.add_node(num_cpus=2)
+node = cluster.add_node(num_cpus=2) if mode == "lose" else None  # join: the head alone at first
 cluster.wait_for_nodes()
 ray.init(address=cluster.address, logging_level="WARNING")
-log = {}
+log, joined = {}, []
 
 def chaos():
     deadline = time.monotonic() + 600
@@ -68,8 +79,15 @@ def chaos():
         if max((r["step"] for r in recs if r["type"] == "step"), default=0) >= lose_at:
             break
         time.sleep(0.02)
-    log["removed"] = time.time()
-    cluster.remove_node(node, allow_graceful=False)
+    if node is not None:
+        log["removed"] = time.time()
+        cluster.remove_node(node, allow_graceful=False)
+    else:  # a node joins, as an operator's `ray start` or an autoscaler's would
+        import shutil, subprocess
+        log["added"] = time.time()
+        joined.append(subprocess.Popen([shutil.which("ray") or "ray", "start", "--address", cluster.address,
+                                        "--num-cpus", "2", "--block", "--disable-usage-stats"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 threading.Thread(target=chaos, daemon=True).start()
 from gearshift.orchestrator.commands import cli
@@ -78,21 +96,28 @@ code = cli.main(["run", str(pathlib.Path(root) / "examples" / "gpt.yaml"), "--ru
                  *[a for o in overrides for a in ("--set", o)]])
 (run_dir / "chaos.json").write_text(json.dumps(log))
 ray.shutdown()
+for proc in joined:  # the node that joined, stopped by the pid it was started with
+    proc.terminate()
+    proc.wait(timeout=60)
 cluster.shutdown()
 sys.exit(code)
 """
 
 LAYOUTS = {"data": ["parallel.strategy=data"], "hybrid": ["parallel.strategy=hybrid", "parallel.tp_size=2"]}
-PATHS = {"elastic": ["cluster.min_workers=1"], "restart": ["fault.on_node_loss=shrink"]}
+PATHS = {"elastic": ["cluster.min_workers=1"], "restart": ["fault.on_node_loss=shrink"],
+         "grow": ["cluster.num_workers=2", "cluster.max_workers=4", "cluster.min_workers=1"]}
+GROW_STEPS = 400  # after the join: a node takes 10-20 s to register and start its workers here
 
 
 def one_run(work: pathlib.Path, layout: str, path: str, steps: int, lose_at: int, every: int,
             extra: list[str] = ()) -> dict:
     run_dir = work / f"{layout}-{path}-{len(list(work.iterdir()))}"
+    grow = path == "grow"
     overrides = ["cluster.num_workers=4", "cluster.cpus_per_worker=1", "cluster.placement=pack",
-                 f"train.steps={steps}", f"checkpoint.every={every}", "fault.max_failures=3",
-                 "telemetry.ray_metrics=false", *LAYOUTS[layout], *PATHS[path], *extra]
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), str(ROOT), str(lose_at), json.dumps(overrides)],
+                 f"train.steps={steps + GROW_STEPS if grow else steps}", f"checkpoint.every={every}",
+                 "fault.max_failures=3", "telemetry.ray_metrics=false", *LAYOUTS[layout], *PATHS[path], *extra]
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(run_dir), str(ROOT), str(lose_at), json.dumps(overrides),
+                             "join" if grow else "lose"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,
                             env={**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
@@ -104,7 +129,24 @@ def one_run(work: pathlib.Path, layout: str, path: str, steps: int, lose_at: int
         proc.wait(timeout=60)
     if proc.returncode != 0:
         raise SystemExit(f"{layout}/{path} failed (exit {proc.returncode}):\n{err[-3000:]}")
-    return figures(run_dir)
+    return grow_figures(run_dir) if grow else figures(run_dir)
+
+
+def grow_figures(run_dir: pathlib.Path) -> dict:
+    """What taking the new node's workers in cost the run (see the module's doc)."""
+    recs = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
+    added = json.loads((run_dir / "chaos.json").read_text())["added"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    grow = next((r for r in recs if r.get("event") == "resize" and r.get("joined")), None)
+    if grow is None:
+        raise SystemExit(f"{run_dir.name}: the run ended on {summary['world_size']} workers without taking the new "
+                         "node in (it took longer to start than the run lasted)")
+    before = [r for r in recs if r["type"] == "step" and 3 < r["step"] < grow["step"]]
+    first = next(r for r in recs if r["type"] == "step" and r["step"] == grow["step"])
+    return {"step_s": statistics.median(r["step_time_max"] for r in before), "grow_s": grow["seconds"],
+            "ready_s": first["ended_at"] - added, "regroup_s": grow["regroup_seconds"], "phases": grow.get("phases"),
+            "at_step": grow["step"], "world": grow["world_size"], "to": grow["to"], "steps_redone": 0,
+            "in_memory": not grow["from_checkpoint"], "final_loss": summary.get("final_loss")}
 
 
 def figures(run_dir: pathlib.Path) -> dict:
@@ -143,24 +185,31 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one repeat, fewer steps")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--layouts", default="data,hybrid")
+    ap.add_argument("--paths", default="elastic,restart,grow", help="which variants (default: all)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="job overrides for every run, e.g. model.kwargs='{n_layer: 4, n_embd: 256}'")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     steps, lose_at, every = (30, 14, 10) if args.quick else (40, 18, 10)
     layouts = [x for x in args.layouts.split(",") if x]
-    print(f"GPT (examples/gpt.yaml{', ' + ' '.join(args.overrides) if args.overrides else ''}), 4 workers on a 2-node Ray cluster (2 CPUs each), the second node removed "
-          f"after step {lose_at}; checkpoint.every {every}; {repeats} repeat(s), interleaved; "
-          f"{platform.machine()} with {os.cpu_count()} cores", flush=True)
+    print(f"GPT (examples/gpt.yaml{', ' + ' '.join(args.overrides) if args.overrides else ''}) on a Ray cluster of "
+          f"2-CPU nodes: 4 workers on two nodes, the second removed after step {lose_at} (elastic, restart); 2 "
+          f"workers on one, a second node joining after step {lose_at} (grow); checkpoint.every {every}; {repeats} "
+          f"repeat(s), interleaved; {platform.machine()} with {os.cpu_count()} cores", flush=True)
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="gearshift-elastic-") as tmp:
         work = pathlib.Path(tmp)
         for rep in range(repeats):
             for layout in layouts:
-                order = ["elastic", "restart"] if rep % 2 == 0 else ["restart", "elastic"]
+                order = [p for p in (PATHS if rep % 2 == 0 else reversed(PATHS)) if p in args.paths.split(",")]
                 for path in order:
                     f = one_run(work, layout, path, steps, lose_at, every, args.overrides)
                     runs.setdefault(f"{layout}/{path}", []).append(f)
+                    if path == "grow":
+                        print(f"  repeat {rep + 1} {layout:6s} grow     step {f['step_s']:.3f} s  stood still "
+                              f"{f['grow_s']:5.2f} s (regroup {f['regroup_s']:.2f} s: {f['phases']})  training on "
+                              f"{f['world'][1]} {f['ready_s']:5.1f} s after the node's start", flush=True)
+                        continue
                     print(f"  repeat {rep + 1} {layout:6s} {path:7s}  step {f['step_s']:.3f} s  first step after "
                           f"{f['first_step_s']:5.2f} s  back at the failed step after {f['back_s']:5.2f} s  "
                           f"{f['steps_redone']} redone  world {f['world']}  in memory {f['in_memory']}"
@@ -169,6 +218,8 @@ def main() -> None:
            "overrides": args.overrides, "runs": runs}
     print(f"\n{'':16s}{'back_s':>24s}{'first_step_s':>24s}{'step_s':>10s}  redone")
     for key, rs in runs.items():
+        if key.endswith("/grow"):
+            continue
         b, f, s = med([r["back_s"] for r in rs]), med([r["first_step_s"] for r in rs]), med([r["step_s"] for r in rs])
         print(f"{key:16s}{b[0]:8.2f} [{b[1]:.2f}..{b[2]:.2f}]{f[0]:8.2f} [{f[1]:.2f}..{f[2]:.2f}]{s[0]:10.3f}  "
               f"{sorted(r['steps_redone'] for r in rs)}")
@@ -180,6 +231,13 @@ def main() -> None:
             out[f"shrink_s_over_step_s_{layout}"], lo, hi = med(shrink)
             out[f"shrink_s_over_step_s_{layout}_spread"] = [lo, hi]
             print(f"shrink_s_over_step_s_{layout:6s}       {out[f'shrink_s_over_step_s_{layout}']:.2f}  [{lo:.2f}..{hi:.2f}]")
+        grows = [r["grow_s"] / r["step_s"] for r in runs.get(f"{layout}/grow", [])]
+        if grows:
+            out[f"grow_s_over_step_s_{layout}"], lo, hi = med(grows)
+            out[f"grow_s_over_step_s_{layout}_spread"] = [lo, hi]
+            ready = med([r["ready_s"] for r in runs[f"{layout}/grow"]])
+            print(f"grow_s_over_step_s_{layout:6s}         {out[f'grow_s_over_step_s_{layout}']:.2f}  [{lo:.2f}..{hi:.2f}]"
+                  f"  (training on the new node {ready[0]:.1f} s [{ready[1]:.1f}..{ready[2]:.1f}] after its start)")
         if ratio:
             out[f"in_memory_over_restart_s_{layout}"], lo, hi = med(ratio)
             out[f"in_memory_over_restart_s_{layout}_spread"] = [lo, hi]

@@ -117,6 +117,9 @@ class FakeGroup:
     def joinable(self):  # no new worker is ever placed
         return 0
 
+    def joining(self, count):
+        raise AssertionError("no worker joins here")
+
     def grow(self, count, layout):
         raise AssertionError("no worker joins here")
 

@@ -22,6 +22,7 @@ from gearshift.orchestrator.cluster.devices import share_devices
 from gearshift.orchestrator.cluster.group import WorkerGroup  # noqa: F401 (the interface, re-exported)
 from gearshift.orchestrator.cluster.growth import Growth
 from gearshift.orchestrator.cluster.liveness import Liveness
+from gearshift.orchestrator.cluster.lost import PROBE_S, LossProbe, dead_ranks
 
 log = logging.getLogger("gearshift")
 
@@ -440,13 +441,21 @@ class RayWorkerGroup:
                                   self.job.checkpoint.async_save): rank
                 for rank, w in enumerate(self.workers)}
         watch = Liveness(len(self.workers), stall_timeout_s, fault.progress_timeout_s, time.monotonic())
+        probe = LossProbe(self.workers) if self.job.on_node_loss == "elastic" else None
         # heartbeat calls in flight -> rank (one per rank at a time); kept on the group so that
         # shutdown drops them while Ray is still up (an ObjectRef freed after ray.shutdown, at the
         # interpreter's exit, can crash the process)
         beats: dict[Any, int] = {}
         self._beats = beats
         while gens:
-            ready, _ = ray.wait(list(gens), num_returns=1, timeout=1.0)
+            ready, _ = ray.wait(list(gens), num_returns=1, timeout=0.1 if probe and probe.probing else 1.0)
+            for rank in probe.gone(gens.values()) if probe else ():  # its peers lost it; it answers nothing
+                lost[rank] = WorkerFailed(rank, f"its peers lost it mid-step and it answered nothing for {PROBE_S:g} s: "
+                                                "its process or its node is gone", kind=WorkerFailed.DIED)
+                lost[rank].detected = probe.detected
+                del gens[next(g for g, r in gens.items() if r == rank)]
+                watch.finished(rank, time.monotonic())
+            ready = [g for g in ready if g in gens]
             if not ready:
                 self._hear(beats, watch)
                 hung = watch.verdict(time.monotonic())
@@ -477,6 +486,8 @@ class RayWorkerGroup:
                 except ray.exceptions.RayError as err:
                     raise _task_failure(err, rank) from None
                 watch.reported(rank, time.monotonic())
+                if probe and "step_failed" in report:
+                    probe.step_dropped(rank)
                 yield rank, report
         if lost:
             err = lost[min(lost)]
@@ -559,6 +570,7 @@ class RayWorkerGroup:
     def _rejoin(self, layout: dict, old_ranks: list, joining: dict | None) -> list[dict]:
         """Every worker on a new group of them all in `layout`; a rank whose old rank is None
         receives its state, described by `joining`."""
+        self._lost = {}  # the ranks are renumbered: the last stream's losses are accounted for
         master_addr = self.infos[0]["node_ip"]
         port = self._get([self.workers[0].free_port.remote()], "rendezvous")[0]
         t, world = self.job.fault.collective_timeout_s, len(self.workers)
@@ -571,21 +583,10 @@ class RayWorkerGroup:
             w.request_stop.options(concurrency_group="control").remote(self.chunk)
 
     def dead_ranks(self, timeout_s: float = 3.0) -> dict[int, str]:
-        """Ranks whose actor is gone, with Ray's account of why. A live worker still blocked in
-        a collective does not answer in time either: that one counts as alive."""
-        import ray
-
-        refs = {w.node_info.remote(): rank for rank, w in enumerate(self.workers)}
-        ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        dead = {}
-        for ref, rank in refs.items():
-            try:
-                ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError as err:
-                dead[rank] = str(err)
-            except Exception:  # not ready (busy, blocked) or another error: not known to be dead
-                pass
-        return dead
+        """Ranks whose actor is gone (those the last stream counted lost, and any Ray says is dead
+        now), with the reason given for each (lost.dead_ranks)."""
+        known = {r: e.reason for r, e in (getattr(self, "_lost", None) or {}).items()}
+        return dead_ranks(self.workers, known, timeout_s)
 
     # ---------------------------------------------------------------- the cluster's nodes
 

@@ -190,7 +190,7 @@ class Elastic:
                     behind=[r for r in keep if r not in ahead])
 
     def resized(self, plan: Plan, old: Layout, err: WorkerFailed, failures: int, job: Job, seconds: float,
-                lost_nodes: list[str]) -> None:
+                lost_nodes: list[str], join_s: float = 0.0, planned: float | None = None) -> None:
         """The survivors are on the new world: the failure record now, `resize` at the first step."""
         self.report.event("failure", step=plan.step + 1, rank=err.rank, kind=err.kind, error=err.reason,
                           failures=failures, max_failures=job.fault.max_failures, dead_ranks=plan.lost,
@@ -201,15 +201,20 @@ class Elastic:
                          "lost_nodes": lost_nodes,
                          "kept_ranks": plan.keep, "world_size": [old.world, plan.layout.world],
                          "from_checkpoint": False, "steps_redone": 1, "regroup_seconds": seconds,
-                         "detected": plan.detected, "restored_step": plan.step}
+                         "detected": plan.detected, "restored_step": plan.step,
+                         # where the seconds went: the loss seen to the plan made, forming the new
+                         # group, laying the state out on it (the rest: the first step)
+                         "phases": {"detect_s": (planned or plan.detected) - plan.detected, "join_s": join_s,
+                                    "move_s": max(0.0, seconds - join_s)}}
         self.report.say(f"step {plan.step + 1}: rank(s) {plan.lost} lost -> going on in memory on "
                         f"{len(plan.keep)} worker(s) as {plan.layout} (the state is all on the survivors)")
 
-    def grew(self, old: Layout, new: Layout, seconds: float, started: float) -> None:
+    def grew(self, old: Layout, new: Layout, seconds: float, started: float, join_s: float = 0.0) -> None:
         """New workers joined: `resize` at the first step on the larger world."""
         self._pending = {"from": old.to_dict(), "to": new.to_dict(), "world_size": [old.world, new.world],
                          "joined": new.world - old.world, "from_checkpoint": False, "steps_redone": 0,
-                         "regroup_seconds": seconds, "detected": started}
+                         "regroup_seconds": seconds, "detected": started,
+                         "phases": {"join_s": join_s, "move_s": max(0.0, seconds - join_s)}}
         self.report.say(f"{new.world - old.world} worker(s) joined: going on as {new} (no restart)")
 
     def fell_back(self, why: str, restored_step: int, failed_at: int, old: Layout, world: int,
@@ -227,7 +232,8 @@ class Elastic:
         r, self._pending = self._pending, None
         r["to"] = r["to"] or layout.to_dict()
         r["world_size"][1] = layout.world
-        r["seconds"] = time.time() - r.pop("detected")
+        # to the end of that step on the workers (its record may come up to a report batch later)
+        r["seconds"] = (record.get("ended_at") or time.time()) - r.pop("detected")
         self.resizes.append({"step": record["step"], **r})
         self.report.event("resize", step=record["step"], **r)
         if r.get("joined"):
