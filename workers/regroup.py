@@ -35,7 +35,8 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
             worker.parallel.detach()
             worker.parallel = worker.optimizer = None
             oom.give_back(worker.device)
-        worker._prepare()
+        if not getattr(worker, "warmed", False):
+            worker._prepare()
         _move_survivors(worker, Layout.from_dict(layout), old_ranks, joining)
         return _done(worker, start, joined)
     worker.optimizer.zero_grad(set_to_none=True)
@@ -73,6 +74,20 @@ def _done(worker, start: float, joined: float) -> dict:
     state laid out on it), and where the worker is."""
     return {"seconds": time.perf_counter() - start, "join_s": joined - start, "step": worker.step,
             "layout": worker.layout.to_dict()}
+
+
+def warm(worker) -> None:
+    """A worker started to join a running group does, while the group trains on, what it would
+    otherwise do while the others wait for it: its data, loss and schedule, the modules a
+    relayout uses, and a first build of the model on the meta device (its code imported)."""
+    from gearshift.strategies import relayout, survivors  # noqa: F401 (imported now, not in the regroup)
+    from gearshift.workers import components
+
+    cfg = worker.config
+    worker._prepare()
+    with torch.device("meta"):
+        components.build_model_and_plan(dict(cfg.model), cfg.search_paths, cfg.activation_checkpointing)
+    worker.warmed = True
 
 
 def describe(worker) -> dict:

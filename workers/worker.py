@@ -77,7 +77,9 @@ class TrainWorker:
 
     # ---------------------------------------------------------------- placement and rendezvous
 
-    def node_info(self) -> dict:
+    def node_info(self, warm: bool = False) -> dict:
+        """Where this worker runs; `warm`: it is to join a running group (regroup.warm)."""
+        regroup.warm(self) if warm else None
         info = rendezvous.node_info()
         info["nice"] = self.priority
         self.gpu_ids = [str(g) for g in info["gpu_ids"]] if self.config.gpu else []
@@ -296,14 +298,12 @@ class TrainWorker:
     def rejoin(self, master_addr: str, master_port: int, timeout_s: float, rank: int | None = None,
                world: int | None = None, layout: dict | None = None, old_ranks: list | None = None,
                joining: dict | None = None) -> dict:
-        """Leave the process group and form a new one, the state kept in place (after a step that
-        failed somewhere); with `rank`, `world`, `layout` and `old_ranks`, onto another number of
-        workers (elastic), a new worker passing the holders' description as `joining`
-        (workers/regroup.py)."""
+        """Leave the process group and form a new one, the state kept in place (after a step that failed
+        somewhere); with `rank`, `world`, `layout` and `old_ranks`, onto another number of workers
+        (elastic), a new worker passing the holders' description as `joining` (workers/regroup.py)."""
         return regroup.rejoin(self, master_addr, master_port, timeout_s, rank, world, layout, old_ranks, joining)
 
-    def describe(self) -> dict:
-        """The state this rank holds, as a worker joining the group needs to know it (no data)."""
+    def describe(self) -> dict:  # the state this rank holds, as a joining worker needs to know it
         return regroup.describe(self)
 
     @in_phase("switch")

@@ -5,7 +5,9 @@ A slot is a bundle of a placement group: one the run held for a rank it lost (Ra
 bundle again when its node is gone and capacity returns; on a live node at once), or one of the
 single-bundle groups reserved for `cluster.max_workers` above `num_workers` (placed when the
 cluster gains a node, through `ray start --address` or the autoscaler). A worker is started in
-each free slot at once; it answers `node_info` once placed, and from then on it is joinable. The
+each free slot at once; once placed it prepares what it can before it joins (its data, the
+modules a relayout uses, a build of the model on the meta device: workers/regroup.warm) and then
+answers `node_info`; from then on it is joinable. The
 controller asks (`ready`, which never waits) at step boundaries and takes the joinable ones in
 (RayWorkerGroup.grow).
 """
@@ -47,7 +49,7 @@ class Growth:
 
         for slot in self.free:
             handle = group._spawn(*slot)
-            self.waiting[handle.node_info.remote()] = (handle, slot)
+            self.waiting[handle.node_info.remote(True)] = (handle, slot)  # warm: ready to join at once
         self.free = []
         if self.waiting:
             done, _ = ray.wait(list(self.waiting), num_returns=len(self.waiting), timeout=0)
