@@ -145,6 +145,7 @@ def grow_figures(run_dir: pathlib.Path) -> dict:
     first = next(r for r in recs if r["type"] == "step" and r["step"] == grow["step"])
     return {"step_s": statistics.median(r["step_time_max"] for r in before), "grow_s": grow["seconds"],
             "ready_s": first["ended_at"] - added, "regroup_s": grow["regroup_seconds"], "phases": grow.get("phases"),
+            "peak_rss_before": max((r.get("peak_mem_bytes") or 0) for r in before),
             "at_step": grow["step"], "world": grow["world_size"], "to": grow["to"], "steps_redone": 0,
             "in_memory": not grow["from_checkpoint"], "final_loss": summary.get("final_loss")}
 
@@ -176,11 +177,13 @@ def figures(run_dir: pathlib.Path) -> dict:
             # the loss seen, then the plan, the new group, the state on it (elastic)
             "detected_after_s": (first["ended_at"] - resize["seconds"] - lost_at) if in_memory else None,
             "phases": (resize or {}).get("phases"),
+            "peak_rss_before": max((r.get("peak_mem_bytes") or 0) for r in steps_before),
             "final_loss": summary.get("final_loss")}
 
 
 def _phases(phases: dict | None) -> str:
-    return ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in (phases or {}).items())
+    return ", ".join(f"{k[:-2]} {v:.2f} s" if k.endswith("_s") else f"peak RSS of a worker {v / 2**20:.0f} MiB"
+                     for k, v in (phases or {}).items())
 
 
 def med(xs: list[float]) -> tuple[float, float, float]:
@@ -214,15 +217,17 @@ def main() -> None:
                     runs.setdefault(f"{layout}/{path}", []).append(f)
                     if path == "grow":
                         print(f"  repeat {rep + 1} {layout:6s} grow     step {f['step_s']:.3f} s  stood still "
-                              f"{f['grow_s']:5.2f} s (regroup {f['regroup_s']:.2f} s: {_phases(f['phases'])})  training on "
+                              f"{f['grow_s']:5.2f} s (regroup {f['regroup_s']:.2f} s: {_phases(f['phases'])}; before it "
+                              f"{f['peak_rss_before'] / 2**20:.0f} MiB)  training on "
                               f"{f['world'][1]} {f['ready_s']:5.1f} s after the node's start", flush=True)
                         continue
                     print(f"  repeat {rep + 1} {layout:6s} {path:7s}  step {f['step_s']:.3f} s  first step after "
                           f"{f['first_step_s']:5.2f} s  back at the failed step after {f['back_s']:5.2f} s  "
                           f"{f['steps_redone']} redone  world {f['world']}  in memory {f['in_memory']}"
                           + (f" ({f['why_not_in_memory']})" if f["why_not_in_memory"] else "")
-                          + (f"  seen after {f['detected_after_s']:.2f} s, then {_phases(f['phases'])}"
-                             if f["in_memory"] else ""), flush=True)
+                          + (f"  seen after {f['detected_after_s']:.2f} s, then {_phases(f['phases'])} "
+                             f"(before the loss {f['peak_rss_before'] / 2**20:.0f} MiB)" if f["in_memory"] else ""),
+                          flush=True)
     out = {"bench": "elastic", "repeats": repeats, "lose_at": lose_at, "checkpoint_every": every,
            "overrides": args.overrides, "runs": runs}
     print(f"\n{'':16s}{'back_s':>24s}{'first_step_s':>24s}{'step_s':>10s}  redone")

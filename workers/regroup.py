@@ -71,9 +71,12 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
 
 def _done(worker, start: float, joined: float) -> dict:
     """A rejoin's result: its seconds, of which `join_s` forming the new group (the rest: the
-    state laid out on it), and where the worker is."""
+    state laid out on it), where the worker is, and its process's peak resident memory so far
+    (bytes; with the peak before the rejoin, what the regroup cost in memory)."""
+    import resource
+
     return {"seconds": time.perf_counter() - start, "join_s": joined - start, "step": worker.step,
-            "layout": worker.layout.to_dict()}
+            "layout": worker.layout.to_dict(), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def warm(worker) -> None:

@@ -346,8 +346,8 @@ class Controller:
                                kind=WorkerFailed.SILENT)
         self.step = plan.step
         self._on_world(plan.layout, [dict(self.infos[r], rank=i) for i, r in enumerate(plan.keep)])
-        self.elastic.resized(plan, old, err, self._failures, self.job, time.time() - start, lost_nodes,
-                             join_s=max(r.get("join_s", 0.0) for r in results), planned=start)
+        self.elastic.resized(plan, old, err, self._failures, self.job, time.time() - start, lost_nodes, results,
+                             planned=start)
         self._enter(State.TRAINING, from_step=plan.step, steps_target=self.job.train.steps)
         self.tuning.begin(plan.step)
         return State.TRAINING
@@ -452,8 +452,7 @@ class Controller:
             err.growing = f"{target.world - old.world} new worker(s) joined as {target}"
             raise
         self._on_world(target, list(self.group.infos))
-        self.elastic.grew(old, target, max(r["seconds"] for r in results), start,
-                          join_s=max(r.get("join_s", 0.0) for r in results))
+        self.elastic.grew(old, target, max(r["seconds"] for r in results), start, results)
 
     def _on_world(self, layout: Layout, infos: list[dict]) -> None:
         """Elastic: the run goes on as `layout` on the workers of `infos`, from self.step."""

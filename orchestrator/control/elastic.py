@@ -190,7 +190,7 @@ class Elastic:
                     behind=[r for r in keep if r not in ahead])
 
     def resized(self, plan: Plan, old: Layout, err: WorkerFailed, failures: int, job: Job, seconds: float,
-                lost_nodes: list[str], join_s: float = 0.0, planned: float | None = None) -> None:
+                lost_nodes: list[str], results: list[dict] = (), planned: float | None = None) -> None:
         """The survivors are on the new world: the failure record now, `resize` at the first step."""
         self.report.event("failure", step=plan.step + 1, rank=err.rank, kind=err.kind, error=err.reason,
                           failures=failures, max_failures=job.fault.max_failures, dead_ranks=plan.lost,
@@ -204,17 +204,17 @@ class Elastic:
                          "detected": plan.detected, "restored_step": plan.step,
                          # where the seconds went: the loss seen to the plan made, forming the new
                          # group, laying the state out on it (the rest: the first step)
-                         "phases": {"detect_s": (planned or plan.detected) - plan.detected, "join_s": join_s,
-                                    "move_s": max(0.0, seconds - join_s)}}
+                         "phases": {"detect_s": (planned or plan.detected) - plan.detected,
+                                    **_phases(seconds, results)}}
         self.report.say(f"step {plan.step + 1}: rank(s) {plan.lost} lost -> going on in memory on "
                         f"{len(plan.keep)} worker(s) as {plan.layout} (the state is all on the survivors)")
 
-    def grew(self, old: Layout, new: Layout, seconds: float, started: float, join_s: float = 0.0) -> None:
+    def grew(self, old: Layout, new: Layout, seconds: float, started: float, results: list[dict] = ()) -> None:
         """New workers joined: `resize` at the first step on the larger world."""
         self._pending = {"from": old.to_dict(), "to": new.to_dict(), "world_size": [old.world, new.world],
                          "joined": new.world - old.world, "from_checkpoint": False, "steps_redone": 0,
                          "regroup_seconds": seconds, "detected": started,
-                         "phases": {"join_s": join_s, "move_s": max(0.0, seconds - join_s)}}
+                         "phases": _phases(seconds, results)}
         self.report.say(f"{new.world - old.world} worker(s) joined: going on as {new} (no restart)")
 
     def fell_back(self, why: str, restored_step: int, failed_at: int, old: Layout, world: int,
@@ -242,6 +242,14 @@ class Elastic:
         else:
             self.report.say(f"step {record['step']}: training again on {layout.world} worker(s) {r['seconds']:.1f} s "
                             f"after the loss ({'from the checkpoint' if r['from_checkpoint'] else 'in memory'})")
+
+
+def _phases(seconds: float, results: list[dict]) -> dict:
+    """Where a regroup's seconds went (the slowest rank's forming of the new group, the rest the
+    state laid out on it) and the largest peak resident memory of a worker process after it."""
+    join = max((r.get("join_s", 0.0) for r in results), default=0.0)
+    peak = max((r.get("peak_rss_bytes") or 0 for r in results), default=0)
+    return {"join_s": join, "move_s": max(0.0, seconds - join), **({"peak_rss_bytes": peak} if peak else {})}
 
 
 def dead_now(group) -> list[int]:
