@@ -207,3 +207,7 @@ class Parallel:
     def detach(self) -> None:
         """Before the layout goes: stop routing collectives through this one's hooks."""
         self.attach(None)
+
+    def drop_step(self) -> None:
+        """A step broke off mid-forward or mid-backward (a peer lost, out of memory) and its
+        group is left: whatever the layout keeps per step is reset (nothing, for most)."""

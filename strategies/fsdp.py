@@ -370,6 +370,16 @@ class FSDPParallel(Parallel):
         self._all_reduce.close()
         self._all_reduce_open = False
 
+    def drop_step(self) -> None:
+        """FSDP2's per-step state after a step broke off: units left gathered, mid-forward or
+        mid-backward, with reductions in flight. The root's reset_iter_state (torch >= 2.13) puts
+        every unit back to its shards, the step's gradients discarded, so the parameters found
+        by name are again the shards the optimizer holds."""
+        self._all_reduce.close()
+        self._all_reduce_open = False
+        if isinstance(self.model, FSDPModule) and hasattr(self.model, "reset_iter_state"):
+            self.model.reset_iter_state()
+
 
 def mesh_for(layout: Layout, device: torch.device) -> DeviceMesh:
     """fsdp: ("dp",) over every worker; hsdp: ("replicate", "shard") with groups of layout.shard

@@ -26,6 +26,8 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
     start = time.perf_counter()
     worker.writes.drop()  # a write behind the steps on the old group cannot finish
     oom.leave_group()
+    if worker.parallel is not None:
+        worker.parallel.drop_step()  # what the layout kept of the step that broke off
     if rank is not None:
         worker.rank, worker.world = rank, world
     worker._join(master_addr, master_port, timeout_s)

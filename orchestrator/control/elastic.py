@@ -5,8 +5,9 @@ failed, without a checkpoint or a restart of the survivors' processes.
 What survives is a property of the layout alone (`pieces_lost`): a rank (dp_rank, tp_rank)
 holds the piece (tp_rank, dp_rank % shard), so data parallel loses nothing while one worker is
 left, hybrid with a replicated data dimension nothing while each tensor-parallel slice has a
-survivor, hsdp nothing while each shard index has one; fsdp over every worker, tensor, and hybrid
-with dp_shard hold each piece once. `plan` says what the survivors go on as (`shrunk`: the
+survivor, hsdp nothing while each shard index has one (FSDP2's state of the dropped step is reset
+first: Parallel.drop_step); fsdp over every worker, tensor, and hybrid with dp_shard hold each
+piece once. `plan` says what the survivors go on as (`shrunk`: the
 layout in force, or the nearest one that fits fewer workers and divides the global batch), or
 why they cannot, and the controller falls back to the checkpoint. `grown` says what the run
 grows to when new workers can join (orchestrator/cluster/growth.py starts them in the slots no
@@ -167,9 +168,6 @@ class Elastic:
         if gone:
             return (f"{layout} held {len(gone)} piece(s) of the state only on the lost rank(s) {lost}: "
                     + ", ".join(_piece(layout, p) for p in gone[:4]) + (", ..." if len(gone) > 4 else ""))
-        if layout.shard > 1:  # FSDP2 units may be left mid-gather by the dropped step
-            return (f"{layout}: the survivors hold every piece, but FSDP's state after a dropped step is not "
-                    "moved in memory yet")
         survivors = [r for r in range(layout.world) if r not in lost]
         if sorted(d["rank"] for d in dropped) != survivors:
             return "not every survivor said where it stopped"
