@@ -27,9 +27,12 @@ run: install
 test: install
 	$(BIN)/python -m pytest -m "(not ray and not slow) or smoke" $(PYTEST_ARGS)
 
-# everything (what CI runs)
+# everything (what CI runs): the tests that start no Ray two at a time (a file's tests on one
+# process), then those that do one at a time (each leans on the one Ray of the session, and on
+# the machine's cores for its timings)
 test-all: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not ray" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m ray $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -60,6 +60,7 @@ def assert_clean(tag_prefix: str, temp: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # a Ray cluster in network namespaces
 @needs_root
 def test_up_runs_a_job_across_the_link_and_down_leaves_nothing(tmp_path):
     from testbed import Testbed, parse_scenario
@@ -84,6 +85,7 @@ def test_up_runs_a_job_across_the_link_and_down_leaves_nothing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # a Ray cluster in network namespaces
 @needs_root
 def test_a_failing_run_leaves_nothing(tmp_path):
     from testbed import Testbed
@@ -99,6 +101,7 @@ def test_a_failing_run_leaves_nothing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # a Ray cluster in network namespaces
 @needs_root
 def test_ctrl_c_while_a_job_runs_leaves_nothing(tmp_path):
     proc = subprocess.Popen(
@@ -135,6 +138,7 @@ def test_ctrl_c_while_a_job_runs_leaves_nothing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # a Ray cluster in network namespaces
 @needs_root
 def test_comes_up_where_ray_never_ran(tmp_path, monkeypatch):
     """No ~/.ray/auth_token (HOME an empty folder): the testbed makes its own token, in its own
@@ -166,6 +170,7 @@ def test_comes_up_where_ray_never_ran(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # a Ray cluster in network namespaces
 @needs_root
 def test_a_failing_ray_start_says_what_ray_said_and_leaves_nothing(monkeypatch):
     from testbed import Testbed, TestbedError

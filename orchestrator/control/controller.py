@@ -87,6 +87,7 @@ class Controller:
         self.elastic = Elastic(self.report)
         self.home = job.layout  # elastic: the layout a run grows back to at its own size
         self.max_workers = job.cluster.max_workers or job.cluster.num_workers
+        self._settling = -1  # elastic: the step of the last shrink (no worker is started before its first chunk)
         self.tuning = tuning or BucketTuning()
         self.tuning.attach(self)
         self.checkpoints = Checkpoints(job, self.checkpoint_root, self.report)
@@ -266,7 +267,7 @@ class Controller:
         workers stopped for a decision); what happens there."""
         if self.step >= self.job.train.steps:
             return State.DONE
-        if self._may_grow():
+        if self._may_grow() and self.step > self._settling:
             self._grow()
         until = self._chunk_end(self.step)
         decision, kept, until = self._train_chunk(until)
@@ -344,7 +345,7 @@ class Controller:
         if steps != [plan.step]:
             raise WorkerFailed(None, f"after the resize the survivors are at steps {steps}, not {plan.step}",
                                kind=WorkerFailed.SILENT)
-        self.step = plan.step
+        self.step = self._settling = plan.step  # the first chunk trains at once: new workers are started later
         self._on_world(plan.layout, [dict(self.infos[r], rank=i) for i, r in enumerate(plan.keep)])
         self.elastic.resized(plan, old, err, self._failures, self.job, time.time() - start, lost_nodes, results,
                              planned=start)
