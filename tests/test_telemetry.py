@@ -39,6 +39,7 @@ def measure(strategy: str, world: int, delay_ms: float, steps: int = 25, **paral
     return out
 
 
+@pytest.mark.timing
 def test_one_worker_without_injection_waits_about_nothing():
     [rank0] = measure("data", 1, 0.0)
     assert rank0["calls"] == 1  # DDP still runs its (trivial) all-reduce through the hook
@@ -47,6 +48,7 @@ def test_one_worker_without_injection_waits_about_nothing():
     assert rank0["wait"] < max(1e-3, 0.1 * rank0["step"]), rank0
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("strategy,world,parallel", [
     ("data", 2, {}),
     ("tensor", 2, {}),
@@ -74,6 +76,7 @@ def slow_rank(worker, rank: int, seconds: float) -> None:
         worker.loss_fn = lambda out, target: (time.sleep(seconds), loss_fn(out, target))[1]
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("strategy", ["data", "tensor"])
 def test_a_straggler_shows_as_the_others_comm_wait(strategy):
     """Not the injected delay, which gearshift itself adds inside a timed span: here one rank
