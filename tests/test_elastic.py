@@ -306,11 +306,16 @@ def test_under_strategy_auto_a_grow_is_a_decision_priced_by_the_cost_model(ray_c
     evidence; the run grows where it pays, stays where it does not (tests/test_online.py checks
     the price itself against the cost model's truth). (A run growing onto a node that joins:
     test_node_loss.py.)"""
-    overrides = MLP[1] + SLOW + SGD + ["cluster.num_workers=2", "cluster.max_workers=3", "train.steps=80",
-                                       "fault.collective_timeout_s=20", "parallel.strategy=auto"]
+    # 300 steps of 0.1 s or more: the extra worker takes 15-25 s to start and warm up on a loaded
+    # 2-core machine
+    overrides = MLP[1] + SLOW + SGD + ["cluster.num_workers=2", "cluster.max_workers=3", "train.steps=300",
+                                       "inject.comm_delay_ms=100", "fault.collective_timeout_s=20",
+                                       "parallel.strategy=auto"]
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
-    assert summary["status"] == "done" and summary["steps_done"] == 80, summary.get("error")
-    [priced] = [d for d in events(tmp_path / "run", "decision") if d["decision"] in ("grow", "no_grow")][:1]
+    assert summary["status"] == "done" and summary["steps_done"] == 300, summary.get("error")
+    decisions = [d for d in events(tmp_path / "run", "decision") if d["decision"] in ("grow", "no_grow")]
+    assert decisions, "the extra worker never became ready to join while the run trained"
+    priced = decisions[0]
     ev = priced["evidence"]
     assert ev["from"]["dp"] * ev["from"]["tp"] == 2 and ev["to"]["dp"] * ev["to"]["tp"] == 3, ev
     assert ev["now"]["step_s"] > 0 and ev["grown"]["step_s"] > 0 and ev["link_measured"] is True
