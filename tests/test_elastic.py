@@ -19,17 +19,21 @@ from test_fault import Killer, events
 from test_train_equivalence import MLP, max_diff, plain_parts, reference, run_gearshift
 
 
-def sharded_reference(job, replicas) -> dict:
+def sharded_reference(job, replicas, state_lost_at: int | None = None) -> dict:
     """Plain single-process PyTorch doing the run's own arithmetic: each step's global batch cut
     into `replicas(step)` shares as the data-parallel ranks cut it, each share's mean loss
     backpropagated alone, the gradients averaged over the shares. Runs whose data-parallel size
     changes (a resize) round differently from a whole-batch step, and over a hundred steps
     momentum turns that rounding into 1e-2 (measured: a data(4) -> data(3) plan, 120 SGD steps,
-    0.015 off the whole-batch loop and 1e-7 off this one)."""
+    0.015 off the whole-batch loop and 1e-7 off this one). `state_lost_at`: the optimizer's state
+    is dropped before that step, as a resize that failed to move it would (a test's yardstick for
+    how far such a mistake would land)."""
     model, dataset, loss_fn, opt = plain_parts(job)
     order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
     params = list(model.parameters())
     for step in range(job.train.steps):
+        if step == state_lost_at:
+            opt.state.clear()
         k = replicas(step)
         total = [torch.zeros_like(p) for p in params]
         for r in range(k):

@@ -123,11 +123,9 @@ def test_a_lost_node_shrinks_the_job_or_waits_for_a_replacement(tmp_path, mode):
           f"{recovered['world_size']} workers, {recovered['steps_recomputed']} step(s) recomputed")
 
 
-# SGD with momentum: its state moves as Adam's does, and it leaves float rounding below 1e-5 where
-# the data-parallel size changes (test_elastic.sharded_reference says why)
-# 80 steps of 0.5 s or more: a new node takes 10-15 s to register and its workers 5-10 s to start and
-# warm up (more on a loaded machine). Few steps: float rounding grows past 1e-5 within 100 of them on this
-# model (measured: an uninterrupted stretch of a run drifting from step 76 on)
+# SGD with momentum: its state moves as Adam's does (test_elastic.sharded_reference says why the reference
+# cuts the batch as the run does). 80 steps of 0.5 s or more: a new node takes 10-15 s to register and its
+# workers 5-10 s to start and warm up (more on a loaded machine)
 ELASTIC = BASE + SGD + ["fault.on_node_loss=elastic", "cluster.min_workers=1", "cluster.max_workers=4",
                         "train.steps=80", "inject.comm_delay_ms=500"]
 
@@ -152,7 +150,13 @@ def test_an_elastic_run_grows_onto_a_node_that_joins_even_as_another_is_lost(tmp
     assert resizes[-1]["joined"] == 2 and resizes[-1]["steps_redone"] == 0
     assert sum(r["steps_redone"] for r in resizes) <= 1
     job = load_job(MLP[0], overrides)
-    ref = sharded_reference(job, replicas_of(run_dir, job.layout.dp))
-    assert max_diff(torch.load(run_dir / "final.pt", weights_only=True), ref) <= 1e-5
+    replicas = replicas_of(run_dir, job.layout.dp)
+    off = max_diff(torch.load(run_dir / "final.pt", weights_only=True), sharded_reference(job, replicas))
+    # float rounding only: where the data-parallel size changes, the run sums its shares in another order than
+    # the reference, and over 80 momentum steps that grows to 1e-5..6e-5 (measured). A grow that lost the
+    # optimizer's state (the momentum) would land 100 times further off: the yardstick below says how far
+    lost = max_diff(sharded_reference(job, replicas, state_lost_at=resizes[-1]["step"] - 1),
+                    sharded_reference(job, replicas))
+    assert off <= 2e-4 and lost >= 50 * off, (off, lost)
     chaos = dict(json.loads((run_dir / "chaos.json").read_text()))
     print(f"{mode}: node added; training on 4 workers {resizes[-1]['time'] - chaos['added']:.1f} s later")

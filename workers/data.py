@@ -16,11 +16,14 @@ class SyntheticDigits(Dataset):
     """MNIST-shaped (1x28x28 inputs, 10 classes) and learnable: each class is a smooth pattern
     seen through heavy pixel noise, so a model has to average over many pixels to classify."""
 
-    def __init__(self, size: int = 8192, signal: float = 0.1, noise: float = 1.0, seed: int = 1234):
+    def __init__(self, size: int = 8192, signal: float = 0.1, noise: float = 1.0, seed: int = 1234,
+                 held_out: bool = False):
         g = torch.Generator().manual_seed(seed)
         # low-frequency class patterns: 7x7 random fields upsampled to 28x28
         coarse = torch.randn(10, 1, 7, 7, generator=g)
         patterns = torch.nn.functional.interpolate(coarse, size=(28, 28), mode="bilinear", align_corners=False)
+        if held_out:  # the same classes (patterns), other samples: eval data for a model trained on seed's
+            g = torch.Generator().manual_seed(seed + 7_919)
         self.targets = torch.randint(0, 10, (size,), generator=g)
         self.inputs = signal * patterns[self.targets] + noise * torch.randn(size, 1, 28, 28, generator=g)
 
@@ -78,8 +81,10 @@ class CharCorpus(Dataset):
         return rows[:, :-1], rows[:, 1:]
 
 
-def synthetic_digits(size: int = 8192, signal: float = 0.1, noise: float = 1.0, seed: int = 1234) -> SyntheticDigits:
-    return SyntheticDigits(size, signal, noise, seed)
+def synthetic_digits(size: int = 8192, signal: float = 0.1, noise: float = 1.0, seed: int = 1234,
+                     held_out: bool = False) -> SyntheticDigits:
+    """held_out: samples of the same classes that training on `seed` never sees (eval.data)."""
+    return SyntheticDigits(size, signal, noise, seed, held_out)
 
 
 def chars(seq_len: int = 64, chars: int = 200_000, seed: int = 7) -> CharCorpus:

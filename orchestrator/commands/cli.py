@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     from gearshift.orchestrator.commands.export import add_parser as _add_export_command
 
     _add_export_command(sub)
+    from gearshift.orchestrator.commands.serve import add_parser as _add_serve_command
+
+    _add_serve_command(sub)
     _add_schema_command(sub)
     return p
 
@@ -199,6 +202,10 @@ def _dispatch(args) -> int:
             from gearshift.orchestrator.commands.export import cmd_export
 
             return cmd_export(args)
+        if args.command == "serve":
+            from gearshift.orchestrator.commands.serve import cmd_serve
+
+            return cmd_serve(args)
         if args.command in ("runs", "replay"):
             from gearshift.orchestrator.commands import runs as runs_command
 

@@ -23,18 +23,43 @@ def add_parser(sub) -> None:
     p.add_argument("run", metavar="RUN_DIR|FINGERPRINT", help="the run to export")
     p.add_argument("--output", "-o", required=True, metavar="DIR", help="the folder to write (new, or empty)")
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest that verifies)")
-    p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
-                   help="safetensors: shards plus model.safetensors.index.json (default); torch: one model.pt")
+    p.add_argument("--format", choices=("safetensors", "torch", "onnx", "torch-export"), default="safetensors",
+                   help="safetensors: shards plus model.safetensors.index.json (default); torch: one model.pt; "
+                        "onnx: an ONNX model (--output FILE), checked under onnxruntime; torch-export: a "
+                        "torch.export program (--output FILE). onnx and torch-export have a dynamic batch "
+                        "dimension and take the compression options")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="convert floating tensors (default: as trained)")
     p.add_argument("--max-shard-size", default="5GB", help="the largest shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--prefix", help="taken off the front of every name (default: the run's model.pretrained.prefix, "
                                     "else none); names without it are left out")
     p.add_argument("--root", help="where to look a fingerprint up (default: GEARSHIFT_RUNS_ROOT, else ./runs)")
+    p.add_argument("--quantize", choices=("dynamic_int8",),
+                   help="onnx, torch-export: int8 weights for Linear layers (onnx: onnxruntime's dynamic "
+                        "quantizer; torch-export: int8 weights with a scale per output channel)")
+    p.add_argument("--prune", metavar="l1_structured:S",
+                   help="onnx, torch-export: remove the share S of each prunable Linear layer's output channels "
+                        "by L1 norm (really smaller matrices)")
+    p.add_argument("--finetune-steps", type=int, default=0, metavar="N",
+                   help="with --prune: train the pruned model N steps as a run of the job (its loop, data and "
+                        "optimizer, on the cluster) before export")
+    p.add_argument("--address", help="with --finetune-steps: the Ray cluster to fine-tune on (default: RAY_ADDRESS, "
+                                     "else an embedded Ray)")
+    p.add_argument("--eval-samples", type=int, default=1024, metavar="N",
+                   help="compression figures: the eval loss and accuracy over the first N samples of the job's "
+                        "eval.data (its data without one); default 1024")
+    p.add_argument("--version", help="onnx, torch-export: the version name `gearshift serve` answers with "
+                                     "(default: JOB-stepSTEP)")
 
 
 def cmd_export(args) -> int:
     from gearshift.workers import checkpoint, export
 
+    if args.format in ("onnx", "torch-export"):
+        return cmd_inference_export(args)
+    for flag, value in (("--quantize", args.quantize), ("--prune", args.prune),
+                        ("--finetune-steps", args.finetune_steps)):
+        if value:
+            raise UsageError(f"{flag} applies to --format onnx or torch-export, not {args.format}")
     run = _find(args.run, args.root)
     source = _checkpoint(run, args.step)
     job = _job(run)
@@ -124,3 +149,101 @@ def _read_json(path: pathlib.Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def cmd_inference_export(args) -> int:
+    """An ONNX model or a torch.export program of the run's model, optionally pruned (and
+    fine-tuned) and with int8 weights; checked against eager PyTorch on the job's own inputs, with
+    the compression's figures before and after printed side by side."""
+    import tempfile
+
+    import torch
+
+    from gearshift.serving import artifact, compress, source
+
+    out = pathlib.Path(args.output)
+    if out.exists() or out.is_symlink():
+        raise UsageError(f"--output {out} exists; give a new file name, so that no earlier export is overwritten")
+    if not out.parent.is_dir():
+        raise UsageError(f"--output {out}: the folder {out.parent} does not exist")
+    if args.finetune_steps and not args.prune:
+        raise UsageError("--finetune-steps N fine-tunes a pruned model: give --prune l1_structured:S with it")
+    if args.finetune_steps < 0 or args.eval_samples < 1:
+        raise UsageError("--finetune-steps must be 0 or more and --eval-samples 1 or more")
+    if args.dtype:
+        raise UsageError(f"--dtype applies to --format safetensors or torch; {args.format} exports fp32 (give "
+                         "--quantize dynamic_int8 for a smaller model)")
+    share = compress.parse_prune(args.prune) if args.prune else None
+    _ready(args.format)
+    say = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    rm = source.load(args.run, args.root, args.step)
+    example = source.example(rm, 2)
+    check_x, _ = source.batch(source.dataset(rm, "train")[0], 32)
+    model, compression = rm.model, {}
+    if share is not None:
+        model, shapes, pairs = compress.prune(rm.model, example, share)
+        compression["prune"] = {"method": "l1_structured", "share": share, "layers": shapes}
+        say(f"pruned {share:.0%} of the output channels of {len(pairs)} layer(s): "
+            + ", ".join(f"{a} {rm.model.get_submodule(a).out_features}->{shapes[a][1]}" for a, _ in pairs))
+        if args.finetune_steps:
+            workdir = out.parent / f"{out.name}.finetune"
+            say(f"fine-tuning the pruned model for {args.finetune_steps} steps as a run of the job in {workdir}")
+            model, _ = compress.finetune(rm, model, shapes, args.finetune_steps, workdir, args.address)
+            compression["finetune_steps"] = args.finetune_steps
+    eager = model  # what the export must equal (before int8)
+    if args.quantize:
+        compression["quantize"] = args.quantize
+        if args.format == "torch-export":
+            model, count = compress.int8_weights(model)
+            say(f"int8 weights for {count} Linear layer(s)")
+    record = artifact.record_for(rm, example, compression, args.format, args.version)
+    write = artifact.export_onnx if args.format == "onnx" else artifact.export_program
+    with tempfile.TemporaryDirectory(prefix="gearshift-export-") as tmp:
+        tmp = pathlib.Path(tmp)
+        if args.format == "onnx" and args.quantize:
+            write(model, example, tmp / "fp32.onnx", record)
+            artifact.quantize_onnx(tmp / "fp32.onnx", out)
+        else:
+            write(model, example, out, record)
+        runtime = artifact.open_artifact(out)
+        with torch.no_grad():
+            want = eager(check_x)
+        diff = artifact.max_difference(runtime(check_x), want)
+        against = "eager PyTorch before int8" if args.quantize else "eager PyTorch"
+        say(f"exported step {rm.step} of {rm.run_path} as {args.format} to {out} ({out.stat().st_size / 1e6:.2f} MB, "
+            f"version {record['version']}); run under {runtime.kind} on 32 of the job's inputs, the largest "
+            f"difference from {against} is {diff:.3g}")
+        if not args.quantize and diff > 1e-4:
+            say(f"gearshift: warning: {diff:.3g} is more than the 1e-4 an fp32 export should keep to")
+        if compression:
+            base_path = tmp / f"uncompressed.{'onnx' if args.format == 'onnx' else 'pt2'}"
+            write(rm.model, example, base_path, artifact.record_for(rm, example, {}, args.format))
+            before = artifact.figures(artifact.open_artifact(base_path), rm, check_x, base_path.stat().st_size,
+                                      args.eval_samples)
+            after = artifact.figures(runtime, rm, check_x, out.stat().st_size, args.eval_samples)
+            say(f"compression ({', '.join(_describe(compression))}), both under {runtime.kind}, eval on "
+                f"{after['eval_samples']} samples of the job's {after['eval_data']}:")
+            say(artifact.table(before, after, "uncompressed", "compressed"))
+            (out.parent / f"{out.name}.figures.json").write_text(json.dumps(
+                {"before": before, "after": after, "compression": compression, "max_difference": diff}, indent=1))
+    return 0
+
+
+def _describe(compression: dict) -> list[str]:
+    parts = []
+    if "prune" in compression:
+        parts.append(f"l1_structured:{compression['prune']['share']}"
+                     + (f", fine-tuned {compression['finetune_steps']} steps" if compression.get("finetune_steps")
+                        else ""))
+    if "quantize" in compression:
+        parts.append(compression["quantize"])
+    return parts
+
+
+def _ready(fmt: str) -> None:
+    import importlib.util
+
+    need = ["onnx", "onnxscript", "onnxruntime"] if fmt == "onnx" else []
+    missing = [m for m in need if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"--format {fmt} needs {', '.join(missing)}: pip install 'gearshift[serve]'")
