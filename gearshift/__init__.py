@@ -30,7 +30,7 @@ _API = {
     "RunFailed": "gearshift.orchestrator.errors", "GearshiftError": "gearshift.orchestrator.errors",
     "UsageError": "gearshift.orchestrator.errors",
 }
-_PARTS = ("api", "orchestrator", "workers", "strategies", "monitoring")
+_PARTS = ("api", "orchestrator", "workers", "strategies", "monitoring", "serving")
 __all__ = sorted(_API)
 
 

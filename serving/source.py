@@ -38,18 +38,20 @@ class RunModel:
         return [self.base_dir]
 
 
-def load(run_ident: str, root: str | None = None, step: int | None = None) -> RunModel:
-    """The run named by `run_ident` (a run dir or a fingerprint) with its checkpoint at `step`
-    (default: the newest that verifies) loaded into a freshly built model."""
-    from gearshift.orchestrator.commands.export import _checkpoint, _find
-    from gearshift.orchestrator.commands.runs import _read_job
+def load(run_dir: str | pathlib.Path, step: int | None = None) -> RunModel:
+    """The run in `run_dir` with its checkpoint at `step` (default: the newest that verifies)
+    loaded into a freshly built model."""
+    from gearshift.orchestrator.records.rundir import RunDir
     from gearshift.workers import checkpoint, components
 
-    run = _find(run_ident, root)
-    job = _read_job(run)
+    path = pathlib.Path(run_dir)
+    if not (path / "job.yaml").is_file():
+        raise UsageError(f"{path} is not a gearshift run directory (it has no job.yaml)")
+    run = RunDir(path)
+    job = read_job(run)
     recorded = _read_json(run.source) or {}
     base_dir = str(recorded.get("base_dir") or ".")
-    source = _checkpoint(run, step)
+    source = model_tensors(run, step)
     try:
         torch.manual_seed(int((job.get("train") or {}).get("seed", 0)))
         model = components.build_model(job["model"], [base_dir])
@@ -67,6 +69,46 @@ def load(run_ident: str, root: str | None = None, step: int | None = None) -> Ru
     model.load_state_dict(loaded, strict=True)
     model.eval()
     return RunModel(model, job, base_dir, source.step, run.path, name=str(job.get("name") or run.path.name))
+
+
+def read_job(run) -> dict:
+    """The run's job.yaml, as the run resolved it."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        raw = yaml.load(run.job_file.read_text(), Loader=loader)
+    except (OSError, yaml.YAMLError) as err:
+        raise UsageError(f"{run.job_file} is unreadable ({str(err).splitlines()[0]}); the run directory is "
+                         "damaged.") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{run.job_file} does not hold a job mapping; the run directory is damaged.")
+    return raw
+
+
+def model_tensors(run, step: int | None = None):
+    """The model's tensors of the run's checkpoint at `step`, else of the newest that verifies."""
+    from gearshift.workers import checkpoint, export
+
+    root = run.checkpoint_root()
+    found = checkpoint.list_checkpoints(root)
+    if not found:
+        raise UsageError(f"{run.path} has no checkpoint to export ({root} holds none): a run writes one "
+                         "when it finishes and every checkpoint.every steps; run or resume it to the end first")
+    steps = [int(p.name.split("_")[1]) for p in found]
+    if step is not None and step not in steps:
+        raise UsageError(f"--step {step}: {run.path} has checkpoints at steps {', '.join(map(str, steps))}")
+    errors = []
+    for path in reversed(found):
+        if step is not None and int(path.name.split("_")[1]) != step:
+            continue
+        try:
+            return export.ModelTensors(path)
+        except checkpoint.CheckpointError as err:
+            errors.append(str(err))
+            if step is not None:
+                break
+    raise UsageError(f"no checkpoint of {run.path} verifies: {errors[0]}")
 
 
 def dataset(rm: RunModel, which: str = "eval"):

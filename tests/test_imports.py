@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("orchestrator", "workers", "strategies", "monitoring")
+PARTS = ("orchestrator", "workers", "strategies", "monitoring", "serving")
 
 
 def _modules() -> dict[str, Path]:
@@ -96,10 +96,13 @@ def test_function_level_imports_count():
 
 
 def test_flow_runs_one_way():
-    """Workers never import the orchestrator; strategies import neither; monitoring neither."""
+    """Workers never import the orchestrator; strategies import neither; monitoring neither;
+    serving (after training) uses workers' code and the orchestrator's records, while the
+    orchestrator's commands use serving."""
     for name, edges in import_graph().items():
-        for part, banned in (("workers", ("orchestrator",)), ("strategies", ("orchestrator", "workers")),
-                             ("monitoring", ("orchestrator", "workers"))):
+        for part, banned in (("workers", ("orchestrator", "serving")), ("strategies", ("orchestrator", "workers")),
+                             ("monitoring", ("orchestrator", "workers")),
+                             ("serving", ("orchestrator.commands", "orchestrator.control"))):
             if name.startswith(f"gearshift.{part}"):
                 bad = [e for e in edges if any(e.startswith(f"gearshift.{b}") for b in banned)]
                 assert not bad, f"{name} imports {bad}"

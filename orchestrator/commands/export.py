@@ -101,27 +101,9 @@ def _find(ident: str, root: str | None):
 
 
 def _checkpoint(run, step: int | None):
-    from gearshift.workers import checkpoint, export
+    from gearshift.serving.source import model_tensors
 
-    root = run.checkpoint_root()
-    found = checkpoint.list_checkpoints(root)
-    if not found:
-        raise UsageError(f"{run.path} has no checkpoint to export ({root} holds none): a run writes one "
-                         "when it finishes and every checkpoint.every steps; run or resume it to the end first")
-    steps = [int(p.name.split("_")[1]) for p in found]
-    if step is not None and step not in steps:
-        raise UsageError(f"--step {step}: {run.path} has checkpoints at steps {', '.join(map(str, steps))}")
-    errors = []
-    for path in reversed(found):
-        if step is not None and int(path.name.split("_")[1]) != step:
-            continue
-        try:
-            return export.ModelTensors(path)
-        except checkpoint.CheckpointError as err:
-            errors.append(str(err))
-            if step is not None:
-                break
-    raise UsageError(f"no checkpoint of {run.path} verifies: {errors[0]}")
+    return model_tensors(run, step)
 
 
 def _job(run) -> dict:
@@ -176,7 +158,7 @@ def cmd_inference_export(args) -> int:
     share = compress.parse_prune(args.prune) if args.prune else None
     _ready(args.format)
     say = lambda text: print(text, file=sys.stderr)  # noqa: E731
-    rm = source.load(args.run, args.root, args.step)
+    rm = source.load(_find(args.run, args.root).path, args.step)
     example = source.example(rm, 2)
     check_x, _ = source.batch(source.dataset(rm, "train")[0], 32)
     model, compression = rm.model, {}

@@ -83,8 +83,6 @@ def cmd_serve(args) -> int:
                      logging_level="WARNING", **kwargs)
         started_ray = True
         # Ray's core installs a C++ SIGTERM handler that prints a stack; stop as for Ctrl-C instead
-        from gearshift.orchestrator.commands.cli import _terminated
-
         signal.signal(signal.SIGTERM, _terminated)
     token = secrets.token_hex(16)
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
@@ -121,6 +119,10 @@ def cmd_serve(args) -> int:
             ray.shutdown()
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def _check_args(args) -> None:
     for flag, value, lo in (("--replicas", args.replicas, 1), ("--max-batch", args.max_batch, 1),
                             ("--threads", args.threads, 1), ("--port", args.port, 1)):
@@ -152,10 +154,13 @@ def _version(target: str, what: str) -> dict:
     from gearshift.serving import artifact
 
     path = pathlib.Path(target)
-    if not path.exists() and not path.is_file():
-        # a fingerprint resolves in open_artifact; a missing file is the likelier mistake
-        if "/" in target or "." in path.name:
+    if not path.is_file():  # a run: its directory, or a fingerprint `gearshift runs` lists
+        if not path.exists() and ("/" in target or "." in path.name):
             raise UsageError(f"{what} {target}: no such file or run directory")
+        from gearshift.orchestrator.commands.runs import find_run
+
+        path = find_run(target).path
+        target = str(path)
     runtime = artifact.open_artifact(target)
     if not runtime.sample_shape and not runtime.record:
         raise UsageError(f"{what} {target} carries no gearshift record (input shape, dtype); export it with "
