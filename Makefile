@@ -27,14 +27,16 @@ run: install
 test: install
 	$(BIN)/python -m pytest -m "(not ray and not slow) or smoke" $(PYTEST_ARGS)
 
-# everything (what CI runs): the tests that start no Ray and time nothing two at a time (a
-# file's tests on one process), then the others one at a time (each leans on the one Ray of the
-# session, or on having the machine's cores to itself for its timings). Both parts always run;
-# it fails if either does (pytest's 5: nothing selected, is not a failure)
+# everything (what CI runs), in three parts: the tests that start no Ray and time nothing, two at a
+# time (a file's tests on one process); the Ray ones, two at a time too (each process its own Ray
+# session); then, one at a time, those that assert on measured time or count this machine's
+# processes (marked timing or alone). Every part always runs; it fails if any does (pytest's 5,
+# nothing selected, is not a failure)
 test-all: install
-	$(BIN)/python -m pytest -m "not ray and not timing" -n 2 --dist loadfile $(PYTEST_ARGS); a=$$?; \
-	$(BIN)/python -m pytest -m "ray or timing" $(PYTEST_ARGS); b=$$?; \
-	for c in $$a $$b; do [ $$c -eq 0 ] || [ $$c -eq 5 ] || exit $$c; done
+	$(BIN)/python -m pytest -m "not ray and not timing and not alone" -n 2 --dist loadfile $(PYTEST_ARGS); a=$$?; \
+	$(BIN)/python -m pytest -m "ray and not timing and not alone" -n 2 --dist loadfile $(PYTEST_ARGS); b=$$?; \
+	$(BIN)/python -m pytest -m "timing or alone" $(PYTEST_ARGS); c=$$?; \
+	for r in $$a $$b $$c; do [ $$r -eq 0 ] || [ $$r -eq 5 ] || exit $$r; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

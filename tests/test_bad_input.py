@@ -202,6 +202,7 @@ def _ray_daemons() -> set[int]:
 
 
 @pytest.mark.ray
+@pytest.mark.alone  # counts this machine's Ray daemons
 def test_more_workers_than_the_machine_fails_fast_and_stops_ray(tmp_path):
     """The real command in a fresh process: it starts an embedded Ray, finds the job cannot fit,
     says so in one paragraph and leaves no Ray process behind."""
@@ -243,6 +244,7 @@ print(seen, ray.is_initialized())
 
 
 @pytest.mark.ray
+@pytest.mark.alone  # counts this machine's Ray daemons
 def test_an_embedded_ray_has_its_autoscaler_monitor_stopped_before_ray_shutdown(tmp_path):
     """Ray would stop the monitor after its GCS, and wait its 1 s grace for it on every run."""
     before = _ray_daemons()

@@ -356,7 +356,7 @@ def test_a_latency_request_does_not_wait_for_the_batch_window(served):
     assert _request(url, {"inputs": x[:1].tolist()})[0] == 200
     batched_s = time.perf_counter() - t
     print(f"latency request {latency_s * 1e3:.0f} ms, a lone batched one {batched_s * 1e3:.0f} ms (window 400 ms)")
-    assert latency_s < 0.3 < 0.38 < batched_s
+    assert latency_s < 0.4 <= batched_s  # a lone batched request waits the whole window; the latency one none of it
 
 
 @pytest.mark.ray

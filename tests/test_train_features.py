@@ -44,6 +44,7 @@ def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, 
     assert "step 30/30  loss" in err and "samples/s" in err and "ETA" in err
 
 
+@pytest.mark.alone  # no TrainWorker process on this machine may outlive the run
 def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, tmp_path, capsys):
     shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
     (tmp_path / "job.yaml").write_text(
@@ -73,6 +74,7 @@ def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, 
     assert wait_until(lambda: not worker_processes()), "no TrainWorker process may outlive a failed run"
 
 
+@pytest.mark.alone  # counts this machine's Ray daemons and TrainWorker processes
 def test_ctrl_c_stops_everything_and_the_run_resumes_exactly(tmp_path):
     """The real command in its own session, Ctrl-C'd as a terminal does it (SIGINT to the whole
     process group, Ray's own processes included): it exits 130 within seconds, says so in the
