@@ -122,6 +122,21 @@ def load(port: int, clients: int, requests: int) -> dict:
             "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))], "requests": len(times)}
 
 
+def replica_rss_mb(port_proc) -> float:
+    """Peak resident memory of the variant's replica process (Linux VmHWM), in MiB."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "ServeReplica:gearshift:stable" in " ".join(p.info["cmdline"] or []):
+                for line in open(f"/proc/{p.pid}/status"):
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+            continue
+    return float("nan")
+
+
 def spread(values: list[float]) -> list:
     return [round(statistics.median(values), 3), [round(min(values), 3), round(max(values), 3)]]
 
@@ -143,6 +158,7 @@ def main() -> None:
         sizes = {f: (folder / f).stat().st_size for f in ("fp32.onnx", "int8.onnx", "fp32.pt2")}
         print(f"model sizes: {json.dumps(sizes)}", flush=True)
         runs: dict = {}
+        rss: dict = {}
         for rep in range(repeats):
             for name, (file, max_batch) in VARIANTS.items():
                 proc, port = start(folder, file, max_batch)
@@ -153,9 +169,11 @@ def main() -> None:
                         runs.setdefault(name, {}).setdefault(str(c), []).append(got)
                         print(f"repeat {rep} {name:18} clients {c:3}: {got['rps']:8.1f} req/s  p50 "
                               f"{got['p50_ms']:8.2f} ms  p99 {got['p99_ms']:8.2f} ms", flush=True)
+                    rss.setdefault(name, []).append(replica_rss_mb(proc))
                 finally:
                     stop(proc)
-    result: dict = {"sizes": sizes, "variants": {}}
+    result: dict = {"sizes": sizes, "variants": {},
+                    "replica_peak_rss_mib": {k: spread(v) for k, v in rss.items()}}
     for name, by_c in runs.items():
         result["variants"][name] = {c: {k: spread([r[k] for r in rs]) for k in ("rps", "p50_ms", "p99_ms")}
                                     for c, rs in by_c.items()}

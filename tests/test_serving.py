@@ -289,11 +289,12 @@ def served(mlp_run, tmp_path_factory):
     for name, extra in (("fp32.onnx", []), ("int8.onnx", ["--quantize", "dynamic_int8", "--version", "int8"])):
         code, said = _export(mlp_run, folder / name, "--format", "onnx", *extra)
         assert code == 0, said
-    port, state = free_port(), folder / "state.json"
+    port, metrics_port, state = free_port(), free_port(), folder / "state.json"
     log = open(folder / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "gearshift", "serve", str(folder / "fp32.onnx"), "--port", str(port),
                              "--canary", str(folder / "int8.onnx"), "--canary-share", "0.05", "--max-batch", "32",
-                             "--batch-wait-ms", "400", "--max-request-mb", "0.5", "--state", str(state)],
+                             "--batch-wait-ms", "400", "--max-request-mb", "0.5", "--state", str(state),
+                             "--metrics-port", str(metrics_port)],
                             cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "RAY_DEDUP_LOGS": "0"})
     url = f"http://127.0.0.1:{port}"
@@ -303,7 +304,7 @@ def served(mlp_run, tmp_path_factory):
             assert proc.poll() is None and time.monotonic() < deadline, (folder / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
         model, x = _eager(mlp_run)
-        yield {"url": url, "state": state, "model": model, "x": x, "folder": folder}
+        yield {"url": url, "state": state, "model": model, "x": x, "folder": folder, "metrics_port": metrics_port}
         proc.send_signal(signal.SIGTERM)  # as a scheduler stops it
         assert proc.wait(timeout=60) == 0, (folder / "serve.log").read_text()[-3000:]
         assert not state.exists()
@@ -338,6 +339,29 @@ def test_serve_answers_as_eager_batches_concurrent_requests_and_splits_traffic(s
     batches = _get(url, "/stats")["batches"]["mlp-step200"]["batch"]
     assert max(int(size) for size in batches) > 1, batches  # concurrent requests shared forwards
     print(json.dumps({"canary_requests": canary, "stable_batches": batches}))
+
+
+@pytest.mark.ray
+def test_batch_sizes_queue_wait_and_forward_time_reach_prometheus_per_version(served):
+    """Ray's Prometheus endpoint carries the replicas' gearshift_serve_* histograms, tagged with
+    the version, next to Serve's own metrics."""
+    from conftest import wait_until
+
+    url = f"http://127.0.0.1:{served['metrics_port']}/metrics"
+    assert _request(served["url"], {"inputs": served["x"][:1].tolist()})[0] == 200
+    text = {"": ""}
+
+    def scraped():
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=10) as r:
+                text[""] = r.read().decode()
+        return all(f"gearshift_serve_{m}_bucket" in text[""] for m in ("batch_size", "queue_wait_ms", "forward_ms"))
+
+    assert wait_until(scraped, timeout_s=60, interval_s=1.0), text[""][-2000:]
+    lines = [line for line in text[""].splitlines() if line.startswith("ray_gearshift_serve_batch_size_count")
+             or line.startswith("gearshift_serve_batch_size_count")]
+    assert any('version="mlp-step200"' in line for line in lines), lines
+    assert "serve_" in text[""].replace("gearshift_serve_", "")  # Serve's own metrics beside them
 
 
 @pytest.mark.ray
