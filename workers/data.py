@@ -75,6 +75,10 @@ class CharCorpus(Dataset):
         chunk = self.ids[start : start + self.seq_len + 1]
         return chunk[:-1], chunk[1:]
 
+    def decode(self, ids) -> str:
+        """Token ids back to text (`gearshift inspect data` shows token batches with it)."""
+        return "".join(chr(int(i)) for i in ids)
+
     def get_batch(self, indices: list[int]):
         starts = torch.as_tensor(indices).unsqueeze(1) * self.seq_len
         rows = self.ids[starts + torch.arange(self.seq_len + 1)]

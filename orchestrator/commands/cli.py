@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     from gearshift.orchestrator.commands.serve import add_parser as _add_serve_command
 
     _add_serve_command(sub)
+    from gearshift.orchestrator.commands.inspect import add_parser as _add_inspect_command
+
+    _add_inspect_command(sub)
     _add_schema_command(sub)
     return p
 
@@ -202,6 +205,10 @@ def _dispatch(args) -> int:
             from gearshift.orchestrator.commands.export import cmd_export
 
             return cmd_export(args)
+        if args.command == "inspect":
+            from gearshift.orchestrator.commands.inspect import cmd_inspect
+
+            return cmd_inspect(args)
         if args.command == "serve":
             from gearshift.orchestrator.commands.serve import cmd_serve
 
