@@ -183,6 +183,59 @@ def test_fp32_warmup_covering_every_step_equals_fp32(ray_cluster, tmp_path):
 
 
 @pytest.mark.ray
+def test_the_final_fp32_phase_trains_those_steps_as_fp32_does(ray_cluster, tmp_path):
+    """bf16 for steps 1-3, fp32 for 4-6: the run's end equals plain fp32 PyTorch continuing from the
+    run's own checkpoint at step 3 (its weights and momentum), and the bf16 steps before differ
+    from fp32 training."""
+    from test_train_equivalence import plain_parts, reference as plain
+    from test_elastic import SGD
+
+    from gearshift.workers import dcp
+
+    phases = "train.precision={dtype: bf16, fp32_final_steps: 3}"
+    overrides = MLP[1] + SGD + ["train.steps=6", "checkpoint.every=3", phases]
+    run_gearshift(MLP[0], overrides, tmp_path / "run")
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    job = load_job(MLP[0], overrides)
+    model, dataset, loss_fn, opt = plain_parts(job)
+    state = dcp.load_full(tmp_path / "run" / "checkpoints" / "step_00000003")
+    model.load_state_dict(state["model"])
+    for name, param in model.named_parameters():  # the checkpoint's optimizer state is keyed by name
+        opt.state[param] = {k: v.clone() for k, v in state["optimizer"]["state"][name].items()}
+    order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
+    for step in range(3, 6):
+        x, y = default_collate([dataset[i] for i in order.indices(step)])
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    assert max_diff(final, model.state_dict()) <= 1e-5
+    fp32_at_3, _ = plain(load_job(MLP[0], MLP[1] + SGD + ["train.steps=3"]))
+    assert max_diff(state["model"], fp32_at_3) > 1e-5  # the steps before the phase ran in bf16
+    # the phase covering every step is fp32 training
+    every = MLP[1] + SGD + ["train.steps=4", "train.precision={dtype: bf16, fp32_final_steps: 4, final_fp32: []}"]
+    run_gearshift(MLP[0], every, tmp_path / "all")
+    ref_state, _ = plain(load_job(MLP[0], every))
+    assert max_diff(torch.load(tmp_path / "all" / "final.pt", weights_only=True), ref_state) <= 1e-5
+
+
+def test_final_fp32_modules_switch_to_fp32_only_in_the_final_phase():
+    from gearshift.workers.models import gpt
+    from gearshift.workers.precision import fp32_when
+
+    torch.manual_seed(0)
+    model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)
+    final = {"on": False}
+    assert fp32_when(model, ["head"], "cpu", lambda: final["on"]) == ["head"]
+    dtypes = []
+    model.head.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 128, (2, 8)))
+        final["on"] = True
+        model(torch.randint(0, 128, (2, 8)))
+    assert dtypes == [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.ray
 @pytest.mark.parametrize("layout", [[], ["parallel.strategy=tensor"],
                                     ["adapt.schedule=[{step: 2, strategy: tensor}]"]],  # compiled again
                          ids=["data", "tensor", "switch"])

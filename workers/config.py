@@ -52,6 +52,8 @@ class WorkerConfig:
     loader: Mapping[str, Any] = field(default_factory=lambda: dict(_IN_LOOP))
     fp32_warmup_steps: int = 0  # precision phases: updates before autocast starts
     keep_fp32: tuple[str, ...] = ()  # module patterns that compute in fp32 under autocast
+    fp32_final_steps: int = 0  # precision phases: the last updates computed in fp32 (all, or final_fp32's)
+    final_fp32: tuple[str, ...] = ()  # module patterns switched to fp32 for those steps; (): the whole model
     compile: Mapping[str, Any] | None = None  # torch.compile options, or None
     eval_data: Mapping[str, Any] | None = None  # held-out data (eval.data) when eval.every > 0
     profile: tuple[int, int] | None = None  # train.profile: (start_step 1-based, steps), or None
@@ -88,6 +90,7 @@ class WorkerConfig:
             schedule=job["optimizer"].get("schedule") or dict(_CONSTANT),
             loader=job["data"].get("loader") or dict(_IN_LOOP),
             fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
+            fp32_final_steps=_final(train["precision"])[0], final_fp32=_final(train["precision"])[1],
             compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train),
             checkpoint_server=checkpoint_server, unshared_storage=bool(inject.get("unshared_storage", False)),
             feeders=dict(feeders or {}),
@@ -108,9 +111,11 @@ def fsdp_mixed_precision(precision, reduce_dtype: str = "fp32") -> tuple[tuple[s
     if dtype != "bf16":
         return None, None
     warmup, kept = _phases(precision)
-    if not warmup and not kept:
+    final = _final(precision)[0]
+    if not warmup and not kept and not final:
         return ("bf16", reduce_dtype), None
-    why = " and ".join(w for w in ("fp32_warmup_steps" if warmup else "", "keep_fp32" if kept else "") if w)
+    why = " and ".join(w for w in ("fp32_warmup_steps" if warmup else "", "keep_fp32" if kept else "",
+                                   "fp32_final_steps" if final else "") if w)
     return None, (f"train.precision sets {why}: fsdp, hsdp and hybrid dp_shard gather parameters in fp32 and "
                   "compute under bf16 autocast for the whole run (FSDP2's bf16 gathers are fixed when a layout is "
                   "built, for every step and module); parallel.reduce_dtype does not apply")
@@ -128,6 +133,12 @@ def _dtype(precision) -> str:
 def _phases(precision) -> tuple[int, tuple[str, ...]]:
     if isinstance(precision, Mapping):
         return precision.get("fp32_warmup_steps", 0), tuple(precision.get("keep_fp32") or ())
+    return 0, ()
+
+
+def _final(precision) -> tuple[int, tuple[str, ...]]:
+    if isinstance(precision, Mapping):
+        return precision.get("fp32_final_steps", 0), tuple(precision.get("final_fp32") or ())
     return 0, ()
 
 

@@ -1,6 +1,7 @@
 """Mixed-precision phases: the first `fp32_warmup_steps` updates in fp32, then autocast to bf16
 or fp16, with the modules named by `keep_fp32` (embeddings, norms: where reduced precision hurts
-most) computing in fp32 throughout."""
+most) computing in fp32 throughout; and the last `fp32_final_steps` updates in fp32 again, the
+whole model or (with `final_fp32`) the modules named there, such as the head."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ def matching(model: nn.Module, patterns: Iterable[str]) -> dict[str, list[str]]:
     return {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for p in patterns}
 
 
-def check_patterns(model_spec: dict, patterns: list[str], search_paths: Iterable[str] = ()) -> None:
+def check_patterns(model_spec: dict, patterns: list[str], search_paths: Iterable[str] = (),
+                   field: str = "keep_fp32") -> None:
     """Every pattern matches a module of the model (built on the meta device: no memory)."""
     model, _ = model_for_checks(model_spec, search_paths)
     for pattern, names in matching(model, patterns).items():
         if not names:
             some = [n for n, _ in model.named_modules() if n][:20]
-            raise ComponentError("train.precision.keep_fp32", pattern, "matches no module of the model; modules are: "
+            raise ComponentError(f"train.precision.{field}", pattern, "matches no module of the model; modules are: "
                                  + ", ".join(some) + (" ..." if len(some) == 20 else ""))
 
 
@@ -39,6 +41,25 @@ def keep_fp32(model: nn.Module, patterns: Iterable[str], device_type: str) -> li
         module = modules[name]
         module.forward = _in_fp32(module.forward, device_type)
     return kept
+
+
+def fp32_when(model: nn.Module, patterns: Iterable[str], device_type: str, active) -> list[str]:
+    """Make the matching modules compute in fp32 under autocast while `active()` is true (the
+    final fp32 phase). Returns the names switched."""
+    named = sorted({n for names in matching(model, patterns).values() for n in names})
+    modules = dict(model.named_modules())
+    for name in named:
+        module = modules[name]
+        module.forward = _in_fp32_if(module.forward, _in_fp32(module.forward, device_type), active)
+    return named
+
+
+def _in_fp32_if(forward, in_fp32, active):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return (in_fp32 if active() else forward)(*args, **kwargs)
+
+    return run
 
 
 def _in_fp32(forward, device_type: str):

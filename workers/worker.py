@@ -223,6 +223,7 @@ class TrainWorker:
             self.recomputed = recompute.apply(model, cfg.activation_checkpointing, cfg.fsdp_units,
                                               builtin=not cfg.model.get("entrypoint"))
             precision.keep_fp32(model, cfg.keep_fp32, self.device.type)
+            precision.fp32_when(model, cfg.final_fp32, self.device.type, self._final_phase)
         plan = None
         if strategies.lookup(layout.strategy).needs_plan:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
@@ -422,8 +423,13 @@ class TrainWorker:
         """Autocast to the job's dtype, after the fp32 warm-up steps (precision phases)."""
         if self.autocast_dtype is None:  # fp32: a disabled autocast still costs ~0.1 ms a step to enter
             return contextlib.nullcontext()
-        on = self.step >= self.config.fp32_warmup_steps
+        on = self.step >= self.config.fp32_warmup_steps and not (self._final_phase() and not self.config.final_fp32)
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=on)
+
+    def _final_phase(self) -> bool:
+        """The last fp32_final_steps updates of the run (precision phases)."""
+        final = self.config.fp32_final_steps
+        return bool(final) and self.step >= self.config.total_steps - final
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():

@@ -418,12 +418,14 @@ def _check_profile(job: Job) -> None:
 def _check_keep_fp32(job: Job) -> None:
     """Each keep_fp32 pattern must name a module of the model, as a tp plan's patterns must."""
     p = job.train.precision
-    if not isinstance(p, dict) or not p["keep_fp32"]:
+    if not isinstance(p, dict):
         return
     from gearshift.workers import precision
     from gearshift.workers.components import ComponentError
 
-    try:
-        precision.check_patterns(job.to_dict()["model"], p["keep_fp32"], [job.base_dir])
-    except ComponentError as err:
-        raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+    for field in ("keep_fp32", "final_fp32"):
+        if p.get(field):
+            try:
+                precision.check_patterns(job.to_dict()["model"], p[field], [job.base_dir], field)
+            except ComponentError as err:
+                raise JobError(err.field_path, err.value, err.allowed, err.hint) from None

@@ -194,22 +194,32 @@ _PRECISIONS = ("fp32", "bf16", "fp16")
     "type": "object", "additionalProperties": False, "required": ["dtype"],
     "properties": {"dtype": {"type": "string", "enum": ["bf16", "fp16"]},
                    "fp32_warmup_steps": _number("integer", 0),
-                   "keep_fp32": {"type": "array", "items": {"type": "string", "minLength": 1}}}}]})
+                   "keep_fp32": {"type": "array", "items": {"type": "string", "minLength": 1}},
+                   "fp32_final_steps": _number("integer", 0),
+                   "final_fp32": {"type": "array", "items": {"type": "string", "minLength": 1}}}}]})
 def _precision(v, path):
-    """fp32 | bf16 | fp16, or phases: {dtype, fp32_warmup_steps, keep_fp32: [module patterns]}."""
+    """fp32 | bf16 | fp16, or phases: {dtype, fp32_warmup_steps, keep_fp32: [module patterns],
+    fp32_final_steps, final_fp32: [module patterns]}."""
     if not isinstance(v, dict):
         return _choice(*_PRECISIONS)(v, path)
-    unknown = set(v) - {"dtype", "fp32_warmup_steps", "keep_fp32"}
+    unknown = set(v) - {"dtype", "fp32_warmup_steps", "keep_fp32", "fp32_final_steps", "final_fp32"}
     if unknown or "dtype" not in v:
         raise JobError(path, v, "must be fp32, bf16 or fp16, or {dtype: bf16 | fp16, fp32_warmup_steps: N, "
-                                "keep_fp32: [module patterns]}" + (f" (unknown key {sorted(unknown)[0]!r})"
-                                                                    if unknown else " (dtype is required)"))
-    keep = v.get("keep_fp32") or []
-    if not isinstance(keep, list) or not all(isinstance(k, str) and k.strip() for k in keep):
-        raise JobError(f"{path}.keep_fp32", keep, "must be a list of module-name patterns, e.g. ['embed*', '*.ln*']")
+                                "keep_fp32: [module patterns], fp32_final_steps: N, final_fp32: [module patterns]}"
+                       + (f" (unknown key {sorted(unknown)[0]!r})" if unknown else " (dtype is required)"))
+    lists = {}
+    for key in ("keep_fp32", "final_fp32"):
+        patterns = v.get(key) or []
+        if not isinstance(patterns, list) or not all(isinstance(k, str) and k.strip() for k in patterns):
+            raise JobError(f"{path}.{key}", patterns, "must be a list of module-name patterns, e.g. ['head', '*.ln*']")
+        lists[key] = list(patterns)
+    final = _int(0)(v.get("fp32_final_steps", 0), f"{path}.fp32_final_steps")
+    if lists["final_fp32"] and not final:
+        raise JobError(f"{path}.final_fp32", lists["final_fp32"], "applies to the last fp32_final_steps steps: give "
+                                                                   "fp32_final_steps: N with it")
     return {"dtype": _choice("bf16", "fp16")(v["dtype"], f"{path}.dtype"),
             "fp32_warmup_steps": _int(0)(v.get("fp32_warmup_steps", 0), f"{path}.fp32_warmup_steps"),
-            "keep_fp32": list(keep)}
+            "keep_fp32": lists["keep_fp32"], "fp32_final_steps": final, "final_fp32": lists["final_fp32"]}
 
 
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -99,7 +99,8 @@ class TrainSpec:
                                       "null: the whole share of the global batch at once")
     seed: int = _f(0, _int(0, 2**31 - 1), "seeds the model's initial weights, the data order and dropout")
     precision: str | dict = _f("fp32", _precision, "fp32, bf16 or fp16 (autocast; fp16 adds loss scaling), or "
-                               "phases: {dtype: bf16 | fp16, fp32_warmup_steps: N, keep_fp32: [module patterns]}")
+                               "phases: {dtype: bf16 | fp16, fp32_warmup_steps: N, keep_fp32: [module patterns], "
+                               "fp32_final_steps: N, final_fp32: [module patterns]}")
     grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
     log_every: int = _f(10, _int(1), "steps between progress lines")
     activation_checkpointing: bool | list = _f(False, _checkpointing, "recompute activations in backward: true "
