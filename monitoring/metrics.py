@@ -41,6 +41,7 @@ COUNTERS = {
     "gearshift_checkpoints": ("checkpoints written", ()),
     "gearshift_decisions": ("automatic decisions taken", ("decision",)),
     "gearshift_switches": ("layout switches carried out", ()),
+    "gearshift_grad_anomalies": ("gradient anomalies train.grad_check found", ("module", "kind")),
     "gearshift_resizes": ("elastic resizes (from_checkpoint: true when the run restarted to do it)",
                           ("from_checkpoint",)),
 }
@@ -95,6 +96,9 @@ class MetricsEndpoint:
                 self.counters["gearshift_decisions"].labels(self.job, str(record.get("decision", ""))).inc()
             elif event == "switch":
                 self.counters["gearshift_switches"].labels(self.job).inc()
+            elif event == "grad_anomaly":
+                self.counters["gearshift_grad_anomalies"].labels(self.job, str(record.get("module")),
+                                                                 str(record.get("kind"))).inc()
             elif event == "resize":
                 self.counters["gearshift_resizes"].labels(self.job, str(record.get("from_checkpoint")).lower()).inc()
 

@@ -244,6 +244,8 @@ def summarise(records, run_dir) -> dict:
         "switches": len(_events(records, "switch")),
         "resizes": [{"step": r.get("step"), "world_size": r.get("world_size"), "from_checkpoint": r.get("from_checkpoint"),
                      "seconds": r.get("seconds")} for r in _events(records, "resize")],
+        "grad_anomalies": [{k: r.get(k) for k in ("step", "kind", "module", "parameter", "norm", "ratio", "suggestions")}
+                           for r in _events(records, "grad_anomaly")],
         "final_state": final_state,
         "last_state": final,
         "error": states[-1].get("error") if final == "failed" else None,
@@ -309,6 +311,11 @@ def format_summary(s: dict) -> str:
             f"({'from the checkpoint' if r['from_checkpoint'] else 'in memory'}"
             + (f", {r['seconds']:.1f} s)" if isinstance(r.get("seconds"), (int, float)) else ")")
             for r in s["resizes"] if isinstance(r.get("world_size"), list))))
+    for a in s.get("grad_anomalies") or []:
+        size = (f"{a['norm']:.4g} ({a['ratio']:.0f}x its median)" if a.get("kind") == "explode" and a.get("ratio")
+                else str(a.get("norm")))
+        rows.append(("grad anomaly", f"step {a['step']}: {a['module']}.{a['parameter']} norm {size}; "
+                                     + "; ".join(a.get("suggestions") or [])))
     final = s["final_state"]
     if final == "failed":
         final = f"failed: {s['error'] or 'no error recorded'}"

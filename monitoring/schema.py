@@ -141,6 +141,10 @@ EVENTS = {
                 "`uri` and the MLflow `run_id`; unreachable or connecting, with `error`: training goes on and records "
                 "are buffered and retried) and at the end (`status`: done or incomplete; `sent`, `unsent` and "
                 "`dropped` records, `artifacts` sent or not, the last `error`)",
+    "grad_anomaly": "train.grad_check found a parameter's gradient norm NaN/Inf or `explode_ratio` times its own "
+                    "median (`step`, `kind`: nonfinite or explode, `module`, `module_type`, `parameter`, `norm`, "
+                    "`median`, `ratio`, `loss`, `lr`, `suggestions`: what the evidence supports, `samples`: the "
+                    "batch's sample indices on rank 0 when the loss jumped with it, else null)",
     "non_finite": "a step's loss or gradient norm was NaN or Inf: its update was not applied and its batch skipped "
                   "(`step`, `loss`, `grad_norm`, `layer`: the first module whose output was not finite, `action`; where a fused optimizer skipped it on the device, `checked` says so and `grad_norm` and `layer` are null)",
 }

@@ -311,3 +311,14 @@ def load_latest(root: pathlib.Path, whole: bool = True) -> tuple[pathlib.Path, d
         except Exception as err:  # any checkpoint that cannot be used is skipped, whatever the reason
             log.warning("skipping checkpoint %s: %s", path.name, str(err).splitlines()[0])
     return None
+
+
+def to_cpu(obj):
+    """A copy of `obj` (tensors, and dicts, lists and tuples of them) on the host, detached."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True) if obj.device.type != "cpu" else obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj

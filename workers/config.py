@@ -52,6 +52,7 @@ class WorkerConfig:
     loader: Mapping[str, Any] = field(default_factory=lambda: dict(_IN_LOOP))
     fp32_warmup_steps: int = 0  # precision phases: updates before autocast starts
     keep_fp32: tuple[str, ...] = ()  # module patterns that compute in fp32 under autocast
+    grad_check: Mapping[str, Any] | None = None  # train.grad_check: {every, explode_ratio}, or None
     fp32_final_steps: int = 0  # precision phases: the last updates computed in fp32 (all, or final_fp32's)
     final_fp32: tuple[str, ...] = ()  # module patterns switched to fp32 for those steps; (): the whole model
     compile: Mapping[str, Any] | None = None  # torch.compile options, or None
@@ -90,7 +91,7 @@ class WorkerConfig:
             schedule=job["optimizer"].get("schedule") or dict(_CONSTANT),
             loader=job["data"].get("loader") or dict(_IN_LOOP),
             fp32_warmup_steps=_phases(train["precision"])[0], keep_fp32=_phases(train["precision"])[1],
-            fp32_final_steps=_final(train["precision"])[0], final_fp32=_final(train["precision"])[1],
+            grad_check=train.get("grad_check"), fp32_final_steps=_final(train["precision"])[0], final_fp32=_final(train["precision"])[1],
             compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train),
             checkpoint_server=checkpoint_server, unshared_storage=bool(inject.get("unshared_storage", False)),
             feeders=dict(feeders or {}),

@@ -43,6 +43,17 @@ def keep_fp32(model: nn.Module, patterns: Iterable[str], device_type: str) -> li
     return kept
 
 
+def final(step: int, cfg) -> bool:
+    """Whether update `step` (0-based) is one of the last fp32_final_steps of the run."""
+    return bool(cfg.fp32_final_steps) and step >= cfg.total_steps - cfg.fp32_final_steps
+
+
+def autocast_on(step: int, cfg) -> bool:
+    """Autocast for update `step`: after the fp32 warm-up, and not in a final fp32 phase that
+    covers the whole model."""
+    return step >= cfg.fp32_warmup_steps and not (final(step, cfg) and not cfg.final_fp32)
+
+
 def fp32_when(model: nn.Module, patterns: Iterable[str], device_type: str, active) -> list[str]:
     """Make the matching modules compute in fp32 under autocast while `active()` is true (the
     final fp32 phase). Returns the names switched."""

@@ -12,7 +12,7 @@ import contextlib
 import os
 import pathlib
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,11 @@ from gearshift.strategies.layout import Layout
 from gearshift.workers import (components, dcp, full_format, oom, precision, priority, recompute, regroup,
                                rendezvous, schedules, storage)
 from gearshift.workers.comm import CommRoute
+from gearshift.workers.checkpoint import to_cpu
 from gearshift.workers.config import WorkerConfig
 from gearshift.workers.data import GlobalBatches, tokens_per_sample
 from gearshift.workers.evaluation import held_out_loss
+from gearshift.workers.grad_check import GradCheck
 from gearshift.workers.heartbeat import ACTIVITY, in_phase
 from gearshift.workers.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
 from gearshift.workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
@@ -41,16 +43,6 @@ __all__ = ["NonFiniteStep", "TrainWorker", "WorkerConfig", "step_seed", "to_cpu"
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True) if obj.device.type != "cpu" else obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
-
-
 class TrainWorker:
     def __init__(self, config: WorkerConfig, cpus: float = 1.0):
         self.config = config
@@ -63,6 +55,7 @@ class TrainWorker:
         self.telemetry: WorkerTelemetry | None = None
         self.gpu_ids, self.node_ip = [], "127.0.0.1"
         self.non_finite: list[dict] = []  # skipped steps not yet reported
+        self.grad_check: GradCheck | None = None  # train.grad_check
         self.loader: StepLoader | None = None
         self.profiler = StepProfiler(config.profile, cuda=config.gpu)  # train.profile's window
         self.flags = None      # the stop agreement's process group (workers/stopping.py)
@@ -152,6 +145,7 @@ class TrainWorker:
                       Layout.for_workers(cfg.strategy, self.world, cfg.tp_size, cfg.shard_size, cfg.dp_shard))
         self.step = 0
         self._checkpoints()
+        self.grad_check = GradCheck(dict(cfg.grad_check), self.parallel.model) if cfg.grad_check else None
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
@@ -223,7 +217,7 @@ class TrainWorker:
             self.recomputed = recompute.apply(model, cfg.activation_checkpointing, cfg.fsdp_units,
                                               builtin=not cfg.model.get("entrypoint"))
             precision.keep_fp32(model, cfg.keep_fp32, self.device.type)
-            precision.fp32_when(model, cfg.final_fp32, self.device.type, self._final_phase)
+            precision.fp32_when(model, cfg.final_fp32, self.device.type, lambda: precision.final(self.step, cfg))
         plan = None
         if strategies.lookup(layout.strategy).needs_plan:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
@@ -423,13 +417,8 @@ class TrainWorker:
         """Autocast to the job's dtype, after the fp32 warm-up steps (precision phases)."""
         if self.autocast_dtype is None:  # fp32: a disabled autocast still costs ~0.1 ms a step to enter
             return contextlib.nullcontext()
-        on = self.step >= self.config.fp32_warmup_steps and not (self._final_phase() and not self.config.final_fp32)
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=on)
-
-    def _final_phase(self) -> bool:
-        """The last fp32_final_steps updates of the run (precision phases)."""
-        final = self.config.fp32_final_steps
-        return bool(final) and self.step >= self.config.total_steps - final
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                              enabled=precision.autocast_on(self.step, self.config))
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():
@@ -481,6 +470,9 @@ class TrainWorker:
         if clock:
             clock.after_backward()
         self.parallel.after_backward()
+        if self.grad_check and self.grad_check.due(step):  # per-parameter norms, before clipping
+            self.grad_check.check(step, self.parallel.model, loss, self.lr_at(step + 1), self.scaler,
+                                  self.batches.shard(step, self.layout.dp_rank(self.rank), self.layout.dp))
         norm = None
         if clip:
             self.scaler.unscale_(self.optimizer)
@@ -623,6 +615,8 @@ class TrainWorker:
                                                    None, None, stop=self.config.on_nan == "stop", on_device=True))
         if self.non_finite:
             report["non_finite"], self.non_finite = self.non_finite, []
+        if self.grad_check and self.grad_check.found:
+            report["grad_anomalies"] = self.grad_check.take()
         if self.clock:
             self.telemetry.add_timings(report, pending.spans, self.clock.cuda)
         if not checkpoint:

@@ -485,6 +485,8 @@ class Controller:
             if rank == 0:  # every rank saw the same bad step (their gradient norms agree)
                 for bad in batch.get("non_finite", ()):
                     report.non_finite(bad)
+                for anomaly in batch.get("grad_anomalies", ()):
+                    report.grad_anomaly(anomaly)
             for record in merger.add(rank, batch):
                 reached = record["step"]
                 self.recovery.trained(record, job.cluster.num_workers)

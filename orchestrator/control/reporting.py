@@ -340,6 +340,16 @@ class Reporter:
         self.say(f"step {bad['step']}: loss {bad['loss']:.4g}{norm}: {where}; update not applied, batch skipped "
                  "(fault.on_nan = skip)")
 
+    def grad_anomaly(self, found: dict) -> None:
+        """train.grad_check found a gradient NaN/Inf or exploding: the record, and one line each."""
+        self.event("grad_anomaly", **found)
+        what = (f"not finite ({found['norm']})" if found["kind"] == "nonfinite" else
+                f"{found['norm']:.4g}, {found['ratio']:.0f}x its median {found['median']:.4g}")
+        self.say(f"step {found['step']}: gradient anomaly in {found['module']} ({found['module_type']}).{found['parameter']}"
+                 f": norm {what}")
+        for hint in found["suggestions"]:
+            self.say(f"  - {hint}")
+
     def decided(self, decision, step: int, applied: int | None = None) -> None:
         """A decision, seen in the record of `step` and carried out at step boundary `applied`
         (a keep or a report takes effect where it is seen; None: a move that was not carried out)."""

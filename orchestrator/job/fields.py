@@ -269,6 +269,21 @@ def _on_node_loss(v, path):
     return None if v is None else _choice("elastic", "shrink", "wait")(v, path)
 
 
+@_schema(_nullable({"type": "object", "additionalProperties": False,
+                    "properties": {"every": _number("integer", 1), "explode_ratio": _number("number", 1.0)}}))
+def _grad_check(v, path):
+    """null (off) or {every: N >= 1, explode_ratio: R > 1}; normalised with the defaults (1, 100)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or set(v) - {"every", "explode_ratio"}:
+        raise JobError(path, v, "must be null or {every: N, explode_ratio: R}, e.g. {every: 10, explode_ratio: 100}")
+    ratio = _float(0.0)(v.get("explode_ratio", 100.0), f"{path}.explode_ratio")
+    if ratio <= 1:
+        raise JobError(f"{path}.explode_ratio", ratio, "must be more than 1: a norm that many times its own median "
+                                                        "is an anomaly")
+    return {"every": _int(1)(v.get("every", 1), f"{path}.every"), "explode_ratio": ratio}
+
+
 @_schema(_nullable(_number("number", 0.0)))
 def _grad_clip(v, path):
     return None if v is None else _float(0.0)(v, path) or None

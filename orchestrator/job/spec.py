@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _min_workers, _name, _nullable, _on_node_loss, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_check, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _min_workers, _name, _nullable, _on_node_loss, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,9 @@ class TrainSpec:
                                "phases: {dtype: bf16 | fp16, fp32_warmup_steps: N, keep_fp32: [module patterns], "
                                "fp32_final_steps: N, final_fp32: [module patterns]}")
     grad_clip: float | None = _f(None, _grad_clip, "max gradient norm; null or 0 turns clipping off")
+    grad_check: dict | None = _f(None, _grad_check, "per-parameter gradient norms every N updates: {every: N, "
+                                 "explode_ratio: R}; a NaN/Inf norm, or one R times its own median, is a "
+                                 "grad_anomaly record with a diagnosis; null: off")
     log_every: int = _f(10, _int(1), "steps between progress lines")
     activation_checkpointing: bool | list = _f(False, _checkpointing, "recompute activations in backward: true "
                                                "(the built-ins' blocks; any other model's FSDP units) or a list "
