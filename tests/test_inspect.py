@@ -123,3 +123,23 @@ def test_compile_s_graph_breaks_are_named_with_where_they_happen(tmp_path):
     [brk] = compiled["breaks"]
     assert "item()" in brk["reason"] and brk["where"].endswith("inspected.py:55")
     assert "1 graph break(s)" in out and "inspected.py:55" in out
+
+
+def test_memory_by_module_counts_each_modules_parameters_gradients_and_adam_state(tmp_path):
+    out = tmp_path / "mem.svg"
+    code, text, err = _cli("inspect", "memory", ROOT / "examples" / "gpt.yaml", "--output", out)
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out.with_suffix(".json").read_text())["modules"]}
+    job = gearshift.load_job(ROOT / "examples" / "gpt.yaml")
+    model = components.build_model(job.to_dict()["model"], [job.base_dir])
+    for name, mod in model.named_modules():
+        own = sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+        r = rows[name or "(model)"]
+        assert r["own"]["parameters"] == own and r["own"]["gradients"] == own, name
+        assert r["own"]["optimizer"] == 2 * own, name  # AdamW: two moments of the parameter's size
+        assert r["total"]["parameters"] == sum(p.numel() * p.element_size() for p in mod.parameters()), name
+    # a Linear keeps its input for backward: at least the (rows x in_features) floats of this batch
+    fc = rows["blocks.0.mlp.fc"]["own"]["activations"]
+    assert fc >= 16 * 64 * 128 * 4  # 16 rows (examples/gpt.yaml's batch of 32 over 2 ranks) x 64 tokens x 128 wide
+    assert sum(r["own"]["activations"] for r in rows.values()) == rows["(model)"]["total"]["activations"]
+    assert "blocks.0.mlp.proj" in text and out.with_suffix(".png").stat().st_size > 10_000

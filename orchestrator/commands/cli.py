@@ -39,9 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     from gearshift.orchestrator.commands.serve import add_parser as _add_serve_command
 
     _add_serve_command(sub)
-    from gearshift.orchestrator.commands.inspect import add_parser as _add_inspect_command
+    from gearshift.orchestrator.commands import inspect, inspect_memory
 
-    _add_inspect_command(sub)
+    inspect_memory.add_parser(inspect.add_parser(sub))
     _add_schema_command(sub)
     return p
 
@@ -206,9 +206,11 @@ def _dispatch(args) -> int:
 
             return cmd_export(args)
         if args.command == "inspect":
-            from gearshift.orchestrator.commands.inspect import cmd_inspect
+            from gearshift.orchestrator.commands import inspect, inspect_memory
 
-            return cmd_inspect(args)
+            if args.inspect_command == "memory":
+                return inspect_memory.cmd_inspect_memory(args)
+            return inspect.cmd_inspect(args)
         if args.command == "serve":
             from gearshift.orchestrator.commands.serve import cmd_serve
 

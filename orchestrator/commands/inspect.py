@@ -26,7 +26,7 @@ import sys
 from gearshift.orchestrator.errors import UsageError
 
 
-def add_parser(sub) -> None:
+def add_parser(sub):
     p = sub.add_parser("inspect", help="see the data a step trains on, or the model's module tree and layout")
     isub = p.add_subparsers(dest="inspect_command", metavar="WHAT")
     data = isub.add_parser("data", help="the samples a rank trains on at step N: a summary table and a picture")
@@ -45,6 +45,7 @@ def add_parser(sub) -> None:
     graph.add_argument("--depth", type=int, default=4, help="module levels drawn (default 4; the JSON has all)")
     graph.add_argument("--compile", action="store_true", help="count compile's graphs and graph breaks (explain), "
                                                               "as train.compile does")
+    return isub
 
 
 def cmd_inspect(args) -> int:
@@ -52,7 +53,8 @@ def cmd_inspect(args) -> int:
         return _data(args)
     if args.inspect_command == "graph":
         return _graph(args)
-    raise UsageError("gearshift inspect: say what to inspect: `inspect data JOB.yaml` or `inspect graph JOB.yaml`")
+    raise UsageError("gearshift inspect: say what to inspect: `inspect data JOB.yaml`, `inspect graph JOB.yaml` or "
+                     "`inspect memory JOB.yaml|RUN_DIR`")
 
 
 def _job(args):
