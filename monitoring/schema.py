@@ -141,6 +141,9 @@ EVENTS = {
                 "`uri` and the MLflow `run_id`; unreachable or connecting, with `error`: training goes on and records "
                 "are buffered and retried) and at the end (`status`: done or incomplete; `sent`, `unsent` and "
                 "`dropped` records, `artifacts` sent or not, the last `error`)",
+    "rollback": "fault.on_nan rollback went back to a checkpoint after nan_patience non-finite steps (`step` reached, "
+                "`to_step`, `checkpoint`, `bad_steps`, `lr` from now on, `previous_lr`, `rollbacks` so far, `action`; "
+                "with `checkpoint` null and action stop when none came before the first bad step)",
     "grad_anomaly": "train.grad_check found a parameter's gradient norm NaN/Inf or `explode_ratio` times its own "
                     "median (`step`, `kind`: nonfinite or explode, `module`, `module_type`, `parameter`, `norm`, "
                     "`median`, `ratio`, `loss`, `lr`, `suggestions`: what the evidence supports, `samples`: the "

@@ -224,6 +224,43 @@ def test_a_nan_step_skipped_on_the_device_with_a_fused_optimizer(ray_cluster, tm
     assert max_diff(final, reference_skipping(load_job(MLP[0], overrides), 4)) <= 1e-4
 
 
+def test_on_nan_rollback_goes_back_to_the_checkpoint_at_a_lower_rate(ray_cluster, tmp_path):
+    """Non-finite steps 5 and 6 with nan_patience 2: the run goes back to the checkpoint of step 4
+    and trains on at half the rate; its end equals plain PyTorch resuming that checkpoint by hand
+    with that rate."""
+    from test_elastic import SGD
+    from test_train_equivalence import plain_parts
+
+    from gearshift.workers import dcp
+
+    job_file, nan = faulty(tmp_path, "nan_steps_mlp", nan_at_steps=[5, 6])
+    overrides = MLP[1] + LAYOUTS["data"] + SGD + ["checkpoint.every=4", "checkpoint.keep=10", "fault.on_nan=rollback",
+                                                  "fault.nan_patience=2", "fault.rollback_lr_factor=0.5"]
+    summary = run_gearshift(job_file, overrides + nan, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 12
+    assert [b["step"] for b in events(tmp_path / "run", "non_finite")] == [5, 6]
+    [rolled] = events(tmp_path / "run", "rollback")
+    assert (rolled["to_step"], rolled["checkpoint"], rolled["bad_steps"]) == (4, "step_00000004", [5, 6])
+    assert rolled["lr"] == pytest.approx(0.01) and rolled["previous_lr"] == pytest.approx(0.02)
+    assert summary["rollbacks"][0]["to_step"] == 4
+    job = load_job(MLP[0], MLP[1] + SGD)
+    model, dataset, loss_fn, opt = plain_parts(job)
+    state = dcp.load_full(tmp_path / "run" / "checkpoints" / "step_00000004")
+    model.load_state_dict(state["model"])
+    for name, param in model.named_parameters():
+        opt.state[param] = {k: v.clone() for k, v in state["optimizer"]["state"][name].items()}
+    for group in opt.param_groups:
+        group["lr"] = 0.01  # resumed by hand at the lowered rate
+    order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
+    for step in range(4, 12):
+        x, y = default_collate([dataset[i] for i in order.indices(step)])
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, model.state_dict()) <= 1e-5
+
+
 def test_on_nan_stop_ends_the_run_naming_the_layer(ray_cluster, tmp_path, capsys):
     job_file, nan = faulty(tmp_path, "nan_mlp", nan_at_step=3)
     code = cli.main(["run", str(job_file), "--run-dir", str(tmp_path / "run"),

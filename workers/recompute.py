@@ -57,3 +57,10 @@ def _wrap(module: nn.Module) -> None:
         return forward(*args, **kwargs)  # evaluation: nothing is kept for backward anyway
 
     module.forward = recomputed
+
+
+def describe_units(model: nn.Module, patterns: tuple[str, ...]) -> dict:
+    """The FSDP units the model's build found (strategies.fsdp), for the build's record."""
+    from gearshift.strategies.fsdp import describe_units as describe  # FSDP2 is imported only where it is used
+
+    return describe(model, patterns)

@@ -150,7 +150,7 @@ class TrainWorker:
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
                 "compiled": self.parallel.compiled,
-                "fsdp_units": _fsdp_units(self.parallel.model, cfg.fsdp_units),
+                "fsdp_units": recompute.describe_units(self.parallel.model, cfg.fsdp_units),
                 "build": self.build_info,
                 "recomputed": len(self.recomputed),
                 "checkpoint_format": "dcp" if self.dcp_root else "full",
@@ -188,6 +188,10 @@ class TrainWorker:
         self.micro_batch = micro_batch if micro_batch and micro_batch < share else None
         self.accumulation = share // self.micro_batch if self.micro_batch else 1
         return self.accumulation
+
+    def set_lr(self, lr: float) -> None:
+        """The schedule from here on, at base rate `lr` (fault.on_nan rollback lowers it)."""
+        self.lr_at = schedules.build(dict(self.config.schedule), lr, self.config.total_steps, self.config.search_paths)
 
     def _lay_out(self, layout: Layout, move_from: tuple | None = None, rewrap: tuple | None = None,
                  gather=None) -> None:
@@ -643,8 +647,3 @@ class TrainWorker:
             mesh.forget()  # the meshes' groups go with the default group
             dist.destroy_process_group()
 
-
-def _fsdp_units(model: torch.nn.Module, patterns: tuple[str, ...]) -> dict:
-    from gearshift.strategies.fsdp import describe_units  # FSDP2 is imported only where it is used
-
-    return describe_units(model, patterns)

@@ -50,6 +50,7 @@ from gearshift.orchestrator.job import Job, scheduled
 from gearshift.orchestrator.policy.adaptive import Decision, Policy
 from gearshift.orchestrator.policy.for_job import job_policy, layout_candidates
 from gearshift.orchestrator.control.recovery import Recovery
+from gearshift.orchestrator.control.rollback import NanRollback
 from gearshift.orchestrator.control.reporting import Reporter, StepMerger
 from gearshift.orchestrator.records.rundir import RunDir, earlier_history
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup
@@ -84,6 +85,7 @@ class Controller:
         self.report = Reporter(job, run, view)
         self.checkpoint_root = run.checkpoint_root(job.checkpoint, job.base_dir)  # checkpoint.path, or the run dir's
         self.recovery = Recovery(self.report, self.checkpoint_root)
+        self.nan_rollback = NanRollback(self.report, self.checkpoint_root)
         self.elastic = Elastic(self.report)
         self.home = job.layout  # elastic: the layout a run grows back to at its own size
         self.max_workers = job.cluster.max_workers or job.cluster.num_workers
@@ -253,7 +255,8 @@ class Controller:
                             nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),
                             strategy_history=self.history, switches=self.switches, tuning=self.tuning.rounds,
                             failures=self.recovery.failures, non_finite_steps=self.report.skipped,
-                            oom=self.memory.records, resizes=self.elastic.resizes)
+                            oom=self.memory.records, resizes=self.elastic.resizes,
+                            rollbacks=self.nan_rollback.rollbacks)
         self.summary.setdefault("resumed_from_step", start_step if self._load and not restart else None)
         self.node_sizes = node_sizes(job, infos)
         self._enter(State.TRAINING, from_step=start_step, steps_target=job.train.steps)
@@ -274,6 +277,9 @@ class Controller:
         self.step = until
         if self._dropped:
             return self._out_of_memory()
+        if self.nan_rollback.due(self.job):  # fault.on_nan rollback: back to a checkpoint, at a lower rate
+            self.job, self.step = self.nan_rollback.roll_back(self.job, self.group, until)
+            return State.TRAINING
         self.evals.after_chunk(self.group, until, self.job.train.steps, self.layout)
         tuning_over = self.tuning.chunk_done(until)
         due = self._schedule and self._schedule[0]["step"] == until

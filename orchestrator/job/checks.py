@@ -347,6 +347,9 @@ def _check_sizes(job: Job) -> None:
     _check_lr_schedule(job)
     _check_keep_fp32(job)
     _check_profile(job)
+    if job.fault.on_nan == "rollback" and not job.checkpoint.every:
+        raise JobError("fault.on_nan", "rollback", "goes back to a checkpoint: give checkpoint.every (steps between "
+                       "checkpoints) with it", "checkpoint.every is 0; e.g. --set checkpoint.every=50")
     if job.optimizer.name != "sgd" and (job.optimizer.momentum or job.optimizer.nesterov):
         raise JobError("optimizer.momentum", job.optimizer.momentum,
                        f"applies to sgd only; {job.optimizer.name} uses betas")

@@ -283,8 +283,13 @@ class FaultSpec:
                                   "fit; wait: restart when a replacement node joins; null: elastic when "
                                   "cluster.min_workers is below num_workers or cluster.max_workers above it, else shrink")
     replacement_timeout_s: float = _f(600.0, _float(0.0, 86400.0), "on_node_loss wait: how long, then fail")
-    on_nan: str = _f("skip", _choice("skip", "stop"), "a step with a non-finite loss or gradient norm: skip its "
-                                                    "batch (the update is not applied) or stop the run")
+    on_nan: str = _f("skip", _choice("skip", "stop", "rollback"), "a step with a non-finite loss or gradient norm: "
+                     "skip its batch (the update is not applied), stop the run, or rollback: skip it, and after "
+                     "nan_patience of them within 100 steps go back to the newest checkpoint before the first, at "
+                     "rollback_lr_factor times the learning rate")
+    nan_patience: int = _f(3, _int(1, 10_000), "on_nan rollback: non-finite steps within 100 steps that roll back")
+    rollback_lr_factor: float = _f(0.5, _float(1e-6, 1.0), "on_nan rollback: the learning rate is multiplied by this "
+                                                          "at each rollback")
 
 
 _DATA_FORMS = 'a built-in name, "module:function", or {name | entrypoint, kwargs}'
