@@ -143,3 +143,19 @@ def test_memory_by_module_counts_each_modules_parameters_gradients_and_adam_stat
     assert fc >= 16 * 64 * 128 * 4  # 16 rows (examples/gpt.yaml's batch of 32 over 2 ranks) x 64 tokens x 128 wide
     assert sum(r["own"]["activations"] for r in rows.values()) == rows["(model)"]["total"]["activations"]
     assert "blocks.0.mlp.proj" in text and out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_the_report_draws_the_first_batch_when_data_inspect_is_on(tmp_path):
+    import yaml
+
+    job = gearshift.load_job(ROOT / "examples" / "mlp.yaml", {"data.inspect": True})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job.to_dict()))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        paths = cli._inspected_data(tmp_path, None)
+    assert paths == [tmp_path / "report" / "data-step1.png"] and paths[0].stat().st_size > 10_000
+    assert "step 1, rank 0" in out.getvalue()
+    off = tmp_path / "off"
+    off.mkdir()
+    (off / "job.yaml").write_text(yaml.safe_dump(gearshift.load_job(ROOT / "examples" / "mlp.yaml").to_dict()))
+    assert cli._inspected_data(off, None) == []

@@ -290,8 +290,34 @@ def cmd_report(args) -> int:
 
     result = report.make_report(args.run_dir, args.out)
     print(result.summary_text)
-    print("plots: " + ", ".join(str(p) for p in result.paths))
+    paths = list(result.paths) + _inspected_data(pathlib.Path(args.run_dir), args.out)
+    print("plots: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _inspected_data(run_dir: pathlib.Path, out: str | None) -> list:
+    """With data.inspect: true, the batch rank 0 trained at step 1, drawn beside the plots."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load((run_dir / "job.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(raw, dict) or not (raw.get("data") or {}).get("inspect"):
+        return []
+    from gearshift.orchestrator.commands import inspect
+    from gearshift.orchestrator.job import load_job
+
+    target = pathlib.Path(out) if out else run_dir / "report"
+    lines: list[str] = []
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        inspect.draw(load_job(run_dir / "job.yaml"), 1, 0, 16, target / "data-step1.png", lines.append)
+    except (JobError, UsageError, OSError, ValueError) as err:
+        print(f"gearshift: data.inspect: the batch could not be drawn here ({err})", file=sys.stderr)
+        return []
+    print("data at step 1 (rank 0):\n  " + "\n  ".join(lines))
+    return [target / "data-step1.png"]
 
 
 def cmd_watch(args) -> int:

@@ -117,26 +117,32 @@ def _data(args) -> int:
     job = _job(args)
     if args.count < 1:
         raise UsageError(f"--count {args.count} is not valid: give 1 or more")
-    (x, y), dataset, layout = step_batch(job, args.step, args.rank)
-    print(f"step {args.step}, rank {args.rank} (data-parallel rank {layout.dp_rank(args.rank)} of {layout.dp}, "
-          f"layout {layout.strategy}): {len(x)} samples of the global batch of {job.train.global_batch_size}")
-    for line in summary("inputs", x) + summary("targets", y):
-        print(line)
+    out = pathlib.Path(args.output or f"{job.name}-data-step{args.step}.png")
+    x, y = draw(job, args.step, args.rank, args.count, out, print)
     if args.save:
         torch.save({"inputs": x, "targets": y, "step": args.step, "rank": args.rank}, args.save)
-    out = pathlib.Path(args.output or f"{job.name}-data-step{args.step}.png")
-    n = min(args.count, len(x))
+    print(f"picture: {out}", file=sys.stderr)
+    return 0
+
+
+def draw(job, step: int, rank: int, count: int, out: pathlib.Path, say) -> tuple:
+    """The table (through `say`) and the picture of `rank`'s batch at `step`; returns the batch."""
+    (x, y), dataset, layout = step_batch(job, step, rank)
+    say(f"step {step}, rank {rank} (data-parallel rank {layout.dp_rank(rank)} of {layout.dp}, "
+        f"layout {layout.strategy}): {len(x)} samples of the global batch of {job.train.global_batch_size}")
+    for line in summary("inputs", x) + summary("targets", y):
+        say(line)
+    n = min(count, len(x))
     if _is_images(x):
-        _image_grid(x[:n], y[:n], out, f"{job.name}: step {args.step}, rank {args.rank}")
+        _image_grid(x[:n], y[:n], out, f"{job.name}: step {step}, rank {rank}")
     elif not x.is_floating_point() and x.dim() == 2:
         texts = [_decode(dataset, row) for row in x[:n]]
         for i, text in enumerate(texts):
-            print(f"[{i}] {text!r}")
-        _text_picture(texts, out, f"{job.name}: step {args.step}, rank {args.rank} (decoded)")
+            say(f"[{i}] {text!r}")
+        _text_picture(texts, out, f"{job.name}: step {step}, rank {rank} (decoded)")
     else:
-        _rows_picture(x[:n], out, f"{job.name}: step {args.step}, rank {args.rank}")
-    print(f"picture: {out}", file=sys.stderr)
-    return 0
+        _rows_picture(x[:n], out, f"{job.name}: step {step}, rank {rank}")
+    return x, y
 
 
 def _is_images(x) -> bool:

@@ -52,6 +52,8 @@ class DataSpec:
     shuffle_buffer: int = _f(8192, _int(0), "Ray Dataset: rows shuffled together within a pass (after the "
                                             "blocks' order is shuffled); 0: the dataset's own order")
     kwargs: dict = _f({}, _mapping, "passed to the built-in, the entry point, or Ray Data's reader")
+    inspect: bool = _f(False, _bool, "gearshift report also draws the batch rank 0 trained at step 1 (as "
+                                     "gearshift inspect data does)")
     loader: LoaderSpec = _section(LoaderSpec, "reading batches ahead in loader processes (map-style data); "
                                               "prefetch also sets how many steps a streamed dataset keeps ahead")
 
