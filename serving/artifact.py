@@ -61,15 +61,29 @@ def describe_failure(fmt: str, err: BaseException) -> str:
             "the weights instead (--format safetensors)")
 
 
-def export_onnx(model: nn.Module, example: torch.Tensor, path: pathlib.Path, record: dict) -> None:
+@contextlib.contextmanager
+def quiet(*names: str):
+    """The named loggers ("" the root) at ERROR inside the block, as they were after it: the
+    exporters' progress and advice are not the user's concern, and the process's own logging
+    (a caller's warnings) must stay as it was."""
     import logging
 
+    loggers = [logging.getLogger(n or None) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def export_onnx(model: nn.Module, example: torch.Tensor, path: pathlib.Path, record: dict) -> None:
     import onnx
 
-    for name in ("torch.onnx", "torch.onnx._internal.exporter"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), quiet("torch.onnx"):
             warnings.simplefilter("ignore")  # the exporter's progress lines and its own deprecation notes
             program = torch.onnx.export(model, (example,), dynamo=True, input_names=["input"],
                                         output_names=["output"], dynamic_shapes=({0: "batch"},), verbose=False,
@@ -95,12 +109,10 @@ def export_program(model: nn.Module, example: torch.Tensor, path: pathlib.Path, 
 
 def quantize_onnx(src: pathlib.Path, dst: pathlib.Path) -> None:
     """Dynamic int8 through onnxruntime's quantizer: int8 weights, activations quantized per batch."""
-    import logging
-
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    logging.getLogger().setLevel(logging.ERROR)  # its advice to pre-process goes to the root logger
-    _atomic(dst, lambda tmp: quantize_dynamic(str(src), str(tmp), weight_type=QuantType.QInt8))
+    with quiet(""):  # its advice to pre-process goes to the root logger
+        _atomic(dst, lambda tmp: quantize_dynamic(str(src), str(tmp), weight_type=QuantType.QInt8))
 
 
 def _atomic(path: pathlib.Path, write) -> None:

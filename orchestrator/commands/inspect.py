@@ -286,13 +286,13 @@ def explain(job) -> dict:
     torch.manual_seed(job.train.seed)
     model = components.build_model(spec["model"], [job.base_dir]).eval()
     (x, _), _, _ = step_batch(job, 1, 0)
-    import logging
-
     import torch._dynamo
 
-    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # explain's own warnings: the breaks are listed
+    from gearshift.serving.artifact import quiet
+
     torch._dynamo.reset()
-    result = torch._dynamo.explain(model)(x[:2])
+    with quiet("torch._dynamo"):  # explain's own warnings: the breaks are listed
+        result = torch._dynamo.explain(model)(x[:2])
     breaks = []
     for b in result.break_reasons:
         frame = b.user_stack[-1] if getattr(b, "user_stack", None) else None
