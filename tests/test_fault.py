@@ -229,7 +229,7 @@ def test_on_nan_rollback_goes_back_to_the_checkpoint_at_a_lower_rate(ray_cluster
     and trains on at half the rate; its end equals plain PyTorch resuming that checkpoint by hand
     with that rate."""
     from test_elastic import SGD
-    from test_train_equivalence import plain_parts
+    from test_train_equivalence import continued
 
     from gearshift.workers import dcp
 
@@ -243,22 +243,10 @@ def test_on_nan_rollback_goes_back_to_the_checkpoint_at_a_lower_rate(ray_cluster
     assert (rolled["to_step"], rolled["checkpoint"], rolled["bad_steps"]) == (4, "step_00000004", [5, 6])
     assert rolled["lr"] == pytest.approx(0.01) and rolled["previous_lr"] == pytest.approx(0.02)
     assert summary["rollbacks"][0]["to_step"] == 4
-    job = load_job(MLP[0], MLP[1] + SGD)
-    model, dataset, loss_fn, opt = plain_parts(job)
     state = dcp.load_full(tmp_path / "run" / "checkpoints" / "step_00000004")
-    model.load_state_dict(state["model"])
-    for name, param in model.named_parameters():
-        opt.state[param] = {k: v.clone() for k, v in state["optimizer"]["state"][name].items()}
-    for group in opt.param_groups:
-        group["lr"] = 0.01  # resumed by hand at the lowered rate
-    order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
-    for step in range(4, 12):
-        x, y = default_collate([dataset[i] for i in order.indices(step)])
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
+    by_hand = continued(load_job(MLP[0], MLP[1] + SGD), state, 4, 12, lr=0.01)  # at the lowered rate
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    assert max_diff(final, model.state_dict()) <= 1e-5
+    assert max_diff(final, by_hand) <= 1e-5
 
 
 def test_on_nan_stop_ends_the_run_naming_the_layer(ray_cluster, tmp_path, capsys):

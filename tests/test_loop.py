@@ -187,7 +187,7 @@ def test_the_final_fp32_phase_trains_those_steps_as_fp32_does(ray_cluster, tmp_p
     """bf16 for steps 1-3, fp32 for 4-6: the run's end equals plain fp32 PyTorch continuing from the
     run's own checkpoint at step 3 (its weights and momentum), and the bf16 steps before differ
     from fp32 training."""
-    from test_train_equivalence import plain_parts, reference as plain
+    from test_train_equivalence import continued, reference as plain
     from test_elastic import SGD
 
     from gearshift.workers import dcp
@@ -196,19 +196,8 @@ def test_the_final_fp32_phase_trains_those_steps_as_fp32_does(ray_cluster, tmp_p
     overrides = MLP[1] + SGD + ["train.steps=6", "checkpoint.every=3", phases]
     run_gearshift(MLP[0], overrides, tmp_path / "run")
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    job = load_job(MLP[0], overrides)
-    model, dataset, loss_fn, opt = plain_parts(job)
     state = dcp.load_full(tmp_path / "run" / "checkpoints" / "step_00000003")
-    model.load_state_dict(state["model"])
-    for name, param in model.named_parameters():  # the checkpoint's optimizer state is keyed by name
-        opt.state[param] = {k: v.clone() for k, v in state["optimizer"]["state"][name].items()}
-    order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
-    for step in range(3, 6):
-        x, y = default_collate([dataset[i] for i in order.indices(step)])
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    assert max_diff(final, model.state_dict()) <= 1e-5
+    assert max_diff(final, continued(load_job(MLP[0], overrides), state, 3, 6)) <= 1e-5
     fp32_at_3, _ = plain(load_job(MLP[0], MLP[1] + SGD + ["train.steps=3"]))
     assert max_diff(state["model"], fp32_at_3) > 1e-5  # the steps before the phase ran in bf16
     # the phase covering every step is fp32 training

@@ -62,6 +62,25 @@ def plain_parts(job: Job):
     return model, dataset, loss_fn, opt
 
 
+def continued(job: Job, state: dict, first: int, last: int, lr: float | None = None) -> dict:
+    """Plain single-process PyTorch going on from a run's checkpoint (`state`: its weights, and its
+    optimizer state keyed by parameter name) over steps first..last-1 (0-based), at `lr` if given,
+    as a user resuming it by hand would."""
+    model, dataset, loss_fn, opt = plain_parts(job)
+    model.load_state_dict(state["model"])
+    for name, param in model.named_parameters():
+        opt.state[param] = {k: v.clone() for k, v in state["optimizer"]["state"][name].items()}
+    for group in opt.param_groups:
+        group["lr"] = group["lr"] if lr is None else lr
+    order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
+    for step in range(first, last):
+        x, y = default_collate([dataset[i] for i in order.indices(step)])
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
 def reference(job: Job) -> tuple[dict, list[float]]:
     model, dataset, loss_fn, opt = plain_parts(job)
     order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)

@@ -108,17 +108,9 @@ def _read_json(path: pathlib.Path):
 
 
 def _read_job(run) -> dict:
-    import yaml
+    from gearshift.serving.source import read_job
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    try:
-        raw = yaml.load(run.job_file.read_text(), Loader=loader)
-    except (OSError, yaml.YAMLError) as err:
-        raise UsageError(f"{run.job_file} is unreadable ({str(err).splitlines()[0]}); the run directory is "
-                         "damaged.") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{run.job_file} does not hold a job mapping; the run directory is damaged.")
-    return raw
+    return read_job(run)
 
 
 # ----------------------------------------------------------------------------- the table
