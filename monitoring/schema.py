@@ -141,6 +141,9 @@ EVENTS = {
                 "`uri` and the MLflow `run_id`; unreachable or connecting, with `error`: training goes on and records "
                 "are buffered and retried) and at the end (`status`: done or incomplete; `sent`, `unsent` and "
                 "`dropped` records, `artifacts` sent or not, the last `error`)",
+    "module_memory": "rank 0's memory by module on its first update, the `top` three modules by their own bytes "
+                     "(each: `module`, `type`, `bytes`, `parameters`, `gradients`, `optimizer`, `activations` kept "
+                     "for backward); `step`, `rank` (not under train.compile)",
     "rollback": "fault.on_nan rollback went back to a checkpoint after nan_patience non-finite steps (`step` reached, "
                 "`to_step`, `checkpoint`, `bad_steps`, `lr` from now on, `previous_lr`, `rollbacks` so far, `action`; "
                 "with `checkpoint` null and action stop when none came before the first bad step)",

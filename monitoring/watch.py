@@ -180,6 +180,9 @@ def _event_text(e: dict) -> tuple[str, str]:
         took = f" in {e['seconds']:.1f} s" if isinstance(e.get("seconds"), (int, float)) else ""
         return "resize", (f"at step {e.get('step', '?')}: {sizes[0]} -> {sizes[1]} workers, {_layout(e.get('from'))} -> "
                           f"{_layout(e.get('to'))} {how}{took}")
+    if name == "module_memory":
+        top = ", ".join(f"{m.get('module')} {m.get('bytes', 0) / 2**20:.1f} MiB" for m in e.get("top") or [])
+        return "memory", f"top modules on rank 0 (first update): {top}"
     if name == "grad_anomaly":
         return "grad anomaly", (f"step {e.get('step', '?')}: {e.get('module')}.{e.get('parameter')} "
                                 f"({e.get('kind')}, norm {_short(e.get('norm'))}); {_short((e.get('suggestions') or [''])[0])}")

@@ -55,6 +55,11 @@ def test_the_inspected_batch_is_what_rank_0_trains_on_at_that_step(ray_cluster, 
     assert code == 0 and not torch.equal(torch.load(tmp_path / "next.pt", weights_only=True)["inputs"], trained)
     assert "step 3, rank 0 (data-parallel rank 0 of 2" in out and "NaN 0" in out
     assert (tmp_path / "shown.png").stat().st_size > 1000
+    records = [json.loads(line) for line in (tmp_path / "run" / "telemetry.jsonl").read_text().splitlines()]
+    [memory] = [r for r in records if r.get("event") == "module_memory"]  # what `watch` lists for a live run
+    [top] = [m for m in memory["top"] if m["module"] == "lin"]  # the model's layer (the loss's tensors: "(model)")
+    assert (top["module"], top["parameters"], top["gradients"]) == ("lin", (8 * 2 + 2) * 4, (8 * 2 + 2) * 4)
+    assert top["optimizer"] == 0 and top["activations"] >= 8 * 8 * 4  # plain SGD keeps no state; its input kept
 
 
 def test_images_draw_as_a_grid_and_token_batches_decode(tmp_path):
@@ -159,3 +164,24 @@ def test_the_report_draws_the_first_batch_when_data_inspect_is_on(tmp_path):
     off.mkdir()
     (off / "job.yaml").write_text(yaml.safe_dump(gearshift.load_job(ROOT / "examples" / "mlp.yaml").to_dict()))
     assert cli._inspected_data(off, None) == []
+
+
+def test_a_live_runs_memory_by_module_ranks_the_modules_by_their_own_bytes():
+    from gearshift.workers.module_memory import ModuleMemory
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters())
+    probe = ModuleMemory()
+    with probe.watching(model):
+        model(torch.randn(32, 16)).sum().backward()
+    opt.step()
+    with probe.watching(model):  # measured once: later steps pass through
+        model(torch.randn(32, 16)).sum().backward()
+    top = probe.take(model, opt)
+    # the ReLU keeps its 32 x 64 output, which the last layer takes without keeping it again
+    assert [t["module"] for t in top] == ["0", "1", "2"] and not probe.ready
+    assert top[1]["activations"] == 32 * 64 * 4 and top[2]["activations"] == 0
+    first = top[0]
+    assert first["parameters"] == (16 * 64 + 64) * 4 == first["gradients"] and first["optimizer"] == 2 * first["parameters"]
+    assert first["activations"] == 32 * 16 * 4  # its input, kept for the weight's gradient

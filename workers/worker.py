@@ -30,6 +30,7 @@ from gearshift.workers.data import GlobalBatches, tokens_per_sample
 from gearshift.workers.evaluation import held_out_loss
 from gearshift.workers.grad_check import GradCheck
 from gearshift.workers.heartbeat import ACTIVITY, in_phase
+from gearshift.workers.module_memory import ModuleMemory
 from gearshift.workers.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
 from gearshift.workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
 from gearshift.workers.pending import PendingSteps, skips_on_device
@@ -56,6 +57,7 @@ class TrainWorker:
         self.gpu_ids, self.node_ip = [], "127.0.0.1"
         self.non_finite: list[dict] = []  # skipped steps not yet reported
         self.grad_check: GradCheck | None = None  # train.grad_check
+        self.probe: ModuleMemory | None = None  # rank 0's memory by module, on its first update
         self.loader: StepLoader | None = None
         self.profiler = StepProfiler(config.profile, cuda=config.gpu)  # train.profile's window
         self.flags = None      # the stop agreement's process group (workers/stopping.py)
@@ -146,6 +148,7 @@ class TrainWorker:
         self.step = 0
         self._checkpoints()
         self.grad_check = GradCheck(dict(cfg.grad_check), self.parallel.model) if cfg.grad_check else None
+        self.probe = ModuleMemory() if self.rank == 0 and not cfg.compile else None
         n_params = sum(p.numel() for p in self.parallel.model.parameters())  # a DTensor counts its global size
         return {"parameters": n_params, "dataset_len": len(self.dataset), "dp_rank": self.layout.dp_rank(self.rank),
                 "layout": self.layout.to_dict(), "tokens_per_sample": tokens_per_sample(self.dataset),
@@ -182,8 +185,7 @@ class TrainWorker:
             cfg.checkpoint_dir, cfg.checkpoint_server, cfg.checkpoint_options, cfg.unshared_storage)
 
     def set_micro_batch(self, micro_batch: int | None) -> int:
-        """Compute this rank's share of each step `micro_batch` samples at a time (None: all at
-        once), accumulating gradients over the rest; the accumulation count."""
+        """This rank's share of a step `micro_batch` samples at a time (None: all); the accumulation."""
         share = self.config.global_batch_size // self.layout.dp
         self.micro_batch = micro_batch if micro_batch and micro_batch < share else None
         self.accumulation = share // self.micro_batch if self.micro_batch else 1
@@ -413,8 +415,7 @@ class TrainWorker:
     # ---------------------------------------------------------------- the step loop
 
     def _seed(self, step: int) -> None:
-        # One stream per data-parallel replica: the ranks of a tensor-parallel group hold one
-        # replica between them, so they must draw the same dropout masks and augmentations.
+        # one stream per data-parallel replica: a tensor-parallel group draws the same masks and augmentations
         seed_generators(step_seed(self.config.seed, step, self.layout.dp_rank(self.rank)), self.device)
 
     def _autocast(self):
@@ -459,10 +460,8 @@ class TrainWorker:
         return total
 
     def _one_step(self, step: int) -> tuple[torch.Tensor, tuple | None, float, torch.Tensor | None]:
-        """One optimizer step: (the loss, the data span, the learning rate, the step's found-inf
-        flag where the update was skipped on the device for it, else None). Nothing here waits
-        for the device: norms are computed only for clipping, and where the optimizer is fused
-        the flag goes into its kernels and is read with the step's report (see _report)."""
+        """One optimizer step: (loss, data span, lr, the found-inf flag a fused optimizer skipped on,
+        else None). Nothing waits for the device: norms only for clipping; the flag is read later."""
         clip, clock = self.config.grad_clip, self.clock
         data_start = clock.mark() if clock else None
         x, y = self._batch(step)  # seeded by the step before loading: augmentation draws the same anywhere
@@ -470,7 +469,8 @@ class TrainWorker:
         data_span = (data_start, clock.mark()) if clock else None
         self._seed(step)  # dropout draws the same whichever process loaded the batch
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._backward(x, y)
+        with self.probe.watching(self.parallel.model) if self.probe else contextlib.nullcontext():
+            loss = self._backward(x, y)
         if clock:
             clock.after_backward()
         self.parallel.after_backward()
@@ -595,8 +595,7 @@ class TrainWorker:
             yield self._report(pending, False) | self.profiler.take()
 
     def _step_failed(self, err: Exception) -> dict:
-        """Drop the step that failed (nothing of it is applied) and say why: this rank ran out of
-        memory, or a peer left the group mid-step (it ran out of memory, or it is gone)."""
+        """Drop the failed step (nothing of it applied) and say why: out of memory here, or a peer gone."""
         ran_out = isinstance(err, torch.OutOfMemoryError)
         kind = ("oom_in_update" if self.updating else "oom") if ran_out else "aborted"
         figures = oom.memory_figures(self.device)  # what was held when it failed
@@ -621,6 +620,8 @@ class TrainWorker:
             report["non_finite"], self.non_finite = self.non_finite, []
         if self.grad_check and self.grad_check.found:
             report["grad_anomalies"] = self.grad_check.take()
+        if self.probe and self.probe.ready:
+            report["module_memory"] = self.probe.take(self.parallel.model, self.optimizer)
         if self.clock:
             self.telemetry.add_timings(report, pending.spans, self.clock.cuda)
         if not checkpoint:

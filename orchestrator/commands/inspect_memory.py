@@ -11,7 +11,7 @@ optimizer, and one update is run on rank 0's share of the batch of step 1 (the l
   (Adam's two moments, SGD's momentum);
 - activations: the bytes autograd keeps for backward while the module's own code runs (each
   saved tensor's storage counted once, for the innermost module running when it was saved, by
-  torch.autograd.graph.saved_tensors_hooks).
+  torch.autograd.graph.saved_tensors_hooks), less the parameters themselves.
 
 The figures are for the whole model and one rank's batch share; a sharded layout divides the
 first three by its shard count (and the tensor-parallel layers' by tp). The picture is a flame
@@ -48,6 +48,7 @@ def measure(job) -> list[dict]:
 
     from gearshift.orchestrator.commands.inspect import step_batch
     from gearshift.workers import components
+    from gearshift.workers.module_memory import storage_key
 
     spec = job.to_dict()
     torch.manual_seed(job.train.seed)
@@ -66,12 +67,13 @@ def measure(job) -> list[dict]:
     def pop(module, args, out):
         stack.pop()
 
+    seen.update(k for k in map(storage_key, model.parameters()) if k)  # a weight kept is a parameter's bytes
+
     def pack(t):
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key not in seen and storage.nbytes():
+        key = storage_key(t)
+        if key and key not in seen:
             seen.add(key)
-            saved[stack[-1]] += storage.nbytes()
+            saved[stack[-1]] += key[1]
         return t
 
     hooks = [m.register_forward_pre_hook(push) for m in model.modules()]

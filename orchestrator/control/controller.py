@@ -493,6 +493,8 @@ class Controller:
                     report.non_finite(bad)
                 for anomaly in batch.get("grad_anomalies", ()):
                     report.grad_anomaly(anomaly)
+                if batch.get("module_memory"):
+                    report.event("module_memory", step=batch.get("first_step", 0) + 1, rank=0, top=batch["module_memory"])
             for record in merger.add(rank, batch):
                 reached = record["step"]
                 self.recovery.trained(record, job.cluster.num_workers)
