@@ -6,7 +6,7 @@ costs (784 -> --hidden x --layers -> 10; 80M parameters, 322 MB of fp32, at the 
 random weights, exported once per variant. With a lighter model the serving path's own cost
 (Serve's HTTP proxy, the router's hop, the client threads, all on the same 2 cores) caps the
 batched server first: at --hidden 4096 (37M parameters) batched over unbatched was 2.30 at 64
-clients, against 3.59 at 6144 (docs/benchmarks.md).
+clients, against 3.13 [2.89..3.37] at 6144 (docs/benchmarks.md).
 
 - onnx, batched:     ONNX (fp32) under onnxruntime, --max-batch 32, --batch-wait-ms 5
 - onnx, unbatched:   the same with --max-batch 1
