@@ -44,11 +44,10 @@ def measure(job) -> list[dict]:
     """One update of the job's model on rank 0's share of step 1's batch; a row per module (in
     named_modules order) with its own bytes of each kind and `total` (its own and its children's)."""
     import torch
-    from torch.autograd.graph import saved_tensors_hooks
 
     from gearshift.orchestrator.commands.inspect import step_batch
     from gearshift.workers import components
-    from gearshift.workers.module_memory import storage_key
+    from gearshift.workers.module_memory import ModuleMemory
 
     spec = job.to_dict()
     torch.manual_seed(job.train.seed)
@@ -58,32 +57,10 @@ def measure(job) -> list[dict]:
     (x, y), _, _ = step_batch(job, 1, 0)
     if job.train.micro_batch_size:
         x, y = x[:job.train.micro_batch_size], y[:job.train.micro_batch_size]
-    names = {id(m): n for n, m in model.named_modules()}
-    stack, seen, saved = [""], set(), {n: 0 for n in names.values()}
-
-    def push(module, args):
-        stack.append(names.get(id(module), stack[-1]))
-
-    def pop(module, args, out):
-        stack.pop()
-
-    seen.update(k for k in map(storage_key, model.parameters()) if k)  # a weight kept is a parameter's bytes
-
-    def pack(t):
-        key = storage_key(t)
-        if key and key not in seen:
-            seen.add(key)
-            saved[stack[-1]] += key[1]
-        return t
-
-    hooks = [m.register_forward_pre_hook(push) for m in model.modules()]
-    hooks += [m.register_forward_hook(pop) for m in model.modules()]
-    try:
-        with saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_fn(model(x), y)
-    finally:
-        for h in hooks:
-            h.remove()
+    probe = ModuleMemory()  # what a live run measures on its first update: the same hooks
+    with probe.watching(model):
+        loss = loss_fn(model(x), y)
+    saved = probe.saved
     loss.backward()
     optimizer.step()
     own: dict[str, dict] = {}
