@@ -27,7 +27,18 @@ BATCH, SEQ, VOCAB = 8, 8, 128
 
 def spawn_gloo(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> None:
     """Run fn(rank, world, *args) in `world` spawned processes joined in one gloo process group;
-    raises if any fails, kills them all when they take longer than `timeout_s`."""
+    raises if any fails, kills them all when they take longer than `timeout_s`. A port taken by
+    another process between choosing it and listening on it (tests run two at a time) is chosen
+    again, twice at most."""
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, world, args, timeout_s)
+        except mp.ProcessRaisedException as err:
+            if attempt == 2 or not any(w in str(err) for w in ("failed to listen", "EADDRINUSE", "address already")):
+                raise
+
+
+def _spawn_once(fn, world: int, args: tuple, timeout_s: float) -> None:
     port = free_port()
     ctx = mp.start_processes(_entry, args=(fn, world, port, args), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
