@@ -97,14 +97,24 @@ def test_each_value_is_handed_over_once_and_the_peak_is_one_tensor_not_the_model
     assert block * 0.9 <= peak <= 2 * block, (peak, block)
 
 
-def test_a_constant_from_python_data_is_not_replayable():
+def test_a_constant_from_python_data_is_replayed():
     class Constant(nn.Module):
         def __init__(self):
             super().__init__()
-            self.register_buffer("table", torch.tensor([1.0, 2.0, 3.0]))
+            self.register_buffer("table", torch.tensor([1.0, 2.0, 3.0]) * 2)
 
-    _, record = build_recorded(Constant)
-    assert not record.replayable and "constant" in record.reason
+    _, got = _replayed(Constant)
+    assert torch.equal(got["buffer:table"], torch.tensor([2.0, 4.0, 6.0]))
+
+
+def test_a_parameter_left_empty_is_not_replayable():
+    class Empty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(3))
+
+    _, record = build_recorded(Empty)
+    assert not record.replayable and "w is allocated but never filled" in record.reason
 
 
 def _laid_out_from_the_record(rank, world, out_dir):

@@ -1,24 +1,30 @@
-"""Build a model on the meta device and give each rank only its own pieces, with exactly the
+"""Build a model without memory and give each rank only its own pieces, with exactly the
 initial values a plain single-process build on the CPU gives.
 
-The model's constructor runs once on the meta device (no memory) under a dispatch mode that
-records every operation it runs: the allocations, the initialisers (`uniform_`, `normal_`, ...),
-the views and in-place edits they make (an embedding's padding row set to zero), the buffers
-computed from `arange` (RoPE tables). The model is then laid out (sharded on meta) and its
+The model's constructor runs once under torch's FakeTensorMode (tensors with shapes, dtypes and
+a device, and no data), under a dispatch mode that records every operation it runs: the
+allocations, the initialisers (`uniform_`, `normal_`, ...), the views and in-place edits they
+make (an embedding's padding row set to zero), the buffers computed from `arange` (RoPE tables),
+constants made from Python data. A fake tensor says it is on the CPU, so the constructor takes
+the path it takes in a plain build: code that skips work on the meta device (a Hugging Face
+model's `init_weights`, torch's `orthogonal_`) runs as it does on the CPU. Afterwards the model's
+tensors are swapped for meta tensors of the same shapes, it is laid out (sharded on meta) and its
 pieces allocated empty. `materialise` replays the record on the CPU in the same order after the
 same seed, so the random generator draws the same numbers for the same tensors as the plain
-build does; each parameter or buffer exists whole only from the first operation its final value
-depends on to its last, is then cut to this rank's piece (strategies/state.py, shard_like: no
-communication, every rank replays) and freed. A value overwritten later (a second initialisation
-pass, as in a Hugging Face model's `post_init`) is not kept: its random numbers are drawn into a
-scratch tensor only to keep the generator in step. The peak is about the largest tensor, never
-the model.
+build does (a constructor that reseeds, or draws from its own generator, is replayed with the
+generator states it had); each parameter or buffer exists whole only from the first operation its
+final value depends on to its last, is then cut to this rank's piece (strategies/state.py,
+shard_like: no communication, every rank replays) and freed. A value overwritten later (a second
+initialisation pass, as in a Hugging Face model's `post_init`) is not kept: its random numbers are
+drawn into a scratch tensor only to keep the generator in step. The peak is about the largest
+tensor, never the model.
 
-What a model must do: build its tensors inside its constructor with torch operations (what
-every `nn.Module` does). A constant made from Python data on the meta device
-(`torch.tensor([...])` inside the constructor) has no recorded value; such a model, one that
-reads a value while it is built (`.item()`, `.tolist()`), or one whose record cannot be
-replayed, is built whole as before (`Recorded.replayable` is False, with the reason).
+Checked before anything is laid out (`Recorded.replayable` False, with the reason, and the model
+built whole): a parameter or buffer that no recorded operation filled (an initialiser the record
+did not see), a value used that no recorded operation made, and, for a transformers model, a
+parameter whose recorded last initialisation is not what the model's own `_init_weights` does
+(workers/init_check.py). A constructor that reads a value while it is built (`.item()`,
+`.tolist()` of a computed tensor, a rejection loop) cannot be recorded and is built whole too.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
+
+from gearshift.workers import init_check
 
 # in-place operations that overwrite the whole of what they are given, whatever it held
 _OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_",
@@ -40,9 +49,13 @@ _UNFILLED = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::de
 _CPU = torch.device("cpu")
 
 
+def _fake(x) -> bool:
+    return isinstance(x, FakeTensor)
+
+
 @dataclass(frozen=True)
 class _Ref:  # not a NamedTuple: pytree would take a tuple apart
-    """A meta tensor as it was when an operation saw it: its storage (views and a parameter made
+    """A fake tensor as it was when an operation saw it: its storage (views and a parameter made
     from a tensor share one), where in it it lies, and whether it covers all of it. Taken at
     record time, since laying the model out later replaces and frees what it held."""
     key: int
@@ -62,7 +75,7 @@ def _ref(t: torch.Tensor) -> _Ref:
 
 
 def _freeze(tree):
-    return tree_map(lambda x: _ref(x) if isinstance(x, torch.Tensor) and x.is_meta else x, tree)
+    return tree_map(lambda x: _ref(x) if _fake(x) else x, tree)
 
 
 def _refs(tree) -> list[_Ref]:
@@ -82,6 +95,7 @@ class _Op:
     seeded: bool = False                          # draws from the random generator
     needed: bool = False
     synthetic: bool = False                       # a whole torch.nn.init call, not one aten operation
+    rng: tuple | None = None                      # (generator, state) to set before it: the build reseeded
 
 
 class _Recorder(TorchDispatchMode):
@@ -90,13 +104,14 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[_Op] = []
         self.alive: list = []  # every tensor seen, held until the build ends: no storage id is reused
         self.problem: str | None = None
+        self.rng = _RngStates()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.alive.append((args, kwargs, out))
-        if self.problem is None and any(isinstance(x, torch.Tensor) and not x.is_meta for x in tree_flatten(out)[0]):
-            self.problem = f"{func} made a tensor off the meta device"
+        if self.problem is None and any(isinstance(x, torch.Tensor) and not _fake(x) for x in tree_flatten(out)[0]):
+            self.problem = f"{func} made a tensor with data while the model was recorded"
         op = _Op(func, _freeze(args), _freeze(kwargs), _freeze(out))
         mutated = set()
         for i, arg in enumerate(func._schema.arguments):
@@ -111,41 +126,64 @@ class _Recorder(TorchDispatchMode):
             op.overwrites = {target.key}
         op.reads = in_keys - op.overwrites
         op.seeded = torch.Tag.nondeterministic_seeded in func.tags
-        self.ops.append(op)
+        self.add(op)
         return out
 
+    def add(self, op: _Op) -> None:
+        if op.seeded:
+            op.rng = self.rng.changed((op.args, op.kwargs))
+        self.ops.append(op)
 
-# torch.nn.init's initialisers that return at once for a meta tensor (their sampling depends on
-# the values drawn: trunc_normal_ rejects and redraws); recorded as one call each, replayed by
-# calling them on the real tensor
-_SKIPPED_ON_META = ("trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+
+class _RngStates:
+    """The random generators' states as the build left them before each draw. Recording draws
+    nothing, so a state changes only where the constructor set it (`torch.manual_seed`,
+    `set_rng_state`, its own `torch.Generator`): those states are set again before the same
+    draws in the replay."""
+
+    def __init__(self):
+        self.last = {id(torch.default_generator): torch.default_generator.get_state()}
+        self.held: list = []  # the generators named, kept alive so that their ids stay theirs
+
+    def changed(self, tree) -> tuple | None:
+        """(generator, state) when the draw with these arguments finds its generator not where
+        the last draw from it (or, for the default one, the build's start) left it."""
+        generator = next((x for x in tree_flatten(tree)[0] if isinstance(x, torch.Generator)), torch.default_generator)
+        with _disable_current_modes():  # compared as the real tensors they are, not recorded
+            state = generator.get_state()
+            last = self.last.get(id(generator))
+            if last is not None and torch.equal(last, state):
+                return None
+        self.last[id(generator)] = state
+        self.held.append(generator)
+        return generator, state
 
 
 @contextlib.contextmanager
-def _initialisers_recorded(recorder: _Recorder):
-    saved = {name: getattr(nn.init, name) for name in _SKIPPED_ON_META}
+def _trunc_normal_recorded(recorder: _Recorder):
+    """torch's truncated normal rejects and redraws until every value lies in its bounds, which
+    reads the values drawn: recorded as one call, replayed by calling it on the real tensor.
+    Patched where `nn.init.trunc_normal_` looks it up at each call, so that every reference to
+    `trunc_normal_` goes through it (transformers keeps its own, taken at import)."""
+    holder, name = (nn.init, "_no_grad_trunc_normal_") if hasattr(nn.init, "_no_grad_trunc_normal_") \
+        else (nn.init, "trunc_normal_")
+    original = getattr(holder, name)
 
-    def recording(original):
-        @functools.wraps(original)
-        def call(tensor, *args, **kwargs):
-            if not (isinstance(tensor, torch.Tensor) and tensor.is_meta):
-                return original(tensor, *args, **kwargs)
-            recorder.alive.append(tensor)
-            r = _ref(tensor)
-            recorder.ops.append(_Op(original, (r, *args), dict(kwargs), r, reads=set() if r.whole else {r.key},
-                                    writes={r.key}, overwrites={r.key} if r.whole else set(), seeded=True,
-                                    synthetic=True))
-            return tensor
+    @functools.wraps(original)
+    def call(tensor, *args, **kwargs):
+        if not _fake(tensor):
+            return original(tensor, *args, **kwargs)
+        recorder.alive.append(tensor)
+        r = _ref(tensor)
+        recorder.add(_Op(original, (r, *args), dict(kwargs), r, reads=set() if r.whole else {r.key},
+                         writes={r.key}, overwrites={r.key} if r.whole else set(), seeded=True, synthetic=True))
+        return tensor
 
-        return call
-
-    for name, original in saved.items():
-        setattr(nn.init, name, recording(original))
+    setattr(holder, name, call)
     try:
         yield
     finally:
-        for name, original in saved.items():
-            setattr(nn.init, name, original)
+        setattr(holder, name, original)
 
 
 @dataclass
@@ -154,18 +192,54 @@ class Recorded:
     replayable: bool
     reason: str = ""
     finals: dict = field(default_factory=dict)  # name ("buffer:NAME" for a buffer) -> its _Ref as built
+    rng_after: torch.Tensor | None = None  # the default generator's state the build left, where it set one
 
 
 def build_recorded(build: Callable[[], object]) -> tuple[object, Recorded]:
-    """Run `build()` (returning a model, or (model, plan)) on the meta device, recording what it
-    does. Returns build()'s result and the record."""
+    """Run `build()` (returning a model, or (model, plan)) on fake tensors, recording what it
+    does. Returns build()'s result, its tensors on the meta device, and the record."""
     recorder = _Recorder()
-    with torch.device("meta"), _initialisers_recorded(recorder), recorder:
+    with FakeTensorMode() as fake, _trunc_normal_recorded(recorder), recorder:
         result = build()
     model = result[0] if isinstance(result, tuple) else result
     record = _analyse(model, recorder.ops, recorder.problem)
+    if record.replayable:
+        record.reason = init_check.differs(model, record, lambda run: _recorded_ops(fake, run))
+        record.replayable = not record.reason
+    after = recorder.rng.changed(())  # set after the last draw: the state a plain build ends in
+    record.rng_after = after[1] if after else None
+    _to_meta(model)
     recorder.alive.clear()
     return result, record
+
+
+def _recorded_ops(fake: FakeTensorMode, run: Callable[[], None]) -> list[_Op]:
+    """The operations `run()` makes on the recorded (still fake) model."""
+    probe = _Recorder()
+    with fake, _trunc_normal_recorded(probe), probe:
+        run()
+    return probe.ops
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Swap the model's fake tensors for meta tensors of the same shapes: what the layouts and
+    `fill` work on. A parameter held by several modules (tied) stays one parameter."""
+    made: dict[int, torch.Tensor] = {}
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            empty = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            made[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if _fake(t):
+                    table[name] = meta(t)
+        for name, value in list(vars(module).items()):  # a tensor kept as a plain attribute
+            if _fake(value):
+                object.__setattr__(module, name, meta(value))
 
 
 def _analyse(model: nn.Module, ops: list[_Op], problem: str | None) -> Recorded:
@@ -179,7 +253,7 @@ def _analyse(model: nn.Module, ops: list[_Op], problem: str | None) -> Recorded:
     keys = {r.key for r in finals.values()}
     if keys - created:
         return Recorded(ops, False, "a parameter or buffer was not made by a recorded operation "
-                                    "(a constant from Python data, or made off the meta device)")
+                                    "(made before the build, or outside torch)")
     # backward: an operation is needed when it changes a storage whose value is used later
     live = set(keys)
     for op in reversed(ops):
@@ -187,14 +261,17 @@ def _analyse(model: nn.Module, ops: list[_Op], problem: str | None) -> Recorded:
             op.needed = True
             live -= op.overwrites | op.creates
             live |= op.reads
-    if live:  # a value used that no recorded operation made: a constant the meta device dropped
+    if live:  # a value used that no recorded operation made
         return Recorded(ops, False, "a value used in the build was not made by a recorded operation "
-                                    "(a constant from Python data on the meta device)")
+                                    "(a tensor made before the build)")
+    filled = set()  # storages some needed operation writes values into (not only allocates)
+    for op in ops:
+        if op.needed and (op.synthetic or op.func._schema.name not in _UNFILLED):
+            filled |= op.writes | op.creates
     for name, r in finals.items():  # made and then never written: an initialiser the record did not see
-        touching = [op for op in ops if op.needed and r.key in op.writes | op.creates]
-        if all(not op.synthetic and op.func._schema.name in _UNFILLED for op in touching):
+        if r.key not in filled:
             return Recorded(ops, False, f"{name} is allocated but never filled by a recorded operation "
-                                        "(an initialiser that skips meta tensors, imported before the build?)")
+                                        "(left empty by its constructor, or filled by code the record does not see)")
     return Recorded(ops, True, finals=finals)
 
 
@@ -226,6 +303,8 @@ def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) ->
     def real(x, into: dict):
         if isinstance(x, torch.device) and x.type == "meta":
             return _CPU  # a factory's device: the replay allocates on the CPU
+        if isinstance(x, torch.Tensor):
+            return x.clone()  # a constant from Python data (the record's own, never to be changed)
         if not isinstance(x, _Ref):
             return x
         if x.key not in into:  # a value nothing needed wrote yet: what it held does not matter
@@ -233,6 +312,8 @@ def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) ->
         return into[x.key].as_strided(x.size, x.stride, x.offset)
 
     for i, op in enumerate(record.ops):
+        if op.rng is not None:  # the constructor set this generator's state here
+            op.rng[0].set_state(op.rng[1])
         if op.needed:
             result = op.func(*tree_map(lambda x: real(x, bases), op.args), **tree_map(lambda x: real(x, bases), op.kwargs))
             for r, t in zip(tree_flatten(op.out)[0], tree_flatten(result)[0]):
@@ -249,6 +330,8 @@ def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) ->
                 place(name, bases[k].as_strided(r.size, r.stride, r.offset))
             bases.pop(k, None)
             del last[k]
+    if record.rng_after is not None:
+        torch.default_generator.set_state(record.rng_after)
     return peak
 
 
