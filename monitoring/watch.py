@@ -32,7 +32,7 @@ ENDED = ("done", "failed")
 WINDOW = 10  # per-rank figures are a mean over this many steps: one step's figures flicker too much to read
 REFRESH_S = 0.25
 MAX_REPLAY_SLEEP_S = 0.5
-STATE_STYLE = {"placing": "yellow", "starting": "yellow", "training": "bold cyan", "done": "bold green",
+STATE_STYLE = {"placing": "yellow", "starting": "yellow", "training": "bold cyan", "finishing": "cyan", "done": "bold green",
                "failed": "bold red"}
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>]")
 

@@ -228,7 +228,7 @@ def test_run_writes_checkpoints_final_and_summary(tmp_path):
     assert [r["step"] for r in steps] == list(range(1, 11))
     assert steps[0]["loss"] == pytest.approx((10 + 9) / 2)  # mean of the two ranks' losses of step 0
     states = [r["state"] for r in read(run.telemetry) if r.get("event") == "state"]
-    assert states == ["placing", "starting", "training", "done"]
+    assert states == ["placing", "starting", "training", "finishing", "done"]
     assert json.loads(run.summary.read_text())["strategy_history"][0]["strategy"] == "data"
 
 
@@ -271,7 +271,8 @@ def test_forced_schedule_switches_at_its_steps_and_records_them(tmp_path):
     assert switches[0]["seconds"] == pytest.approx(0.02)  # the slowest rank's time
     assert [h["strategy"] for h in summary["strategy_history"]] == ["data", "tensor", "hybrid"]
     states = [r["state"] for r in records if r.get("event") == "state"]
-    assert states == ["placing", "starting", "training", "switching", "training", "switching", "training", "done"]
+    assert states == ["placing", "starting", "training", "switching", "training", "switching", "training", "finishing",
+                      "done"]
 
 
 def test_a_resumed_run_continues_in_the_layout_its_schedule_had_in_force(tmp_path):
@@ -325,7 +326,7 @@ def test_a_lost_worker_is_restarted_from_the_latest_checkpoint_without_ray(tmp_p
     records = read(run.telemetry)
     assert [p for r in records for p in validate(r)] == []
     states = [r["state"] for r in records if r.get("event") == "state"]
-    assert states == ["placing", "starting", "training", "placing", "starting", "training", "done"]
+    assert states == ["placing", "starting", "training", "placing", "starting", "training", "finishing", "done"]
     assert [r["event"] for r in records if r.get("event") in ("failure", "restored", "recovered")] == [
         "failure", "restored", "recovered"]
     assert torch.load(run.final, weights_only=True)["w"].tolist() == [10.0, 10.0]

@@ -2,9 +2,9 @@
 writes checkpoints and the run's outputs, and tears everything down whatever happens.
 
     PLACING -> STARTING -> TRAINING <-> SWITCHING
-       ^                      |  ^  \\-> DONE
+       ^                      |  ^  \\-> FINISHING -> DONE
        |                      v  |     (elastic: the survivors go on in memory, orchestrator/control/elastic.py)
-       \\------------- RECOVERING        (a worker lost in PLACING, STARTING or SWITCHING too)
+       \\------------- RECOVERING        (a worker lost in PLACING, STARTING, SWITCHING or FINISHING too)
 
     any state -> FAILED                 (an error no restart fixes, fault.max_failures used up, Ctrl-C)
 
@@ -22,7 +22,9 @@ at the same step boundary. A worker failure in any state but RECOVERING goes to 
 (orchestrator/recovery.py), which restarts from a checkpoint or gives up.
 
 Every state entered is announced as a `state` event, except RECOVERING, which its `failure`
-event announces (readers know placing, starting, training, switching, done and failed).
+event announces (readers know placing, starting, training, switching, finishing, done and failed).
+FINISHING (orchestrator/control/finishing.py) writes the final checkpoint and final.pt: a worker
+lost there is recovered from like anywhere else.
 
 What is injected, so that tests can swap it: the worker group (`group_factory`, a
 `WorkerGroup`), the policy (`policy_factory`), and the bucket-tuning driver (`tuning`; `gearshift
@@ -45,6 +47,7 @@ from gearshift.orchestrator.control.checkpoints import Checkpoints
 from gearshift.orchestrator.errors import GearshiftError, WorkerFailed
 from gearshift.orchestrator.control.elastic import Elastic, Plan, dead_now, gone_nodes, grown
 from gearshift.orchestrator.control.evaluation import Evaluation
+from gearshift.orchestrator.control.finishing import Finishing, at_rest
 from gearshift.orchestrator.control.memory import OutOfMemory
 from gearshift.orchestrator.job import Job, scheduled
 from gearshift.orchestrator.policy.adaptive import Decision, Policy
@@ -65,6 +68,7 @@ class State(enum.Enum):
     STARTING = "starting"
     TRAINING = "training"
     SWITCHING = "switching"
+    FINISHING = "finishing"
     RECOVERING = "recovering"
     DONE = "done"
     FAILED = "failed"
@@ -95,6 +99,7 @@ class Controller:
         self.checkpoints = Checkpoints(job, self.checkpoint_root, self.report)
         self.evals = Evaluation(job, self.report, self.checkpoint_root, self.checkpoints.save_now)
         self.memory = OutOfMemory(job, self.report)
+        self.finishing = Finishing(self)
         self.micro = job.train.micro_batch_size  # the micro-batch in force (None: a rank's whole share)
         self.state = State.PLACING
         self.layout = job.layout  # the layout in force now
@@ -131,7 +136,6 @@ class Controller:
             state = State.PLACING
             while state is not State.DONE:
                 state = self._step(state)
-            self._finish()
         except BaseException as err:  # whatever ends the run, the run dir says so
             self._failed(err)
             raise
@@ -145,7 +149,7 @@ class Controller:
         if state is State.RECOVERING:
             return self._recover()
         handler = {State.PLACING: self._place, State.STARTING: self._start, State.TRAINING: self._train,
-                   State.SWITCHING: self._switching}[state]
+                   State.SWITCHING: self._switching, State.FINISHING: self._finish}[state]
         try:
             return handler()
         except WorkerFailed as err:
@@ -243,6 +247,7 @@ class Controller:
         if self._load:
             name, state = self._load
             start_step = self.group.call("load", self.group.put(state))[0]
+            self.finishing.loaded(start_step)
             self.report.event("restored" if restart else "resumed", checkpoint=name, step=start_step)
         elif job.model.pretrained:  # a fresh start from pretrained weights: each rank reads its slices
             loaded = self.group.call("load_pretrained")
@@ -269,7 +274,7 @@ class Controller:
         """Train one chunk, to the next step at which something may change (or sooner, where the
         workers stopped for a decision); what happens there."""
         if self.step >= self.job.train.steps:
-            return State.DONE
+            return State.FINISHING
         if self._may_grow() and self.step > self._settling:
             self._grow()
         until = self._chunk_end(self.step)
@@ -280,7 +285,8 @@ class Controller:
         if self.nan_rollback.due(self.job):  # fault.on_nan rollback: back to a checkpoint, at a lower rate
             self.job, self.step = self.nan_rollback.roll_back(self.job, self.group, until)
             return State.TRAINING
-        self.evals.after_chunk(self.group, until, self.job.train.steps, self.layout)
+        with at_rest(until):
+            self.evals.after_chunk(self.group, until, self.job.train.steps, self.layout)
         tuning_over = self.tuning.chunk_done(until)
         due = self._schedule and self._schedule[0]["step"] == until
         boundary = next_boundary(until, self.job.train.steps, scheduled_layout(self.job, until) if due else None,
@@ -289,7 +295,7 @@ class Controller:
         if self._decided is not None and (boundary.to is None or boundary.reason != decision.name):
             self._record_decision(None)  # not carried out: the run ended, or the schedule came first
         if boundary.stop:
-            return State.DONE
+            return State.FINISHING
         if boundary.to is not None:
             self._boundary = boundary
             return State.SWITCHING
@@ -359,13 +365,12 @@ class Controller:
         self.tuning.begin(plan.step)
         return State.TRAINING
 
-    def _finish(self) -> None:
-        """DONE: the final checkpoint and final.pt. A worker lost here is not recovered from."""
-        step = self.checkpoints.save_now(self.group)  # every rank takes part: each writes its shards
-        self.evals.at_end(self.group, step, self.layout)  # after the save: the best may be this one
-        self.checkpoints.write_final(step, self.run_dir.final)
+    def _finish(self) -> State:
+        self._enter(State.FINISHING, step=self.step)
+        step = self.finishing.run()
         self._enter(State.DONE, step=step)
         self.summary["status"] = "done"
+        return State.DONE
 
     def _failed(self, err: BaseException) -> None:
         interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))

@@ -37,6 +37,7 @@ class Plan:
     lost: list[int]
     detected: float
     behind: list[int] = dataclasses.field(default_factory=list)  # kept ranks a step behind: they receive
+    redo: int = 1  # steps to train again: the dropped one, or none where the loss came between steps
 
 
 def pieces_lost(layout: Layout, lost: set[int] | list[int]) -> list[dict]:
@@ -154,13 +155,17 @@ class Elastic:
     def plan(self, err: WorkerFailed, failures: int, job: Job, layout: Layout, dropped: list[dict],
              micro: int | None, dead: list[int] = ()) -> Plan | str:
         """What the survivors of `err` go on as, or why they cannot (a sentence). `dead`: ranks the
-        group finds gone now (a rank may report its step dropped, then die with its node)."""
+        group finds gone now (a rank may report its step dropped, then die with its node). A
+        worker lost while no step ran (`err.at_rest`: the final checkpoint, an evaluation) leaves
+        every survivor at that step."""
         if getattr(err, "growing", None):
             return f"a worker was lost while {err.growing}, the state moving between worlds"
-        if not getattr(err, "lost_ranks", None):
+        rest = getattr(err, "at_rest", None)
+        if rest is None and not getattr(err, "lost_ranks", None):
             return "no worker was lost inside the step loop"
-        lost = sorted(set(err.lost_ranks) | set(dead))
-        dropped = [d for d in dropped if d["rank"] not in lost]
+        lost = sorted(set(getattr(err, "lost_ranks", None) or ()) | set(dead))
+        if not lost:
+            return "no worker was found gone (one stopped answering, or raised)"
         f = job.fault
         if f.max_failures != -1 and failures > f.max_failures:
             return "fault.max_failures is used up"
@@ -169,42 +174,56 @@ class Elastic:
             return (f"{layout} held {len(gone)} piece(s) of the state only on the lost rank(s) {lost}: "
                     + ", ".join(_piece(layout, p) for p in gone[:4]) + (", ..." if len(gone) > 4 else ""))
         survivors = [r for r in range(layout.world) if r not in lost]
-        if sorted(d["rank"] for d in dropped) != survivors:
-            return "not every survivor said where it stopped"
-        # a collective can complete on some ranks and not on others when a peer dies inside it:
-        # the survivors a step behind receive the state of those ahead, as a new worker does
-        step = max(d["step"] for d in dropped)
-        ahead = [d["rank"] for d in dropped if d["step"] == step]
-        if any(d["step"] < step - 1 for d in dropped) or pieces_lost(layout, [r for r in range(layout.world)
-                                                                             if r not in ahead]):
-            return ("the survivors that trained furthest do not hold every piece (stopped: "
-                    + ", ".join(f"rank {d['rank']} before step {d['step']}" for d in dropped) + ")")
+        if rest is not None:
+            step, ahead, redo = rest + 1, survivors, 0
+        else:
+            step, ahead = self._stopped(layout, lost, survivors, dropped)
+            if isinstance(ahead, str):
+                return ahead
+            redo = 1
         found = shrunk(job, layout, survivors, micro, holders=ahead)
         if found is None:
             return (f"no layout on {job.min_workers} to {len(survivors)} of the survivors divides the global batch "
                     f"({job.train.global_batch_size}) (cluster.min_workers = {job.min_workers})")
         target, keep = found
         return Plan(target, keep, step - 1, sorted(lost), getattr(err, "detected", time.time()),
-                    behind=[r for r in keep if r not in ahead])
+                    behind=[r for r in keep if r not in ahead], redo=redo)
+
+    @staticmethod
+    def _stopped(layout: Layout, lost: list[int], survivors: list[int], dropped: list[dict]) -> tuple[int, list | str]:
+        """Lost inside the step loop: the step the survivors dropped, and those that trained
+        furthest (or why they cannot go on: a sentence in place of the list)."""
+        dropped = [d for d in dropped if d["rank"] not in lost]
+        if sorted(d["rank"] for d in dropped) != survivors:
+            return 0, "not every survivor said where it stopped"
+        # a collective can complete on some ranks and not on others when a peer dies inside it:
+        # the survivors a step behind receive the state of those ahead, as a new worker does
+        step = max(d["step"] for d in dropped)
+        ahead = [d["rank"] for d in dropped if d["step"] == step]
+        if any(d["step"] < step - 1 for d in dropped) or pieces_lost(layout, [r for r in range(layout.world)
+                                                                             if r not in ahead]):
+            return step, ("the survivors that trained furthest do not hold every piece (stopped: "
+                          + ", ".join(f"rank {d['rank']} before step {d['step']}" for d in dropped) + ")")
+        return step, ahead
 
     def resized(self, plan: Plan, old: Layout, err: WorkerFailed, failures: int, job: Job, seconds: float,
                 lost_nodes: list[str], results: list[dict] = (), planned: float | None = None) -> None:
         """The survivors are on the new world: the failure record now, `resize` at the first step."""
-        self.report.event("failure", step=plan.step + 1, rank=err.rank, kind=err.kind, error=err.reason,
+        self.report.event("failure", step=plan.step + plan.redo, rank=err.rank, kind=err.kind, error=err.reason,
                           failures=failures, max_failures=job.fault.max_failures, dead_ranks=plan.lost,
                           lost_nodes=lost_nodes,
                           action=f"elastic: go on in memory from step {plan.step} on {len(plan.keep)} worker(s) "
-                                 f"as {plan.layout}", steps_to_recompute=1)
+                                 f"as {plan.layout}", steps_to_recompute=plan.redo)
         self._pending = {"from": old.to_dict(), "to": plan.layout.to_dict(), "lost_ranks": plan.lost,
                          "lost_nodes": lost_nodes,
                          "kept_ranks": plan.keep, "world_size": [old.world, plan.layout.world],
-                         "from_checkpoint": False, "steps_redone": 1, "regroup_seconds": seconds,
+                         "from_checkpoint": False, "steps_redone": plan.redo, "regroup_seconds": seconds,
                          "detected": plan.detected, "restored_step": plan.step,
                          # where the seconds went: the loss seen to the plan made, forming the new
                          # group, laying the state out on it (the rest: the first step)
                          "phases": {"detect_s": (planned or plan.detected) - plan.detected,
                                     **_phases(seconds, results)}}
-        self.report.say(f"step {plan.step + 1}: rank(s) {plan.lost} lost -> going on in memory on "
+        self.report.say(f"step {plan.step + plan.redo}: rank(s) {plan.lost} lost -> going on in memory on "
                         f"{len(plan.keep)} worker(s) as {plan.layout} (the state is all on the survivors)")
 
     def grew(self, old: Layout, new: Layout, seconds: float, started: float, results: list[dict] = ()) -> None:

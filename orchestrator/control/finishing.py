@@ -1,0 +1,54 @@
+"""FINISHING, the run's end as a state like the others: the final checkpoint, the last
+evaluation and final.pt.
+
+A worker lost while no step runs (this state, an evaluation between chunks) leaves every
+survivor holding the state of the step they are all at: the failure is marked `at_rest` with
+that step, and RECOVERING handles it as anywhere else: under `fault.on_node_loss: elastic` the
+survivors that hold every piece go on in memory (orchestrator/control/elastic.py, `plan_at_rest`)
+and write the checkpoint themselves; otherwise the run restarts from its newest checkpoint and
+trains the rest again. So a run whose every step trained never ends with nothing while a restart
+is allowed (`fault.max_failures`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from gearshift.orchestrator.errors import WorkerFailed
+
+
+@contextlib.contextmanager
+def at_rest(step: int):
+    """Calls made while no step runs: a worker lost in one leaves the others at `step`."""
+    try:
+        yield
+    except WorkerFailed as err:
+        err.at_rest = step
+        raise
+
+
+class Finishing:
+    """The end of one run; `saved` is the step whose checkpoint exists (written here, or the one
+    a restart loaded), so that the end after a recovery does not write it twice."""
+
+    def __init__(self, controller):
+        self.c = controller
+        self.saved: int | None = None
+
+    def loaded(self, step: int) -> None:
+        """The workers were restored from the checkpoint of `step`."""
+        self.saved = step
+
+    def run(self) -> int:
+        """The final checkpoint (every rank writes its shards), the last evaluation and final.pt;
+        the step they are of."""
+        c = self.c
+        with at_rest(c.step):
+            if self.saved != c.step:
+                self.saved = c.checkpoints.save_now(c.group)
+            c.evals.at_end(c.group, c.step, c.layout)  # after the save: the best may be this one
+        # a recovery that no step followed: its records are written at the step it ended on
+        c.recovery.trained({"step": c.step}, c.job.cluster.num_workers)
+        c.elastic.trained({"step": c.step}, c.layout)
+        c.checkpoints.write_final(c.step, c.run_dir.final)
+        return c.step
