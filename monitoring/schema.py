@@ -86,7 +86,7 @@ EVENT = {
     "event": (str, "what happened; see EVENTS"),
 }
 EVENTS = {
-    "state": "the controller entered a state (field `state`: placing, starting, training, switching, done, failed; "
+    "state": "the controller entered a state (field `state`: placing, starting, training, switching, finishing, done, failed; "
              "`error` when failed; `workers`, `layout`, `tp_groups` and `fsdp_units` (how the FSDP units were "
              "found: `found_by`, `count`, `first`, `note`) and `build` (`on_meta`: whether the ranks built the model on "
              "the meta device and allocated only their pieces; `why` when a sharded layout could not) and `recomputed` (how many modules "
