@@ -48,7 +48,9 @@ class WorkerFailed(GearshiftError):
         return any(mark in text for mark in _COMM_FAILURES)
 
 
-# what a collective says when a peer is gone or too slow (gloo, NCCL, torch.distributed)
+# what a collective says when a peer is gone or too slow (gloo, NCCL, torch.distributed); NCCL's
+# texts are its watchdog's and its result codes' as torch words them (not yet seen on a GPU here)
 _COMM_FAILURES = ("DistBackendError", "DistNetworkError", "DistStoreError", "Timed out", "timed out",
                   "Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
-                  "ProcessGroupGloo", "gloo")
+                  "ProcessGroupGloo", "gloo", "ProcessGroupNCCL", "Watchdog caught collective operation timeout",
+                  "NCCL error", "ncclRemoteError", "ncclSystemError", "remote process exited")

@@ -23,7 +23,9 @@ import torch.distributed as dist
 # what a collective raises on a rank whose peer left the group (or whose group was aborted)
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
               "NCCL communicator was aborted", "has been aborted", "ProcessGroup abort", "Connection refused",
-              "process group has been destroyed", "Default process group has not been initialized")
+              "process group has been destroyed", "Default process group has not been initialized",
+              # NCCL: a peer's exit or a network error (ncclRemoteError), its watchdog's abort
+              "ncclRemoteError", "remote process exited", "Watchdog caught collective operation timeout")
 
 
 def peer_gone(err: BaseException) -> bool:

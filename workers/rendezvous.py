@@ -87,6 +87,24 @@ def leave() -> None:
         pass
 
 
+# What torch's NCCL process group does when a collective fails or times out: abort the
+# communicator so that the collective raises in this process (2, CleanUpOnly), where torch's
+# default (3, SkipCleanUp) and Ray Train's (1, TearDown) end the process; and tell the other ranks
+# through the store, so that each raises too rather than waiting out its own timeout. A rank
+# that raises is a worker that reports: the controller decides (restart, shrink, drop a step).
+# A value the user set in cluster.env or the node's environment is left as it is.
+NCCL_ENVIRONMENT = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_PROPAGATE_ERROR": "1"}
+
+
+def nccl_environment(environ=os.environ) -> dict[str, str]:
+    """Set NCCL_ENVIRONMENT where `environ` has no value of its own (torch also reads the older
+    NCCL_ASYNC_ERROR_HANDLING); what was set."""
+    aliases = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "NCCL_ASYNC_ERROR_HANDLING"}
+    chosen = {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in environ and aliases.get(k) not in environ}
+    environ.update(chosen)
+    return chosen
+
+
 def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: float,
          gpu: bool, device_index: int = 0) -> tuple[torch.device, str]:
     """Join the process group; (this worker's device, the backend). Every group made after it
@@ -107,6 +125,7 @@ def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: f
         device = torch.device("cuda", device_index)
         torch.cuda.set_device(device)
         backend = "nccl"
+        nccl_environment()  # read by the process group as it is made
     else:
         device, backend = torch.device("cpu"), "gloo"
     mesh.forget()  # a mesh of a group this process had before is not one of this group's
