@@ -156,3 +156,36 @@ def test_fsdp_and_tensor_layouts_filled_from_the_record_equal_the_plain_build(tm
         for strategy, r in got.items():
             assert r["diff"] == 0.0, (strategy, r)
             assert r["local"] < 0.75 * r["total"], (strategy, r)  # this rank holds pieces, not the model
+
+
+def test_tensors_left_to_pretrained_weights_are_not_made_and_draw_nothing():
+    """A replay that skips every random tensor (pretrained weights give them) draws no random
+    number at all, makes the RoPE table it keeps exactly, and hands over nothing it skipped."""
+    torch.manual_seed(3)
+    plain = Tied()
+    torch.manual_seed(3)
+    _, record = build_recorded(Tied)
+    skip = {name for name in record.finals if not name.startswith("buffer:")}
+    got = {}
+    torch.manual_seed(3)
+    before = torch.default_generator.get_state()
+    materialise(record, lambda name, value: got.__setitem__(name, value.clone()), skip)
+    assert torch.equal(torch.default_generator.get_state(), before)  # not one number drawn
+    assert set(got) == {"buffer:rope.cos", "buffer:rope.sin"}
+    assert torch.equal(got["buffer:rope.cos"], plain.rope.cos) and torch.equal(got["buffer:rope.sin"], plain.rope.sin)
+
+
+def test_a_kept_tensor_drawn_after_skipped_ones_still_gets_the_plain_builds_numbers():
+    """`scale`'s truncated normal comes before the second pass's draws: skipped, it is still drawn
+    (into scratch), so every value kept equals the plain build's."""
+    torch.manual_seed(3)
+    plain = Tied()
+    torch.manual_seed(3)
+    _, record = build_recorded(Tied)
+    got = {}
+    torch.manual_seed(3)
+    materialise(record, lambda name, value: got.__setitem__(name, value.clone()), {"scale"})
+    want = {n: p for n, p in plain.named_parameters() if n != "scale"}
+    assert "scale" not in got and set(want) <= set(got)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

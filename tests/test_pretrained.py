@@ -99,6 +99,8 @@ def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
     assert sum(event["rank_bytes"]) == whole if layout == "fsdp2" else sum(event["rank_bytes"]) >= whole
     starting = next(r for r in records if r.get("event") == "state" and r.get("state") == "starting")
     assert starting["build"]["on_meta"] is True
+    # the weights overwrite every parameter: the first build left them empty, drawing nothing for them
+    assert starting["build"]["from_weights"] == len(pretrained.saved_tensors(folder / "weights"))
     if layout == "fsdp2":  # the export, streamed from the last checkpoint, loads back with from_pretrained
         from transformers import LlamaForCausalLM
 

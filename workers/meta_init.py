@@ -254,13 +254,9 @@ def _analyse(model: nn.Module, ops: list[_Op], problem: str | None) -> Recorded:
     if keys - created:
         return Recorded(ops, False, "a parameter or buffer was not made by a recorded operation "
                                     "(made before the build, or outside torch)")
-    # backward: an operation is needed when it changes a storage whose value is used later
-    live = set(keys)
-    for op in reversed(ops):
-        if (op.writes | op.creates) & live:
-            op.needed = True
-            live -= op.overwrites | op.creates
-            live |= op.reads
+    needed, live = _needed(ops, keys)
+    for i in needed:
+        ops[i].needed = True
     if live:  # a value used that no recorded operation made
         return Recorded(ops, False, "a value used in the build was not made by a recorded operation "
                                     "(a tensor made before the build)")
@@ -275,6 +271,20 @@ def _analyse(model: nn.Module, ops: list[_Op], problem: str | None) -> Recorded:
     return Recorded(ops, True, finals=finals)
 
 
+def _needed(ops: list[_Op], keys: set[int]) -> tuple[set[int], set[int]]:
+    """The operations (by index) the final values of storages `keys` depend on, going backward:
+    one is needed when it changes a storage whose value is used later; and the storages used
+    that no operation made."""
+    live, needed = set(keys), set()
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if (op.writes | op.creates) & live:
+            needed.add(i)
+            live -= op.overwrites | op.creates
+            live |= op.reads
+    return needed, live
+
+
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **{f"buffer:{n}": b for n, b in model.named_buffers()}}
 
@@ -284,17 +294,25 @@ def _flat(r: _Ref) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) -> int:
+def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None], skip: set[str] = frozenset()) -> int:
     """Replay the record on the CPU (call it right after the seed the plain build starts from);
     `place(name, value)` gets each parameter ("buffer:NAME" for a buffer) of the recorded model
     whole, once, as soon as its value is final, and must copy out what it keeps: the value is
-    freed when it returns. Returns the most bytes of whole values the replay held at once."""
+    freed when it returns. The tensors named in `skip` (filled from elsewhere afterwards:
+    pretrained weights) are not made at all, their random numbers not drawn, unless a value kept
+    draws after them (then only into scratch, to keep the generator in step). Returns the most
+    bytes of whole values the replay held at once."""
     names: dict[int, list[str]] = {}
     for name, r in record.finals.items():
-        names.setdefault(r.key, []).append(name)
+        if name not in skip:
+            names.setdefault(r.key, []).append(name)
+    needed, drawn = {i for i, op in enumerate(record.ops) if op.needed}, len(record.ops)
+    if skip:  # draws after the last kept one keep nothing in step: not made
+        needed = _needed(record.ops, set(names))[0]
+        drawn = max((i for i in needed if record.ops[i].seeded), default=-1)
     last: dict[int, int] = {}
     for i, op in enumerate(record.ops):
-        if op.needed:
+        if i in needed:
             for k in op.reads | op.writes | op.creates:
                 last[k] = i
     bases: dict[int, torch.Tensor] = {}  # storage -> a flat real tensor over all of it
@@ -314,12 +332,12 @@ def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) ->
     for i, op in enumerate(record.ops):
         if op.rng is not None:  # the constructor set this generator's state here
             op.rng[0].set_state(op.rng[1])
-        if op.needed:
+        if i in needed:
             result = op.func(*tree_map(lambda x: real(x, bases), op.args), **tree_map(lambda x: real(x, bases), op.kwargs))
             for r, t in zip(tree_flatten(op.out)[0], tree_flatten(result)[0]):
                 if isinstance(r, _Ref) and r.key not in bases:  # a fresh storage: over all of it
                     bases[r.key] = t.new_empty(0).set_(t.untyped_storage(), 0, (r.numel,), (1,))
-        elif op.seeded:  # drawn only to keep the generator in step with the plain build
+        elif op.seeded and i < drawn:  # drawn only to keep the generator in step with the plain build
             scratch: dict[int, torch.Tensor] = {}
             op.func(*tree_map(lambda x: real(x, scratch), op.args), **tree_map(lambda x: real(x, scratch), op.kwargs))
             del scratch
@@ -335,10 +353,11 @@ def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None]) ->
     return peak
 
 
-def fill(model: nn.Module, record: Recorded, device: torch.device) -> None:
+def fill(model: nn.Module, record: Recorded, device: torch.device, skip: set[str] = frozenset()) -> None:
     """Allocate the pieces of `model` (the recorded model, laid out on the meta device) on
-    `device` and fill each from the replay, one whole tensor at a time. Call it right after the
-    seed the plain build starts from; every rank of the layout calls it (no collective runs)."""
+    `device` and fill each from the replay, one whole tensor at a time, but those named in `skip`
+    (left empty for pretrained weights to fill). Call it right after the seed the plain build
+    starts from; every rank of the layout calls it (no collective runs)."""
     from gearshift.strategies.relayout import _local, _params_keep_identity
     from gearshift.strategies.state import shard_like
 
@@ -350,6 +369,8 @@ def fill(model: nn.Module, record: Recorded, device: torch.device) -> None:
         target = targets.pop(name)
         _local(target).copy_(_local(shard_like(value, target)))
 
-    materialise(record, place)
+    materialise(record, place, skip)
+    for name in skip:
+        targets.pop(name, None)
     if targets:
         raise RuntimeError(f"the build on the meta device left {sorted(targets)[:5]} unfilled")

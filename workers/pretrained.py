@@ -74,6 +74,26 @@ def read_header(file: pathlib.Path) -> dict[str, tuple[str, list[int]]]:
         raise PretrainedError(f"{file}: not a safetensors file ({type(err).__name__}: {err})") from None
 
 
+def folder(spec: dict, search_paths) -> pathlib.Path:
+    """model.pretrained's folder, relative to the job file's."""
+    return pathlib.Path(search_paths[0]).joinpath(pathlib.Path(spec["path"]).expanduser())
+
+
+def covered(model: nn.Module, spec: dict | None, search_paths) -> set[str]:
+    """The names of `model`'s parameters and buffers ("buffer:NAME", as the first build names
+    them) whose values model.pretrained's weights give (none without it): the tensors a load
+    overwrites, so that the build need not make them. A tensor shared under several names counts
+    once, under the name the model lists first, when the file holds any of them."""
+    if not spec:
+        return set()
+    saved, prefix = saved_tensors(folder(spec, search_paths)), spec.get("prefix", "")
+    named = [*((n, t) for n, t in model.named_parameters(remove_duplicate=False)),
+             *((n, t) for n, t in model.named_buffers(remove_duplicate=False))]
+    given = {id(t) for n, t in named if n.startswith(prefix) and n[len(prefix):] in saved}
+    return ({n for n, p in model.named_parameters() if id(p) in given}
+            | {f"buffer:{n}" for n, b in model.named_buffers() if id(b) in given})
+
+
 def saved_tensors(folder: str | pathlib.Path) -> dict[str, tuple[str, list[int]]]:
     """Every tensor the folder holds: {name: (dtype, shape)}."""
     out: dict[str, tuple[str, list[int]]] = {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
 import time
 from typing import Iterator
 
@@ -274,12 +273,14 @@ class TrainWorker:
         return (model.to(self.device), plan), None
 
     def _materialise(self, record) -> None:
-        """Allocate this rank's pieces of the laid-out model and fill them from the record's
-        replay (the same values a plain build after the seed has)."""
-        from gearshift.workers.meta_init import fill
+        """Allocate this rank's pieces and fill them from the record's replay (a plain build's
+        values), but those model.pretrained overwrites before the first step: left empty, not drawn."""
+        from gearshift.workers import meta_init, pretrained
 
+        skip = pretrained.covered(self.parallel.model, self.config.model.get("pretrained"), self.config.search_paths)
         torch.manual_seed(self.config.seed)  # the replay draws what the plain build draws
-        fill(self.parallel.model, record, self.device)
+        meta_init.fill(self.parallel.model, record, self.device, skip)
+        self.build_info.update({"from_weights": len(skip)} if skip else {})
 
     def _attach_route(self) -> None:
         cfg = self.config
@@ -387,8 +388,7 @@ class TrainWorker:
         if not spec:
             return {}
         start = time.perf_counter()
-        folder = pathlib.Path(self.config.search_paths[0]).joinpath(pathlib.Path(spec["path"]).expanduser())
-        got = pretrained.load(self.parallel.model, folder, spec.get("prefix", ""))
+        got = pretrained.load(self.parallel.model, pretrained.folder(spec, self.config.search_paths), spec.get("prefix", ""))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {**got, "seconds": round(time.perf_counter() - start, 3), "memory": oom.memory_figures(self.device)}
