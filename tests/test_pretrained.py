@@ -111,7 +111,32 @@ def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
         assert back.keys() == {k[len("lm."):] for k in final}
         assert all(torch.equal(back[k[len("lm."):]], v) for k, v in final.items())
     source = json.loads((folder / "run" / "source.json").read_text())
-    assert sorted(source["pretrained"]["files"]) == sorted(p.name for p in pretrained.weight_files(folder / "weights"))
+    assert sorted(source["pretrained"]["files"]) == sorted([p.name for p in pretrained.weight_files(folder / "weights")]
+                                                           + [pretrained.INDEX])
+
+
+def test_the_driver_tells_weight_files_apart_by_their_headers_and_hashes_them_whole_only_when_asked(hf):
+    import hashlib
+
+    from gearshift.orchestrator.records import provenance
+
+    folder, hf_model = hf
+    weights = folder / "weights"
+    job = {"model": {"pretrained": {"path": "weights"}}}
+    before = provenance.pretrained_weights(job, str(folder))
+    files = pretrained.weight_files(weights)
+    assert all(set(before["files"][f.name]) == {"bytes", "header_sha256"} for f in files)
+    full = provenance.pretrained_weights({"model": {"pretrained": {"path": "weights", "hash": "full"}}}, str(folder))
+    assert full["files"][files[0].name]["sha256"] == hashlib.sha256(files[0].read_bytes()).hexdigest()
+    assert provenance.differences({"pretrained": before}, {"pretrained": full}) == []  # the same files
+    assert provenance.differences({"pretrained": {"files": {f.name: "0" * 64 for f in files}}},
+                                  {"pretrained": before}) == []  # an older record: nothing to compare
+    # another model's weights under the same file names: the headers say so
+    shutil.rmtree(weights)
+    hf_model.bare(layers=3).save_pretrained(weights, max_shard_size="20KB")
+    after = provenance.pretrained_weights(job, str(folder))
+    [line] = provenance.differences({"pretrained": before}, {"pretrained": after})
+    assert "differ from the run's" in line and ".safetensors" in line
 
 
 def test_a_file_in_another_dtype_is_converted_as_it_loads(hf):

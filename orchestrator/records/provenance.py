@@ -35,13 +35,15 @@ def collect(job_dict: dict, base_dir: str) -> dict:
 
 
 def pretrained_weights(job_dict: dict, base_dir: str) -> dict:
-    """model.pretrained's folder and the sha256 of each weight file in it (streamed)."""
+    """model.pretrained's folder and what identifies each weight file in it: its size and its
+    header's sha256, the whole file's only where `model.pretrained.hash` is full (the driver
+    reads no tensor data otherwise)."""
     from gearshift.workers import pretrained
 
     spec = job_dict["model"]["pretrained"]
     folder = pathlib.Path(base_dir).joinpath(pathlib.Path(spec["path"]).expanduser())
     try:
-        files = pretrained.digests(folder)
+        files = pretrained.identity(folder, full=spec.get("hash") == "full")
     except pretrained.PretrainedError as err:
         return {"path": str(folder), "prefix": spec.get("prefix", ""), "error": str(err)}
     return {"path": str(folder), "prefix": spec.get("prefix", ""), "files": files}
@@ -92,10 +94,23 @@ def differences(recorded: dict, current: dict) -> list[str]:
     lines += _module_differences(recorded.get("modules", {}), current.get("modules", {}))
     was, now = (recorded.get("pretrained") or {}).get("files"), (current.get("pretrained") or {}).get("files")
     if was is not None and was != now:
-        changed = sorted(n for n in set(was) | set(now or {}) if was.get(n) != (now or {}).get(n))
-        lines.append(f"pretrained weights in {current.get('pretrained', {}).get('path')}: "
-                     f"{', '.join(changed[:4]) or 'unreadable'} differ from the run's (sha256)")
+        legacy = all(isinstance(v, str) for v in was.values())  # an older run's: weight files only, by sha256
+        names = set(was) if legacy else set(was) | set(now or {})
+        changed = sorted(n for n in names if not _same_file(was.get(n), (now or {}).get(n)))
+        if changed or now is None:
+            lines.append(f"pretrained weights in {current.get('pretrained', {}).get('path')}: "
+                         f"{', '.join(changed[:4]) or 'unreadable'} differ from the run's (size, header or sha256)")
     return lines
+
+
+def _same_file(a, b) -> bool:
+    """Whether two records of a weight file agree on what both say: a full hash taken once and not
+    the other time is no difference (nor is an older run's record, the sha256 alone, against a
+    header's: nothing to compare)."""
+    a, b = ({"sha256": x} if isinstance(x, str) else x for x in (a, b))
+    if a is None or b is None:
+        return a is b
+    return all(a[k] == b[k] for k in set(a) & set(b))
 
 
 def _module_differences(was: dict, now: dict) -> list[str]:
