@@ -65,8 +65,9 @@ def load_job(job: JobLike, overrides: Overrides = None) -> Job:
     from gearshift.orchestrator.job import apply_overrides, job_from_dict
     from gearshift.orchestrator.job import load_job as load_file
 
-    if isinstance(job, Job):
-        return job_from_dict(apply_overrides(job.to_dict(), overrides), job.base_dir, job.name) if overrides else job
+    if isinstance(job, Job):  # rebuilt from its form as typed, so its ${VAR}s are read (and kept) again
+        return job_from_dict(apply_overrides(job.source_dict(), overrides), job.base_dir, job.name) if overrides \
+            else job
     if isinstance(job, Mapping):
         return job_from_dict(apply_overrides(dict(job), overrides), os.getcwd())
     if isinstance(job, (str, os.PathLike)):
@@ -187,8 +188,8 @@ def _resolve(job, overrides, run_dir, resume):
         raise UsageError("run needs a job: gearshift run JOB.yaml (or gearshift run --resume RUN_DIR)")
     if job is None:
         run = RunDir(resume_dir)
-        saved = run.load_job()
-        job = load_job(saved, overrides)
+        job = run.load_job(overrides)  # its ${VAR}s read here again; a masked credential given by --set
+        saved = run.written_job()
     else:
         job = load_job(job, overrides)
         run = None
@@ -198,7 +199,7 @@ def _resolve(job, overrides, run_dir, resume):
             if run is None:
                 raise UsageError(f"--resume: no earlier run of job {job.name!r} with this configuration "
                                  f"under {runs_root()}/. Name one with --resume RUN_DIR.")
-        saved = run.load_job() if run else None
+        saved = run.written_job() if run else None  # compared as written: it need not load here
     if run is None:
         return job, None, None, []
     conflicts = resume_conflicts(saved, job)

@@ -43,7 +43,9 @@ def load_cluster(text: str, nodes: int | None = None) -> costmodel.Hardware:
 def _differences(ours, theirs) -> list[str]:
     """What of the model and its arithmetic differs between two jobs, as `field: ours vs theirs`."""
     out = []
-    a, b = ours.to_dict(), theirs.to_dict()
+    from gearshift.orchestrator.job import credentials  # noqa: PLC0415
+
+    a, b = credentials.mask(ours.to_dict()), credentials.mask(theirs.to_dict())  # printed: no credential
     for section, key in (("model", None), ("train", "activation_checkpointing"), ("train", "precision")):
         x, y = (a[section], b[section]) if key is None else (a[section].get(key), b[section].get(key))
         if x != y:

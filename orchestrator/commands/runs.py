@@ -40,6 +40,9 @@ def add_parsers(sub) -> None:
     replay.add_argument("--root", help="where to look a fingerprint up, and where the replay goes (default: "
                                        "GEARSHIFT_RUNS_ROOT, else ./runs)")
     replay.add_argument("--address", help="join this Ray cluster (default: RAY_ADDRESS, else start one here)")
+    replay.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="give back a credential the run's job.yaml masks, e.g. --set "
+                             "'checkpoint.storage_options.secret=${S3_SECRET}'; other fields change the replay")
 
 
 # ----------------------------------------------------------------------------- finding runs
@@ -280,7 +283,8 @@ def cmd_replay(args) -> int:
     original = find_run(args.run, args.root)
     for line in source_warnings(original):
         print(f"gearshift: warning: {line}", file=sys.stderr)
-    job = original.load_job()  # validates, with the entry points looked up where the run found them
+    # validates, with the entry points looked up where the run found them and its ${VAR}s read here
+    job = original.load_job(getattr(args, "overrides", None))
     for line in _caveats(original, job):
         print(f"gearshift: note: {line}", file=sys.stderr)
     run = RunDir.create(job, args.run_dir, args.root)

@@ -11,6 +11,7 @@ import re
 from dataclasses import field
 from typing import Any
 
+from gearshift.orchestrator.job import credentials
 
 
 class JobError(ValueError):
@@ -18,7 +19,8 @@ class JobError(ValueError):
 
     def __init__(self, field_path: str, value: Any, allowed: str, hint: str = "", source: str = ""):
         self.field_path = field_path
-        self.value = value
+        # a credential's value is never shown, in the message or to a caller that prints err.value
+        self.value = value if value is _MISSING else credentials.mask(value, credentials.parse_path(field_path))
         self.allowed = allowed
         self.hint = hint
         self.source = source

@@ -16,6 +16,7 @@ import re
 from typing import Any, Mapping
 import yaml
 
+from gearshift.orchestrator.job import secrets
 from gearshift.orchestrator.job.fields import JobError, _show
 from gearshift.orchestrator.job.spec import DataSpec, Job, LossSpec, ModelSpec, _build, _fields, _shorthand
 from gearshift.orchestrator.job.checks import check_job
@@ -98,8 +99,9 @@ def read_yaml(path: pathlib.Path) -> dict:
 def job_from_dict(raw: Mapping, base_dir: str | pathlib.Path = ".", default_name: str = "job") -> Job:
     raw = dict(raw)
     raw.setdefault("name", default_name)
-    job = _build(Job, raw, "")
-    job = dataclasses.replace(job, base_dir=str(pathlib.Path(base_dir).resolve()))
+    resolved, refs = secrets.expand(raw)  # before any check: a check sees the values the run uses
+    job = _build(Job, resolved, "")
+    job = dataclasses.replace(job, base_dir=str(pathlib.Path(base_dir).resolve()), refs=tuple(refs.items()))
     check_job(job)
     return job
 
@@ -119,4 +121,5 @@ def load_job(path: str | pathlib.Path, overrides: list[str] | Mapping[str, Any] 
 
 
 def dump_job(job: Job) -> str:
-    return yaml.safe_dump(job.to_dict(), sort_keys=False)
+    """The job as job.yaml holds it: references as typed, credentials masked (Job.written)."""
+    return yaml.safe_dump(job.written(), sort_keys=False)

@@ -73,7 +73,21 @@ def _fragment(f: dataclasses.Field, path: str) -> dict:
     if not isinstance(fragment, dict):
         raise SchemaError(f"job field {path}: its checker has no JSON-Schema fragment; decorate it with "
                           "@_schema({...}) in orchestrator/job.py")
-    return copy.deepcopy(fragment)
+    fragment = copy.deepcopy(fragment)
+    if _string_only(fragment) and ({"enum", "pattern"} & set(fragment)):
+        # `${VAR}` is read when the job loads (secrets.py): a choice or a pattern may be one
+        return {"anyOf": [fragment, REFERENCE]}
+    return fragment
+
+
+# a string holding a ${NAME} or ${NAME:-default} reference
+REFERENCE = {"type": "string", "pattern": r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[^}]*)?\}",
+             "description": "read from the environment when the job loads: ${NAME} or ${NAME:-default}"}
+
+
+def _string_only(fragment: dict) -> bool:
+    kind = fragment.get("type")
+    return kind == "string" or (isinstance(kind, list) and set(kind) <= {"string", "null"})
 
 
 def _shorthand_forms(cls, props: dict) -> list[dict]:

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from gearshift.orchestrator.job import credentials, secrets
 from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_check, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _min_workers, _name, _nullable, _on_node_loss, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
 
 
@@ -347,6 +348,9 @@ class Job:
     inject: InjectSpec = _section(InjectSpec, "for tests: make a fast machine behave like a slow cluster")
     # Where the job file lies: entry-point modules next to it are importable. Not a YAML key.
     base_dir: str = field(default=".", metadata={"internal": True}, compare=False)
+    # The `${VAR}` references the job file typed, by path: what is written instead of the values
+    # read for them (secrets.py). Not a YAML key.
+    refs: tuple = field(default=(), metadata={"internal": True}, compare=False)
 
     @property
     def layout(self):
@@ -385,15 +389,28 @@ class Job:
         return self.layout.dp
 
     def to_dict(self) -> dict:
-        """The resolved job as plain data: what `job.yaml` in the run dir holds."""
+        """The resolved job as plain data, credentials and values read from the environment
+        included: what the code uses. Never write it down: `written()` is for that."""
         out = dataclasses.asdict(self)
         out.pop("base_dir")
+        out.pop("refs")
         out["optimizer"]["betas"] = list(out["optimizer"]["betas"])
         return out
 
+    def written(self) -> dict:
+        """The job as job.yaml, MLflow and `gearshift check` show it: each `${VAR}` as typed, any
+        other credential masked (secrets.written)."""
+        return secrets.written(self.to_dict(), dict(self.refs))
+
+    def source_dict(self) -> dict:
+        """The job as typed, references unread: what it is rebuilt from with overrides. In memory
+        only (it holds a credential typed into the file as it is)."""
+        return secrets.source(self.to_dict(), dict(self.refs))
+
     def fingerprint(self) -> str:
-        """A short hash of everything that changes the result; same config, same fingerprint."""
-        data = self.to_dict()
+        """A short hash of everything that changes the result; same config, same fingerprint.
+        Values read for `${VAR}` count, credentials do not: a rotated key is the same experiment."""
+        data = credentials.without(self.to_dict())
         data.pop("name")
         data.pop("tracking")  # where the run is reported, not what it computes
         blob = json.dumps(data, sort_keys=True, default=str).encode()

@@ -11,7 +11,7 @@ import time
 import yaml
 
 from gearshift.orchestrator.errors import GearshiftError, UsageError
-from gearshift.orchestrator.job import Job, JobError, dump_job, job_from_dict
+from gearshift.orchestrator.job import Job, JobError, apply_overrides, credentials, dump_job, job_from_dict, secrets
 from gearshift.workers import checkpoint
 
 # Keys that may differ between a run and its resume: they change how long or how often,
@@ -60,6 +60,8 @@ class RunDir:
                 section = (yaml.safe_load(self.job_file.read_text()) or {}).get("checkpoint") or {}
             except (OSError, yaml.YAMLError, AttributeError):
                 section = {}
+            if isinstance(section, dict):  # job.yaml keeps ${VAR}s, not their values: read them again
+                section = secrets.expand({"checkpoint": section})[0]["checkpoint"]
         get = section.get if isinstance(section, dict) else lambda k, d=None: getattr(section, k, d)
         place = get("path")
         if not place:
@@ -125,7 +127,24 @@ class RunDir:
         provenance.write(run.source, job)
         return run
 
-    def load_job(self) -> Job:
+    def written_job(self) -> dict:
+        """job.yaml as written (references unread, credentials masked): what a job is compared with."""
+        raw = self._read_job_file()
+        return raw if isinstance(raw, dict) else {}
+
+    def load_job(self, overrides=None) -> Job:
+        """The run's job again: its `${VAR}`s read from the environment here, `overrides` (as
+        `--set`) applied first, so that they may give back a credential job.yaml masks."""
+        raw = self._read_job_file()
+        base_dir = json.loads(self.meta.read_text()).get("base_dir", ".") if self.meta.is_file() else "."
+        try:
+            return job_from_dict(apply_overrides(raw, overrides), base_dir=base_dir)
+        except JobError as err:
+            err.source = str(self.job_file)
+            err.args = (err.message(),)
+            raise
+
+    def _read_job_file(self) -> dict:
         if not self.job_file.is_file():
             raise UsageError(f"{self.path} is not a gearshift run directory (no job.yaml in it).")
         try:
@@ -136,12 +155,7 @@ class RunDir:
                              f"--run-dir {self.path}") from None
         if not isinstance(raw, dict):
             raise UsageError(f"{self.job_file} does not hold a job mapping; the run directory is damaged.")
-        base_dir = json.loads(self.meta.read_text()).get("base_dir", ".") if self.meta.is_file() else "."
-        try:
-            return job_from_dict(raw, base_dir=base_dir)
-        except JobError as err:
-            err.source = str(self.job_file)
-            raise
+        return raw
 
     def write_summary(self, summary: dict) -> None:
         checkpoint.write_file_atomic(self.summary, json.dumps(summary, indent=2, default=str).encode())
@@ -157,10 +171,12 @@ def _flatten(d: dict, prefix=()) -> dict:
     return out
 
 
-def resume_conflicts(saved: Job, new: Job) -> list[str]:
-    """Fields where `new` would change the trajectory of the run it resumes."""
-    a, b = _flatten(saved.to_dict()), _flatten(new.to_dict())
-    return [".".join(k) + f": {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+def resume_conflicts(saved: Job | dict, new: Job | dict) -> list[str]:
+    """Fields where `new` would change the trajectory of the run it resumes. Compared as written
+    (a run's job.yaml, or Job.written()): `${VAR}` as typed, credentials left out (a rotated key
+    changes no trajectory, and a mask is not a value to compare)."""
+    a, b = (_flatten(credentials.without(j.written() if isinstance(j, Job) else j)) for j in (saved, new))
+    return [".".join(map(str, k)) + f": {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b), key=str)
             if k not in _RESUMABLE and k[0] not in _RESUMABLE_SECTIONS and k[:2] not in _RESUMABLE_PREFIXES
             and a.get(k) != b.get(k)]
 
@@ -172,7 +188,7 @@ def find_resumable(job: Job, root: str | None = None) -> RunDir | None:
     for path in candidates:
         run = RunDir(path)
         try:
-            if run.job_file.is_file() and not resume_conflicts(run.load_job(), job):
+            if run.job_file.is_file() and not resume_conflicts(run.written_job(), job):
                 return run
         except (JobError, GearshiftError):
             continue

@@ -10,7 +10,8 @@ a line saying what was not sent. The run directory holds everything anyway (tele
 summary.json, final.pt); a tracker is a copy for people to browse and compare.
 
 MLflow gets one run per gearshift run (named NAME-FINGERPRINT; a resumed run continues its MLflow
-run), the resolved job flattened as parameters (`optimizer.lr`), per-step metrics with the step
+run), the job as job.yaml writes it (`${VAR}` as typed, credentials masked) flattened as
+parameters (`optimizer.lr`), per-step metrics with the step
 number, decisions and switches as tags and as JSON tables, and at the end summary.json, job.yaml,
 the report's PNGs and final.pt as artifacts. TensorBoard gets the same scalars in
 RUN_DIR/tensorboard/, so `tensorboard --logdir runs/` shows every run.
@@ -29,6 +30,7 @@ import threading
 import time
 
 from gearshift.orchestrator.errors import GearshiftError, UsageError
+from gearshift.orchestrator.job import credentials
 
 log = logging.getLogger("gearshift")
 
@@ -183,7 +185,8 @@ class Pump:
         except Exception as err:  # whatever a tracker raises, training goes on
             self.failures += 1
             first = self.error is None
-            self.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+            said = credentials.scrub(str(err).splitlines()[0]) if str(err) else ""  # a URL may carry a password
+            self.error = f"{type(err).__name__}: {said}"[:300]
             if first or self.failures % 20 == 0:
                 log.warning("tracking: %s: %s (retrying with backoff; training goes on)", self.name, self.error)
             return False
@@ -205,6 +208,7 @@ class MlflowSink:
         self.uri = cfg["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI") or \
             f"sqlite:///{(self.run_dir.parent / 'mlflow.db').resolve()}"
         self.experiment = cfg["experiment"]
+        self.shown_uri = credentials.mask_url(self.uri)  # what is said and written: no password in it
         self.client = None
         self.run_id: str | None = None
         self.tables: dict[str, list] = {"decisions": [], "switches": []}
@@ -237,18 +241,19 @@ class MlflowSink:
             known = json.loads((self.run_dir / "tracking.json").read_text())
         except (OSError, ValueError):
             return None
-        if known.get("uri") != self.uri or not known.get("run_id"):
+        if known.get("uri") != self.shown_uri or not known.get("run_id"):
             return None
         client.update_run(known["run_id"], status="RUNNING")
         return known["run_id"]
 
     def _remember(self) -> None:
-        (self.run_dir / "tracking.json").write_text(json.dumps({"uri": self.uri, "run_id": self.run_id}))
+        (self.run_dir / "tracking.json").write_text(json.dumps({"uri": self.shown_uri, "run_id": self.run_id}))
 
     def _log_params(self) -> None:
         from mlflow.entities import Param
 
-        params = [Param(k, v[:6000]) for k, v in sorted(flatten(self.job.to_dict()).items())]
+        # as job.yaml holds it: a credential or a value read for ${VAR} is never a parameter
+        params = [Param(k, v[:6000]) for k, v in sorted(flatten(self.job.written()).items())]
         for i in range(0, len(params), 100):  # log_batch takes at most 100 parameters
             self.client.log_batch(self.run_id, params=params[i:i + 100], synchronous=True)
         self._params_logged = True
@@ -346,7 +351,7 @@ def start(job, run_dir: pathlib.Path, report) -> list[Pump]:
     deadline = time.monotonic() + CONNECT_WAIT_S
     for pump in pumps:
         pump.attempted.wait(max(0.0, deadline - time.monotonic()))
-        where = getattr(pump.sink, "uri", None) or str(getattr(pump.sink, "log_dir", ""))
+        where = getattr(pump.sink, "shown_uri", None) or str(getattr(pump.sink, "log_dir", ""))
         if pump.connected:
             run_id = {"run_id": pump.sink.run_id} if getattr(pump.sink, "run_id", None) else {}
             report.event("tracking", tracker=pump.name, status="started", uri=where, **run_id)
