@@ -199,8 +199,11 @@ def test_an_index_naming_a_file_that_is_not_there_is_a_job_error(hf):
 def test_the_field_takes_a_path_or_path_and_prefix():
     from gearshift.orchestrator.job.fields import _pretrained
 
-    assert _pretrained("w", "model.pretrained") == {"path": "w", "prefix": ""}
-    assert _pretrained({"path": "w", "prefix": "lm."}, "x") == {"path": "w", "prefix": "lm."}
+    assert _pretrained("w", "model.pretrained") == {"path": "w", "prefix": "", "hash": "header"}
+    assert _pretrained({"path": "w", "prefix": "lm."}, "x") == {"path": "w", "prefix": "lm.", "hash": "header"}
+    assert _pretrained({"path": "w", "hash": "full"}, "x")["hash"] == "full"
     for bad in ({"prefix": "lm."}, {"path": "w", "dtype": "bf16"}, 3, "", {"path": "w", "prefix": 1}):
         with pytest.raises(JobError):
             _pretrained(bad, "model.pretrained")
+    with pytest.raises(JobError, match=r"model.pretrained.hash = 'sha1' is not valid: must be header"):
+        _pretrained({"path": "w", "hash": "sha1"}, "model.pretrained")

@@ -524,21 +524,30 @@ def _eval_batches(v, path):
     return v
 
 
+_PRETRAINED_HASH = ("header", "full")
+
+
 @_schema({"anyOf": [{"type": "null"}, {"type": "string", "minLength": 1},
                     {"type": "object", "required": ["path"], "additionalProperties": False,
-                     "properties": {"path": {"type": "string", "minLength": 1}, "prefix": {"type": "string"}}}]})
+                     "properties": {"path": {"type": "string", "minLength": 1}, "prefix": {"type": "string"},
+                                    "hash": {"enum": list(_PRETRAINED_HASH)}}}]})
 def _pretrained(v, path):
-    """model.pretrained: a folder, or {path, prefix}; normalised to {path, prefix} (None: none)."""
+    """model.pretrained: a folder, or {path, prefix, hash}; normalised to {path, prefix, hash}
+    (None: none). hash: what source.json records of each file, its safetensors header (and size)
+    or, `full`, the sha256 of every byte (read whole on the driver)."""
     if v is None:
         return None
     if isinstance(v, str):
         v = {"path": v}
-    if not isinstance(v, dict) or set(v) - {"path", "prefix"} or not isinstance(v.get("path"), str) \
+    if not isinstance(v, dict) or set(v) - {"path", "prefix", "hash"} or not isinstance(v.get("path"), str) \
             or not v["path"].strip() or not isinstance(v.get("prefix", ""), str):
         raise JobError(path, v, "must be a folder of safetensors weights (a Hugging Face save_pretrained folder or a "
-                                "gearshift export), or {path: FOLDER, prefix: STR} where prefix is what the model's "
-                                "names carry in front of the file's, e.g. 'lm.'")
-    return {"path": v["path"], "prefix": v.get("prefix", "")}
+                                "gearshift export), or {path: FOLDER, prefix: STR, hash: header | full} where prefix "
+                                "is what the model's names carry in front of the file's, e.g. 'lm.'")
+    if v.get("hash", "header") not in _PRETRAINED_HASH:
+        raise JobError(f"{path}.hash", v["hash"], "must be header (each file told apart by its size and safetensors "
+                                                  "header) or full (the sha256 of every byte, read on the driver)")
+    return {"path": v["path"], "prefix": v.get("prefix", ""), "hash": v.get("hash", "header")}
 
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
