@@ -45,7 +45,9 @@ class Result:
         final = run_dir / "final.pt"
         return cls(run_dir=run_dir, steps=int(summary.get("steps_done") or 0), final_loss=summary.get("final_loss"),
                    best_eval_loss=summary.get("best_eval_loss"), summary=dict(summary),
-                   model_path=final if summary.get("status") == "done" else None)
+                   # checkpoint.final may leave it out (summary "final": null); an older summary says nothing
+                   model_path=final if summary.get("status") == "done" and summary.get("final", "") is not None
+                   else None)
 
     @classmethod
     def read(cls, run_dir: str | os.PathLike) -> "Result":
@@ -231,9 +233,10 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
     view = view if view is not None else _view(False)
     check_installed(job)  # tracking asked for, its package missing: before a run dir or Ray
     if resume and resume[1]["step"] >= job.train.steps:
-        if not run.final.exists():  # stopped between its last checkpoint and final.pt
-            from gearshift.orchestrator.control.checkpoints import Checkpoints
+        from gearshift.orchestrator.control.checkpoints import Checkpoints, final_wanted
 
+        if not run.final.exists() and final_wanted(job.checkpoint.final, _parameters(run)):
+            # stopped between its last checkpoint and final.pt
             Checkpoints(job, run.checkpoint_root(job.checkpoint, job.base_dir), None).write_final(
                 resume[1]["step"], run.final)
         view.say(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
@@ -269,9 +272,18 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
     rate = summary.get("samples_per_s")
     view.say(f"done: {summary['steps_done']} steps in {summary['wall_time_s']:.1f} s, loss "
              f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
-             f"{rate:,.0f} samples/s. Outputs in {run.path}/ (final.pt, summary.json, telemetry.jsonl)"
+             f"{rate:,.0f} samples/s. Outputs in {run.path}/ ({'final.pt, ' if run.final.is_file() else ''}"
+             "summary.json, telemetry.jsonl)"
              if rate else f"done: outputs in {run.path}/")
     return _finished(run.path)
+
+
+def _parameters(run) -> int | None:
+    """The model's parameter count as the run's summary recorded it (None: not known)."""
+    try:
+        return json.loads(run.summary.read_text()).get("parameters")
+    except (OSError, ValueError):
+        return None
 
 
 def _finished(run_dir: pathlib.Path) -> Result:

@@ -232,6 +232,37 @@ def test_run_writes_checkpoints_final_and_summary(tmp_path):
     assert json.loads(run.summary.read_text())["strategy_history"][0]["strategy"] == "data"
 
 
+@pytest.mark.parametrize("setting,parameters,written", [("auto", 2, True), ("auto", 600_000_000, False),
+                                                         ("none", 2, False), ("full", 600_000_000, True)])
+def test_final_pt_is_written_as_checkpoint_final_says(tmp_path, setting, parameters, written):
+    """auto: final.pt for a model under 2 GiB in fp32 (600M parameters are 2.2 GiB: not written, and
+    the run says how to export); the final checkpoint is written either way."""
+    from gearshift.orchestrator.control.checkpoints import final_wanted
+
+    assert final_wanted(setting, parameters) is written
+    job, run, factory, groups = make(tmp_path, ["train.steps=4", f"checkpoint.final={setting}"])
+    real_start = FakeGroup.start
+    FakeGroup.start = lambda self: [dict(i, parameters=parameters) for i in real_start(self)]
+    said = []
+
+    class View:  # the terminal: what the run says
+        def say(self, text):
+            said.append(text)
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    try:
+        summary = Controller(job, run, factory, view=View()).run()
+    finally:
+        FakeGroup.start = real_start
+    assert summary["status"] == "done" and summary["final"] == (str(run.final) if written else None)
+    assert run.final.is_file() is written
+    assert [p.name for p in checkpoint.list_checkpoints(run.checkpoints)] == ["step_00000004"]
+    told = [t for t in said if t.startswith("final.pt: not written")]
+    assert len(told) == (0 if written else 1) and all(f"gearshift export {run.path}" in t for t in told), said
+
+
 def test_resume_loads_the_state_into_the_workers(tmp_path):
     job, run, factory, groups = make(tmp_path, ["train.steps=6"])
     state = {"model": {"w": torch.full((2,), 3.0)}, "step": 3}

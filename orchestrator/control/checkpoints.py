@@ -21,6 +21,14 @@ from gearshift.orchestrator.control.reporting import Reporter
 from gearshift.workers import checkpoint, storage
 
 
+FINAL_AUTO_BYTES = 2 << 30  # checkpoint.final auto: final.pt only for a model smaller than this in fp32
+
+
+def final_wanted(setting: str, parameters: int | None) -> bool:
+    """Whether the run writes final.pt (checkpoint.final) for a model of `parameters` elements."""
+    return setting == "full" or (setting == "auto" and (parameters or 0) * 4 < FINAL_AUTO_BYTES)
+
+
 class Checkpoints:
     def __init__(self, job: Job, root: pathlib.Path, report: Reporter):
         self.job, self.root, self.report = job, storage.location(root), report

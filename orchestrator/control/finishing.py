@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
+from gearshift.orchestrator.control.checkpoints import FINAL_AUTO_BYTES, final_wanted
 from gearshift.orchestrator.errors import WorkerFailed
 
 
@@ -50,5 +51,19 @@ class Finishing:
         # a recovery that no step followed: its records are written at the step it ended on
         c.recovery.trained({"step": c.step}, c.job.cluster.num_workers)
         c.elastic.trained({"step": c.step}, c.layout)
-        c.checkpoints.write_final(c.step, c.run_dir.final)
+        parameters = c.infos[0].get("parameters") if c.infos else None
+        c.summary["final"] = None
+        if final_wanted(c.job.checkpoint.final, parameters):
+            c.checkpoints.write_final(c.step, c.run_dir.final)
+            c.summary["final"] = str(c.run_dir.final)
+        else:
+            c.report.say(self._no_final(parameters))
         return c.step
+
+    def _no_final(self, parameters: int | None) -> str:
+        c = self.c
+        why = ("checkpoint.final is none" if c.job.checkpoint.final == "none" else
+               f"the model is {(parameters or 0) * 4 / 2**30:.1f} GiB in fp32, over checkpoint.final auto's "
+               f"{FINAL_AUTO_BYTES / 2**30:.0f} GiB")
+        return (f"final.pt: not written ({why}); `gearshift export {c.run_dir.path}` writes the model from the "
+                f"checkpoint of step {c.step} as safetensors shards (--set checkpoint.final=full writes final.pt)")

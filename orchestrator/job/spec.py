@@ -180,6 +180,9 @@ class CheckpointSpec:
                           "gs://..., memory://...); each run writes into its own <run dir name>/ there")
     storage_options: dict = _f({}, _mapping, "passed to fsspec for checkpoint.path: an S3-compatible endpoint_url, "
                                "key and secret, a region, ...")
+    final: str = _f("auto", _choice("auto", "full", "none"), "final.pt at the end, the model's full fp32 tensors in "
+                    "one file: full always, none never, auto when the model's fp32 size is under 2 GiB (above it the "
+                    "run says how to export: gearshift export writes safetensors shards from the last checkpoint)")
     async_save: bool = _f(True, _bool, "dcp format: each worker copies its state to CPU memory at a checkpoint step "
                           "and writes it while training goes on (torch.distributed.checkpoint.async_save); false: the "
                           "step waits for the write. The full format is always written in the step")
