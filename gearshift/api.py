@@ -238,7 +238,7 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
         if not run.final.exists() and final_wanted(job.checkpoint.final, _parameters(run)):
             # stopped between its last checkpoint and final.pt
             Checkpoints(job, run.checkpoint_root(job.checkpoint, job.base_dir), None).write_final(
-                resume[1]["step"], run.final)
+                resume[1]["step"], run.final, verify=True)
         view.say(f"gearshift: {run.path} is already at step {resume[1]['step']} of {job.train.steps}; "
                  f"raise train.steps to train further (--set train.steps=N).")
         return _finished(run.path)

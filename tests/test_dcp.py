@@ -39,8 +39,9 @@ def test_round_trip_restores_model_and_optimizer(process_group, tmp_path):
     assert json.loads((path / "manifest.json").read_text())["format"] == checkpoint.DCP_FORMAT
     fresh, fresh_opt = _trained(seed=1, steps=1)  # other weights, other optimizer state
     ref = checkpoint.load(path)
-    assert ref == {"dcp": str(path.resolve()), "step": 2}
-    extra = dcp.load(fresh, fresh_opt, ref["dcp"])
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert ref == {"dcp": str(path.resolve()), "step": 2, "files": manifest["files"]}
+    extra = dcp.load(fresh, fresh_opt, ref["dcp"], ref["files"])
     assert extra["step"] == 2
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
@@ -75,6 +76,75 @@ def test_corrupt_shard_falls_back_to_the_previous_checkpoint(process_group, tmp_
         checkpoint.verify(newer)
     path, state = checkpoint.load_latest(tmp_path)
     assert state["step"] == 2
+
+
+def test_the_driver_reads_no_data_and_the_workers_find_a_changed_file_before_loading(process_group, tmp_path,
+                                                                                     monkeypatch):
+    """A flipped byte keeps the file's size: the driver's check (manifest, sizes) passes it and
+    hashes nothing; the workers' load hashes the files and refuses before reading anything in.
+    A shorter file the driver's check passes over at once, for the checkpoint before it."""
+    model, opt = _trained()
+    _write(tmp_path, 2, model, opt)
+    newer = _write(tmp_path, 4, model, opt)
+    shard = next((newer / checkpoint.DCP_DIR).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    hashed = []
+    real = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path, *a: hashed.append(path) or real(path, *a))
+    path, ref = checkpoint.load_latest(tmp_path, whole=False)
+    assert (path, ref["step"], hashed) == (newer, 4, [])  # the driver: metadata only
+    fresh, fresh_opt = _trained(seed=1, steps=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(checkpoint.CheckpointError, match=f"{shard.name} do.es. not match its manifest"):
+        dcp.load(fresh, fresh_opt, ref["dcp"], ref["files"])
+    assert len(hashed) == len(ref["files"])  # one rank: it hashed every file
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing read in
+    shard.write_bytes(bytes(data[:-1]))
+    path, ref = checkpoint.load_latest(tmp_path, whole=False)
+    assert path.name == "step_00000002"
+
+
+def _shares(rank, world, root):
+    import json as json_
+
+    import torch.distributed as dist
+
+    model, opt = _trained()
+    folder = dcp.tmp_folder(root, 2)
+    files = dcp.save(model, opt, folder, rank, world, {"scaler": {}, "step": 2})
+    parts = [None] * world
+    dist.all_gather_object(parts, files)
+    if rank == 0:
+        checkpoint.commit(root, 2, folder, {k: v for p in parts for k, v in p.items()}, keep=5)
+    dist.barrier()
+    ref = checkpoint.load(root / "step_00000002", whole=False)
+    mine = checkpoint.verify_share(root / "step_00000002", ref["files"], rank, world)
+    seen = sorted(ref["files"])[rank::world]
+    dist.barrier()
+    if rank == 0:  # one file changed: every rank refuses, naming it
+        victim = root / "step_00000002" / sorted(ref["files"])[1]
+        victim.write_bytes(b"x" * victim.stat().st_size)
+    dist.barrier()
+    try:
+        dcp.check_files(root / "step_00000002", ref["files"])
+        said = None
+    except checkpoint.CheckpointError as err:
+        said = str(err)
+    (root / f"shares-{rank}.json").write_text(json_.dumps({"bad": mine, "seen": seen, "said": said,
+                                                           "all": sorted(ref["files"])}))
+
+
+def test_the_ranks_share_the_hashing_and_all_refuse_a_changed_file(tmp_path):
+    from test_fsdp import spawn_gloo
+
+    spawn_gloo(_shares, 2, (tmp_path,))
+    got = [json.loads((tmp_path / f"shares-{r}.json").read_text()) for r in range(2)]
+    assert sorted(got[0]["seen"] + got[1]["seen"]) == got[0]["all"] and not set(got[0]["seen"]) & set(got[1]["seen"])
+    assert got[0]["bad"] == got[1]["bad"] == []
+    victim = got[0]["all"][1]
+    assert all(g["said"] and victim in g["said"] for g in got), got
 
 
 def test_commit_refuses_files_it_cannot_see(process_group, tmp_path):
@@ -118,3 +188,39 @@ def test_a_full_format_state_of_another_model_names_the_first_mismatch():
     del saved["out.bias"]
     with pytest.raises(state.StateMismatch, match=r"the model has out.bias \[4\], the saved state does not"):
         state.load_model_state(model, saved)
+
+
+def test_a_checkpoint_the_workers_refuse_is_passed_over_for_the_one_before_it(process_group, tmp_path):
+    from gearshift.orchestrator.control.checkpoints import load_into
+    from gearshift.orchestrator.errors import WorkerFailed
+
+    model, opt = _trained()
+    for step in (2, 4, 6):
+        _write(tmp_path, step, model, opt)
+
+    class Group:  # workers that find step 6's files changed
+        loaded = []
+
+        def put(self, value):
+            return value
+
+        def call(self, method, state):
+            assert method == "load"
+            if state["step"] == 6:
+                raise WorkerFailed(1, "CheckpointError: x: y do(es) not match its manifest (size or checksum)")
+            self.loaded.append(state["step"])
+            return [state["step"]] * 2
+
+    said = []
+
+    class Report:
+        def say(self, text):
+            said.append(text)
+
+    found = checkpoint.load_latest(tmp_path, whole=False)
+    assert load_into(Group(), tmp_path, (found[0].name, found[1]), Report()) == (4, "step_00000004")
+    assert Group.loaded == [4] and "step_00000006" in said[0] and "loading step_00000004 instead" in said[0]
+    # a rollback never goes back to a step at or after its first bad one
+    assert load_into(Group(), tmp_path, (found[0].name, found[1]), Report(), before=4) == (2, "step_00000002")
+    with pytest.raises(WorkerFailed):
+        load_into(Group(), tmp_path, (found[0].name, found[1]), Report(), before=2)

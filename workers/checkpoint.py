@@ -252,10 +252,10 @@ def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
-def verify(path: pathlib.Path, read: bool = True) -> tuple[dict, dict[str, bytes]]:
-    """The manifest, and the bytes of state.pt (format 1 with `read`; otherwise every file is
-    hashed streaming and none is held in memory), when every file matches the manifest; else
-    CheckpointError."""
+def manifest_of(path: pathlib.Path, sizes: bool = False) -> dict:
+    """The manifest of the checkpoint at `path` when it is one this gearshift reads and lists what
+    a load needs (with `sizes`, every file it lists is there at its size: metadata only, no byte of
+    data read); else CheckpointError."""
     path = location(path)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
@@ -264,6 +264,44 @@ def verify(path: pathlib.Path, read: bool = True) -> tuple[dict, dict[str, bytes
     if manifest.get("format") not in (FORMAT, DCP_FORMAT):
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, this gearshift reads {FORMAT} and "
                               f"{DCP_FORMAT}")
+    needed = ("state.pt",) if manifest["format"] == FORMAT else (f"{DCP_DIR}/.metadata", EXTRA)
+    for name in needed:
+        if name not in manifest.get("files", {}):
+            raise CheckpointError(f"{path}: the manifest lists no {name}")
+    for name, want in manifest["files"].items() if sizes else ():
+        try:
+            size = (path / name).stat().st_size
+        except OSError as err:
+            raise CheckpointError(f"{path}: {name} unreadable ({err})") from None
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: {name} does not match its manifest (size)")
+    return manifest
+
+
+def verify_share(folder: pathlib.Path, files: dict, rank: int, world: int) -> list[str]:
+    """Hash this rank's share of a checkpoint's files (every world-th of them, by name) as the
+    manifest lists them; the names that do not match. The ranks of a load share the reading, so
+    no process reads the whole checkpoint to check it."""
+    folder = location(folder)
+    bad = []
+    for name in sorted(files)[rank::world]:
+        try:
+            ok = (folder / name).stat().st_size == files[name]["bytes"] and \
+                sha256_file(folder / name) == files[name]["sha256"]
+        except OSError:
+            ok = False
+        if not ok:
+            bad.append(name)
+    return bad
+
+
+def verify(path: pathlib.Path, read: bool = True) -> tuple[dict, dict[str, bytes]]:
+    """The manifest, and the bytes of state.pt (format 1 with `read`; otherwise every file is
+    hashed streaming and none is held in memory), when every file matches the manifest; else
+    CheckpointError. One process reads every byte: for tools and the full format; a DCP load
+    checks its files in the workers (`verify_share`)."""
+    path = location(path)
+    manifest = manifest_of(path)
     files = {}
     for name, want in manifest.get("files", {}).items():
         try:
@@ -276,10 +314,6 @@ def verify(path: pathlib.Path, read: bool = True) -> tuple[dict, dict[str, bytes
             raise CheckpointError(f"{path}: {name} unreadable ({err})") from None
         if size != want["bytes"] or digest != want["sha256"]:
             raise CheckpointError(f"{path}: {name} does not match its manifest (size or checksum)")
-    needed = ("state.pt",) if manifest["format"] == FORMAT else (f"{DCP_DIR}/.metadata", EXTRA)
-    for name in needed:
-        if name not in manifest.get("files", {}):
-            raise CheckpointError(f"{path}: the manifest lists no {name}")
     return manifest, files
 
 
@@ -287,11 +321,15 @@ def load(path: pathlib.Path, whole: bool = True) -> dict:
     """What a worker's `load` takes: for a DCP checkpoint a reference {"dcp": folder, "step": N}
     from which every rank reads its own pieces; for the full format the whole state (`whole`, for
     tools and tests) or a reference {"full": file, "step": N} from which every worker maps the file
-    on its own node (workers/dcp.open_full), so the driver never reads the state to pass it on."""
-    manifest, _ = verify(path, read=False)  # hashed streaming: state.pt is not held as bytes
+    on its own node (workers/dcp.open_full), so the driver never reads the state to pass it on.
+    A DCP reference carries the manifest's digests: the workers hash their shares of the files
+    before reading (`verify_share`), the driver only reads the manifest and the files' sizes."""
+    manifest = manifest_of(path, sizes=True)
+    if whole or manifest["format"] != DCP_FORMAT:  # hashed here, streaming (state.pt is not held as bytes)
+        manifest = verify(path, read=False)[0]
     path = location(path)
     if manifest["format"] == DCP_FORMAT:
-        return {"dcp": str(path.resolve()), "step": int(manifest["step"])}
+        return {"dcp": str(path.resolve()), "step": int(manifest["step"]), "files": manifest["files"]}
     if not whole:
         state = path / "state.pt"
         return {"full": state.url if is_remote(state) else str(state.resolve()), "step": int(manifest["step"])}
@@ -302,10 +340,12 @@ def load(path: pathlib.Path, whole: bool = True) -> dict:
     return torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
 
 
-def load_latest(root: pathlib.Path, whole: bool = True) -> tuple[pathlib.Path, dict] | None:
-    """The newest checkpoint that verifies and loads (`whole`: see `load`); broken ones are
-    skipped with a warning."""
+def load_latest(root: pathlib.Path, whole: bool = True, before: int | None = None) -> tuple[pathlib.Path, dict] | None:
+    """The newest checkpoint (of a step before `before`, if given) that verifies and loads
+    (`whole`: see `load`); broken ones are skipped with a warning."""
     for path in reversed(list_checkpoints(root)):
+        if before is not None and int(path.name.split("_")[1]) >= before:
+            continue
         try:
             return path, load(path, whole)
         except Exception as err:  # any checkpoint that cannot be used is skipped, whatever the reason

@@ -340,10 +340,14 @@ class Behind:
         self.pending = None
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path) -> dict:
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Path, files: dict | None = None) -> dict:
     """Read this rank's pieces of a DCP checkpoint into the model and optimizer as laid out now;
-    returns the extra state (scaler, step). All ranks call it together."""
+    returns the extra state (scaler, step). All ranks call it together. With `files` (the
+    manifest's digests) the ranks first hash a share of the files each and agree that all match:
+    a mismatch found anywhere is a CheckpointError on every rank, before anything is read in."""
     folder = storage.location(folder)
+    if files:
+        check_files(folder, files)
     dcp = _dcp()
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -354,6 +358,20 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
     return _load_extra(folder)
+
+
+def check_files(folder: pathlib.Path, files: dict) -> None:
+    """Every rank hashes its share of `files` (checkpoint.verify_share); CheckpointError on every
+    rank, naming the files, when any rank found one that does not match."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    bad = checkpoint.verify_share(folder, files, rank, world)
+    found = [bad]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, bad)
+    names = sorted(n for part in found for n in part or ())
+    if names:
+        raise CheckpointError(f"{folder}: {', '.join(names[:4])} do(es) not match its manifest (size or checksum)")
 
 
 def check_matches(folder: pathlib.Path, model_sd: dict) -> None:

@@ -401,7 +401,7 @@ class TrainWorker:
         self.writes.settle()
         if "dcp" in state:
             state = dcp.load(self.parallel.model, self.optimizer,
-                             dcp.locate(state["dcp"], self.dcp_root, cfg.checkpoint_options))
+                             dcp.locate(state["dcp"], self.dcp_root, cfg.checkpoint_options), state.get("files"))
         else:
             if "full" in state:
                 state = dcp.open_full(state["full"], cfg.checkpoint_server, cfg.checkpoint_options,

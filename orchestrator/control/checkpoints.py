@@ -16,9 +16,33 @@ import pathlib
 
 import torch
 
+from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.control.reporting import Reporter
 from gearshift.workers import checkpoint, storage
+
+
+def load_into(group, root: pathlib.Path, found: tuple[str, dict], report: Reporter | None,
+              before: int | None = None) -> tuple[int, str]:
+    """Load checkpoint `found` (name, reference) into the workers, who hash their shares of its
+    files before reading them (workers/dcp.check_files); one whose files do not match is passed
+    over, with a line saying so, for the newest before it (those of a step at or after `before`
+    are never taken). (the step loaded, the checkpoint's name); WorkerFailed when none loads."""
+    name, state = found
+    while True:
+        try:
+            return int(group.call("load", group.put(state))[0]), name
+        except WorkerFailed as err:
+            if "not match its manifest" not in str(err):  # CheckpointError: some file changed
+                raise
+            step = int(name.split("_")[1])
+            older = checkpoint.load_latest(root, whole=False, before=step if before is None else min(step, before))
+            if report is not None:
+                report.say(f"checkpoint {name}: a worker found its files changed since they were written "
+                           f"({err.reason}); " + (f"loading {older[0].name} instead" if older else "none before it"))
+            if older is None:
+                raise
+            name, state = older[0].name, older[1]
 
 
 FINAL_AUTO_BYTES = 2 << 30  # checkpoint.final auto: final.pt only for a model smaller than this in fp32
@@ -52,6 +76,9 @@ class Checkpoints:
         waiting for its peers belongs to a chunk that failed, whose step will be written again."""
         self._parts.clear()
 
+    def load_into(self, group, found: tuple[str, dict]) -> tuple[int, str]:
+        return load_into(group, self.root, found, self.report)
+
     def save_now(self, group) -> int:
         """A checkpoint of the step the workers are at (all ranks take part); its step."""
         parts = group.call("checkpoint")
@@ -61,13 +88,14 @@ class Checkpoints:
             return self._commit([parts[0]["checkpoint_file"]], fmt=checkpoint.FORMAT)
         return self._commit([p["checkpoint_part"] for p in parts])
 
-    def write_final(self, step: int, path: pathlib.Path) -> None:
+    def write_final(self, step: int, path: pathlib.Path, verify: bool = False) -> None:
         """final.pt: the model's full tensors (weights_only loadable), read back from the checkpoint
         of `step` on the driver one tensor at a time (workers/export.py), so neither a worker nor
-        the driver ever holds the whole model for it."""
+        the driver ever holds the whole model for it. The model's tensors only are read: the
+        checkpoint's files are hashed first only with `verify` (one this run did not just write)."""
         from gearshift.workers import export
 
-        export.write_torch(export.ModelTensors(self.root / f"step_{step:08d}"), path)
+        export.write_torch(export.ModelTensors(self.root / f"step_{step:08d}", verify=verify), path)
 
     def _save_full(self, state: dict) -> int:
         path = checkpoint.save(self.root, state["step"], state, self.job.checkpoint.keep, meta=self._meta())

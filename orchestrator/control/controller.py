@@ -245,8 +245,7 @@ class Controller:
         self.tokens_per_sample = infos[0].get("tokens_per_sample")
         start_step = 0
         if self._load:
-            name, state = self._load
-            start_step = self.group.call("load", self.group.put(state))[0]
+            start_step, name = self.checkpoints.load_into(self.group, self._load)  # each worker checks its share
             self.finishing.loaded(start_step)
             self.report.event("restored" if restart else "resumed", checkpoint=name, step=start_step)
         elif job.model.pretrained:  # a fresh start from pretrained weights: each rank reads its slices

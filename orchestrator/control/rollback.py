@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from gearshift.orchestrator.errors import GearshiftError
+from gearshift.orchestrator.control.checkpoints import load_into
 from gearshift.workers import checkpoint
 
 WINDOW = 100  # steps: non-finite steps farther apart than this do not add up
@@ -60,7 +61,8 @@ class NanRollback:
                                  f"{job.checkpoint.every}, keep {job.checkpoint.keep}); the run stops here")
         path, state = found
         lr = job.optimizer.lr * job.fault.rollback_lr_factor
-        restored = group.call("load", group.put(state))[0]
+        restored, name = load_into(group, self.root, (path.name, state), self.report, before=first)
+        path = path.with_name(name)
         group.call("set_lr", lr)
         job = dataclasses.replace(job, optimizer=dataclasses.replace(job.optimizer, lr=lr))
         record = {"step": step, "to_step": restored, "checkpoint": path.name, "bad_steps": bad,
