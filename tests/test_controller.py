@@ -51,6 +51,8 @@ class FakeGroup:
         if method == "evaluate":  # evaluate(batches): a held-out loss lowest at step 8, the same on every rank
             self.evaluated = getattr(self, "evaluated", []) + [(self.step, args[0])]
             return [{"loss": abs(self.step - 8) + 1.0, "samples": 64, "batches": 2, "token_targets": False}] * 2
+        if method == "write_final":  # (folder, target, token): these workers never see the run's folder
+            return [{"written": False}, {}]
         assert method == "load"
         self.loaded = state = args[0]
         if "full" in state:  # a full-format checkpoint by reference: a worker maps the file itself

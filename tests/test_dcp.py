@@ -224,3 +224,27 @@ def test_a_checkpoint_the_workers_refuse_is_passed_over_for_the_one_before_it(pr
     assert load_into(Group(), tmp_path, (found[0].name, found[1]), Report(), before=4) == (2, "step_00000002")
     with pytest.raises(WorkerFailed):
         load_into(Group(), tmp_path, (found[0].name, found[1]), Report(), before=2)
+
+
+def test_rank_0_writes_final_pt_only_where_it_sees_the_runs_folder(process_group, tmp_path):
+    from types import SimpleNamespace
+
+    from gearshift.workers import storage
+    from gearshift.workers.state_io import FINAL_MARK, StateIO
+
+    model, opt = _trained()
+    path = _write(tmp_path / "checkpoints", 2, model, opt)
+    worker = SimpleNamespace(rank=0, dcp_root=storage.location(tmp_path / "checkpoints"),
+                             config=SimpleNamespace(checkpoint_options=None))
+    run = tmp_path / "run"
+    run.mkdir()
+    target = run / "final.pt"
+    assert StateIO(worker).write_final(str(path), str(target), "token") == {"written": False}  # not the driver's
+    (run / FINAL_MARK).write_text("another run's token")
+    assert StateIO(worker).write_final(str(path), str(target), "token") == {"written": False}
+    (run / FINAL_MARK).write_text("token")
+    assert StateIO(SimpleNamespace(**{**vars(worker), "rank": 1})).write_final(str(path), str(target), "token") == {}
+    assert StateIO(worker).write_final(str(path), str(target), "token")["written"] and target.is_file()
+    final = torch.load(target, weights_only=True)
+    assert final.keys() == model.state_dict().keys()
+    assert all(torch.equal(final[k], v) for k, v in model.state_dict().items())

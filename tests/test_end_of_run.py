@@ -50,6 +50,7 @@ def test_survivors_holding_the_state_write_the_final_checkpoint(ray_cluster, tmp
     assert not events(tmp_path / "run", "restored")
     states = [e["state"] for e in events(tmp_path / "run", "state")]
     assert states[-4:] == ["finishing", "training", "finishing", "done"], states  # the end, again on the survivors
+    assert summary["final_written_by"] == "rank 0"  # the survivors' first rank, on this node
     [(name, saved)] = [(p.name, p) for p in checkpoint.list_checkpoints(tmp_path / "run" / "checkpoints")]
     assert name == f"step_{STEPS:08d}"
     # every step trained on 4 replicas before the loss: the run's own arithmetic, unchanged

@@ -35,6 +35,7 @@ from gearshift.workers.nonfinite import NonFiniteStep, first_non_finite_module, 
 from gearshift.workers.pending import PendingSteps, skips_on_device
 from gearshift.workers.profiling import StepProfiler
 from gearshift.workers.simnet import SimulatedNetwork
+from gearshift.workers.state_io import StateIO
 from gearshift.workers.stopping import StopAgreement, flag_group
 from gearshift.workers.telemetry import WorkerTelemetry
 
@@ -68,6 +69,7 @@ class TrainWorker:
         self.device_index: int | None = None  # this worker's GPU among the node's shared ones (use_devices)
         self.async_save = True  # checkpoint.async_save: DCP checkpoints in the loop are written behind the steps
         self.writes = dcp.Behind()  # that checkpoint, while it is written (one at a time)
+        self.io = StateIO(self)  # checkpoints, loads, pretrained weights, final.pt (workers/state_io.py)
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -362,55 +364,26 @@ class TrainWorker:
         call it together, after any write behind the steps): the digests of the DCP shards it wrote;
         or (full format) from rank 0 the digest of the state.pt it wrote as the ranks gathered the
         state a tensor at a time, or, where rank 0 reaches no place to write it, the whole state."""
-        self.writes.settle()
-        if self.dcp_root is None:
-            extra = {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step}
-            if self.rank != 0 or self.full_place is not None:
-                part = full_format.save(self.parallel, self.optimizer, self.full_place, self.step, self.rank, extra)
-                return {"checkpoint_file": part} if part is not None else {}
-            state = self.state()
-            return {"checkpoint": state} if state is not None else {}
-        folder = dcp.tmp_folder(self.dcp_root, self.step)
-        files = dcp.save(self.parallel.model, self.optimizer, folder, self.rank, self.world, self._extra())
-        return {"checkpoint_part": {"step": self.step, "folder": str(folder), "files": files, "rank": self.rank}}
-
-    def _extra(self) -> dict:
-        hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return {"scaler": to_cpu(self.scaler.state_dict()), "step": self.step, "hyperparameters": to_cpu(hyper)}
+        return self.io.checkpoint()
 
     @in_phase("load")
     def load_pretrained(self) -> dict:
         """Read model.pretrained's weights into the model as laid out, this rank's pieces only
         (all ranks call it together, before the first step); {"tensors", "bytes", "seconds"}."""
-        from gearshift.workers import pretrained
-
-        spec = self.config.model.get("pretrained")
-        if not spec:
-            return {}
-        start = time.perf_counter()
-        got = pretrained.load(self.parallel.model, pretrained.folder(spec, self.config.search_paths), spec.get("prefix", ""))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return {**got, "seconds": round(time.perf_counter() - start, 3), "memory": oom.memory_figures(self.device)}
+        return self.io.load_pretrained()
 
     @in_phase("load")
     def load(self, state: dict) -> int:
-        """Continue from a checkpoint: {"dcp": folder} (each rank reads its pieces), {"full": file}
-        (each rank maps the file on its node and takes its pieces) or full tensors."""
-        cfg = self.config
-        self.writes.settle()
-        if "dcp" in state:
-            state = dcp.load(self.parallel.model, self.optimizer,
-                             dcp.locate(state["dcp"], self.dcp_root, cfg.checkpoint_options), state.get("files"))
-        else:
-            if "full" in state:
-                state = dcp.open_full(state["full"], cfg.checkpoint_server, cfg.checkpoint_options,
-                                      cfg.unshared_storage)
-            self.parallel.load_full_state(self.optimizer, state)
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.step = int(state["step"])
-        return self.step
+        """Continue from a checkpoint: {"dcp": folder, "files": digests} (each rank checks its share
+        of the files, then reads its pieces), {"full": file} (each rank maps the file on its node
+        and takes its pieces) or full tensors."""
+        return self.io.load(state)
+
+    @in_phase("checkpoint")
+    def write_final(self, folder: str, target: str, token: str) -> dict:
+        """final.pt out of the committed checkpoint `folder`, by rank 0 on its own node where it
+        sees the run's folder (workers/state_io.py); {"written": bool}."""
+        return self.io.write_final(folder, target, token)
 
     # ---------------------------------------------------------------- the step loop
 
@@ -629,7 +602,7 @@ class TrainWorker:
         elif self.async_save and self.dcp_root is not None:  # written behind the steps (dcp.Behind.start)
             with ACTIVITY.phase_of("checkpoint"):  # every rank takes part (a barrier, the write's plan)
                 report.update(self.writes.start(self.parallel.model, self.optimizer, dcp.tmp_folder(
-                    self.dcp_root, self.step), self.step, self.rank, self._extra()))
+                    self.dcp_root, self.step), self.step, self.rank, self.io.extra()))
         else:
             report.update(self.checkpoint())  # a collective when sharded: every rank takes part
         return report

@@ -13,9 +13,11 @@ is allowed (`fault.max_failures`).
 from __future__ import annotations
 
 import contextlib
+import secrets
 
 from gearshift.orchestrator.control.checkpoints import FINAL_AUTO_BYTES, final_wanted
 from gearshift.orchestrator.errors import WorkerFailed
+from gearshift.workers import storage
 
 
 @contextlib.contextmanager
@@ -54,11 +56,34 @@ class Finishing:
         parameters = c.infos[0].get("parameters") if c.infos else None
         c.summary["final"] = None
         if final_wanted(c.job.checkpoint.final, parameters):
-            c.checkpoints.write_final(c.step, c.run_dir.final)
+            with at_rest(c.step):
+                by = self._final_by_worker()
+            if not by:  # rank 0 does not see the run's folder (or the checkpoint is a full-format one)
+                c.checkpoints.write_final(c.step, c.run_dir.final)
             c.summary["final"] = str(c.run_dir.final)
+            c.summary["final_written_by"] = "rank 0" if by else "driver"
         else:
             c.report.say(self._no_final(parameters))
         return c.step
+
+    def _final_by_worker(self) -> bool:
+        """final.pt written by rank 0 on its node, out of the DCP checkpoint just committed, where
+        rank 0 sees the run's folder (a token the driver leaves there says so); whether it did."""
+        from gearshift.workers import checkpoint
+        from gearshift.workers.state_io import FINAL_MARK
+
+        c = self.c
+        folder = c.checkpoints.root / f"step_{c.step:08d}"
+        if checkpoint.manifest_of(folder)["format"] != checkpoint.DCP_FORMAT:
+            return False
+        mark, token = c.run_dir.path / FINAL_MARK, secrets.token_hex(8)
+        checkpoint.write_file_atomic(mark, token.encode())
+        try:
+            named = folder.url if storage.is_remote(folder) else str(folder.resolve())
+            answers = c.group.call("write_final", named, str(c.run_dir.final), token)
+        finally:
+            mark.unlink(missing_ok=True)
+        return any(a.get("written") for a in answers)
 
     def _no_final(self, parameters: int | None) -> str:
         c = self.c

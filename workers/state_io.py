@@ -1,0 +1,96 @@
+"""What a worker writes and reads of its state: its part of a checkpoint (DCP shards, or the full
+format's state.pt gathered a tensor at a time), a load from a checkpoint or from pretrained
+weights, and final.pt written by rank 0 on its own node.
+
+The worker's actor methods (`checkpoint`, `load`, `load_pretrained`, `write_final`) call these;
+where checkpoints go (`worker.dcp_root`, `worker.full_place`) the worker decides once its group
+is formed (`TrainWorker._checkpoints`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import torch
+
+from gearshift.workers import dcp, full_format, oom
+from gearshift.workers.checkpoint import to_cpu
+
+FINAL_MARK = ".final-mark"  # the driver's token in the run's folder: rank 0 writes final.pt only where it reads it
+
+
+class StateIO:
+    def __init__(self, worker):
+        self.w = worker
+
+    def checkpoint(self) -> dict:
+        """This rank's part of a checkpoint of the current step (see TrainWorker.checkpoint)."""
+        w = self.w
+        w.writes.settle()
+        if w.dcp_root is None:
+            extra = {"scaler": to_cpu(w.scaler.state_dict()), "step": w.step}
+            if w.rank != 0 or w.full_place is not None:
+                part = full_format.save(w.parallel, w.optimizer, w.full_place, w.step, w.rank, extra)
+                return {"checkpoint_file": part} if part is not None else {}
+            state = w.state()
+            return {"checkpoint": state} if state is not None else {}
+        folder = dcp.tmp_folder(w.dcp_root, w.step)
+        files = dcp.save(w.parallel.model, w.optimizer, folder, w.rank, w.world, self.extra())
+        return {"checkpoint_part": {"step": w.step, "folder": str(folder), "files": files, "rank": w.rank}}
+
+    def extra(self) -> dict:
+        """What a DCP checkpoint holds beside the shards: scaler, step, the optimizer's settings."""
+        w = self.w
+        hyper = {k: v for k, v in w.optimizer.param_groups[0].items() if k != "params"}
+        return {"scaler": to_cpu(w.scaler.state_dict()), "step": w.step, "hyperparameters": to_cpu(hyper)}
+
+    def load(self, state: dict) -> int:
+        """Continue from a checkpoint (see TrainWorker.load); the step it is of."""
+        w, cfg = self.w, self.w.config
+        w.writes.settle()
+        if "dcp" in state:
+            state = dcp.load(w.parallel.model, w.optimizer,
+                             dcp.locate(state["dcp"], w.dcp_root, cfg.checkpoint_options), state.get("files"))
+        else:
+            if "full" in state:
+                state = dcp.open_full(state["full"], cfg.checkpoint_server, cfg.checkpoint_options,
+                                      cfg.unshared_storage)
+            w.parallel.load_full_state(w.optimizer, state)
+        if state.get("scaler"):
+            w.scaler.load_state_dict(state["scaler"])
+        w.step = int(state["step"])
+        return w.step
+
+    def load_pretrained(self) -> dict:
+        """model.pretrained's weights into the model as laid out, this rank's pieces only."""
+        from gearshift.workers import pretrained
+
+        w = self.w
+        spec = w.config.model.get("pretrained")
+        if not spec:
+            return {}
+        start = time.perf_counter()
+        got = pretrained.load(w.parallel.model, pretrained.folder(spec, w.config.search_paths), spec.get("prefix", ""))
+        if w.device.type == "cuda":
+            torch.cuda.synchronize(w.device)
+        return {**got, "seconds": round(time.perf_counter() - start, 3), "memory": oom.memory_figures(w.device)}
+
+    def write_final(self, folder: str, target: str, token: str) -> dict:
+        """final.pt out of the committed DCP checkpoint `folder` (as the driver named it), a tensor
+        at a time, by rank 0 where it sees the run's folder itself (the driver's token in
+        FINAL_MARK there); {"written": bool, "bytes": ...}. Other ranks do nothing."""
+        from gearshift.workers import export
+
+        w = self.w
+        if w.rank != 0:
+            return {}
+        target = pathlib.Path(target)
+        try:
+            seen = (target.parent / FINAL_MARK).read_text() == token
+        except OSError:
+            seen = False
+        if not seen:
+            return {"written": False}
+        source = export.ModelTensors(dcp.locate(folder, w.dcp_root, w.config.checkpoint_options), verify=False)
+        return {"written": True, "bytes": export.write_torch(source, target)}
