@@ -5,10 +5,15 @@ defaults).
 When a rank dies mid-step, its peers' collectives lose it: each drops the step and reports
 `step_failed` within milliseconds (gloo sees the connection close). From the first such report,
 `LossProbe` asks every other rank for a heartbeat on its control thread, which answers even
-mid-step; a rank that has neither reported nor answered within `PROBE_S` is counted lost, as is
-one whose actor Ray already says is dead. A rank that answers is alive, and its loop will end
-and report as the others' did. (A node that vanishes without closing its connections leaves its
-peers blocked until the collective timeout: that loss is seen as before, by the stall watch.)
+mid-step. A rank whose heartbeat fails (Ray says its actor is dead) is counted lost at once. A
+rank that has neither reported nor answered within `PROBE_S` is counted lost when its whole node
+is silent (no rank there reported or answered): a node gone. A silent rank on a node whose other
+ranks answer is a process that is slow to answer (a loaded machine: a heartbeat can take seconds
+there), not a lost one, for a process that dies on a node still up is reported dead by Ray within
+moments: that rank is left to its own stream and to the stall watch. A rank that answers is alive,
+and its loop will end and report as the others' did. (A node that vanishes without closing its
+connections leaves its peers blocked until the collective timeout: that loss is seen as before,
+by the stall watch.)
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ PROBE_S = 0.5  # a live worker answers a heartbeat in milliseconds, even mid-ste
 
 
 class LossProbe:
-    def __init__(self, workers: list):
+    def __init__(self, workers: list, nodes: list | None = None):
         self.workers = workers
+        self.nodes = list(nodes) if nodes else [None] * len(workers)  # rank -> its node's id (None: unknown)
+        self.failed: set[int] = set()      # ranks whose heartbeat failed: their actor is dead
         self.dropped: set[int] = set()     # ranks that reported their step dropped
         self.alive: set[int] = set()       # ranks that answered the probe
         self.probes: dict = {}             # heartbeat ref -> rank
@@ -53,11 +60,24 @@ class LossProbe:
                 try:
                     ray.get(ref, timeout=0)
                     self.alive.add(rank)
-                except Exception:  # noqa: BLE001 - its actor is gone: counted below, or by its own stream
+                except ray.exceptions.RayActorError:
+                    self.failed.add(rank)
+                except Exception:  # noqa: BLE001 - an answer that could not be read tells nothing
                     pass
+        open_ranks = set(open_ranks)
+        failed = sorted(r for r in open_ranks if r in self.failed)
         if time.monotonic() - self.since < PROBE_S:
-            return []
-        return sorted(r for r in open_ranks if r not in self.dropped and r not in self.alive)
+            return failed
+        heard = {self.nodes[r] for r in self.dropped | self.alive if r < len(self.nodes)}
+        silent = (r for r in open_ranks if r not in self.dropped and r not in self.alive)
+        return sorted(set(failed) | {r for r in silent if self.nodes[r] is None or self.nodes[r] not in heard})
+
+    def why(self, rank: int) -> str:
+        """Why `gone` counted `rank` lost (a sentence)."""
+        if rank in self.failed:
+            return "its peers lost it mid-step and Ray says its actor is dead"
+        return (f"its peers lost it mid-step and it answered nothing for {PROBE_S:g} s, nor did any rank on its "
+                "node: its node is gone")
 
     def drop(self) -> None:
         """Let go of the probes still in flight (before Ray shuts down)."""

@@ -22,7 +22,7 @@ from gearshift.orchestrator.cluster.devices import share_devices
 from gearshift.orchestrator.cluster.group import WorkerGroup  # noqa: F401 (the interface, re-exported)
 from gearshift.orchestrator.cluster.growth import Growth
 from gearshift.orchestrator.cluster.liveness import Liveness
-from gearshift.orchestrator.cluster.lost import PROBE_S, LossProbe, dead_ranks
+from gearshift.orchestrator.cluster.lost import LossProbe, dead_ranks
 
 log = logging.getLogger("gearshift")
 
@@ -441,7 +441,8 @@ class RayWorkerGroup:
                                   self.job.checkpoint.async_save): rank
                 for rank, w in enumerate(self.workers)}
         watch = Liveness(len(self.workers), stall_timeout_s, fault.progress_timeout_s, time.monotonic())
-        probe = LossProbe(self.workers) if self.job.on_node_loss == "elastic" else None
+        probe = (LossProbe(self.workers, [i.get("node_id") for i in self.infos])
+                 if self.job.on_node_loss == "elastic" else None)
         # heartbeat calls in flight -> rank (one per rank at a time); kept on the group so that
         # shutdown drops them while Ray is still up (an ObjectRef freed after ray.shutdown, at the
         # interpreter's exit, can crash the process)
@@ -450,8 +451,7 @@ class RayWorkerGroup:
         while gens:
             ready, _ = ray.wait(list(gens), num_returns=1, timeout=0.1 if probe and probe.probing else 1.0)
             for rank in probe.gone(gens.values()) if probe else ():  # its peers lost it; it answers nothing
-                lost[rank] = WorkerFailed(rank, f"its peers lost it mid-step and it answered nothing for {PROBE_S:g} s: "
-                                                "its process or its node is gone", kind=WorkerFailed.DIED)
+                lost[rank] = WorkerFailed(rank, probe.why(rank), kind=WorkerFailed.DIED)
                 lost[rank].detected = probe.detected
                 del gens[next(g for g, r in gens.items() if r == rank)]
                 watch.finished(rank, time.monotonic())
