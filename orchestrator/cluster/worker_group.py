@@ -9,6 +9,7 @@ about nodes go through the group too), so tests can hand it another group class.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -102,6 +103,10 @@ def ray_session(address: str | None, num_cpus: int | None = None):
     try:
         yield {"address": address or "local", "embedded": not address}
     finally:
+        # Ray's handles and object refs caught in reference cycles (the controller's parts point
+        # at each other) are freed by the collector, at any later moment: freed after
+        # ray.shutdown, at the interpreter's exit, one can crash the process. Free them now
+        gc.collect()
         if not address:
             _stop_autoscaler_monitor()
         ray.shutdown()
