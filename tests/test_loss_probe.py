@@ -52,7 +52,7 @@ def cluster(monkeypatch):
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(lost.time, "monotonic", lambda: clock[0])
     made: list = []
-    probe = LossProbe([Worker(r, made) for r in range(4)], ["a", "a", "b", "b"])
+    probe = LossProbe([Worker(r, made) for r in range(4)], [{"node_id": n} for n in "aabb"])
     return probe, answers, clock
 
 

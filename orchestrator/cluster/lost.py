@@ -24,9 +24,10 @@ PROBE_S = 0.5  # a live worker answers a heartbeat in milliseconds, even mid-ste
 
 
 class LossProbe:
-    def __init__(self, workers: list, nodes: list | None = None):
+    def __init__(self, workers: list, infos: list[dict] | None = None):
         self.workers = workers
-        self.nodes = list(nodes) if nodes else [None] * len(workers)  # rank -> its node's id (None: unknown)
+        infos = infos or [{}] * len(workers)  # the ranks' node_info (node_id: None where unknown)
+        self.nodes = [info.get("node_id") for info in infos]
         self.failed: set[int] = set()      # ranks whose heartbeat failed: their actor is dead
         self.dropped: set[int] = set()     # ranks that reported their step dropped
         self.alive: set[int] = set()       # ranks that answered the probe

@@ -103,10 +103,7 @@ def ray_session(address: str | None, num_cpus: int | None = None):
     try:
         yield {"address": address or "local", "embedded": not address}
     finally:
-        # Ray's handles and object refs caught in reference cycles (the controller's parts point
-        # at each other) are freed by the collector, at any later moment: freed after
-        # ray.shutdown, at the interpreter's exit, one can crash the process. Free them now
-        gc.collect()
+        gc.collect()  # Ray refs held in reference cycles, freed now while Ray is up (after it they can crash the exit)
         if not address:
             _stop_autoscaler_monitor()
         ray.shutdown()
@@ -446,8 +443,7 @@ class RayWorkerGroup:
                                   self.job.checkpoint.async_save): rank
                 for rank, w in enumerate(self.workers)}
         watch = Liveness(len(self.workers), stall_timeout_s, fault.progress_timeout_s, time.monotonic())
-        probe = (LossProbe(self.workers, [i.get("node_id") for i in self.infos])
-                 if self.job.on_node_loss == "elastic" else None)
+        probe = LossProbe(self.workers, self.infos) if self.job.on_node_loss == "elastic" else None
         # heartbeat calls in flight -> rank (one per rank at a time); kept on the group so that
         # shutdown drops them while Ray is still up (an ObjectRef freed after ray.shutdown, at the
         # interpreter's exit, can crash the process)
