@@ -11,8 +11,8 @@ its first step's end to its `done` record (sampled every 50 ms): start-up, which
 interpreter's modules and Ray's files, is reported apart (`whole_run_...`).
 
 Two variants, alternating, `--repeats` times each: `checkpoint.final: none` (the driver commits
-manifests and nothing else) and `auto` (a model under 2 GiB in fp32 also gets final.pt, which the
-driver writes out of the last checkpoint: the model's tensors read, the file written).
+manifests and nothing else) and `auto` (a model under 2 GiB in fp32 also gets final.pt, written out
+of the last checkpoint by rank 0, or by the driver where rank 0 does not see the run's folder).
 
     python bench/driver_io.py            # the 170M GPT, 8 steps, a checkpoint every 2; 2 repeats
     python bench/driver_io.py --quick    # a 25M GPT, 4 steps; 1 repeat (about 3 min on 2 cores)
@@ -20,7 +20,9 @@ driver writes out of the last checkpoint: the model's tensors read, the file wri
 Measured (full mode, 1 repeat, 2-core CPU machine): over 8474 MiB of checkpoints (4 of them), with
 final none the driver read 0.2 MiB and wrote 0.1 MiB from the first step to the end (2.7e-05 and
 1.7e-05 of the checkpoints' bytes; its whole run, start-up included, read 108 MiB: 0.013); with
-auto it also wrote the 705 MiB final.pt, reading the model's tensors for it (0.085 / 0.083).
+auto it also wrote the 705 MiB final.pt, reading the model's tensors for it (0.085 / 0.083). Those
+figures predate final.pt being written by rank 0 where it sees the run's folder (the driver now writes
+it only elsewhere, or for the full format); auto has not been measured since.
 
 The last line is one JSON object: per variant the medians (with min and max) of
 `driver_rchar_over_checkpoint_bytes` and `driver_wchar_over_checkpoint_bytes`, the goal being
