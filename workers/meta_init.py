@@ -293,6 +293,30 @@ def _flat(r: _Ref) -> torch.Tensor:
     return torch.empty(r.numel, dtype=r.dtype)
 
 
+def real(x, into: dict):
+    """The real tensor a recorded argument stands for: a view of its storage's flat tensor in
+    `into` (allocated empty where nothing needed wrote it yet: what it held does not matter)."""
+    if isinstance(x, torch.device) and x.type == "meta":
+        return _CPU  # a factory's device: the replay allocates on the CPU
+    if isinstance(x, torch.Tensor):
+        return x.clone()  # a constant from Python data (the record's own, never to be changed)
+    if not isinstance(x, _Ref):
+        return x
+    if x.key not in into:
+        into[x.key] = _flat(x)
+    return into[x.key].as_strided(x.size, x.stride, x.offset)
+
+
+def run(op: _Op, bases: dict, arg: Callable = real):
+    """Run a recorded operation on the real tensors of `bases` (`arg(x, bases)` turns each
+    argument into one); a storage it makes is kept in `bases`, over all of it."""
+    result = op.func(*tree_map(lambda x: arg(x, bases), op.args), **tree_map(lambda x: arg(x, bases), op.kwargs))
+    for r, t in zip(tree_flatten(op.out)[0], tree_flatten(result)[0]):
+        if isinstance(r, _Ref) and r.key not in bases:  # a fresh storage: over all of it
+            bases[r.key] = t.new_empty(0).set_(t.untyped_storage(), 0, (r.numel,), (1,))
+    return result
+
+
 @torch.no_grad()
 def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None], skip: set[str] = frozenset()) -> int:
     """Replay the record on the CPU (call it right after the seed the plain build starts from);
@@ -317,30 +341,13 @@ def materialise(record: Recorded, place: Callable[[str, torch.Tensor], None], sk
                 last[k] = i
     bases: dict[int, torch.Tensor] = {}  # storage -> a flat real tensor over all of it
     peak = 0
-
-    def real(x, into: dict):
-        if isinstance(x, torch.device) and x.type == "meta":
-            return _CPU  # a factory's device: the replay allocates on the CPU
-        if isinstance(x, torch.Tensor):
-            return x.clone()  # a constant from Python data (the record's own, never to be changed)
-        if not isinstance(x, _Ref):
-            return x
-        if x.key not in into:  # a value nothing needed wrote yet: what it held does not matter
-            into[x.key] = _flat(x)
-        return into[x.key].as_strided(x.size, x.stride, x.offset)
-
     for i, op in enumerate(record.ops):
         if op.rng is not None:  # the constructor set this generator's state here
             op.rng[0].set_state(op.rng[1])
         if i in needed:
-            result = op.func(*tree_map(lambda x: real(x, bases), op.args), **tree_map(lambda x: real(x, bases), op.kwargs))
-            for r, t in zip(tree_flatten(op.out)[0], tree_flatten(result)[0]):
-                if isinstance(r, _Ref) and r.key not in bases:  # a fresh storage: over all of it
-                    bases[r.key] = t.new_empty(0).set_(t.untyped_storage(), 0, (r.numel,), (1,))
+            run(op, bases)
         elif op.seeded and i < drawn:  # drawn only to keep the generator in step with the plain build
-            scratch: dict[int, torch.Tensor] = {}
-            op.func(*tree_map(lambda x: real(x, scratch), op.args), **tree_map(lambda x: real(x, scratch), op.kwargs))
-            del scratch
+            run(op, {})
         peak = max(peak, sum(b.numel() * b.element_size() for b in bases.values()))
         for k in [k for k, at in last.items() if at == i]:
             for name in names.get(k, ()):
@@ -358,12 +365,10 @@ def fill(model: nn.Module, record: Recorded, device: torch.device, skip: set[str
     `device` and fill each from the replay, one whole tensor at a time, but those named in `skip`
     (left empty for pretrained weights to fill). Call it right after the seed the plain build
     starts from; every rank of the layout calls it (no collective runs)."""
-    from gearshift.strategies.relayout import _local, _params_keep_identity
+    from gearshift.strategies.relayout import _local
     from gearshift.strategies.state import shard_like
 
-    with _params_keep_identity():  # the layout may hold its parameters already (hybrid's averager)
-        model.to_empty(device=device)
-    targets = _tensors(model)
+    targets = allocate(model, device)
 
     def place(name: str, value: torch.Tensor) -> None:
         target = targets.pop(name)
@@ -374,3 +379,14 @@ def fill(model: nn.Module, record: Recorded, device: torch.device, skip: set[str
         targets.pop(name, None)
     if targets:
         raise RuntimeError(f"the build on the meta device left {sorted(targets)[:5]} unfilled")
+
+
+def allocate(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Allocate the pieces of `model` (laid out on the meta device) empty on `device`; returns its
+    parameters and buffers ("buffer:NAME") by name. A model already allocated is left as it is."""
+    from gearshift.strategies.relayout import _local, _params_keep_identity
+
+    if any(_local(t).is_meta for t in _tensors(model).values()):
+        with _params_keep_identity():  # the layout may hold its parameters already (hybrid's averager)
+            model.to_empty(device=device)
+    return _tensors(model)

@@ -21,7 +21,7 @@ from gearshift.monitoring.comm import CommClock
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
 from gearshift.workers import (components, dcp, full_format, oom, precision, priority, recompute, regroup,
-                               rendezvous, schedules, storage)
+                               rendezvous, schedules, shard_init, storage)
 from gearshift.workers.comm import CommRoute
 from gearshift.workers.checkpoint import to_cpu
 from gearshift.workers.config import WorkerConfig
@@ -240,6 +240,9 @@ class TrainWorker:
         elif rewrap is not None:
             self.parallel, self.optimizer = strategies.parallelize(model, layout, plan, options), rewrap[1]
         else:
+            if record is None:  # built whole: per_shard makes its values as a sharded layout's ranks do
+                self.build_info.update(shard_init.whole(model, build, cfg.model.get("init", "auto"), cfg.seed,
+                                                        self.device))
             self.parallel = strategies.parallelize(model, layout, plan, options)
             if record is not None:
                 self._materialise(record)
@@ -275,14 +278,22 @@ class TrainWorker:
         return (model.to(self.device), plan), None
 
     def _materialise(self, record) -> None:
-        """Allocate this rank's pieces and fill them from the record's replay (a plain build's
-        values), but those model.pretrained overwrites before the first step: left empty, not drawn."""
+        """Allocate this rank's pieces and fill them from the record's replay (`exact`: a plain
+        build's values) or each from its own rows (`per_shard`, workers/shard_init.py), but those
+        model.pretrained overwrites before the first step: left empty, not drawn."""
         from gearshift.workers import meta_init, pretrained
 
+        started = time.perf_counter()
         skip = pretrained.covered(self.parallel.model, self.config.model.get("pretrained"), self.config.search_paths)
+        mode, why = shard_init.choose(self.config.model.get("init", "auto"), shard_init.parameters(record))
         torch.manual_seed(self.config.seed)  # the replay draws what the plain build draws
-        meta_init.fill(self.parallel.model, record, self.device, skip)
-        self.build_info.update({"from_weights": len(skip)} if skip else {})
+        if mode == "per_shard":
+            made = shard_init.fill(self.parallel.model, record, self.device, self.config.seed, skip)
+            self.build_info.update(drawn=made.drawn, drawn_whole=made.whole)
+        else:
+            meta_init.fill(self.parallel.model, record, self.device, skip)
+        self.build_info.update({"init": mode, "init_why": why, "fill_s": round(time.perf_counter() - started, 3)},
+                               **({"from_weights": len(skip)} if skip else {}))
 
     def _attach_route(self) -> None:
         cfg = self.config

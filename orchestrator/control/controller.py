@@ -49,6 +49,7 @@ from gearshift.orchestrator.control.elastic import Elastic, Plan, dead_now, gone
 from gearshift.orchestrator.control.evaluation import Evaluation
 from gearshift.orchestrator.control.finishing import Finishing, at_rest
 from gearshift.orchestrator.control.memory import OutOfMemory
+from gearshift.orchestrator.control import startup
 from gearshift.orchestrator.job import Job, scheduled
 from gearshift.orchestrator.policy.adaptive import Decision, Policy
 from gearshift.orchestrator.policy.for_job import job_policy, layout_candidates
@@ -236,9 +237,8 @@ class Controller:
                             "name them in train.activation_checkpointing")
         if not restart:
             self._say_how_checkpoints_go(infos[0])
-        built = infos[0].get("build") or {}
-        if built.get("why") and not restart:  # a sharded layout, yet every rank built the whole model
-            self.report.say(f"build: the whole model on every rank, not on the meta device: {built['why']}")
+        for line in () if restart else startup.build_lines(infos[0].get("build") or {}, loaded=bool(self._load)):
+            self.report.say(line)
         for info in infos:
             if info.get("sampler") and not restart:
                 self.report.event("sampler", rank=info["rank"], **info["sampler"])

@@ -57,4 +57,17 @@ class Startup:
         return f"startup: {stages[-1]['at']:.1f} s to the first step ({parts})"
 
 
+def build_lines(built: dict, loaded: bool) -> list[str]:
+    """What the workers' first build (workers/worker.py, build_info) says at a run's start: a
+    sharded layout built whole, and why; how the initial values are made (model.init), unless a
+    checkpoint replaces them."""
+    lines = []
+    if built.get("why"):  # a sharded layout, yet every rank built the whole model
+        lines.append(f"build: the whole model on every rank, not on the meta device: {built['why']}")
+    if built.get("init") and not loaded:  # exact or per_shard (workers/shard_init.py)
+        whole = len(built.get("drawn_whole") or ())
+        lines.append(f"init: {built['init']} ({built['init_why']})" + (f", {whole} tensors drawn whole" if whole else ""))
+    return lines
+
+
 STARTUP = Startup()

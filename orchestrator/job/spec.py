@@ -22,6 +22,11 @@ class ModelSpec:
     pretrained: dict | None = _f(None, _pretrained, "weights to start from: a folder of safetensors (Hugging Face "
                                  "save_pretrained, or gearshift export), or {path, prefix}; each worker reads only "
                                  "its slices. prefix: what the model's names carry in front of the file's")
+    init: str = _f("auto", _choice("auto", "exact", "per_shard"),
+                   "initial values from scratch. exact: a plain single-process build's after train.seed (every "
+                   "rank replays the whole model's random draws); per_shard: each rank draws only its pieces, "
+                   "the same for a seed whatever the layout, not a plain build's; auto: exact under 1B "
+                   "parameters, else per_shard")
 
 
 @dataclass(frozen=True)
