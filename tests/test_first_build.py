@@ -3,7 +3,8 @@
 transformers models built from a config (Llama, Mixtral-style MoE, ViT, BERT, GPT-2), the
 built-ins and user models that reseed or initialise in a second pass equal a plain
 single-process build after `train.seed`, exactly. A build the record cannot reproduce is built
-whole and says why, never silently wrong."""
+whole and says why, never silently wrong. Under `model.init: per_shard` they equal a
+single-process per_shard build instead, whatever the layout, each rank drawing only its rows."""
 
 from __future__ import annotations
 
@@ -155,6 +156,42 @@ def test_the_workers_first_build_equals_the_plain_build(group, layout):
         if tp and family in NO_PLAN:
             continue
         for rank, got in enumerate(group.apply(_first_build_against_plain, SPECS[family], as_dict)):
-            assert got["build"] == {"on_meta": True}, (family, got["build"])
+            assert got["build"]["on_meta"] is True and got["build"]["init"] == "exact", (family, got["build"])
             assert not got["wrong"], (family, rank, got["wrong"])
             assert got["local"] < got["total"], (family, got)  # the rank holds pieces, not the model
+
+
+# --- model.init: per_shard: the same values whatever the layout, each rank drawing its rows ------
+
+def _per_shard_against_single(worker, spec: dict, layout: dict) -> dict:
+    """In each worker: the first build under `layout` with per_shard, gathered whole, against a
+    per_shard build of the whole model in this process; and the random numbers each drew."""
+    from gearshift.strategies.layout import Layout
+    from gearshift.strategies.state import full
+    from gearshift.workers import shard_init
+
+    worker.config = dataclasses.replace(worker.config, model={**spec, "init": "per_shard"})
+    worker.build_info = {"on_meta": False}
+    worker._lay_out(Layout.from_dict(layout))
+    torch.manual_seed(worker.config.seed)
+    (single, _), record = build_recorded(lambda: components.build_model_and_plan(spec, worker.config.search_paths))
+    alone = shard_init.fill(single, record, torch.device("cpu"), worker.config.seed)
+    want, got = _state(single), _state(worker.parallel.model)
+    wrong = sorted(name for name in want if not torch.equal(full(got[name].detach()), want[name].detach()))
+    return {"wrong": wrong, "build": worker.build_info, "alone": alone.drawn}
+
+
+@pytest.mark.parametrize("layout", ["data", *LAYOUTS])
+def test_per_shard_gives_the_same_start_under_every_layout(group, layout):
+    from gearshift.strategies.layout import Layout
+
+    strategy, tp, shard, dp_shard = LAYOUTS.get(layout, ("data", None, None, False))
+    as_dict = Layout.for_workers(strategy, 4, tp, shard, dp_shard).to_dict()
+    for family in ("gpt", "llama", "bert", "second_pass", "mlp"):
+        ranks = group.apply(_per_shard_against_single, SPECS[family], as_dict)
+        for rank, got in enumerate(ranks):
+            assert got["build"]["init"] == "per_shard", (family, got["build"])
+            assert not got["wrong"], (family, layout, rank, got["wrong"])
+        if layout == "fsdp":  # each rank draws about a quarter: its rows (and the few tensors made whole)
+            drawn = [got["build"]["drawn"] for got in ranks]
+            assert sum(drawn) < 1.3 * ranks[0]["alone"] and max(drawn) < 0.45 * ranks[0]["alone"], (family, drawn)

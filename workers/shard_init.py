@@ -7,7 +7,8 @@ give those).
 The record of the constructor's build (workers/meta_init.py) says, for each parameter and buffer,
 the operations its final value depends on (`normal_`, a padding row's `zero_`, a `trunc_normal_`
 call). Each parameter is cut along its first dimension into blocks of whole rows fixed by its
-shape alone (rows per block: `BLOCK_ELEMENTS` over a row's size), and each block is made on its
+shape alone (at most `BLOCK_ELEMENTS` elements, at least `MIN_BLOCKS` blocks where it has the rows),
+and each block is made on its
 own: the random generator seeded from (train.seed, the parameter's name, the block's index), the
 operations run on the block's rows only (an operation on rows outside the block is skipped). A
 rank makes the blocks holding its rows and cuts its piece from them: under fsdp(N) each rank
@@ -34,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 from gearshift.workers import meta_init
 from gearshift.workers.meta_init import Recorded, _Op, _Ref
 
-BLOCK_ELEMENTS = 1 << 16
+BLOCK_ELEMENTS = 1 << 16  # a block's most elements
+MIN_BLOCKS = 64  # a tensor of enough rows has at least this many blocks: a rank draws little beyond its rows
 # in-place operations that act on each element alone (their other arguments are numbers)
 _ELEMENTWISE = meta_init._OVERWRITES - {"copy_"} | {
     "mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "clamp_max_", "erfinv_", "sqrt_", "exp_", "log_",
@@ -81,7 +83,7 @@ class _Chain:
         size = self.final.size
         self.rows = size[0] if size else 1
         self.row = math.prod(size[1:]) if size else 1
-        self.per_block = max(1, BLOCK_ELEMENTS // max(1, self.row))
+        self.per_block = max(1, min(BLOCK_ELEMENTS // max(1, self.row), -(-self.rows // MIN_BLOCKS)))
         self.by_rows = self.final.whole and self.rows > 0 and all(self._blockable(op) for op in self.ops)
 
     def _blockable(self, op: _Op) -> bool:
