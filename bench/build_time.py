@@ -1,0 +1,136 @@
+"""How long a worker's first build takes, and what it holds, by how the initial values are made.
+
+Four plain gloo processes (bench/local_group.py, no Ray; 2 cores, so each worker has half a
+core and one thread) build the built-in GPT under fsdp(4) at three sizes (n_embd 1024, vocab
+16384, block_size 64; n_layer 12, 24 and 48: about 170M, 320M and 620M parameters), each
+three ways, interleaved and repeated (the machine drifts):
+
+- `exact`: the record replayed whole on every rank (a plain build's values; workers/meta_init.py);
+- `per_shard`: each rank makes only the blocks of rows it holds (workers/shard_init.py);
+- `pretrained`: model.pretrained over every tensor (a safetensors file written here from a plain
+  build): nothing is drawn, each rank reads its slices (`load_pretrained`), timed apart.
+
+Per variant: the seconds of the build (the constructor recorded on fake tensors, laid out on
+meta, the pieces allocated and filled), of which the fill, and the load for pretrained; the
+random numbers each rank drew; each rank's resident-set growth over the build (bench/memory.py's
+sampler, VmHWM backed). Medians over ranks and repeats, with min and max.
+
+    python bench/build_time.py            # 3 sizes, 2 repeats (about 10 min on 2 cores)
+    python bench/build_time.py --quick    # the 170M GPT only, 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+WORKERS = 4
+SIZES = {"1x": 12, "2x": 24, "4x": 48}  # n_layer
+VARIANTS = ("exact", "per_shard", "pretrained")
+
+
+def _spec(n_layer: int) -> dict:
+    return {"name": "gpt", "kwargs": {"vocab_size": 16384, "block_size": 64, "n_layer": n_layer, "n_head": 16,
+                                      "n_embd": 1024}}
+
+
+def timed_build(worker, spec: dict, layout: dict) -> dict:
+    """This rank's first build of `spec` under `layout` (and its pretrained load, where the spec
+    has one), timed, with its resident-set growth."""
+    import gc
+
+    from bench import memory
+    from gearshift.strategies.layout import Layout
+
+    worker.parallel = worker.optimizer = worker.scaler = None  # the last build's model, freed
+    gc.collect()
+    baseline = memory.mem_start(worker, 0.001)
+    sampler = memory._SAMPLER
+    worker.config = dataclasses.replace(worker.config, model=spec)
+    worker.build_info = {"on_meta": False}
+    sampler.enter("build")
+    started = time.perf_counter()
+    worker._lay_out(Layout.from_dict(layout))
+    built = time.perf_counter() - started
+    loaded = worker.load_pretrained() if spec.get("pretrained") else {}
+    total = time.perf_counter() - started
+    sampler.enter(None)
+    return {"build_s": built, "fill_s": worker.build_info.get("fill_s"), "load_s": loaded.get("seconds"),
+            "total_s": total, "drawn": worker.build_info.get("drawn"), "init": worker.build_info.get("init"),
+            "growth": sampler.peak("build") - baseline}
+
+
+def _pretrained_folder(spec: dict, where: pathlib.Path) -> str:
+    import safetensors.torch
+    import torch
+
+    from gearshift.workers import components
+
+    torch.manual_seed(0)
+    model, _ = components.build_model_and_plan(spec)
+    where.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_model(model, str(where / "model.safetensors"))
+    return str(where)
+
+
+def _median(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    sizes = {"1x": SIZES["1x"]} if args.quick else SIZES
+    repeats = args.repeats or (1 if args.quick else 2)
+    from bench.local_group import LocalGroup
+    from bench.memory import MALLOC_ENV, make_job
+
+    os.environ.update(MALLOC_ENV)  # freed blocks leave the resident set (bench/memory.py); inherited by the workers
+    from gearshift.strategies.layout import Layout
+
+    layout = Layout.for_workers("fsdp", WORKERS, None, None, False).to_dict()
+    job = make_job(WORKERS, "fsdp")
+    job["model"] = {"name": "gpt", "kwargs": {"vocab_size": 256, "block_size": 16, "n_layer": 1, "n_head": 2,
+                                              "n_embd": 16}}
+    figures: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, LocalGroup(job, WORKERS, [str(ROOT)], cpus=0.5,
+                                                          timeout_s=1800.0) as group:
+        for size, n_layer in sizes.items():
+            folder = _pretrained_folder(_spec(n_layer), pathlib.Path(tmp) / size)
+            runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+            for r in range(repeats):
+                for variant in VARIANTS:  # interleaved
+                    spec = {**_spec(n_layer), "init": "exact" if variant == "exact" else "per_shard"}
+                    if variant == "pretrained":
+                        spec["pretrained"] = {"path": folder, "prefix": "", "hash": "header"}
+                    ranks = group.apply(timed_build, spec, layout)
+                    runs[variant].extend(ranks)
+                    print(f"{size} {variant:10s} repeat {r}: build " + " ".join(f"{g['build_s']:.1f}" for g in ranks)
+                          + " s per rank (fill " + " ".join(f"{g['fill_s'] or 0:.1f}" for g in ranks) + ")"
+                          + (", load " + " ".join(f"{g['load_s']:.1f}" for g in ranks) if variant == "pretrained"
+                             else "")
+                          + f"; drawn per rank {[g['drawn'] for g in ranks]}; growth per rank (MiB) "
+                          + " ".join(f"{g['growth'] / 2**20:.0f}" for g in ranks), flush=True)
+            figures[size] = {"n_layer": n_layer, **{
+                v: {"build_s": _median([g["build_s"] for g in got]), "total_s": _median([g["total_s"] for g in got]),
+                    "fill_s": _median([g["fill_s"] or 0.0 for g in got]),
+                    "drawn_per_rank": _median([g["drawn"] or 0 for g in got]),
+                    "growth_mib": _median([g["growth"] / 2**20 for g in got])}
+                for v, got in runs.items()}}
+    print(json.dumps({"workers": WORKERS, "repeats": repeats, "sizes": figures}))
+
+
+if __name__ == "__main__":
+    main()
