@@ -58,7 +58,8 @@ def timed_build(worker, spec: dict, layout: dict) -> dict:
     sampler = memory._SAMPLER
     worker.config = dataclasses.replace(worker.config, model=spec)
     worker.build_info = {"on_meta": False}
-    sampler.enter("build")
+    phase = f"build-{time.perf_counter()}"  # a phase's peak is kept per name: a name per build
+    sampler.enter(phase)
     started = time.perf_counter()
     worker._lay_out(Layout.from_dict(layout))
     built = time.perf_counter() - started
@@ -67,7 +68,7 @@ def timed_build(worker, spec: dict, layout: dict) -> dict:
     sampler.enter(None)
     return {"build_s": built, "fill_s": worker.build_info.get("fill_s"), "load_s": loaded.get("seconds"),
             "total_s": total, "drawn": worker.build_info.get("drawn"), "init": worker.build_info.get("init"),
-            "growth": sampler.peak("build") - baseline}
+            "growth": sampler.peak(phase) - baseline}
 
 
 def _pretrained_folder(spec: dict, where: pathlib.Path) -> str:

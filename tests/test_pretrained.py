@@ -77,7 +77,7 @@ def test_the_saved_shards_are_what_the_test_means(hf):
 @pytest.mark.parametrize("layout", ["fsdp2", "hybrid2x2"])
 def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
     folder, hf_model = hf
-    overrides = {"fsdp2": ["cluster.num_workers=2", "parallel.strategy=fsdp"],
+    overrides = {"fsdp2": ["cluster.num_workers=2", "parallel.strategy=fsdp", "model.pretrained.hash=full"],
                  "hybrid2x2": ["cluster.num_workers=4", "parallel.strategy=hybrid", "parallel.tp_size=2",
                                "parallel.dp_shard=true", "parallel.tp_plan=" + json.dumps(hf_model.TP_PLAN)]}[layout]
     args = ["run", str(folder / "job.yaml"), "--run-dir", str(folder / "run")]
@@ -113,9 +113,15 @@ def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
     source = json.loads((folder / "run" / "source.json").read_text())
     assert sorted(source["pretrained"]["files"]) == sorted([p.name for p in pretrained.weight_files(folder / "weights")]
                                                            + [pretrained.INDEX])
+    if layout == "fsdp2":  # hash: full: the two workers hashed every byte of the files between them
+        import hashlib
+
+        for f in pretrained.weight_files(folder / "weights"):
+            assert source["pretrained"]["files"][f.name]["sha256_slices"] == [hashlib.sha256(f.read_bytes()).hexdigest()]
 
 
-def test_the_driver_tells_weight_files_apart_by_their_headers_and_hashes_them_whole_only_when_asked(hf):
+def test_the_driver_tells_weight_files_apart_by_their_headers_and_the_workers_hash_every_byte_by_slices(
+        hf, monkeypatch, tmp_path):
     import hashlib
 
     from gearshift.orchestrator.records import provenance
@@ -126,8 +132,19 @@ def test_the_driver_tells_weight_files_apart_by_their_headers_and_hashes_them_wh
     before = provenance.pretrained_weights(job, str(folder))
     files = pretrained.weight_files(weights)
     assert all(set(before["files"][f.name]) == {"bytes", "header_sha256"} for f in files)
-    full = provenance.pretrained_weights({"model": {"pretrained": {"path": "weights", "hash": "full"}}}, str(folder))
-    assert full["files"][files[0].name]["sha256"] == hashlib.sha256(files[0].read_bytes()).hexdigest()
+    # hash: full: three workers hash their shares of 7 KB slices; the driver reads no tensor byte
+    monkeypatch.setattr(pretrained, "SLICE_BYTES", 7000)
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps({"pretrained": provenance.pretrained_weights(
+        {"model": {"pretrained": {"path": "weights", "hash": "full"}}}, str(folder))}))
+    shares = [pretrained.hash_share(weights, rank, 3) for rank in range(3)]
+    assert all(shares) and sum(map(len, shares)) == len(pretrained.slices(weights))
+    provenance.add_slices(source, [{"slices": {str(i): d for i, d in share.items()}} for share in shares])
+    full = json.loads(source.read_text())["pretrained"]
+    for f in files:
+        data = f.read_bytes()
+        assert full["files"][f.name]["sha256_slices"] == [hashlib.sha256(data[i:i + 7000]).hexdigest()
+                                                          for i in range(0, len(data), 7000)]
     assert provenance.differences({"pretrained": before}, {"pretrained": full}) == []  # the same files
     assert provenance.differences({"pretrained": {"files": {f.name: "0" * 64 for f in files}}},
                                   {"pretrained": before}) == []  # an older record: nothing to compare

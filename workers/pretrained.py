@@ -194,27 +194,56 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def identity(folder: str | pathlib.Path, full: bool = False) -> dict[str, dict]:
+def identity(folder: str | pathlib.Path) -> dict[str, dict]:
     """What tells the weight files apart, for the run's source.json, per file: its size and the
     sha256 of its safetensors header (names, dtypes, shapes, offsets: a few kilobytes read),
-    and of the index when there is one; with `full`, the sha256 of every byte too (streamed:
-    140 GB for a 70B model in bf16, so only where asked)."""
+    and of the index when there is one. The sha256 of every byte (`model.pretrained.hash: full`)
+    is taken by the workers, by slices (`hash_share`), never here."""
     folder = pathlib.Path(folder)
     out = {}
     for file in weight_files(folder):
         with open(file, "rb") as f:
             head = f.read(8)
             (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
-            entry = {"bytes": file.stat().st_size,
-                     "header_sha256": hashlib.sha256(head + f.read(min(length, 100 << 20))).hexdigest()}
-            if full:
-                h = hashlib.sha256()
-                f.seek(0)
-                while block := f.read(1 << 22):
-                    h.update(block)
-                entry["sha256"] = h.hexdigest()
-        out[file.name] = entry
+            out[file.name] = {"bytes": file.stat().st_size,
+                              "header_sha256": hashlib.sha256(head + f.read(min(length, 100 << 20))).hexdigest()}
     if (folder / INDEX).is_file():
         out[INDEX] = {"bytes": (folder / INDEX).stat().st_size,
                       "sha256": hashlib.sha256((folder / INDEX).read_bytes()).hexdigest()}
+    return out
+
+
+SLICE_BYTES = 256 << 20  # a weight file is hashed in slices of this many bytes, spread over the workers
+
+
+def slices(folder: str | pathlib.Path) -> list[tuple[str, int, int]]:
+    """(file name, start, length) of every slice of the weight files, in order: the same list on
+    every worker, so that slice i is hashed by rank i % world."""
+    return [(file.name, start, min(SLICE_BYTES, size - start))
+            for file in weight_files(folder) for size in [file.stat().st_size]
+            for start in range(0, max(size, 1), SLICE_BYTES)]
+
+
+def hash_share(folder: str | pathlib.Path, rank: int, world: int) -> dict[int, str]:
+    """The sha256 of each slice this rank hashes (slice i for i % world == rank), by index."""
+    folder, out = pathlib.Path(folder), {}
+    for i, (name, start, length) in enumerate(slices(folder)):
+        if i % world != rank:
+            continue
+        h = hashlib.sha256()
+        with open(folder / name, "rb") as f:
+            f.seek(start)
+            left = length
+            while left > 0 and (block := f.read(min(left, 1 << 22))):
+                h.update(block)
+                left -= len(block)
+        out[i] = h.hexdigest()
+    return out
+
+
+def by_file(folder: str | pathlib.Path, digests: dict[int, str]) -> dict[str, list[str]]:
+    """Every slice's sha256 (gathered from all ranks' `hash_share`) grouped by file, in order."""
+    out: dict[str, list[str]] = {}
+    for i, (name, _, _) in enumerate(slices(folder)):
+        out.setdefault(name, []).append(digests[i])
     return out

@@ -71,7 +71,10 @@ class StateIO:
         if not spec:
             return {}
         start = time.perf_counter()
-        got = pretrained.load(w.parallel.model, pretrained.folder(spec, w.config.search_paths), spec.get("prefix", ""))
+        folder = pretrained.folder(spec, w.config.search_paths)
+        got = pretrained.load(w.parallel.model, folder, spec.get("prefix", ""))
+        if spec.get("hash") == "full":  # every byte, this rank's share of the slices (the driver reads none)
+            got["slices"] = pretrained.hash_share(folder, w.rank, w.world)
         if w.device.type == "cuda":
             torch.cuda.synchronize(w.device)
         return {**got, "seconds": round(time.perf_counter() - start, 3), "memory": oom.memory_figures(w.device)}

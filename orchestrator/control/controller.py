@@ -249,11 +249,7 @@ class Controller:
             self.finishing.loaded(start_step)
             self.report.event("restored" if restart else "resumed", checkpoint=name, step=start_step)
         elif job.model.pretrained:  # a fresh start from pretrained weights: each rank reads its slices
-            loaded = self.group.call("load_pretrained")
-            self.report.event("pretrained", path=job.model.pretrained["path"], prefix=job.model.pretrained["prefix"],
-                              tensors=loaded[0].get("tensors"), seconds=max(p.get("seconds", 0.0) for p in loaded),
-                              rank_bytes=[p.get("bytes") for p in loaded],
-                              device=[p.get("memory") for p in loaded])
+            startup.load_pretrained(self.group, job.model.pretrained, self.report, self.run_dir.source)
         self._restore_layout(start_step)
         self.summary.update(world_size=len(infos), backend=infos[0].get("backend"),
                             nodes=sorted({i["node_ip"] for i in infos}), parameters=infos[0].get("parameters"),

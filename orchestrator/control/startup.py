@@ -70,4 +70,18 @@ def build_lines(built: dict, loaded: bool) -> list[str]:
     return lines
 
 
+def load_pretrained(group, spec: dict, report, source) -> None:
+    """A fresh start from model.pretrained: each rank reads its slices of the weights (and, under
+    `hash: full`, hashes its share of every byte, recorded in the run's source.json at `source`);
+    the `pretrained` event says what each read."""
+    from gearshift.orchestrator.records import provenance
+
+    loaded = group.call("load_pretrained")
+    if spec["hash"] == "full":
+        provenance.add_slices(source, loaded)
+    report.event("pretrained", path=spec["path"], prefix=spec["prefix"], tensors=loaded[0].get("tensors"),
+                 seconds=max(p.get("seconds", 0.0) for p in loaded), rank_bytes=[p.get("bytes") for p in loaded],
+                 device=[p.get("memory") for p in loaded], **({"hashed": "full"} if spec["hash"] == "full" else {}))
+
+
 STARTUP = Startup()

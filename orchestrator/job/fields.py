@@ -534,7 +534,7 @@ _PRETRAINED_HASH = ("header", "full")
 def _pretrained(v, path):
     """model.pretrained: a folder, or {path, prefix, hash}; normalised to {path, prefix, hash}
     (None: none). hash: what source.json records of each file, its safetensors header (and size)
-    or, `full`, the sha256 of every byte (read whole on the driver)."""
+    and, `full`, the sha256 of every slice too (hashed by the workers as they load)."""
     if v is None:
         return None
     if isinstance(v, str):
@@ -546,7 +546,7 @@ def _pretrained(v, path):
                                 "is what the model's names carry in front of the file's, e.g. 'lm.'")
     if v.get("hash", "header") not in _PRETRAINED_HASH:
         raise JobError(f"{path}.hash", v["hash"], "must be header (each file told apart by its size and safetensors "
-                                                  "header) or full (the sha256 of every byte, read on the driver)")
+                                                  "header) or full (also the sha256 of every byte, by slices, hashed by the workers)")
     return {"path": v["path"], "prefix": v.get("prefix", ""), "hash": v.get("hash", "header")}
 
 

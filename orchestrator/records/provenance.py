@@ -36,17 +36,34 @@ def collect(job_dict: dict, base_dir: str) -> dict:
 
 def pretrained_weights(job_dict: dict, base_dir: str) -> dict:
     """model.pretrained's folder and what identifies each weight file in it: its size and its
-    header's sha256, the whole file's only where `model.pretrained.hash` is full (the driver
-    reads no tensor data otherwise)."""
+    header's sha256 (the driver reads no tensor data; under `model.pretrained.hash: full` the
+    workers hash every byte by slices as they load, and `add_slices` records it)."""
     from gearshift.workers import pretrained
 
     spec = job_dict["model"]["pretrained"]
     folder = pathlib.Path(base_dir).joinpath(pathlib.Path(spec["path"]).expanduser())
     try:
-        files = pretrained.identity(folder, full=spec.get("hash") == "full")
+        files = pretrained.identity(folder)
     except pretrained.PretrainedError as err:
         return {"path": str(folder), "prefix": spec.get("prefix", ""), "error": str(err)}
     return {"path": str(folder), "prefix": spec.get("prefix", ""), "files": files}
+
+
+def add_slices(path: pathlib.Path, loaded: list[dict]) -> None:
+    """Record in source.json (at `path`) the sha256 of every slice of the weight files, as the
+    workers hashed them while they loaded (`loaded`: each rank's `load_pretrained` answer):
+    `sha256_slices` per file, slices of `slice_bytes`."""
+    from gearshift.workers import pretrained
+    from gearshift.workers.checkpoint import write_file_atomic
+
+    source = read(path) or {}
+    weights = source.get("pretrained") or {}
+    digests = {int(i): d for got in loaded for i, d in (got.get("slices") or {}).items()}
+    if "files" not in weights:
+        return
+    for name, sliced in pretrained.by_file(weights["path"], digests).items():
+        weights["files"].setdefault(name, {}).update(sha256_slices=sliced, slice_bytes=pretrained.SLICE_BYTES)
+    write_file_atomic(path, json.dumps(source, indent=2).encode())
 
 
 def write(path: pathlib.Path, job) -> None:
