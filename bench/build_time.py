@@ -55,6 +55,8 @@ def timed_build(worker, spec: dict, layout: dict) -> dict:
     worker.parallel = worker.optimizer = worker.scaler = None  # the last build's model, freed
     gc.collect()
     baseline = memory.mem_start(worker, 0.001)
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    before = {"file": int(status["RssFile"].split()[0]) * 1024, "anon": int(status["RssAnon"].split()[0]) * 1024}
     sampler = memory._SAMPLER
     worker.config = dataclasses.replace(worker.config, model=spec)
     worker.build_info = {"on_meta": False}
@@ -66,7 +68,9 @@ def timed_build(worker, spec: dict, layout: dict) -> dict:
     loaded = worker.load_pretrained() if spec.get("pretrained") else {}
     total = time.perf_counter() - started
     sampler.enter(None)
-    return {"build_s": built, "fill_s": worker.build_info.get("fill_s"), "load_s": loaded.get("seconds"),
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    return {"rss_file_after": int(status["RssFile"].split()[0]) * 1024 - before["file"],
+            "rss_anon_after": int(status["RssAnon"].split()[0]) * 1024 - before["anon"],"build_s": built, "fill_s": worker.build_info.get("fill_s"), "load_s": loaded.get("seconds"),
             "total_s": total, "drawn": worker.build_info.get("drawn"), "init": worker.build_info.get("init"),
             "growth": sampler.peak(phase) - baseline}
 
@@ -92,8 +96,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--sizes", default=None, help="comma-separated, of " + ", ".join(SIZES))
     args = parser.parse_args()
-    sizes = {"1x": SIZES["1x"]} if args.quick else SIZES
+    sizes = {k: SIZES[k] for k in (args.sizes.split(",") if args.sizes else ["1x"] if args.quick else SIZES)}
     repeats = args.repeats or (1 if args.quick else 2)
     from bench.local_group import LocalGroup
     from bench.memory import MALLOC_ENV, make_job
@@ -123,12 +128,15 @@ def main() -> None:
                           + (", load " + " ".join(f"{g['load_s']:.1f}" for g in ranks) if variant == "pretrained"
                              else "")
                           + f"; drawn per rank {[g['drawn'] for g in ranks]}; growth per rank (MiB) "
-                          + " ".join(f"{g['growth'] / 2**20:.0f}" for g in ranks), flush=True)
+                          + " ".join(f"{g['growth'] / 2**20:.0f}" for g in ranks) + "; after it, anonymous "
+                          + " ".join(f"{g['rss_anon_after'] / 2**20:.0f}" for g in ranks) + ", file-backed "
+                          + " ".join(f"{g['rss_file_after'] / 2**20:.0f}" for g in ranks), flush=True)
             figures[size] = {"n_layer": n_layer, **{
                 v: {"build_s": _median([g["build_s"] for g in got]), "total_s": _median([g["total_s"] for g in got]),
                     "fill_s": _median([g["fill_s"] or 0.0 for g in got]),
                     "drawn_per_rank": _median([g["drawn"] or 0 for g in got]),
-                    "growth_mib": _median([g["growth"] / 2**20 for g in got])}
+                    "growth_mib": _median([g["growth"] / 2**20 for g in got]),
+                    "file_backed_after_mib": _median([g["rss_file_after"] / 2**20 for g in got])}
                 for v, got in runs.items()}}
     print(json.dumps({"workers": WORKERS, "repeats": repeats, "sizes": figures}))
 

@@ -104,23 +104,29 @@ class _Chain:
                   len(r.size) == 1)
         return _contiguous(r) and r.offset % self.row == 0 and n % self.row == 0 and any(shapes)
 
-    def make(self, lo: int, hi: int, made: Made) -> torch.Tensor:
-        """Rows [lo, hi) of the value, whole along the other dimensions."""
+    def make(self, lo: int, hi: int, made: Made, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [lo, hi) of the value, whole along the other dimensions (into `out`, contiguous,
+        on the CPU, where given: a block inside the rows is made in place there)."""
         if not self.by_rows:
             if self.name not in made.whole:
                 made.whole.append(self.name)
-            return self._whole(made)[lo:hi] if self.final.size else self._whole(made)
-        out = torch.empty((hi - lo, *self.final.size[1:]), dtype=self.final.dtype)
+            value = self._whole(made)[lo:hi] if self.final.size else self._whole(made)
+            return value if out is None else out.copy_(value.reshape(out.shape))
+        rows = torch.empty((hi - lo, *self.final.size[1:]), dtype=self.final.dtype) if out is None \
+            else out.view(hi - lo, *self.final.size[1:])
         for block in range(lo // self.per_block, (hi - 1) // self.per_block + 1):
             b0, b1 = block * self.per_block, min(self.rows, (block + 1) * self.per_block)
+            if lo <= b0 and b1 <= hi:  # made where it stays
+                self._block(block, b0, b1, made, rows[b0 - lo:b1 - lo].view(-1))
+                continue
             value = self._block(block, b0, b1, made)
             start, stop = max(lo, b0), min(hi, b1)
-            out[start - lo:stop - lo] = value[start - b0:stop - b0]
-        return out if self.final.size else out.reshape(())
+            rows[start - lo:stop - lo] = value[start - b0:stop - b0]
+        return rows if self.final.size else rows.reshape(())
 
-    def _block(self, block: int, b0: int, b1: int, made: Made) -> torch.Tensor:
+    def _block(self, block: int, b0: int, b1: int, made: Made, base: torch.Tensor | None = None) -> torch.Tensor:
         torch.default_generator.manual_seed(seed_of(self.seed, self.name, block))
-        base = torch.empty((b1 - b0) * self.row, dtype=self.final.dtype)
+        base = torch.empty((b1 - b0) * self.row, dtype=self.final.dtype) if base is None else base
         lo, hi = b0 * self.row, b1 * self.row
         for op in self.ops:
             ref = next(x for x in tree_flatten((op.args, op.out))[0] if isinstance(x, _Ref))
@@ -211,10 +217,14 @@ def fill(model: torch.nn.Module, record: Recorded, device: torch.device, seed: i
         if cuts is None:  # all rows, cut by the layout
             _local(target).copy_(_local(shard_like(chain.make(0, chain.rows, made), target)))
             continue
+        local = _local(target)
+        if not cuts and local.device.type == "cpu" and local.is_contiguous() and local.dtype == chain.final.dtype:
+            chain.make(lo, hi, made, out=local)  # this rank's rows, made in place
+            continue
         value = chain.make(lo, hi, made)
         for dim, start, length in cuts:
             value = value.narrow(dim, start, length)
-        _local(target).copy_(value)
+        local.copy_(value)
     torch.manual_seed(seed)
     return made
 
