@@ -15,7 +15,18 @@ meta, the pieces allocated and filled), of which the fill, and the load for pret
 random numbers each rank drew; each rank's resident-set growth over the build (bench/memory.py's
 sampler, VmHWM backed). Medians over ranks and repeats, with min and max.
 
-    python bench/build_time.py            # 3 sizes, 2 repeats (about 10 min on 2 cores)
+Measured (2-core CPU machine, no GPU; 2 repeats, medians over 8 rank-builds, min-max):
+
+    size (params)   exact build         per_shard build    pretrained build + load   growth exact / per_shard / pretrained
+    1x (185M)       4.9 s (4.2-5.0)     1.3 s (1.2-1.5)    0.5 s + 0.5 s              258 / 176 / 447 MiB
+    2x (336M)       9.2 s (9.0-9.3)     2.9 s (2.7-3.0)    1.1 s + 0.7 s              402 / 321 / 833 MiB
+    4x (638M)      18.1 s (17.3-19.1)   6.2 s (5.5-6.4)    2.3 s + 1.4 s              692 / 609 / 1620 MiB
+
+per_shard drew 46M, 84M and 159M random numbers per rank (a quarter of the model). The pretrained
+load's growth is its peak while reading: after it a rank holds its quarter (anonymous 178 MiB at
+1x, file-backed pages 1-2 MiB), the transient above that is the load's own.
+
+    python bench/build_time.py            # 3 sizes, 2 repeats (about 8 min on 2 cores)
     python bench/build_time.py --quick    # the 170M GPT only, 1 repeat
 """
 

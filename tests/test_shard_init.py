@@ -95,3 +95,22 @@ def test_the_start_line_says_the_mode_and_why():
     assert build_lines(built, loaded=False) == ["init: per_shard (auto: 1,200M parameters, >= 1B), "
                                                 "1 tensors drawn whole"]
     assert build_lines(built, loaded=True) == []  # a checkpoint replaces the initial values
+
+
+def test_a_build_that_cannot_be_recorded_keeps_the_plain_values_and_says_why():
+    """per_shard asked of a model built whole whose constructor reads a value: the plain build's
+    values stand (never a half-made start), and the reason is what the start line says."""
+    class Reads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(8, 8)
+            self.scale = float(torch.rand(()))  # read while built: a fake tensor has no value
+
+    torch.manual_seed(1)
+    model = Reads()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    got = shard_init.whole(model, Reads, "per_shard", 1, torch.device("cpu"))
+    assert got["init"] == "exact" and "cannot be recorded" in got["init_why"], got
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    made = shard_init.whole(torch.nn.Linear(8, 8), lambda: torch.nn.Linear(8, 8), "per_shard", 1, torch.device("cpu"))
+    assert made["init"] == "per_shard" and made["drawn"] == 8 * 8 + 8, made

@@ -237,8 +237,8 @@ def choose(asked: str, parameters: int) -> tuple[str, str]:
     if asked != "auto":
         return asked, "asked"
     mode = "per_shard" if parameters >= AUTO_PER_SHARD else "exact"
-    return mode, f"auto: {parameters / 1e6:,.0f}M parameters, {'>=' if mode == 'per_shard' else '<'} " \
-                 f"{AUTO_PER_SHARD / 1e9:g}B"
+    size = f"{parameters / 1e6:,.0f}M" if parameters >= 10 ** 6 else f"{parameters:,}"
+    return mode, f"auto: {size} parameters, {'>=' if mode == 'per_shard' else '<'} {AUTO_PER_SHARD / 1e9:g}B"
 
 
 def parameters(record: Recorded) -> int:
@@ -253,11 +253,14 @@ def whole(model: torch.nn.Module, build, asked: str, seed: int, device: torch.de
     if mode == "exact":
         return {"init": mode, "init_why": why}
     started, state = time.perf_counter(), torch.default_generator.get_state()
-    _, record = meta_init.build_recorded(build)  # on fake tensors: nothing drawn, nothing held
+    try:
+        _, record = meta_init.build_recorded(build)  # on fake tensors: nothing drawn, nothing held
+        reason = None if record.replayable else record.reason
+    except Exception as err:  # noqa: BLE001 - the build reads a value a fake tensor has not got
+        reason = f"{type(err).__name__}: {err}"[:300]
     torch.default_generator.set_state(state)
-    if not record.replayable:
-        return {"init": "exact", "init_why": f"per_shard asked ({why}), but the build cannot be recorded: "
-                                             f"{record.reason}"}
+    if reason is not None:  # the plain build's values stand
+        return {"init": "exact", "init_why": f"per_shard asked ({why}), but the build cannot be recorded: {reason}"}
     made = fill(model, record, device, seed)
     return {"init": mode, "init_why": why, "drawn": made.drawn, "drawn_whole": made.whole,
             "fill_s": round(time.perf_counter() - started, 3)}
