@@ -17,12 +17,13 @@ of the last checkpoint by rank 0, or by the driver where rank 0 does not see the
     python bench/driver_io.py            # the 170M GPT, 8 steps, a checkpoint every 2; 2 repeats
     python bench/driver_io.py --quick    # a 25M GPT, 4 steps; 1 repeat (about 3 min on 2 cores)
 
-Measured (full mode, 1 repeat, 2-core CPU machine): over 8474 MiB of checkpoints (4 of them), with
-final none the driver read 0.2 MiB and wrote 0.1 MiB from the first step to the end (2.7e-05 and
-1.7e-05 of the checkpoints' bytes; its whole run, start-up included, read 108 MiB: 0.013); with
-auto it also wrote the 705 MiB final.pt, reading the model's tensors for it (0.085 / 0.083). Those
-figures predate final.pt being written by rank 0 where it sees the run's folder (the driver now writes
-it only elsewhere, or for the full format); auto has not been measured since.
+Measured (full mode, 1 repeat, 2-core CPU machine, 2026-12-04): over 8474 MiB of checkpoints (4
+of them), from the first step to the end the driver read 0.2 MiB and wrote 0.1 MiB with final
+none (2.4e-05 and 1.5e-05 of the checkpoints' bytes), and the same with auto (2.5e-05 and
+1.4e-05), whose 705 MiB final.pt rank 0 wrote from the last checkpoint on its node. The whole run,
+start-up included, read 108 MiB (0.013; the first run in the process, which reads the
+interpreter's modules) and 44 MiB (0.005). --quick (25M GPT, 484 MiB of checkpoints): 1.8e-05 /
+2.3e-05 with none, 2.4e-05 / 2.8e-05 with auto (an 80 MiB final.pt).
 
 The last line is one JSON object: per variant the medians (with min and max) of
 `driver_rchar_over_checkpoint_bytes` and `driver_wchar_over_checkpoint_bytes`, the goal being
