@@ -75,8 +75,28 @@ def read_header(file: pathlib.Path) -> dict[str, tuple[str, list[int]]]:
 
 
 def folder(spec: dict, search_paths) -> pathlib.Path:
-    """model.pretrained's folder, relative to the job file's."""
-    return pathlib.Path(search_paths[0]).joinpath(pathlib.Path(spec["path"]).expanduser())
+    """model.pretrained's folder, relative to the job file's (a Hugging Face cache folder: its snapshot)."""
+    return snapshot(pathlib.Path(search_paths[0]).joinpath(pathlib.Path(spec["path"]).expanduser()))
+
+
+def snapshot(path: pathlib.Path) -> pathlib.Path:
+    """The folder that holds the weight files: `path` itself, or, for a model in a Hugging Face
+    cache as huggingface_hub lays it out (`models--org--name/` with `refs/`, `snapshots/<rev>/`
+    whose files link into `blobs/`), the snapshot `refs/main` names, or its only one. Nothing is
+    downloaded: a cache without the snapshot is a PretrainedError."""
+    path = pathlib.Path(path)
+    snapshots = path / "snapshots"
+    if not snapshots.is_dir() or any(path.glob("*" + SUFFIX)) or (path / INDEX).is_file():
+        return path
+    revs = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    ref = path / "refs" / "main"
+    wanted = ref.read_text().strip() if ref.is_file() else (revs[0] if len(revs) == 1 else None)
+    if wanted is None or wanted not in revs:
+        raise PretrainedError(f"{path} is a Hugging Face cache folder, but "
+                              + (f"refs/main names {wanted}, which snapshots/ does not hold" if wanted else
+                                 f"it has {len(revs)} snapshots ({', '.join(revs[:_SHOWN]) or 'none'}) and no refs/main")
+                              + "; give the snapshot folder itself (models--.../snapshots/REVISION); nothing is downloaded")
+    return snapshots / wanted
 
 
 def covered(model: nn.Module, spec: dict | None, search_paths) -> set[str]:
@@ -86,7 +106,10 @@ def covered(model: nn.Module, spec: dict | None, search_paths) -> set[str]:
     once, under the name the model lists first, when the file holds any of them."""
     if not spec:
         return set()
-    saved, prefix = saved_tensors(folder(spec, search_paths)), spec.get("prefix", "")
+    from gearshift.workers.hf_conversion import mapped
+
+    prefix = spec.get("prefix", "")
+    saved = mapped(model, saved_tensors(folder(spec, search_paths)), prefix)  # as the model names them
     named = [*((n, t) for n, t in model.named_parameters(remove_duplicate=False)),
              *((n, t) for n, t in model.named_buffers(remove_duplicate=False))]
     given = {id(t) for n, t in named if n.startswith(prefix) and n[len(prefix):] in saved}
@@ -102,6 +125,11 @@ def saved_tensors(folder: str | pathlib.Path) -> dict[str, tuple[str, list[int]]
     return out
 
 
+def locations(folder: str | pathlib.Path) -> dict[str, str]:
+    """{tensor name: the name of the file that holds it}."""
+    return {name: file.name for file in weight_files(folder) for name in read_header(file)}
+
+
 def _aliases(model: nn.Module) -> list[list[str]]:
     """The model's state-dict names grouped by the tensor they hold (a tied head and its
     embedding are one group), in state-dict order."""
@@ -112,9 +140,14 @@ def _aliases(model: nn.Module) -> list[list[str]]:
 
 
 def plan(model: nn.Module, saved: dict[str, tuple[str, list[int]]], prefix: str = "") -> dict[str, str]:
-    """{model name: file name} for every tensor of the model, each read from the file; a
-    PretrainedError naming what is missing, unexpected or of another shape otherwise. Works on
-    a model on the meta device (the driver's check) as on a real one."""
+    """{model name: the file's name for it, or a hf_conversion.Fused} for every tensor of the
+    model, each read from the files (through a transformers model's own conversion mapping); a
+    PretrainedError naming what is missing, unexpected or of another shape otherwise. Works on a
+    model on the meta device (the driver's check) as on a real one."""
+    from gearshift.workers.hf_conversion import mapped
+
+    sources = mapped(model, saved, prefix)
+    saved = {k: (src.dtype, src.shape) if not isinstance(src, str) else saved[src] for k, src in sources.items()}
     shapes = {name: list(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     if prefix and not any(name.startswith(prefix) for name in shapes):
         raise PretrainedError(f"prefix {prefix!r} begins none of the model's names (they begin "
@@ -132,8 +165,8 @@ def plan(model: nn.Module, saved: dict[str, tuple[str, list[int]]], prefix: str 
         if saved[key][1] != shapes[name]:
             misshaped.append(f"{name} is {shapes[name]} in the model, {saved[key][1]} in the file")
             continue
-        chosen[name] = key
-    unexpected = sorted(set(saved) - used)
+        chosen[name] = sources[key]
+    unexpected = sorted(sources[k] if isinstance(sources[k], str) else k for k in set(saved) - used)
     if missing or unexpected or misshaped:
         parts = []
         if missing:
@@ -180,14 +213,53 @@ def load(model: nn.Module, folder: str | pathlib.Path, prefix: str = "") -> dict
     weight_files(folder)  # a folder that changed since the driver's check fails here, by name
     names = plan(model, saved_tensors(folder), prefix)
     state = get_model_state_dict(model)
-    wanted = {key: state[name] for name, key in names.items()}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process" without a group
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
-    set_model_state_dict(model, {name: wanted[key] for name, key in names.items()},
-                         options=StateDictOptions(strict=False))
-    local = sum(_local(t).numel() * t.element_size() for t in wanted.values())
-    return {"tensors": len(names), "bytes": local}
+    direct = {name: key for name, key in names.items() if isinstance(key, str)}
+    wanted = {key: state[name] for name, key in direct.items()}
+    if wanted:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process" without a group
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+    got = {"bytes": sum(_local(t).numel() * t.element_size() for t in wanted.values()), "read_whole": []}
+    fused = {name: src for name, src in names.items() if not isinstance(src, str)}
+    if fused:
+        _load_fused(model, state, fused, folder, prefix, got)
+    set_model_state_dict(model, {**{name: wanted[key] for name, key in direct.items()},
+                                 **{name: state[name] for name in fused}}, options=StateDictOptions(strict=False))
+    return {"tensors": len(names), **got}
+
+
+def _load_fused(model: nn.Module, state: dict, fused: dict, folder: pathlib.Path, prefix: str, got: dict) -> None:
+    """Fill the model's fused tensors (state's, as laid out) from their sources in the files: this
+    rank's rows and columns of each, by slices where the conversion allows, else whole."""
+    from gearshift.strategies.state import shard_like
+    from gearshift.workers import hf_conversion
+
+    where, hf = locations(folder), hf_conversion.transformers_model(model, prefix)
+    for name, source in fused.items():
+        target = state[name]
+        region, cut = _region(target)
+        value, read = hf_conversion.read(source, folder, where, region, target.dtype, hf)
+        got["bytes"] += read
+        if not source.by_slices:
+            got["read_whole"].append({"tensor": name, "bytes": read})
+        with torch.no_grad():
+            _local(target).copy_(_local(shard_like(value, target)) if cut else value)
+
+
+def _region(target: torch.Tensor) -> tuple[list[tuple[int, int]], bool]:
+    """[(start, length)] per dim of the part of `target`'s full value this rank holds, and
+    whether the layout still has to cut it (a strided shard: the whole value is read)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    whole = [(0, n) for n in target.shape]
+    if not isinstance(target, DTensor):
+        return whole, False
+    if any(type(p) not in (Shard, Replicate) for p in target.placements):
+        return whole, True
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return list(zip(offset, shape)), False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,7 @@ def _check_pretrained(job: Job) -> None:
 
     model, _ = components.model_for_checks(job.to_dict()["model"], [job.base_dir])
     try:
-        pretrained.check(model, folder, job.model.pretrained["prefix"])
+        pretrained.check(model, pretrained.snapshot(folder), job.model.pretrained["prefix"])
     except pretrained.PretrainedError as err:
         raise JobError("model.pretrained", job.model.pretrained["path"], str(err)) from None
 

@@ -43,6 +43,7 @@ def pretrained_weights(job_dict: dict, base_dir: str) -> dict:
     spec = job_dict["model"]["pretrained"]
     folder = pathlib.Path(base_dir).joinpath(pathlib.Path(spec["path"]).expanduser())
     try:
+        folder = pretrained.snapshot(folder)
         files = pretrained.identity(folder)
     except pretrained.PretrainedError as err:
         return {"path": str(folder), "prefix": spec.get("prefix", ""), "error": str(err)}
