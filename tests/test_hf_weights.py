@@ -141,3 +141,34 @@ def test_each_rank_reads_its_pieces_of_renamed_and_fused_weights(group, saved, l
             whole = sum(os.path.getsize(f) for f in pretrained.weight_files(saved / family))
             total = sum(got["bytes"] for got in ranks)
             assert total <= whole and max(got["bytes"] for got in ranks) < 0.3 * whole + 4096, (family, total, whole)
+
+
+# --- export: what save_pretrained writes, loadable with from_pretrained -----------------------
+
+@pytest.mark.parametrize("family", ["vit", "mixtral"])
+def test_an_export_is_named_as_save_pretrained_names_it_and_loads_with_from_pretrained(family, tmp_path, capsys):
+    """A run of a transformers model trained from scratch (no folder to copy config.json from):
+    its export holds the names and layouts save_pretrained writes (ViT's old names, Mixtral's
+    experts one by one, split out of the fused tensors), the model's config, and loads back."""
+    import json
+
+    from safetensors import safe_open
+
+    from gearshift.orchestrator.commands import cli
+    from gearshift.workers import checkpoint
+
+    torch.manual_seed(8)
+    model = _builder(family)()
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "job.yaml").write_text(f"name: x\nmodel: {{entrypoint: 'first_build:{family}'}}\n")
+    (run / "source.json").write_text(json.dumps({"base_dir": str(FIXTURES)}))
+    checkpoint.save(run / "checkpoints", 3, {"model": model.state_dict(), "optimizer": {}, "step": 3}, keep=2)
+    assert cli.main(["export", str(run), "--output", str(tmp_path / "out")]) == 0
+    assert "wrote the model's config.json" in capsys.readouterr().err
+    model.save_pretrained(tmp_path / "hf")
+    names = lambda folder: {k for f in pretrained.weight_files(folder) for k in safe_open(str(f), "pt").keys()}  # noqa: E731
+    assert names(tmp_path / "out") == names(tmp_path / "hf")
+    back = type(model).from_pretrained(tmp_path / "out").state_dict()
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())

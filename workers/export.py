@@ -266,6 +266,23 @@ def _out_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and saved.is_floating_point else saved
 
 
+def _pieces_of(source: ModelTensors, src, held: dict):
+    """A checkpoint tensor's pieces, or (name, index): that part of it (a fused tensor split as a
+    transformers checkpoint stores it), read once for all its parts."""
+    if isinstance(src, str):
+        yield from source.pieces(src)
+        return
+    name, index = src
+    if name not in held:
+        held.clear()
+        held[name] = source.read(name)
+    yield held[name][index].contiguous()
+
+
+def _view_shape(shape: list, index: tuple) -> list:
+    return list(torch.empty(shape, device="meta")[index].shape)
+
+
 def parse_size(text: str) -> int:
     """'5GB', '64MB', '500KB', '1024' (bytes) -> bytes; decimal units as Hugging Face uses them."""
     units = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
@@ -308,7 +325,9 @@ def write_safetensors(source: ModelTensors, out_dir: pathlib.Path, names: dict[s
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = names or {n: n for n in source.names}
-    meta = {out: (_out_dtype(source.names[src][0], dtype), source.names[src][1]) for out, src in names.items()}
+    meta = {out: (_out_dtype(source.names[src][0], dtype), source.names[src][1]) if isinstance(src, str) else
+            (_out_dtype(source.names[src[0]][0], dtype), _view_shape(source.names[src[0]][1], src[1]))
+            for out, src in names.items()}
     for d, _ in meta.values():
         if d not in _ST_DTYPES:
             raise ExportError(f"a tensor of dtype {d} cannot be written as safetensors; use --format torch")
@@ -328,8 +347,9 @@ def write_safetensors(source: ModelTensors, out_dir: pathlib.Path, names: dict[s
         with _atomic(out_dir / file) as tmp, open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
+            held: dict = {}  # the fused tensor whose pieces are being written (one at a time)
             for out in shard:
-                for piece in source.pieces(names[out]):
+                for piece in _pieces_of(source, names[out], held):
                     f.write(_bytes(_converted(piece, dtype)))
                     del piece
         weight_map.update({out: file for out in shard})

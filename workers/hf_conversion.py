@@ -142,3 +142,64 @@ def read(fused: Fused, folder: pathlib.Path, where: dict[str, str], region: list
             done += piece.numel() * piece.element_size()
             out[(dst[0][0] + i, *(slice(*dst[d]) for d in range(1, len(shape))))] = piece.to(dtype)
     return out, done
+
+
+_REGEX = re.compile(r"[\\^$\[\](){}|+?]")
+
+
+def saved_names(model: nn.Module, prefix: str, names: dict[str, str], shapes: dict[str, list]) -> tuple[dict, list]:
+    """The export's {output name: checkpoint name} renamed as `save_pretrained` of the same
+    transformers model names its files (its conversion mapping reversed): {name on disk:
+    checkpoint name, or (checkpoint name, index) for a piece of a fused tensor (an expert's `w1`
+    out of `gate_up_proj`)}; and the model's names kept as they are (a conversion that cannot be
+    reversed tensor by tensor). `shapes`: the checkpoint's {name: shape}."""
+    hf = transformers_model(model, prefix)
+    if hf is None:
+        return dict(names), []
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, apply_renamings
+
+    transforms = [t for t in get_model_conversion_mapping(hf, add_legacy=False) if not isinstance(t, PrefixChange)]
+    back = [t.reverse_transform() for t in reversed(transforms) if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out, kept = {}, []
+    for name, src in names.items():
+        converter = next((c for c in converters if len(c.target_patterns) == 1 and c.target_patterns[0] in name), None)
+        if converter is None:
+            out[apply_renamings(name, back)] = src
+            continue
+        fused = Fused(name, converter, {p: [] for p in converter.source_patterns})
+        if not fused.by_slices or any(_REGEX.search(p) for p in [*converter.source_patterns, *converter.target_patterns]):
+            out[name], kept = src, kept + [name]
+            continue
+        out.update({apply_renamings(n, back): (src, index) for n, index in _pieces(fused, name, shapes[src])})
+    return out, kept
+
+
+def _pieces(fused: Fused, name: str, shape: list) -> list[tuple[str, tuple]]:
+    """(source name, index into the fused tensor) for every tensor it was made of: expert e of
+    source pattern i is chunk i along the concatenation of row e."""
+    ops, patterns = fused.converter.operations, list(fused.converter.source_patterns)
+    cat = ops[1].dim if len(ops) > 1 else None
+    target = fused.converter.target_patterns[0]
+    out = []
+    for i, pattern in enumerate(patterns):
+        for e in range(shape[0]):
+            index = [e] + [slice(None)] * (len(shape) - 1)
+            if cat is not None:
+                size = shape[cat] // len(patterns)
+                index[cat] = slice(i * size, (i + 1) * size)
+            out.append((name.replace(target, pattern.replace("*", str(e)), 1), tuple(index)))
+    return out
+
+
+
+def write_config(hf, out_dir: pathlib.Path) -> list[str]:
+    """config.json (and generation_config.json, for a model that generates) of the model itself,
+    for an export of a transformers model that did not start from a folder holding them."""
+    hf.config.save_pretrained(out_dir)
+    written = ["config.json"]
+    if getattr(hf, "generation_config", None) is not None and hf.can_generate():
+        hf.generation_config.save_pretrained(out_dir)
+        written.append("generation_config.json")
+    return written

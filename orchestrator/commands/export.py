@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    from gearshift.workers import checkpoint, export
+    from gearshift.workers import checkpoint, export, hf_conversion
 
     if args.format in ("onnx", "torch-export"):
         return cmd_inference_export(args)
@@ -76,8 +76,11 @@ def cmd_export(args) -> int:
         raise UsageError(f"--output {out} exists and is not an empty folder; give a new folder, so that no earlier "
                          "export's files mix with this one's")
     dtype = export.DTYPES[args.dtype] if args.dtype else None
+    hf, kept = _transformers_model(job, recorded, prefix), []
     try:
-        if args.format == "safetensors":
+        if args.format == "safetensors":  # a transformers model's tensors named as its save_pretrained names them
+            names, kept = hf_conversion.saved_names(hf, "", names, {n: s for n, (_, s) in source.names.items()}) \
+                if hf is not None else (names, [])
             index = export.write_safetensors(source, out, names, dtype, export.parse_size(args.max_shard_size))
             total, files = index["metadata"]["total_size"], len(set(index["weight_map"].values()))
         else:
@@ -88,10 +91,25 @@ def cmd_export(args) -> int:
     folder = (recorded.get("pretrained") or {}).get("path") or (
         str(pathlib.Path(recorded.get("base_dir", ".")) / spec["path"]) if spec.get("path") else None)
     copied = export.copy_config(pathlib.Path(folder) if folder else None, out)
+    made = hf_conversion.write_config(hf, out) if hf is not None and "config.json" not in copied else []
     print(f"exported step {source.step} of {run.path}: {len(names)} tensors, {total / 1e6:.1f} MB "
           f"({args.dtype or 'as trained'}) in {files} file(s) to {out}"
-          + (f"; copied {', '.join(copied)}" if copied else ""), file=sys.stderr)
+          + (f"; copied {', '.join(copied)}" if copied else "") + (f"; wrote the model's {', '.join(made)}" if made else "")
+          + (f"; kept the model's own names for {', '.join(kept[:4])} (their conversion is not reversed tensor by "
+             "tensor)" if kept else ""), file=sys.stderr)
     return 0
+
+
+def _transformers_model(job: dict, recorded: dict, prefix: str):
+    """The run's transformers model (built on the meta device from the job) the export's names
+    start at, or None: a model of the user's own, or one that cannot be built here."""
+    from gearshift.workers import components, hf_conversion
+
+    try:
+        model, _ = components.model_for_checks(job.get("model") or {}, [recorded.get("base_dir", ".")])
+    except Exception:  # noqa: BLE001 - not built here (its code elsewhere): the export keeps the model's names
+        return None
+    return hf_conversion.transformers_model(model, prefix)
 
 
 def _find(ident: str, root: str | None):
