@@ -161,7 +161,8 @@ def test_a_file_in_another_dtype_is_converted_as_it_loads(hf):
     model = hf_model.bare()
     model.to(torch.bfloat16).save_pretrained(folder / "bf16")
     into = hf_model.build()
-    pretrained.load(into, folder / "bf16", "lm.")
+    got = pretrained.load(into, folder / "bf16", "lm.")
+    assert got["cast"] == {"BF16 -> float32": len(pretrained.saved_tensors(folder / "bf16"))}, got["cast"]
     assert into.lm.model.embed_tokens.weight.dtype == torch.float32
     assert torch.equal(into.lm.model.embed_tokens.weight, model.model.embed_tokens.weight.float())
     assert into.lm.lm_head.weight is into.lm.model.embed_tokens.weight  # still tied

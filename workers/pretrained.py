@@ -27,6 +27,9 @@ import torch
 from torch import nn
 
 SUFFIX = ".safetensors"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
 INDEX = "model.safetensors.index.json"
 _SHOWN = 4  # names shown in an error, per kind
 
@@ -211,9 +214,16 @@ def load(model: nn.Module, folder: str | pathlib.Path, prefix: str = "") -> dict
 
     folder = pathlib.Path(folder)
     weight_files(folder)  # a folder that changed since the driver's check fails here, by name
-    names = plan(model, saved_tensors(folder), prefix)
+    saved = saved_tensors(folder)
+    names = plan(model, saved, prefix)
     state = get_model_state_dict(model)
     direct = {name: key for name, key in names.items() if isinstance(key, str)}
+    cast: dict[str, int] = {}  # "BF16 -> torch.float32": tensors converted as they are read
+    for name, src in names.items():
+        stored = saved[src][0] if isinstance(src, str) else src.dtype
+        if _DTYPES.get(stored) != state[name].dtype:
+            key = f"{stored} -> {str(state[name].dtype).replace('torch.', '')}"
+            cast[key] = cast.get(key, 0) + 1
     wanted = {key: state[name] for name, key in direct.items()}
     if wanted:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process" without a group
@@ -225,7 +235,7 @@ def load(model: nn.Module, folder: str | pathlib.Path, prefix: str = "") -> dict
         _load_fused(model, state, fused, folder, prefix, got)
     set_model_state_dict(model, {**{name: wanted[key] for name, key in direct.items()},
                                  **{name: state[name] for name in fused}}, options=StateDictOptions(strict=False))
-    return {"tensors": len(names), **got}
+    return {"tensors": len(names), **got, "cast": cast}
 
 
 def _load_fused(model: nn.Module, state: dict, fused: dict, folder: pathlib.Path, prefix: str, got: dict) -> None:

@@ -79,7 +79,15 @@ def load_pretrained(group, spec: dict, report, source) -> None:
     loaded = group.call("load_pretrained")
     if spec["hash"] == "full":
         provenance.add_slices(source, loaded)
+    cast, whole = loaded[0].get("cast") or {}, loaded[0].get("read_whole") or []
+    if cast:  # a checkpoint in another dtype than the model trains in
+        report.say("pretrained: " + ", ".join(f"{n} tensors {how}" for how, n in sorted(cast.items()))
+                   + ", converted as they are read")
+    if whole:  # a conversion that is not read by slices
+        report.say("pretrained: read whole on every rank that holds a piece (their conversion is not read by slices): "
+                   + ", ".join(f"{w['tensor']} ({w['bytes'] / 2**20:.1f} MiB)" for w in whole[:4]))
     report.event("pretrained", path=spec["path"], prefix=spec["prefix"], tensors=loaded[0].get("tensors"),
+                 cast=cast, read_whole=whole,
                  seconds=max(p.get("seconds", 0.0) for p in loaded), rank_bytes=[p.get("bytes") for p in loaded],
                  device=[p.get("memory") for p in loaded], **({"hashed": "full"} if spec["hash"] == "full" else {}))
 
