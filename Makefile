@@ -9,22 +9,32 @@ TORCH_VERSION ?= 2.13.0
 JOB ?= examples/mlp.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.gearshift-installed
+TEST_STAMP := $(VENV)/.gearshift-test-installed
 
-.PHONY: install run test test-all clean
+.PHONY: install install-test run test test-all clean
 
+# what a run needs: gearshift and its own requirements (no test extras)
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e .
 	touch $(STAMP)
+
+# what the tests need besides: pytest, transformers, mlflow, onnx, Ray Serve, moto (once)
+install-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	@echo "installing the test extras (pytest, transformers, mlflow, tensorboard, onnx, onnxruntime, Ray Serve, moto, s3fs) once"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	touch $(TEST_STAMP)
 
 run: install
 	$(BIN)/gearshift run $(JOB)
 
 # the quick tier: pure logic, plus one real Ray run each of run, submit, switch and recovery
-test: install
+test: install-test
 	$(BIN)/python -m pytest -m "(not ray and not slow) or smoke" $(PYTEST_ARGS)
 
 # everything (what CI runs), in three parts: the tests that start no Ray and time nothing, two at a
@@ -32,7 +42,7 @@ test: install
 # session); then, one at a time, those that assert on measured time or count this machine's
 # processes (marked timing or alone). Every part always runs; it fails if any does (pytest's 5,
 # nothing selected, is not a failure)
-test-all: install
+test-all: install-test
 	$(BIN)/python -m pytest -m "not ray and not timing and not alone" -n 2 --dist loadfile $(PYTEST_ARGS); a=$$?; \
 	$(BIN)/python -m pytest -m "ray and not timing and not alone" -n 2 --dist loadfile $(PYTEST_ARGS); b=$$?; \
 	$(BIN)/python -m pytest -m "timing or alone" $(PYTEST_ARGS); c=$$?; \

@@ -91,6 +91,14 @@ class Check:
     rows: list[dict]
     notes: list[str]
 
+    def __repr__(self) -> str:
+        fitting = sum(1 for r in self.rows if r["fits"])
+        return (f"<Check {self.job.name} ({self.job.fingerprint()}): every check passed; starts as {self.layout}; "
+                f"{len(self.rows)} layouts predicted on {self.cluster}, {fitting} fit; .text() for the table>")
+
+    def __str__(self) -> str:
+        return self.text()
+
     def text(self) -> str:
         from gearshift.orchestrator.job import dump_job
 

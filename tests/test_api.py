@@ -89,6 +89,9 @@ def test_check_runs_every_check_and_starts_nothing(capsys):
     assert steps == sorted(steps)  # fastest first
     text = report.text()
     assert "every check passed" in text and "num_workers: 4" in text and "GiB/rank" in text
+    assert str(report) == text  # print(check) prints what the CLI prints
+    shown = repr(report)  # a notebook's echo: one line, not the dataclass's fields
+    assert "\n" not in shown and len(shown) < 300 and "starts as data dp=4 tp=1" in shown, shown
     assert cli.main(["check", str(REPO / "examples" / "mlp.yaml")]) == 0
     out = capsys.readouterr().out
     assert "starts as: data dp=2 tp=1" in out and "data 2x1" in out

@@ -283,3 +283,37 @@ def test_job_that_cannot_be_placed_on_a_joined_cluster_times_out_cleanly(ray_clu
 
     assert wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"))
 
+
+
+def test_an_embedded_ray_that_times_out_starting_is_tried_once_more_then_said_in_one_paragraph(monkeypatch):
+    """Ray raises a bare Exception when its processes are slow to come up on a loaded machine:
+    the start is tried once more; failing again, it is a GearshiftError saying what to try,
+    not Ray's traceback. Ray itself is not started here."""
+    import ray
+
+    from gearshift.orchestrator.cluster import ray_start
+    from gearshift.orchestrator.errors import GearshiftError
+
+    calls, shut = [], []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) <= failures:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append(1))
+    failures = 1
+    ray_start.start_ray(None, 2)  # the second try starts
+    assert len(calls) == 2 and len(shut) == 1 and calls[1]["address"] == "local"
+    calls.clear()
+    failures = 2
+    with pytest.raises(GearshiftError) as err:
+        ray_start.start_ray(None, 2)
+    text = str(err.value)
+    assert len(calls) == 2 and "timed out" in text and "tried twice" in text and "--address" in text, text
+    calls.clear()
+    failures = 5
+    with pytest.raises(GearshiftError) as err:  # a cluster to join is not retried
+        ray_start.start_ray("10.0.0.1:6379", None)
+    assert len(calls) == 1 and "tried twice" not in str(err.value)
