@@ -29,7 +29,11 @@ sys.path.insert(0, str(FIXTURES))
 def _builder(family):
     import first_build
 
-    return lambda: getattr(first_build, family)()[0]
+    def build():
+        made = getattr(first_build, family)()
+        return made[0] if isinstance(made, tuple) else made  # (model, tensor-parallel plan), or the model
+
+    return build
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +176,21 @@ def test_an_export_is_named_as_save_pretrained_names_it_and_loads_with_from_pret
     back = type(model).from_pretrained(tmp_path / "out").state_dict()
     assert back.keys() == model.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_tied_head_may_be_in_the_files_once_or_twice(tmp_path):
+    """GPT-2's head is its embedding: save_pretrained writes it once; other tools write both names."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(9)
+    model = _builder("gpt2")()
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    assert "lm_head.weight" in state and torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    for name, held in (("twice", state), ("once", {k: v for k, v in state.items() if k != "lm_head.weight"})):
+        (tmp_path / name).mkdir()
+        save_file(held, str(tmp_path / name / "model.safetensors"))
+        torch.manual_seed(10)
+        into = _builder("gpt2")()
+        pretrained.load(into, tmp_path / name)
+        assert into.lm_head.weight is into.transformer.wte.weight  # still one tensor
+        assert all(torch.equal(into.state_dict()[k], v) for k, v in state.items()), name
