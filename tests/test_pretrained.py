@@ -156,6 +156,70 @@ def test_a_moe_checkpoint_fine_tunes_like_from_pretrained_its_experts_read_by_sl
         assert event["rank_bytes"] == [files, files], (event, files)
 
 
+def vit_reference(folder: pathlib.Path, hf_model, split: int) -> tuple[dict, list[float]]:
+    """A ViT fine-tuned from `from_pretrained` in one process, each global batch taken in `split`
+    equal parts (their gradients summed, as `split` data-parallel ranks average theirs)."""
+    from transformers import ViTForImageClassification
+
+    model = hf_model.Classifier(ViTForImageClassification.from_pretrained(folder / "weights_vit"))
+    data, opt = hf_model.images(size=64), torch.optim.Adam(model.parameters(), lr=0.01)
+    order, losses = GlobalBatches(64, BATCH, 0), []
+    for step in range(STEPS):
+        x, y = default_collate([data[i] for i in order.indices(step)])
+        opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(split), y.chunk(split)):
+            loss = torch.nn.functional.cross_entropy(model(xs), ys) / split
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(total)
+    return model.state_dict(), losses
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["data2", "fsdp2"])
+def test_a_vit_checkpoint_under_its_old_names_fine_tunes_like_from_pretrained(ray_cluster, hf, layout):
+    """A ViT saved with save_pretrained (its files name the layers as earlier transformers versions
+    did: encoder.layer.N.attention.attention.query), fine-tuned from those files: equal to
+    fine-tuning `from_pretrained`'s model in one process on the same batches, and its export loads
+    back with from_pretrained."""
+    from transformers import ViTForImageClassification
+
+    folder, hf_model = hf
+    torch.manual_seed(77)
+    hf_model.bare_vit().save_pretrained(folder / "weights_vit", max_shard_size="20KB")
+    overrides = ["model.entrypoint=hf_model:build_vit", "model.pretrained.path=weights_vit",
+                 "data.entrypoint=hf_model:images", "cluster.num_workers=2",
+                 "parallel.strategy=" + layout[:-1]]
+    assert cli.main(["run", str(folder / "job.yaml"), "--run-dir", str(folder / "run")]
+                    + [a for o in overrides for a in ("--set", o)]) == 0
+    final = torch.load(folder / "run" / "final.pt", weights_only=True)
+    records = [json.loads(line) for line in (folder / "run" / "telemetry.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if r.get("type") == "step"}
+    whole, want = vit_reference(folder, hf_model, split=1)
+    halves, _ = vit_reference(folder, hf_model, split=2)
+    assert final.keys() == whole.keys()
+    # Adam moves a parameter by about lr whatever the size of its gradient, so where a gradient is
+    # nearly or exactly zero (the key projection's bias: softmax ignores it) a parameter moves by
+    # rounding noise. The yardstick: the same process with each batch taken in halves, as the two
+    # ranks take it, is this far from itself. A start from other weights, or a step on other
+    # samples, lands orders of magnitude further (the parameters move by up to lr * STEPS = 0.05).
+    noise = max((whole[k] - halves[k]).abs().max().item() for k in whole)
+    diff = max((final[k] - halves[k]).abs().max().item() for k in final)
+    worst = max(abs(losses[i + 1] - ref) for i, ref in enumerate(want))
+    print(f"vit {layout}: |final - reference in halves| {diff:.3g}, the reference against itself in halves "
+          f"{noise:.3g}, per-step loss {worst:.3g}")
+    assert worst <= 1e-5 and noise <= 1e-3 and diff <= 2 * noise, (diff, noise, worst)
+    if layout == "fsdp2":
+        assert cli.main(["export", str(folder / "run"), "--output", str(folder / "export")]) == 0
+        back = ViTForImageClassification.from_pretrained(folder / "export").state_dict()
+        assert back.keys() == {k[len("lm."):] for k in final}
+        assert all(torch.equal(back[k[len("lm."):]], v) for k, v in final.items())
+
+
 def test_the_driver_tells_weight_files_apart_by_their_headers_and_the_workers_hash_every_byte_by_slices(
         hf, monkeypatch, tmp_path):
     import hashlib
