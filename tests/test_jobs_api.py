@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -388,6 +389,7 @@ def ray_dashboard():
         _enable_token_auth,
         ensure_token_if_auth_enabled,
     )
+    from ray._private.utils import write_ray_address
     from ray.cluster_utils import Cluster
 
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
@@ -395,6 +397,13 @@ def ray_dashboard():
     # the token in ~/.ray/auth_token (created if missing). The head's processes inherit it.
     _enable_token_auth()
     ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+    # A Ray temporary folder of its own, holding this cluster's address: Ray's job supervisor tells
+    # a job's driver the address in the head's temporary folder (its ray_current_cluster file,
+    # which `ray start` writes and a Cluster does not), else any GCS it finds running on the
+    # machine. In the shared /tmp/ray that is whichever Ray started last here (a parallel test's),
+    # so a job would join that one, whose nodes cannot find this cluster's packages. Short: Ray's
+    # sockets live below it.
+    temp_dir = tempfile.mkdtemp(prefix="gs-ray-", dir="/tmp")
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(
@@ -402,12 +411,15 @@ def ray_dashboard():
             include_dashboard=True,
             dashboard_port=free_port(),
             dashboard_agent_listen_port=free_port(),
+            temp_dir=temp_dir,
         ),
     )
+    write_ray_address(cluster.address, temp_dir)
     try:
         yield f"http://{cluster.webui_url}"
     finally:
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
