@@ -186,6 +186,13 @@ def test_bad_job_is_one_paragraph_and_nothing_starts(tmp_path, monkeypatch, caps
     assert not (tmp_path / "runs").exists(), "an invalid job must not create a run directory"
 
 
+def test_every_command_the_parser_offers_has_its_function_and_no_other_is_listed():
+    import argparse
+
+    (subparsers,) = [a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(subparsers.choices) == set(cli.COMMANDS)
+
+
 def test_missing_job_file(tmp_path, capsys):
     assert cli.main(["run", str(tmp_path / "nope.yaml")]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err

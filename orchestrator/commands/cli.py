@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 
 from gearshift.orchestrator.errors import GearshiftError, UsageError
 from gearshift.orchestrator.job import JobError
@@ -179,54 +180,82 @@ def _terminated(signum, frame):
     raise Terminated("SIGTERM")
 
 
-def _dispatch(args) -> int:
+def _schema(args) -> int:
+    from gearshift.orchestrator.job.schema import cmd_schema
+
+    return cmd_schema(args)
+
+
+def _simulate(args) -> int:
+    from gearshift.orchestrator.policy.simulate import cmd_simulate
+
+    return cmd_simulate(args)
+
+
+def _plan(args) -> int:
+    from gearshift.orchestrator.commands.plan import cmd_plan
+
+    return cmd_plan(args)
+
+
+def _tune(args) -> int:
+    from gearshift.orchestrator.commands.tune import cmd_tune
+
+    return cmd_tune(args)
+
+
+def _export(args) -> int:
+    from gearshift.orchestrator.commands.export import cmd_export
+
+    return cmd_export(args)
+
+
+def _inspect(args) -> int:
+    from gearshift.orchestrator.commands import inspect, inspect_memory
+
+    if args.inspect_command == "memory":
+        return inspect_memory.cmd_inspect_memory(args)
+    return inspect.cmd_inspect(args)
+
+
+def _serve(args) -> int:
+    from gearshift.orchestrator.commands.serve import cmd_serve
+
+    return cmd_serve(args)
+
+
+def _runs(args) -> int:
+    from gearshift.orchestrator.commands import runs as runs_command
+
+    return runs_command.cmd_runs(args) if args.command == "runs" else runs_command.cmd_replay(args)
+
+
+def _telemetry(args) -> int:
+    from gearshift.monitoring.telemetry import TelemetryError
+
     try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "check":
-            return cmd_check(args)
-        if args.command == "schema":
-            from gearshift.orchestrator.job.schema import cmd_schema
+        return cmd_watch(args) if args.command == "watch" else cmd_report(args)
+    except TelemetryError as err:
+        raise UsageError(str(err)) from None
 
-            return cmd_schema(args)
-        if args.command == "simulate":
-            from gearshift.orchestrator.policy.simulate import cmd_simulate
 
-            return cmd_simulate(args)
-        if args.command == "plan":
-            from gearshift.orchestrator.commands.plan import cmd_plan
+# Each command's function, importing what it needs only when it runs (`gearshift run` loads no
+# serving code). The parser offers these names alone; one missing here is a KeyError, never a
+# fall-through to another command.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": lambda args: cmd_run(args), "check": lambda args: cmd_check(args), "schema": _schema,
+    "simulate": _simulate, "plan": _plan, "tune": _tune, "export": _export, "inspect": _inspect,
+    "serve": _serve, "runs": _runs, "replay": _runs, "watch": _telemetry, "report": _telemetry,
+    "submit": lambda args: cmd_jobs(args), "logs": lambda args: cmd_jobs(args),
+    "stop": lambda args: cmd_jobs(args), "status": lambda args: cmd_jobs(args),
+}
 
-            return cmd_plan(args)
-        if args.command == "tune":
-            from gearshift.orchestrator.commands.tune import cmd_tune
 
-            return cmd_tune(args)
-        if args.command == "export":
-            from gearshift.orchestrator.commands.export import cmd_export
-
-            return cmd_export(args)
-        if args.command == "inspect":
-            from gearshift.orchestrator.commands import inspect, inspect_memory
-
-            if args.inspect_command == "memory":
-                return inspect_memory.cmd_inspect_memory(args)
-            return inspect.cmd_inspect(args)
-        if args.command == "serve":
-            from gearshift.orchestrator.commands.serve import cmd_serve
-
-            return cmd_serve(args)
-        if args.command in ("runs", "replay"):
-            from gearshift.orchestrator.commands import runs as runs_command
-
-            return runs_command.cmd_runs(args) if args.command == "runs" else runs_command.cmd_replay(args)
-        if args.command in ("watch", "report"):
-            from gearshift.monitoring.telemetry import TelemetryError
-
-            try:
-                return cmd_watch(args) if args.command == "watch" else cmd_report(args)
-            except TelemetryError as err:
-                raise UsageError(str(err)) from None
-        return cmd_jobs(args)
+def _dispatch(args) -> int:
+    """Run the command; a user's mistake, a failed run, Ctrl-C and a bug in gearshift each end in
+    one paragraph and their own exit code."""
+    try:
+        return COMMANDS[args.command](args)
     except (JobError, UsageError) as err:
         print(f"gearshift: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

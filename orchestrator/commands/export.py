@@ -157,11 +157,35 @@ def cmd_inference_export(args) -> int:
     the compression's figures before and after printed side by side."""
     import tempfile
 
-    import torch
-
-    from gearshift.serving import artifact, compress, source
+    from gearshift.serving import artifact, source
 
     out = pathlib.Path(args.output)
+    share = _check_inference_args(args, out)
+    _ready(args.format)
+    rm = source.load(_find(args.run, args.root).path, args.step)
+    example = source.example(rm, 2)
+    check_x, _ = source.batch(source.dataset(rm, "train")[0], 32)
+    model, eager, compression = _compressed(args, rm, example, out, share)
+    record = artifact.record_for(rm, example, compression, args.format, args.version)
+    write = artifact.export_onnx if args.format == "onnx" else artifact.export_program
+    with tempfile.TemporaryDirectory(prefix="gearshift-export-") as tmp:
+        tmp = pathlib.Path(tmp)
+        if args.format == "onnx" and args.quantize:
+            write(model, example, tmp / "fp32.onnx", record)
+            artifact.quantize_onnx(tmp / "fp32.onnx", out)
+        else:
+            write(model, example, out, record)
+        runtime = artifact.open_artifact(out)
+        diff = _checked(args, rm, out, record, runtime, eager, check_x)
+        if compression:
+            _compare(args, rm, example, check_x, compression, runtime, out, tmp, diff)
+    return 0
+
+
+def _check_inference_args(args, out: pathlib.Path) -> float | None:
+    """The options' mistakes, before anything is read; returns --prune's share."""
+    from gearshift.serving import compress
+
     if out.exists() or out.is_symlink():
         raise UsageError(f"--output {out} exists; give a new file name, so that no earlier export is overwritten")
     if not out.parent.is_dir():
@@ -173,60 +197,73 @@ def cmd_inference_export(args) -> int:
     if args.dtype:
         raise UsageError(f"--dtype applies to --format safetensors or torch; {args.format} exports fp32 (give "
                          "--quantize dynamic_int8 for a smaller model)")
-    share = compress.parse_prune(args.prune) if args.prune else None
-    _ready(args.format)
-    say = lambda text: print(text, file=sys.stderr)  # noqa: E731
-    rm = source.load(_find(args.run, args.root).path, args.step)
-    example = source.example(rm, 2)
-    check_x, _ = source.batch(source.dataset(rm, "train")[0], 32)
+    return compress.parse_prune(args.prune) if args.prune else None
+
+
+def _compressed(args, rm, example, out: pathlib.Path, share: float | None):
+    """The model to export (pruned, fine-tuned, int8 weights for torch-export, as asked), the eager
+    model it must equal (before int8), and what was done to it."""
+    from gearshift.serving import compress
+
     model, compression = rm.model, {}
     if share is not None:
         model, shapes, pairs = compress.prune(rm.model, example, share)
         compression["prune"] = {"method": "l1_structured", "share": share, "layers": shapes}
-        say(f"pruned {share:.0%} of the output channels of {len(pairs)} layer(s): "
-            + ", ".join(f"{a} {rm.model.get_submodule(a).out_features}->{shapes[a][1]}" for a, _ in pairs))
+        _say(f"pruned {share:.0%} of the output channels of {len(pairs)} layer(s): "
+             + ", ".join(f"{a} {rm.model.get_submodule(a).out_features}->{shapes[a][1]}" for a, _ in pairs))
         if args.finetune_steps:
             workdir = out.parent / f"{out.name}.finetune"
-            say(f"fine-tuning the pruned model for {args.finetune_steps} steps as a run of the job in {workdir}")
+            _say(f"fine-tuning the pruned model for {args.finetune_steps} steps as a run of the job in {workdir}")
             model, _ = compress.finetune(rm, model, shapes, args.finetune_steps, workdir, args.address)
             compression["finetune_steps"] = args.finetune_steps
-    eager = model  # what the export must equal (before int8)
+    eager = model
     if args.quantize:
         compression["quantize"] = args.quantize
         if args.format == "torch-export":
             model, count = compress.int8_weights(model)
-            say(f"int8 weights for {count} Linear layer(s)")
-    record = artifact.record_for(rm, example, compression, args.format, args.version)
+            _say(f"int8 weights for {count} Linear layer(s)")
+    return model, eager, compression
+
+
+def _checked(args, rm, out: pathlib.Path, record: dict, runtime, eager, check_x) -> float:
+    """The export run on 32 of the job's inputs against eager PyTorch: the largest difference, said."""
+    import torch
+
+    from gearshift.serving import artifact
+
+    with torch.no_grad():
+        want = eager(check_x)
+    diff = artifact.max_difference(runtime(check_x), want)
+    against = "eager PyTorch before int8" if args.quantize else "eager PyTorch"
+    _say(f"exported step {rm.step} of {rm.run_path} as {args.format} to {out} ({out.stat().st_size / 1e6:.2f} MB, "
+         f"version {record['version']}); run under {runtime.kind} on 32 of the job's inputs, the largest "
+         f"difference from {against} is {diff:.3g}")
+    if not args.quantize and diff > 1e-4:
+        _say(f"gearshift: warning: {diff:.3g} is more than the 1e-4 an fp32 export should keep to")
+    return diff
+
+
+def _compare(args, rm, example, check_x, compression: dict, runtime, out: pathlib.Path, tmp: pathlib.Path,
+             diff: float) -> None:
+    """The uncompressed model exported beside it, both measured under the same runtime: a table
+    printed, and OUTPUT.figures.json."""
+    from gearshift.serving import artifact
+
     write = artifact.export_onnx if args.format == "onnx" else artifact.export_program
-    with tempfile.TemporaryDirectory(prefix="gearshift-export-") as tmp:
-        tmp = pathlib.Path(tmp)
-        if args.format == "onnx" and args.quantize:
-            write(model, example, tmp / "fp32.onnx", record)
-            artifact.quantize_onnx(tmp / "fp32.onnx", out)
-        else:
-            write(model, example, out, record)
-        runtime = artifact.open_artifact(out)
-        with torch.no_grad():
-            want = eager(check_x)
-        diff = artifact.max_difference(runtime(check_x), want)
-        against = "eager PyTorch before int8" if args.quantize else "eager PyTorch"
-        say(f"exported step {rm.step} of {rm.run_path} as {args.format} to {out} ({out.stat().st_size / 1e6:.2f} MB, "
-            f"version {record['version']}); run under {runtime.kind} on 32 of the job's inputs, the largest "
-            f"difference from {against} is {diff:.3g}")
-        if not args.quantize and diff > 1e-4:
-            say(f"gearshift: warning: {diff:.3g} is more than the 1e-4 an fp32 export should keep to")
-        if compression:
-            base_path = tmp / f"uncompressed.{'onnx' if args.format == 'onnx' else 'pt2'}"
-            write(rm.model, example, base_path, artifact.record_for(rm, example, {}, args.format))
-            before = artifact.figures(artifact.open_artifact(base_path), rm, check_x, base_path.stat().st_size,
-                                      args.eval_samples)
-            after = artifact.figures(runtime, rm, check_x, out.stat().st_size, args.eval_samples)
-            say(f"compression ({', '.join(_describe(compression))}), both under {runtime.kind}, eval on "
-                f"{after['eval_samples']} samples of the job's {after['eval_data']}:")
-            say(artifact.table(before, after, "uncompressed", "compressed"))
-            (out.parent / f"{out.name}.figures.json").write_text(json.dumps(
-                {"before": before, "after": after, "compression": compression, "max_difference": diff}, indent=1))
-    return 0
+    base_path = tmp / f"uncompressed.{'onnx' if args.format == 'onnx' else 'pt2'}"
+    write(rm.model, example, base_path, artifact.record_for(rm, example, {}, args.format))
+    before = artifact.figures(artifact.open_artifact(base_path), rm, check_x, base_path.stat().st_size,
+                              args.eval_samples)
+    after = artifact.figures(runtime, rm, check_x, out.stat().st_size, args.eval_samples)
+    _say(f"compression ({', '.join(_describe(compression))}), both under {runtime.kind}, eval on "
+         f"{after['eval_samples']} samples of the job's {after['eval_data']}:")
+    _say(artifact.table(before, after, "uncompressed", "compressed"))
+    (out.parent / f"{out.name}.figures.json").write_text(json.dumps(
+        {"before": before, "after": after, "compression": compression, "max_difference": diff}, indent=1))
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
 def _describe(compression: dict) -> list[str]:

@@ -59,31 +59,49 @@ def cmd_serve(args) -> int:
     if canary and canary["version"] == stable["version"]:
         canary["version"] += "-canary"
     state = pathlib.Path(args.state)
-    if state.exists():
-        other = _read_state(state)
-        if other and _alive(other.get("pid")):
-            raise UsageError(f"{state} says a server (pid {other['pid']}) is running at {other.get('url')}; stop it "
-                             "first, or give this one another --state file")
+    _refuse_a_second_server(state)
     import ray
     from ray import serve
 
     from gearshift.serving import server
 
-    started_ray = False
+    started_ray = _start_ray(args, canary) if not ray.is_initialized() else False
+    try:
+        return _serve_until_stopped(args, stable, canary, state, serve, server)
+    finally:
+        _stop(state, started_ray, serve)
+
+
+def _refuse_a_second_server(state: pathlib.Path) -> None:
+    if state.exists():
+        other = _read_state(state)
+        if other and _alive(other.get("pid")):
+            raise UsageError(f"{state} says a server (pid {other['pid']}) is running at {other.get('url')}; stop it "
+                             "first, or give this one another --state file")
+
+
+def _start_ray(args, canary: dict | None) -> bool:
+    """Join --address (or RAY_ADDRESS), else start a Ray here with a CPU for every replica thread."""
+    import ray
+
     address = args.address or os.environ.get("RAY_ADDRESS")
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, logging_level="WARNING")
-        else:
-            # a replica on a busy 2-core machine may take more than Serve's 0.1 s to say its queue length
-            os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
-            need = args.replicas * args.threads * (2 if canary else 1) + 1
-            kwargs = {"_metrics_export_port": args.metrics_port} if args.metrics_port else {}
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
-                     logging_level="WARNING", **kwargs)
-        started_ray = True
-        # Ray's core installs a C++ SIGTERM handler that prints a stack; stop as for Ctrl-C instead
-        signal.signal(signal.SIGTERM, _terminated)
+    if address:
+        ray.init(address=address, logging_level="WARNING")
+    else:
+        # a replica on a busy 2-core machine may take more than Serve's 0.1 s to say its queue length
+        os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
+        need = args.replicas * args.threads * (2 if canary else 1) + 1
+        kwargs = {"_metrics_export_port": args.metrics_port} if args.metrics_port else {}
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                 logging_level="WARNING", **kwargs)
+    # Ray's core installs a C++ SIGTERM handler that prints a stack; stop as for Ctrl-C instead
+    signal.signal(signal.SIGTERM, _terminated)
+    return True
+
+
+def _serve_until_stopped(args, stable: dict, canary: dict | None, state: pathlib.Path, serve, server) -> int:
+    """Start the application (`server`'s, on Ray `serve`), write the state file once it answers,
+    and serve until Ctrl-C or SIGTERM."""
     token = secrets.token_hex(16)
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
@@ -107,16 +125,21 @@ def cmd_serve(args) -> int:
     except KeyboardInterrupt:
         say("gearshift serve: stopping")
         return 0
-    finally:
-        if state.exists() and (_read_state(state) or {}).get("pid") == os.getpid():
-            state.unlink()
-        try:
-            serve.delete(APP)
-            serve.shutdown()
-        except Exception:  # noqa: BLE001 - Ray may be gone already; stopping must go on
-            pass
-        if started_ray:
-            ray.shutdown()
+
+
+def _stop(state: pathlib.Path, started_ray: bool, serve) -> None:
+    """The state file (if this server wrote it), the application, Serve, and a Ray this command started."""
+    import ray
+
+    if state.exists() and (_read_state(state) or {}).get("pid") == os.getpid():
+        state.unlink()
+    try:
+        serve.delete(APP)
+        serve.shutdown()
+    except Exception:  # noqa: BLE001 - Ray may be gone already; stopping must go on
+        pass
+    if started_ray:
+        ray.shutdown()
 
 
 def _terminated(signum, frame):
