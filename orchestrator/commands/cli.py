@@ -239,18 +239,6 @@ def _telemetry(args) -> int:
         raise UsageError(str(err)) from None
 
 
-# Each command's function, importing what it needs only when it runs (`gearshift run` loads no
-# serving code). The parser offers these names alone; one missing here is a KeyError, never a
-# fall-through to another command.
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": lambda args: cmd_run(args), "check": lambda args: cmd_check(args), "schema": _schema,
-    "simulate": _simulate, "plan": _plan, "tune": _tune, "export": _export, "inspect": _inspect,
-    "serve": _serve, "runs": _runs, "replay": _runs, "watch": _telemetry, "report": _telemetry,
-    "submit": lambda args: cmd_jobs(args), "logs": lambda args: cmd_jobs(args),
-    "stop": lambda args: cmd_jobs(args), "status": lambda args: cmd_jobs(args),
-}
-
-
 def _dispatch(args) -> int:
     """Run the command; a user's mistake, a failed run, Ctrl-C and a bug in gearshift each end in
     one paragraph and their own exit code."""
@@ -398,6 +386,17 @@ def _newest_run() -> pathlib.Path:
     if not runs:
         raise UsageError(f"no runs under {root}/ to watch; name a run dir or a job id: gearshift watch RUN_DIR")
     return runs[-1]
+
+
+# Each command's function, importing what it needs only when it runs (`gearshift run` loads no
+# serving code). The parser offers these names alone (a test holds the two equal); a name missing
+# here is a KeyError, never a fall-through to another command.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": cmd_run, "check": cmd_check, "schema": _schema, "simulate": _simulate, "plan": _plan,
+    "tune": _tune, "export": _export, "inspect": _inspect, "serve": _serve, "runs": _runs, "replay": _runs,
+    "watch": _telemetry, "report": _telemetry,
+    "submit": cmd_jobs, "logs": cmd_jobs, "stop": cmd_jobs, "status": cmd_jobs,
+}
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def cmd_inference_export(args) -> int:
         runtime = artifact.open_artifact(out)
         diff = _checked(args, rm, out, record, runtime, eager, check_x)
         if compression:
-            _compare(args, rm, example, check_x, compression, runtime, out, tmp, diff)
+            _compare(args, rm, example, check_x, compression, runtime, write, out, tmp, diff)
     return 0
 
 
@@ -243,13 +243,12 @@ def _checked(args, rm, out: pathlib.Path, record: dict, runtime, eager, check_x)
     return diff
 
 
-def _compare(args, rm, example, check_x, compression: dict, runtime, out: pathlib.Path, tmp: pathlib.Path,
-             diff: float) -> None:
+def _compare(args, rm, example, check_x, compression: dict, runtime, write, out: pathlib.Path,
+             tmp: pathlib.Path, diff: float) -> None:
     """The uncompressed model exported beside it, both measured under the same runtime: a table
     printed, and OUTPUT.figures.json."""
     from gearshift.serving import artifact
 
-    write = artifact.export_onnx if args.format == "onnx" else artifact.export_program
     base_path = tmp / f"uncompressed.{'onnx' if args.format == 'onnx' else 'pt2'}"
     write(rm.model, example, base_path, artifact.record_for(rm, example, {}, args.format))
     before = artifact.figures(artifact.open_artifact(base_path), rm, check_x, base_path.stat().st_size,
