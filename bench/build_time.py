@@ -5,8 +5,8 @@ core and one thread) build the built-in GPT under fsdp(4) at three sizes (n_embd
 16384, block_size 64; n_layer 12, 24 and 48: about 170M, 320M and 620M parameters), each
 three ways, interleaved and repeated (the machine drifts):
 
-- `exact`: the record replayed whole on every rank (a plain build's values; workers/meta_init.py);
-- `per_shard`: each rank makes only the blocks of rows it holds (workers/shard_init.py);
+- `exact`: the record replayed whole on every rank (a plain build's values; workers/build/meta_init.py);
+- `per_shard`: each rank makes only the blocks of rows it holds (workers/build/shard_init.py);
 - `pretrained`: model.pretrained over every tensor (a safetensors file written here from a plain
   build): nothing is drawn, each rank reads its slices (`load_pretrained`), timed apart.
 
@@ -90,7 +90,7 @@ def _pretrained_folder(spec: dict, where: pathlib.Path) -> str:
     import safetensors.torch
     import torch
 
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     torch.manual_seed(0)
     model, _ = components.build_model_and_plan(spec)

@@ -10,7 +10,7 @@ two ways per repeat, alternating which goes first:
 
 - ray: `data: {read: parquet, paths: GLOB, input: x, target: y}`, read by gearshift's feeder
   actor with Ray Data; each worker gets only its slice of each global batch, data.loader.prefetch
-  steps ahead (workers/streaming.py);
+  steps ahead (workers/step/streaming.py);
 - map: `data: {entrypoint: "ingest_data:parquet_in_memory"}` (bench/ingest_data.py, copied next
   to the job file, the job's search path): every worker reads all the files into memory with
   pyarrow at build and indexes its batches from there (`get_batch`).
@@ -470,7 +470,7 @@ def main() -> None:
               f"{got['x_shape']}); MLP {args.features}-{args.hidden}x{args.layers}-10, global batch {args.batch}, "
               f"one pass = {steps} steps; {repeats} repeat(s), alternating", flush=True)
         shutil.copy(BENCH / "ingest_data.py", tmp / "ingest_data.py")  # the job's folder is its search path
-        # the folder, not a glob: workers/streaming.py checks a glob with glob.glob but hands it to
+        # the folder, not a glob: workers/step/streaming.py checks a glob with glob.glob but hands it to
         # ray.data.read_parquet unexpanded, which takes it for a file name (FileNotFoundError)
         data_glob = str(tmp / "data")
         runs: dict[str, list[dict]] = {p: [] for p in PATHS}

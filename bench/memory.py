@@ -33,7 +33,7 @@ rounding and whatever else the process touches (gloo's buffers, the data loader)
    null while orchestrator/costmodel.py has no memory model).
 4. The first build under fsdp(4): a worker's peak growth while it builds (its RSS peak in the
    build minus its RSS before it) over the full fp32 parameter bytes, built on the meta device
-   with only the worker's shards allocated (workers/meta_init.py) against the whole model built
+   with only the worker's shards allocated (workers/build/meta_init.py) against the whole model built
    on every worker as before (interleaved, `--build-repeats`): `build_growth_over_full_params`
    (the largest over workers; goal <= 0.40) and `build_growth_over_full_params_whole`.
    Right after the first meta build, the same workers load pretrained weights (the export of
@@ -243,9 +243,9 @@ def no_full_place(worker) -> None:
 
 def set_checkpoints(worker, fmt: str, root: str) -> str:
     """Write checkpoints as `fmt` (full or dcp) under `root` from now on (a collective)."""
-    from gearshift.workers import dcp
+    from gearshift.workers.state import dcp
 
-    from gearshift.workers import full_format
+    from gearshift.workers.state import full_format
 
     worker.config = dataclasses.replace(worker.config, checkpoint_dir=root, checkpoint_format=fmt)
     worker.dcp_root = dcp.root_for(root, fmt, worker.device)
@@ -291,7 +291,7 @@ def open_group(job: dict, world: int, period_s: float, before_build=None):
 def eval_peak(worker, micro_batch):
     """Evaluate 2 global batches of 64 samples from the training data, `micro_batch` samples a
     forward (None: a rank's whole slice at once), in this phase."""
-    from gearshift.workers.evaluation import held_out_loss
+    from gearshift.workers.step.evaluation import held_out_loss
 
     return held_out_loss(worker.dataset, worker._forward_loss, worker.parallel.module, worker.device, 64,
                          worker.layout, worker.rank, worker.world, 2, micro_batch=micro_batch)
@@ -352,7 +352,7 @@ from bench.memory import _Sampler
 import torch, ray, torch.distributed.checkpoint  # imported before the baseline: what they take is fixed
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.control import controller
-from gearshift.workers import export
+from gearshift.workers.state import export
 sampler = _Sampler({period})
 baseline = sampler.enter("phase")
 rc = cli.main({argv!r})
@@ -611,7 +611,7 @@ def memory_part(args, log) -> dict:
 def checkpoint_rounds(group, world: int, repeats: int, step: int, log) -> dict:
     """Save and load under each format, alternating (full, dcp), (dcp, full), ...; seconds as the
     driver sees them (a save ends when the checkpoint is committed, a load when every rank has its state)."""
-    from gearshift.workers import checkpoint
+    from gearshift.workers.state import checkpoint
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-bench-memory-"))
     times: dict[str, list[float]] = {f"{k}_{f}": [] for k in ("save", "load") for f in ("full", "dcp")}

@@ -56,8 +56,8 @@ def plain_loop(rank: int, world: int, steps: int, batch: int, out: str | None) -
     from torch.nn.parallel import DistributedDataParallel
 
     from gearshift.orchestrator.job import load_job
-    from gearshift.workers import components
-    from gearshift.workers.data import GlobalBatches, load_batch
+    from gearshift.workers.build import components
+    from gearshift.workers.step.data import GlobalBatches, load_batch
 
     torch.set_num_threads(1)
     job = load_job(JOB, [f"train.global_batch_size={batch}"])

@@ -53,7 +53,7 @@ def build(folder: pathlib.Path, hidden: int, layers: int) -> None:
     import torch
 
     from gearshift.serving import artifact
-    from gearshift.workers import models
+    from gearshift.workers.build import models
 
     torch.manual_seed(0)
     model = models.MLP(784, hidden, 10, layers=layers).eval()

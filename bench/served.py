@@ -1,4 +1,4 @@
-"""Checkpoints through the driver's file server (workers/fileserver.py) against the same
+"""Checkpoints through the driver's file server (workers/state/fileserver.py) against the same
 checkpoints written straight to the folder: what a cluster without a shared file system pays.
 
 One Ray actor (a rank of a one-process gloo group) holds the built-in GPT and its Adam state and
@@ -89,7 +89,7 @@ class Rank:
         import torch
         import torch.distributed as dist
 
-        from gearshift.workers import models
+        from gearshift.workers.build import models
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -107,7 +107,7 @@ class Rank:
         return sum(p.numel() for p in self.model.parameters())
 
     def save(self, folder: str) -> dict:
-        from gearshift.workers import dcp, storage
+        from gearshift.workers.state import dcp, storage
 
         self.peaks.reset()
         start = time.perf_counter()
@@ -116,7 +116,7 @@ class Rank:
                 "bytes": sum(f["bytes"] for f in files.values())}
 
     def load(self, folder: str) -> dict:
-        from gearshift.workers import dcp, storage
+        from gearshift.workers.state import dcp, storage
 
         self.peaks.reset()
         start = time.perf_counter()
@@ -125,7 +125,7 @@ class Rank:
 
 
 def _server_class():
-    from gearshift.workers.fileserver import FileServer
+    from gearshift.workers.state.fileserver import FileServer
 
     class MeasuredServer(FileServer):
         def reset(self) -> None:
@@ -150,7 +150,7 @@ def main() -> None:
 
     import ray
 
-    from gearshift.workers import fileserver
+    from gearshift.workers.state import fileserver
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-served-"))
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")

@@ -191,7 +191,7 @@ def _resolve(job, overrides, run_dir, resume):
     """(job, run dir to continue or None, checkpoint (name, state) to resume from or None, notes);
     everything checked before anything starts."""
     from gearshift.orchestrator.records.rundir import RunDir, find_resumable, resume_conflicts, runs_root
-    from gearshift.workers import checkpoint
+    from gearshift.workers.state import checkpoint
 
     resume_dir = resume if isinstance(resume, (str, os.PathLike)) else None
     if job is None and resume_dir is None:
@@ -236,7 +236,7 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
     from gearshift.orchestrator.job import dump_job
     from gearshift.orchestrator.records.rundir import RunDir
     from gearshift.orchestrator.records.tracking import check_installed
-    from gearshift.workers.checkpoint import write_file_atomic
+    from gearshift.workers.state.checkpoint import write_file_atomic
 
     view = view if view is not None else _view(False)
     check_installed(job)  # tracking asked for, its package missing: before a run dir or Ray
@@ -307,7 +307,7 @@ def _finished(run_dir: pathlib.Path) -> Result:
 
 
 def _where_to_continue(run) -> str:
-    from gearshift.workers import checkpoint
+    from gearshift.workers.state import checkpoint
 
     text = f" Details: {run.log}." if run.log.exists() else ""
     try:

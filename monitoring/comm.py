@@ -13,7 +13,7 @@
   as hidden (host timing: the span from each launch to its completion, outside that wait).
 - the clipping norm's all-reduce: timed where it runs.
 
-The simulated network (`inject.*`, workers/simnet.py) delays collectives from inside these
+The simulated network (`inject.*`, workers/group/simnet.py) delays collectives from inside these
 timed spans, so a known delay shows up as measured wait; the clock itself knows nothing of it.
 Timing on the host costs two clock reads per collective; on CUDA, where the host runs ahead of the device, spans are CUDA events that
 are resolved once per report, not per step.
@@ -182,7 +182,7 @@ def time_functional_collectives(clock: CommClock | None) -> None:
     """Route the functional collectives that DTensor uses through `clock` (None: stop timing).
 
     The wrappers stay installed for the life of the process (one worker per process). The
-    simulated network's own wrappers are installed first (workers/simnet.py), so these time
+    simulated network's own wrappers are installed first (workers/group/simnet.py), so these time
     the delay they add."""
     global _ACTIVE
     wrap_functional_collectives("_gearshift_timed", lambda: _ACTIVE, _time_launch, _time_wait)

@@ -102,7 +102,7 @@ def pruned(base: dict, shapes: dict, search_paths: list | None = None) -> nn.Mod
     """Entry point of a fine-tuning run: the job's model (`base`, its model spec) built as the job
     builds it, with the named Linear layers replaced by ones of the given [in, out] widths (their
     weights then come from model.pretrained)."""
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     model = components.build_model(base, search_paths or [])
     for name, (fan_in, fan_out) in shapes.items():

@@ -42,7 +42,8 @@ def load(run_dir: str | pathlib.Path, step: int | None = None) -> RunModel:
     """The run in `run_dir` with its checkpoint at `step` (default: the newest that verifies)
     loaded into a freshly built model."""
     from gearshift.orchestrator.records.rundir import RunDir
-    from gearshift.workers import checkpoint, components
+    from gearshift.workers.build import components
+    from gearshift.workers.state import checkpoint
 
     path = pathlib.Path(run_dir)
     if not (path / "job.yaml").is_file():
@@ -88,7 +89,7 @@ def read_job(run) -> dict:
 
 def model_tensors(run, step: int | None = None):
     """The model's tensors of the run's checkpoint at `step`, else of the newest that verifies."""
-    from gearshift.workers import checkpoint, export
+    from gearshift.workers.state import checkpoint, export
 
     root = run.checkpoint_root()
     found = checkpoint.list_checkpoints(root)
@@ -114,7 +115,8 @@ def model_tensors(run, step: int | None = None):
 def dataset(rm: RunModel, which: str = "eval"):
     """The job's held-out data (eval.data) when it has one and `which` is "eval", else its
     training data; map-style only."""
-    from gearshift.workers import components, streaming
+    from gearshift.workers.build import components
+    from gearshift.workers.step import streaming
 
     spec = (rm.job.get("eval") or {}).get("data") if which == "eval" else None
     used = "eval.data" if spec else "data"
@@ -129,7 +131,7 @@ def dataset(rm: RunModel, which: str = "eval"):
 
 
 def batch(data, n: int, start: int = 0) -> tuple[torch.Tensor, Any]:
-    from gearshift.workers.data import load_batch
+    from gearshift.workers.step.data import load_batch
 
     n = min(n, len(data) - start)
     if n <= 0:
@@ -152,7 +154,7 @@ def evaluate(forward, rm: RunModel, samples: int = 1024, batch_size: int = 256) 
     """The job's loss over the first `samples` of its eval data (its training data without one)
     through `forward` (a callable on an input batch, returning the output as a tensor), and for a
     classification loss the accuracy (argmax over the last dimension, targets flattened)."""
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     data, used = dataset(rm, "eval")
     loss_fn = components.build_loss(rm.job.get("loss") or {"name": "cross_entropy"}, rm.search_paths)

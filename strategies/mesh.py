@@ -24,7 +24,7 @@ import torch.distributed as dist
 # groups held weakly: the cache must not keep a destroyed group's connections open
 _MESHES: dict[tuple, tuple] = {}
 # how groups are made: the worker wraps it to note the connections they open, so that leaving
-# (workers/rendezvous.py) reaches the sub-groups' peers too
+# (workers/group/rendezvous.py) reaches the sub-groups' peers too
 MAKE_GROUPS = [lambda make: make()]
 
 

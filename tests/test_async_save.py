@@ -18,7 +18,7 @@ from test_fault import events, faulty, records
 from test_train_equivalence import MLP, max_diff, reference, run_gearshift
 
 from gearshift.orchestrator.job import JobError, load_job
-from gearshift.workers import checkpoint, dcp, hashing
+from gearshift.workers.state import checkpoint, dcp, hashing
 
 
 def _rehashed(folder: pathlib.Path, files: dict) -> dict:

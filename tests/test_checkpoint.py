@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 
 
 def state(step: int) -> dict:

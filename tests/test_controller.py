@@ -17,7 +17,7 @@ from gearshift.orchestrator.control.reporting import StepMerger
 from gearshift.orchestrator.records.rundir import RunDir
 from gearshift.strategies.layout import Layout
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

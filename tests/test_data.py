@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gearshift.workers.data import CharCorpus, GlobalBatches, SyntheticDigits, make_corpus
+from gearshift.workers.step.data import CharCorpus, GlobalBatches, SyntheticDigits, make_corpus
 
 
 def test_global_batch_is_the_same_for_any_number_of_workers():
@@ -51,7 +51,7 @@ def test_char_corpus_targets_are_the_next_characters():
 def test_builtin_fast_batches_equal_per_sample_collation():
     from torch.utils.data import default_collate
 
-    from gearshift.workers.data import load_batch
+    from gearshift.workers.step.data import load_batch
 
     idx = [5, 0, 17, 17, 3]
     for ds in (SyntheticDigits(size=32), CharCorpus(seq_len=8, chars=500)):

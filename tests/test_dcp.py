@@ -11,8 +11,8 @@ import pathlib
 import pytest
 import torch
 
-from gearshift.workers import checkpoint, dcp
-from gearshift.workers.models import mlp
+from gearshift.workers.state import checkpoint, dcp
+from gearshift.workers.build.models import mlp
 
 
 def _trained(seed: int = 0, steps: int = 2):
@@ -229,8 +229,8 @@ def test_a_checkpoint_the_workers_refuse_is_passed_over_for_the_one_before_it(pr
 def test_rank_0_writes_final_pt_only_where_it_sees_the_runs_folder(process_group, tmp_path):
     from types import SimpleNamespace
 
-    from gearshift.workers import storage
-    from gearshift.workers.state_io import FINAL_MARK, StateIO
+    from gearshift.workers.state import storage
+    from gearshift.workers.state.state_io import FINAL_MARK, StateIO
 
     model, opt = _trained()
     path = _write(tmp_path / "checkpoints", 2, model, opt)

@@ -16,7 +16,7 @@ from test_fsdp import BATCH, batches, loss_of, spawn_gloo, tiny_gpt
 def _layout(name: str, world: int):
     from gearshift import strategies
     from gearshift.strategies.layout import Layout
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     model = tiny_gpt()
     layout = Layout.for_workers(name, world, 2 if name == "hybrid" else None)
@@ -26,7 +26,7 @@ def _layout(name: str, world: int):
 
 def _ranks(rank: int, world: int, out: str) -> None:
     from gearshift.strategies.state import full
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     results = {}
     for name in ("tensor", "hybrid", "fsdp", "data"):
@@ -87,7 +87,7 @@ def test_the_clipping_norm_decides_where_there_is_one(results):
 
 
 def test_fused_is_chosen_on_gpu_only_by_default():
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     spec = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
     p = [torch.nn.Parameter(torch.zeros(2))]

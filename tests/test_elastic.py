@@ -12,7 +12,7 @@ from gearshift.orchestrator.control.elastic import Elastic, pieces_lost, shrunk
 from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.job import JobError, load_job
 from gearshift.strategies.layout import Layout
-from gearshift.workers.data import GlobalBatches, load_batch
+from gearshift.workers.step.data import GlobalBatches, load_batch
 from gearshift.orchestrator.control.reporting import describe
 from gearshift.orchestrator.policy.adaptive import Report
 from test_fault import Killer, events

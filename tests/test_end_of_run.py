@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gearshift.orchestrator.job import load_job
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 from test_elastic import SGD, sharded_reference
 from test_fault import events
 from test_train_equivalence import FIXTURES, max_diff, reference, run_gearshift

@@ -22,9 +22,10 @@ from gearshift.orchestrator.control.controller import Controller
 from gearshift.orchestrator.job import load_job
 from test_controller import make
 from test_train_equivalence import GPT, MLP, run_gearshift
-from gearshift.workers import checkpoint, components
-from gearshift.workers import dcp
-from gearshift.workers.data import load_batch
+from gearshift.workers.build import components
+from gearshift.workers.state import checkpoint
+from gearshift.workers.state import dcp
+from gearshift.workers.step.data import load_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # 100 held-out samples in batches of 32: the last batch is short (4 samples, 2 per dp rank)
@@ -186,7 +187,7 @@ def test_watch_and_report_show_the_eval_loss(tmp_path):
 
 def _eval_in_micro_batches(rank, world, out_dir):
     from gearshift.strategies.layout import Layout
-    from gearshift.workers.evaluation import held_out_loss
+    from gearshift.workers.step.evaluation import held_out_loss
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10))

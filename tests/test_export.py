@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gearshift.orchestrator.commands import cli
-from gearshift.workers import checkpoint, export
+from gearshift.workers.state import checkpoint, export
 
 
 def _state() -> dict:

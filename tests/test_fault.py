@@ -19,8 +19,9 @@ from torch.utils.data import default_collate
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import load_job
 from test_train_equivalence import MLP, max_diff, run_gearshift
-from gearshift.workers import checkpoint, components
-from gearshift.workers.data import GlobalBatches
+from gearshift.workers.build import components
+from gearshift.workers.state import checkpoint
+from gearshift.workers.step.data import GlobalBatches
 
 pytestmark = [pytest.mark.ray]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -231,7 +232,7 @@ def test_on_nan_rollback_goes_back_to_the_checkpoint_at_a_lower_rate(ray_cluster
     from test_elastic import SGD
     from test_train_equivalence import continued
 
-    from gearshift.workers import dcp
+    from gearshift.workers.state import dcp
 
     job_file, nan = faulty(tmp_path, "nan_steps_mlp", nan_at_steps=[5, 6])
     overrides = MLP[1] + LAYOUTS["data"] + SGD + ["checkpoint.every=4", "checkpoint.keep=10", "fault.on_nan=rollback",
@@ -263,7 +264,7 @@ WRITER = r"""
 import sys, time, pathlib
 sys.path.insert(0, sys.argv[2])
 import torch
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 root = pathlib.Path(sys.argv[1])
 state = lambda s: {"model": {"w": torch.full((256, 256), float(s))}, "step": s}
 checkpoint.save(root, 10, state(10), keep=5)

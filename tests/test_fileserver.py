@@ -1,4 +1,4 @@
-"""Sharded checkpoints on a cluster whose nodes share no file system (workers/fileserver.py): the
+"""Sharded checkpoints on a cluster whose nodes share no file system (workers/state/fileserver.py): the
 workers reach the driver's checkpoints folder through a FileServer actor on the driver's node, as
 an fsspec URL; every rank writes its own DCP shards and reads only its pieces, nothing is
 gathered, and a run resumes from there under another layout, equal to plain PyTorch."""
@@ -14,7 +14,7 @@ from test_dcp import _trained
 from test_train_equivalence import MLP, max_diff, reference, run_gearshift
 
 from gearshift.orchestrator.job import load_job
-from gearshift.workers import checkpoint, dcp, fileserver, storage
+from gearshift.workers.state import checkpoint, dcp, fileserver, storage
 
 pytestmark = pytest.mark.ray
 

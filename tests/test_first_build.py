@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from gearshift.workers import components
-from gearshift.workers.meta_init import build_recorded, materialise
+from gearshift.workers.build import components
+from gearshift.workers.build.meta_init import build_recorded, materialise
 
 pytest.importorskip("transformers")
 
@@ -168,7 +168,7 @@ def _per_shard_against_single(worker, spec: dict, layout: dict) -> dict:
     per_shard build of the whole model in this process; and the random numbers each drew."""
     from gearshift.strategies.layout import Layout
     from gearshift.strategies.state import full
-    from gearshift.workers import shard_init
+    from gearshift.workers.build import shard_init
 
     worker.config = dataclasses.replace(worker.config, model={**spec, "init": "per_shard"})
     worker.build_info = {"on_meta": False}

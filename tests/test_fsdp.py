@@ -74,7 +74,7 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 # ---------------------------------------------------------------- shared pieces
 
 def tiny_gpt():
-    from gearshift.workers.models import gpt
+    from gearshift.workers.build.models import gpt
 
     torch.manual_seed(0)
     return gpt(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)

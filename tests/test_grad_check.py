@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import gearshift
-from gearshift.workers.grad_check import GradCheck, param_norms
+from gearshift.workers.step.grad_check import GradCheck, param_norms
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from gearshift.workers import pretrained  # noqa: E402
+from gearshift.workers.build import pretrained  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 ROOT = str(pathlib.Path(__file__).parent.parent)
@@ -159,7 +159,7 @@ def test_an_export_is_named_as_save_pretrained_names_it_and_loads_with_from_pret
     from safetensors import safe_open
 
     from gearshift.orchestrator.commands import cli
-    from gearshift.workers import checkpoint
+    from gearshift.workers.state import checkpoint
 
     torch.manual_seed(8)
     model = _builder(family)()

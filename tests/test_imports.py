@@ -92,7 +92,7 @@ def test_function_level_imports_count():
     graph = import_graph()
     # commands.cli imports the runs command inside a function only
     assert "gearshift.orchestrator.commands.runs" in graph["gearshift.orchestrator.commands.cli"]
-    assert "gearshift.workers.checkpoint" in graph["gearshift.orchestrator.control.checkpoints"]
+    assert "gearshift.workers.state.checkpoint" in graph["gearshift.orchestrator.control.checkpoints"]
 
 
 def test_flow_runs_one_way():

@@ -15,7 +15,7 @@ import torch
 
 import gearshift
 from gearshift.orchestrator.commands import cli, inspect
-from gearshift.workers import components
+from gearshift.workers.build import components
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -167,7 +167,7 @@ def test_the_report_draws_the_first_batch_when_data_inspect_is_on(tmp_path):
 
 
 def test_a_live_runs_memory_by_module_ranks_the_modules_by_their_own_bytes():
-    from gearshift.workers.module_memory import ModuleMemory
+    from gearshift.workers.step.module_memory import ModuleMemory
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))

@@ -91,7 +91,7 @@ def test_checking_a_job_imports_neither_torch_dynamo_nor_dtensor():
 
 @pytest.mark.parametrize("limit", [0, 10**9], ids=["on-meta", "on-real-tensors"])
 def test_a_model_that_does_not_fit_its_data_is_refused_on_meta_and_real_tensors(monkeypatch, limit):
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     monkeypatch.setattr(components, "REAL_CHECK_PARAMS", limit)
     components.check_builtin_fit({"name": "gpt", "kwargs": {}}, {"name": "chars", "kwargs": {}})
@@ -107,7 +107,7 @@ def test_meta_builds_skip_the_initialisers_in_their_own_thread_only():
     import torch
     from torch import nn
 
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     original = nn.init.kaiming_uniform_
     inside, built, out = threading.Event(), threading.Event(), {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gearshift.orchestrator.cluster.liveness import POLL_AFTER_S, Liveness
-from gearshift.workers.heartbeat import Activity
+from gearshift.workers.group.heartbeat import Activity
 
 
 def beat(step=0, phase="step", in_collective_s=None, rank=0):
@@ -93,7 +93,7 @@ def test_heartbeats_are_asked_for_only_while_no_report_comes_in_and_at_most_once
 
 def test_the_activity_tells_phase_step_and_time_inside_a_collective(monkeypatch):
     clock = {"t": 100.0}
-    monkeypatch.setattr("gearshift.workers.heartbeat.time.monotonic", lambda: clock["t"])
+    monkeypatch.setattr("gearshift.workers.group.heartbeat.time.monotonic", lambda: clock["t"])
     act = Activity()
     with act.phase_of("build"):
         clock["t"] = 103.0

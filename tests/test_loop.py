@@ -13,8 +13,9 @@ from torch.utils.data import default_collate
 
 from gearshift.orchestrator.job import load_job
 from test_train_equivalence import FIXTURES, MLP, max_diff, run_gearshift, step_losses
-from gearshift.workers import components, schedules
-from gearshift.workers.data import GlobalBatches
+from gearshift.workers.build import components
+from gearshift.workers.step import schedules
+from gearshift.workers.step.data import GlobalBatches
 
 
 def expected_lr(name: str, s: int, total: int, lr: float, warmup: int, m: float) -> float:
@@ -150,8 +151,8 @@ def test_loader_processes_read_the_same_batches(ray_cluster, tmp_path):
 
 
 def test_keep_fp32_modules_compute_in_fp32_under_autocast():
-    from gearshift.workers.models import gpt
-    from gearshift.workers.precision import keep_fp32
+    from gearshift.workers.build.models import gpt
+    from gearshift.workers.step.precision import keep_fp32
 
     torch.manual_seed(0)
     model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)
@@ -190,7 +191,7 @@ def test_the_final_fp32_phase_trains_those_steps_as_fp32_does(ray_cluster, tmp_p
     from test_train_equivalence import continued, reference as plain
     from test_elastic import SGD
 
-    from gearshift.workers import dcp
+    from gearshift.workers.state import dcp
 
     phases = "train.precision={dtype: bf16, fp32_final_steps: 3}"
     overrides = MLP[1] + SGD + ["train.steps=6", "checkpoint.every=3", phases]
@@ -208,8 +209,8 @@ def test_the_final_fp32_phase_trains_those_steps_as_fp32_does(ray_cluster, tmp_p
 
 
 def test_final_fp32_modules_switch_to_fp32_only_in_the_final_phase():
-    from gearshift.workers.models import gpt
-    from gearshift.workers.precision import fp32_when
+    from gearshift.workers.build.models import gpt
+    from gearshift.workers.step.precision import fp32_when
 
     torch.manual_seed(0)
     model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)

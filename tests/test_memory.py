@@ -173,7 +173,7 @@ def test_predicted_activations_are_what_autograd_keeps(precision):
     import torch
 
     from gearshift.orchestrator.job import load_job
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     overrides = [f"train.precision={precision}", "train.global_batch_size=4"]
     for example, x, y in [("gpt.yaml", torch.randint(0, 128, (4, 64)), None),

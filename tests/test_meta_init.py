@@ -1,5 +1,5 @@
 """A model built on the meta device and materialised by replaying its record
-(workers/meta_init.py) holds exactly what a plain CPU build after the same seed holds: random
+(workers/build/meta_init.py) holds exactly what a plain CPU build after the same seed holds: random
 initialisers, a padding row zeroed through a view, a second initialisation pass, buffers
 computed from arange, tied weights; whole-value peaks stay near the largest tensor."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gearshift.workers.meta_init import build_recorded, materialise
+from gearshift.workers.build.meta_init import build_recorded, materialise
 
 
 class Rope(nn.Module):
@@ -71,7 +71,7 @@ def test_replay_equals_the_plain_build_after_the_same_seed(build):
 
 
 def test_the_builtin_gpt_replays_exactly():
-    from gearshift.workers.models import gpt
+    from gearshift.workers.build.models import gpt
 
     build = lambda: gpt(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)  # noqa: E731
     torch.manual_seed(5)
@@ -123,8 +123,8 @@ def _laid_out_from_the_record(rank, world, out_dir):
     from gearshift import strategies
     from gearshift.strategies.layout import Layout
     from gearshift.strategies.state import full
-    from gearshift.workers.meta_init import fill
-    from gearshift.workers.models import gpt
+    from gearshift.workers.build.meta_init import fill
+    from gearshift.workers.build.models import gpt
 
     build = lambda: gpt(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)  # noqa: E731
     torch.manual_seed(11)

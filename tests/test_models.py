@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gearshift.strategies.tp_plan import PlanError, resolve
-from gearshift.workers.models import gpt, mlp
+from gearshift.workers.build.models import gpt, mlp
 
 
 @pytest.mark.parametrize("build,make_input,block", [

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from gearshift.orchestrator.errors import WorkerFailed
-from gearshift.workers import oom
-from gearshift.workers.rendezvous import NCCL_ENVIRONMENT, nccl_environment
+from gearshift.workers.step import oom
+from gearshift.workers.group.rendezvous import NCCL_ENVIRONMENT, nccl_environment
 
 WATCHDOG = ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, "
             "NumelIn=1048576, NumelOut=1048576, Timeout(ms)=300000) ran for 300004 milliseconds before timing out.")

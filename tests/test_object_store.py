@@ -24,7 +24,7 @@ from test_dcp import _trained, _write  # noqa: E402
 from test_train_equivalence import MLP, max_diff, reference, run_gearshift  # noqa: E402
 
 from gearshift.orchestrator.job import JobError, load_job  # noqa: E402
-from gearshift.workers import checkpoint, dcp, export, storage  # noqa: E402
+from gearshift.workers.state import checkpoint, dcp, export, storage  # noqa: E402
 
 BUCKET = "gearshift-test"
 
@@ -111,7 +111,7 @@ _KILLED_MID_WRITE = textwrap.dedent("""
     import torch.distributed as dist
     from conftest import free_port
     from test_dcp import _trained, _write
-    from gearshift.workers import checkpoint, dcp, storage
+    from gearshift.workers.state import checkpoint, dcp, storage
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
     root = storage.location({url!r}, {options!r})
     model, opt = _trained()

@@ -54,7 +54,7 @@ def _hybrid(overlap: bool, bucket_cap_mb: float):
     from gearshift import strategies
     from gearshift.strategies.layout import Layout
 
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     model = tiny_gpt()
     layout = Layout.for_workers("hybrid", 4, 2)

@@ -10,7 +10,7 @@ import torch
 
 from gearshift.orchestrator.job import JobError, load_job
 from gearshift.workers.config import WorkerConfig
-from gearshift.workers.loader import pin_memory
+from gearshift.workers.step.loader import pin_memory
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)  # a device value only: nothing runs on it

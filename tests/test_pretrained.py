@@ -19,8 +19,8 @@ pytest.importorskip("safetensors")
 
 from gearshift.orchestrator.commands import cli  # noqa: E402
 from gearshift.orchestrator.job import JobError, load_job  # noqa: E402
-from gearshift.workers import pretrained  # noqa: E402
-from gearshift.workers.data import GlobalBatches  # noqa: E402
+from gearshift.workers.build import pretrained  # noqa: E402
+from gearshift.workers.step.data import GlobalBatches  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 STEPS, BATCH = 5, 8

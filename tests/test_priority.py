@@ -1,6 +1,6 @@
 """A worker takes its parent's (Ray's raylet's) CPU priority, on every one of its threads: Ray
 starts workers 15 nice levels lower, and a niced rank stalls all ranks whenever anything else
-on the node wants a core (workers/priority.py)."""
+on the node wants a core (workers/group/priority.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 CHILD = """
 import json, os, threading
-from gearshift.workers import priority
+from gearshift.workers.group import priority
 started = threading.Event(); done = threading.Event()
 def run():
     started.set(); done.wait(30)
@@ -41,6 +41,6 @@ def test_every_thread_takes_the_parents_niceness():
 
 
 def test_nothing_changes_at_the_parents_niceness():
-    from gearshift.workers import priority
+    from gearshift.workers.group import priority
 
     assert priority.as_parent() == {"nice": os.getpriority(os.PRIO_PROCESS, 0)}

@@ -13,7 +13,7 @@ from gearshift.orchestrator.records.rundir import resume_conflicts
 from gearshift.orchestrator.job import job_from_dict
 from tests.test_train_equivalence import MLP, max_diff, run_gearshift
 from gearshift.workers.config import WorkerConfig
-from gearshift.workers.profiling import MODULE_PREFIX, StepProfiler
+from gearshift.workers.step.profiling import MODULE_PREFIX, StepProfiler
 
 
 def _loop(prof: StepProfiler, model: torch.nn.Module, steps: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""train.activation_checkpointing for any model (workers/recompute.py): the chosen modules run
+"""train.activation_checkpointing for any model (workers/build/recompute.py): the chosen modules run
 forward again in backward, the gradients are exactly those without it, names stay the same."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gearshift.workers import recompute
+from gearshift.workers.build import recompute
 
 
 class Blocks(nn.Module):

@@ -26,7 +26,7 @@ def _adam(groups):
 
 
 def _meta_gpt():
-    from gearshift.workers.models import gpt
+    from gearshift.workers.build.models import gpt
 
     from test_fsdp import SEQ, VOCAB
 
@@ -76,7 +76,7 @@ def test_relayout_chain_trains_like_one_process(tmp_path):
 # ---------------------------------------------------------------- peak memory
 
 def _mlp():
-    from gearshift.workers.models import mlp
+    from gearshift.workers.build.models import mlp
 
     torch.manual_seed(0)
     return mlp(in_features=784, hidden=1024, out_features=10, layers=3)  # ~2.9M parameters

@@ -31,7 +31,7 @@ def test_the_metrics_endpoint_binds_localhost_unless_told():
 def test_checkpoints_refuse_pickled_code(tmp_path):
     import torch
 
-    from gearshift.workers import checkpoint
+    from gearshift.workers.state import checkpoint
 
     class Evil:
         def __reduce__(self):

@@ -30,7 +30,7 @@ import gearshift
 from conftest import free_port
 from gearshift.orchestrator.commands import cli
 from gearshift.serving import artifact, compress, server, source
-from gearshift.workers import models
+from gearshift.workers.build import models
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -10,8 +10,8 @@ import pathlib
 import pytest
 import torch
 
-from gearshift.workers import components, shard_init
-from gearshift.workers.meta_init import build_recorded, _tensors
+from gearshift.workers.build import components, shard_init
+from gearshift.workers.build.meta_init import build_recorded, _tensors
 
 pytest.importorskip("transformers")
 
@@ -35,7 +35,7 @@ def _per_shard(spec, seed):
 
 def _random(record, name) -> bool:
     """Whether `name`'s value takes random numbers (its chain has a draw)."""
-    from gearshift.workers.meta_init import _needed
+    from gearshift.workers.build.meta_init import _needed
 
     return any(record.ops[i].seeded for i in _needed(record.ops, {record.finals[name].key})[0])
 

@@ -13,8 +13,8 @@ import torch
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import load_job
 from test_train_equivalence import GPT, max_diff, reference, run_gearshift, step_losses
-from gearshift.workers import checkpoint
-from gearshift.workers import dcp
+from gearshift.workers.state import checkpoint
+from gearshift.workers.state import dcp
 
 pytestmark = [pytest.mark.ray]
 BASE = GPT[1] + ["train.global_batch_size=8", "optimizer.name=adam", "train.grad_clip=0.05"]

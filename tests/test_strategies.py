@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gearshift.strategies import data as data_strategy
-from gearshift.workers.models import mlp
+from gearshift.workers.build.models import mlp
 
 
 @pytest.mark.parametrize("mb", [1.0, 7.5, 25.0])
@@ -25,7 +25,7 @@ def test_param_groups_keep_shards_apart_for_fused_optimizers(process_group):
     tensors in one call; forcing foreach here reproduces that on CPU."""
     from gearshift import strategies
     from gearshift.strategies.layout import Layout
-    from gearshift.workers.models import gpt
+    from gearshift.workers.build.models import gpt
 
     torch.manual_seed(0)
     model = gpt(n_layer=1, n_embd=32, n_head=4, block_size=8)

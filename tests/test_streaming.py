@@ -14,7 +14,7 @@ import torch
 
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import load_job
-from gearshift.workers import components
+from gearshift.workers.build import components
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 pytestmark = [pytest.mark.ray]
@@ -220,7 +220,7 @@ def test_the_stream_from_any_step_is_the_stream_from_the_start(ray_cluster):
     uninterrupted stream has there, also when a batch straddles two passes (50 rows, batch 16)."""
     from streamed import ray_style
 
-    from gearshift.workers.streaming import Stream
+    from gearshift.workers.step.streaming import Stream
 
     ds = ray_style(size=50, blocks=4)
     stream = Stream(ds, 50, "x", "id", batch=16, seed=3, shuffle_buffer=20)
@@ -247,7 +247,7 @@ def test_the_stream_from_any_step_is_the_stream_from_the_start(ray_cluster):
 
 
 def test_columns_become_tensors_torch_losses_take():
-    from gearshift.workers.streaming import to_arrays
+    from gearshift.workers.step.streaming import to_arrays
 
     batch = {"a": np.arange(3, dtype=np.float64), "b": np.ones(3, dtype=np.float64), "y": np.arange(3, dtype=np.int32),
              "img": np.full((3, 4, 5, 3), 255, dtype=np.uint8)}
@@ -302,7 +302,7 @@ def test_a_killed_worker_recovers_at_the_exact_sample(ray_cluster, tmp_path):
 def test_read_images_labels_each_file_by_its_folder(ray_cluster, tmp_path):
     from PIL import Image
 
-    from gearshift.workers.streaming import Stream, build_ray_dataset
+    from gearshift.workers.step.streaming import Stream, build_ray_dataset
 
     for label, (name, shade) in enumerate((("cat", 40), ("dog", 200))):
         (tmp_path / "images" / name).mkdir(parents=True)
@@ -321,7 +321,7 @@ def test_a_slice_travels_in_pieces_small_enough_to_come_back_inline(ray_cluster)
     """A rank's slice is cut into pieces under Ray's inline limit, so it never passes through
     the shared object store (whose mapped pages would count in a worker's memory), and joined
     again it is the slice itself."""
-    from gearshift.workers.streaming import PIECE_BYTES, Feeder, _joined, parts_for
+    from gearshift.workers.step.streaming import PIECE_BYTES, Feeder, _joined, parts_for
 
     spec = {"ray_dataset": "streamed:ray_style", "kwargs": {"size": 96}, "input": "x", "target": "label",
             "shuffle_buffer": 40}

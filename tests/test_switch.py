@@ -12,9 +12,9 @@ from torch.utils.data import default_collate
 
 from gearshift.orchestrator.job import load_job
 from test_train_equivalence import GPT, MLP, USER_PLAN, max_diff, run_gearshift, user_job
-from gearshift.workers import components
-from gearshift.workers import dcp
-from gearshift.workers.data import GlobalBatches
+from gearshift.workers.build import components
+from gearshift.workers.state import dcp
+from gearshift.workers.step.data import GlobalBatches
 
 pytestmark = [pytest.mark.ray]
 

@@ -16,9 +16,9 @@ from torch.utils.data import default_collate
 
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import Job, load_job
-from gearshift.workers import components
+from gearshift.workers.build import components
 from gearshift.monitoring.telemetry import read
-from gearshift.workers.data import GlobalBatches
+from gearshift.workers.step.data import GlobalBatches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

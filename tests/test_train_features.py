@@ -21,7 +21,7 @@ def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, 
     from test_train_equivalence import max_diff, reference
 
     from gearshift.orchestrator.job import load_job
-    from gearshift.workers import checkpoint, dcp
+    from gearshift.workers.state import checkpoint, dcp
 
     overrides = ["train.steps=30", "train.log_every=10", "checkpoint.every=0", "train.grad_clip=1.0"]
     code = cli.main(["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(tmp_path / "run"),
@@ -90,7 +90,7 @@ def test_ctrl_c_stops_everything_and_the_run_resumes_exactly(tmp_path):
 
     from conftest import wait_until
     from gearshift.orchestrator.job import load_job
-    from gearshift.workers import checkpoint
+    from gearshift.workers.state import checkpoint
 
     before = _ray_daemons()
     run = tmp_path / "run"

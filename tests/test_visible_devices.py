@@ -54,6 +54,6 @@ def test_a_worker_keeps_its_one_gpu_once_cuda_has_started(monkeypatch):
 def test_the_rendezvous_takes_the_shared_index():
     import inspect
 
-    from gearshift.workers import rendezvous
+    from gearshift.workers.group import rendezvous
 
     assert inspect.signature(rendezvous.join).parameters["device_index"].default == 0

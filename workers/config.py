@@ -3,7 +3,7 @@
 
 The orchestrator validated every field before a worker started; this only picks what the
 step loop needs and names it. Component specs (model, data, loss, optimizer) stay mappings:
-they are what `gearshift.workers.components` builds from, the same on the driver and the workers.
+they are what `gearshift.workers.build.components` builds from, the same on the driver and the workers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class WorkerConfig:
     global_batch_size: int
     precision: str  # fp32 | bf16 | fp16
     grad_clip: float | None
-    activation_checkpointing: bool | tuple[str, ...]  # train.activation_checkpointing (workers/recompute.py)
+    activation_checkpointing: bool | tuple[str, ...]  # train.activation_checkpointing (workers/build/recompute.py)
     strategy: str  # the layout training starts in (strategy auto starts data parallel)
     tp_size: int | None
     shard_size: int | None  # hsdp's group (None: resolved from the placement, see worker.build)
@@ -41,7 +41,7 @@ class WorkerConfig:
     sample_period_s: float
     ray_metrics: bool
     on_nan: str  # skip | stop
-    comm_delay_ms: float = 0.0  # the simulated network (workers/simnet.py)
+    comm_delay_ms: float = 0.0  # the simulated network (workers/group/simnet.py)
     sim_nodes: int = 1
     sim_link: Mapping[str, float] | None = None
     search_paths: tuple[str, ...] = field(default=(".",))

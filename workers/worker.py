@@ -20,24 +20,26 @@ from gearshift import strategies
 from gearshift.monitoring.comm import CommClock
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
-from gearshift.workers import (components, dcp, full_format, oom, precision, priority, recompute, regroup,
-                               rendezvous, schedules, shard_init, storage)
-from gearshift.workers.comm import CommRoute
-from gearshift.workers.checkpoint import to_cpu
+from gearshift.workers.build import components, recompute, shard_init
+from gearshift.workers.group import priority, regroup, rendezvous
+from gearshift.workers.state import dcp, full_format, storage
+from gearshift.workers.step import oom, precision, schedules
+from gearshift.workers.group.comm import CommRoute
+from gearshift.workers.state.checkpoint import to_cpu
 from gearshift.workers.config import WorkerConfig
-from gearshift.workers.data import GlobalBatches, tokens_per_sample
-from gearshift.workers.evaluation import held_out_loss
-from gearshift.workers.grad_check import GradCheck
-from gearshift.workers.heartbeat import ACTIVITY, in_phase
-from gearshift.workers.module_memory import ModuleMemory
-from gearshift.workers.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
-from gearshift.workers.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
-from gearshift.workers.pending import PendingSteps, skips_on_device
-from gearshift.workers.profiling import StepProfiler
-from gearshift.workers.simnet import SimulatedNetwork
-from gearshift.workers.state_io import StateIO
-from gearshift.workers.stopping import StopAgreement, flag_group
-from gearshift.workers.telemetry import WorkerTelemetry
+from gearshift.workers.step.data import GlobalBatches, tokens_per_sample
+from gearshift.workers.step.evaluation import held_out_loss
+from gearshift.workers.step.grad_check import GradCheck
+from gearshift.workers.group.heartbeat import ACTIVITY, in_phase
+from gearshift.workers.step.module_memory import ModuleMemory
+from gearshift.workers.step.loader import StepLoader, open_data, open_loader, seed_generators, step_seed
+from gearshift.workers.step.nonfinite import NonFiniteStep, first_non_finite_module, non_finite_step
+from gearshift.workers.step.pending import PendingSteps, skips_on_device
+from gearshift.workers.step.profiling import StepProfiler
+from gearshift.workers.group.simnet import SimulatedNetwork
+from gearshift.workers.state.state_io import StateIO
+from gearshift.workers.step.stopping import StopAgreement, flag_group
+from gearshift.workers.step.telemetry import WorkerTelemetry
 
 __all__ = ["NonFiniteStep", "TrainWorker", "WorkerConfig", "step_seed", "to_cpu"]
 
@@ -48,7 +50,7 @@ class TrainWorker:
     def __init__(self, config: WorkerConfig, cpus: float = 1.0):
         self.config = config
         torch.set_num_threads(max(1, int(cpus)))
-        self.priority = priority.as_parent()  # Ray's workers run 15 nice levels below it (workers/priority.py)
+        self.priority = priority.as_parent()  # Ray's workers run 15 nice levels below it (workers/group/priority.py)
         self.rank, self.world, self.step = 0, 1, 0
         self.device = torch.device("cpu")
         self.parallel: strategies.Parallel | None = None
@@ -60,7 +62,7 @@ class TrainWorker:
         self.probe: ModuleMemory | None = None  # rank 0's memory by module, on its first update
         self.loader: StepLoader | None = None
         self.profiler = StepProfiler(config.profile, cuda=config.gpu)  # train.profile's window
-        self.flags = None      # the stop agreement's process group (workers/stopping.py)
+        self.flags = None      # the stop agreement's process group (workers/step/stopping.py)
         self.micro_batch = config.micro_batch_size  # samples computed at once; halved after an OOM (None: the share)
         self.updating = False  # inside the optimizer's step: an OOM there leaves the update half applied
         self.stop_chunk = -1   # the chunk the controller asked to stop early (request_stop)
@@ -69,7 +71,7 @@ class TrainWorker:
         self.device_index: int | None = None  # this worker's GPU among the node's shared ones (use_devices)
         self.async_save = True  # checkpoint.async_save: DCP checkpoints in the loop are written behind the steps
         self.writes = dcp.Behind()  # that checkpoint, while it is written (one at a time)
-        self.io = StateIO(self)  # checkpoints, loads, pretrained weights, final.pt (workers/state_io.py)
+        self.io = StateIO(self)  # checkpoints, loads, pretrained weights, final.pt (workers/state/state_io.py)
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -104,7 +106,7 @@ class TrainWorker:
 
     def heartbeat(self) -> dict:
         """What this worker is doing: {rank, step, phase, phase_s, since_step_s, in_collective_s}
-        (workers/heartbeat.py). Runs on the control thread, so a step, a compile or a checkpoint
+        (workers/group/heartbeat.py). Runs on the control thread, so a step, a compile or a checkpoint
         that keeps the training thread busy does not hold it up."""
         return ACTIVITY.beat(self.rank)
 
@@ -129,7 +131,7 @@ class TrainWorker:
 
     def request_stop(self, chunk: int) -> None:
         """The controller wants training chunk `chunk` to end early (a decision to carry out): the
-        ranks agree on the boundary (workers/stopping.py). Runs on a thread of its own while
+        ranks agree on the boundary (workers/step/stopping.py). Runs on a thread of its own while
         `train` runs; a request for a chunk that has already ended is ignored."""
         self.stop_chunk = chunk
 
@@ -209,7 +211,7 @@ class TrainWorker:
         # a switch that changes dp keeps the micro-batch: the accumulation count changes instead
         self.set_micro_batch(self.micro_batch)
         torch.manual_seed(cfg.seed)
-        record = None  # a first build on the meta device, to be replayed piece by piece (workers/meta_init.py)
+        record = None  # a first build on the meta device, to be replayed piece by piece (workers/build/meta_init.py)
         build = lambda: components.build_model_and_plan(dict(cfg.model), cfg.search_paths,  # noqa: E731
                                                         cfg.activation_checkpointing)
         if rewrap is not None:  # the same module and optimizer under a new wrapper (a new process group)
@@ -261,8 +263,8 @@ class TrainWorker:
 
     def _build_on_meta(self, build):
         """The model on the meta device with the record of its build, or, where the record cannot
-        be replayed exactly (workers/meta_init.py says when), built whole as before."""
-        from gearshift.workers.meta_init import build_recorded
+        be replayed exactly (workers/build/meta_init.py says when), built whole as before."""
+        from gearshift.workers.build.meta_init import build_recorded
 
         try:
             result, record = build_recorded(build)
@@ -279,9 +281,9 @@ class TrainWorker:
 
     def _materialise(self, record) -> None:
         """Allocate this rank's pieces and fill them from the record's replay (`exact`: a plain
-        build's values) or each from its own rows (`per_shard`, workers/shard_init.py), but those
+        build's values) or each from its own rows (`per_shard`, workers/build/shard_init.py), but those
         model.pretrained overwrites before the first step: left empty, not drawn."""
-        from gearshift.workers import meta_init, pretrained
+        from gearshift.workers.build import meta_init, pretrained
 
         started = time.perf_counter()
         skip = pretrained.covered(self.parallel.model, self.config.model.get("pretrained"), self.config.search_paths)
@@ -315,7 +317,7 @@ class TrainWorker:
                joining: dict | None = None) -> dict:
         """Leave the process group and form a new one, the state kept in place (after a step that failed
         somewhere); with `rank`, `world`, `layout` and `old_ranks`, onto another number of workers
-        (elastic), a new worker passing the holders' description as `joining` (workers/regroup.py)."""
+        (elastic), a new worker passing the holders' description as `joining` (workers/group/regroup.py)."""
         return regroup.rejoin(self, master_addr, master_port, timeout_s, rank, world, layout, old_ranks, joining)
 
     def describe(self) -> dict:  # the state this rank holds, as a joining worker needs to know it
@@ -393,7 +395,7 @@ class TrainWorker:
     @in_phase("checkpoint")
     def write_final(self, folder: str, target: str, token: str) -> dict:
         """final.pt out of the committed checkpoint `folder`, by rank 0 on its own node where it
-        sees the run's folder (workers/state_io.py); {"written": bool}."""
+        sees the run's folder (workers/state/state_io.py); {"written": bool}."""
         return self.io.write_final(folder, target, token)
 
     # ---------------------------------------------------------------- the step loop
@@ -493,7 +495,7 @@ class TrainWorker:
     @in_phase("evaluate")
     def evaluate(self, max_batches: int | None = None) -> dict:
         """Mean loss over the held-out data (eval.data) under the layout in force; all ranks call
-        it at the same step boundary (workers/evaluation.py says how the data is split)."""
+        it at the same step boundary (workers/step/evaluation.py says how the data is split)."""
         if self.eval_dataset is None:
             raise RuntimeError("evaluate: this job has no eval.data (eval.every is 0)")
         return held_out_loss(self.eval_dataset, self._forward_loss, self.parallel.module, self.device,
@@ -521,7 +523,7 @@ class TrainWorker:
         state), where train.profile's window ends (its trace attached) and at the end. Losses stay
         on the device until a flush, so a step never waits on a device-to-host copy to be reported.
         With `chunk`, the controller may end it early (`request_stop(chunk)`): every rank stops at
-        the same step boundary, the one they agree on (workers/stopping.py). With `async_save`, a DCP
+        the same step boundary, the one they agree on (workers/step/stopping.py). With `async_save`, a DCP
         checkpoint is written behind the steps, its part reported once written, at the end at the latest.
         """
         self.async_save = async_save

@@ -88,7 +88,7 @@ class RayWorkerGroup:
         self.feeders: list[Any] = []  # the streamed datasets' feeder actors
         self.data_info: dict[str, dict] = {}  # what each feeder found: rows, columns, shapes
         self.chunk = 0  # the number of the stoppable step loop in progress (stop_early names it)
-        self.file_server = None  # serves checkpoint_dir to workers on other nodes (workers/fileserver.py)
+        self.file_server = None  # serves checkpoint_dir to workers on other nodes (workers/state/fileserver.py)
         self.file_server_name = None  # named anew at each start (a killed actor's name is freed late)
         self._lost: dict = {}  # elastic: ranks lost in the step loop in progress
         self.slots: list[tuple] = []  # (placement group, bundle index) of each rank's worker
@@ -161,7 +161,7 @@ class RayWorkerGroup:
 
     def _spawn(self, pg, index: int):
         """A TrainWorker actor in bundle `index` of placement group `pg`. Its `request_stop` and
-        `heartbeat` run on a thread of their own while `train` runs (workers/stopping.py)."""
+        `heartbeat` run on a thread of their own while `train` runs (workers/step/stopping.py)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -192,7 +192,7 @@ class RayWorkerGroup:
         the mark by which a worker tells the driver's checkpoints folder from one of the same name."""
         import uuid
 
-        from gearshift.workers import fileserver
+        from gearshift.workers.state import fileserver
 
         if self.checkpoint_dir and "://" not in self.checkpoint_dir:
             self.file_server_name = f"gearshift-files-{uuid.uuid4().hex[:12]}"
@@ -201,11 +201,11 @@ class RayWorkerGroup:
     def _serve_checkpoints(self) -> None:
         """When a worker runs on another node than the driver (or inject.unshared_storage), start the
         FileServer on the driver's node, through which such workers write and read the run's
-        checkpoints folder by pieces (workers/fileserver.py), instead of gathering the whole state."""
+        checkpoints folder by pieces (workers/state/fileserver.py), instead of gathering the whole state."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from gearshift.workers import fileserver
+        from gearshift.workers.state import fileserver
 
         here = ray.get_runtime_context().get_node_id()
         away = any(info["node_id"] != here for info in self.infos)
@@ -225,7 +225,7 @@ class RayWorkerGroup:
         import ray
 
         from gearshift.orchestrator.job import JobError
-        from gearshift.workers import streaming
+        from gearshift.workers.step import streaming
 
         job, spec = self.job, self.job.to_dict()
         wanted = {"data": spec["data"]}

@@ -1,6 +1,6 @@
 """`gearshift export RUN --output DIR`: a run's model as Hugging Face-style safetensors shards
 (or one torch file), streamed from its checkpoint so that no process holds more than about one
-tensor (workers/export.py).
+tensor (workers/state/export.py).
 
 The names are the model's own, less the prefix the run's model.pretrained gave (a wrapper
 holding a Hugging Face model as `lm` exports the Hugging Face model's names, which
@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    from gearshift.workers import checkpoint, export, hf_conversion
+    from gearshift.workers.build import hf_conversion
+    from gearshift.workers.state import checkpoint, export
 
     if args.format in ("onnx", "torch-export"):
         return cmd_inference_export(args)
@@ -103,7 +104,7 @@ def cmd_export(args) -> int:
 def _transformers_model(job: dict, recorded: dict, prefix: str):
     """The run's transformers model (built on the meta device from the job) the export's names
     start at, or None: a model of the user's own, or one that cannot be built here."""
-    from gearshift.workers import components, hf_conversion
+    from gearshift.workers.build import components, hf_conversion
 
     try:
         model, _ = components.model_for_checks(job.get("model") or {}, [recorded.get("base_dir", ".")])
@@ -133,7 +134,7 @@ def _job(run) -> dict:
 def _aliases(job: dict, recorded: dict) -> list[list[str]] | None:
     """The model's groups of names for one tensor (a tied head), from the model built on the meta
     device; None when it cannot be built here (then every name is written)."""
-    from gearshift.workers import components, pretrained
+    from gearshift.workers.build import components, pretrained
 
     try:
         model, _ = components.model_for_checks(job["model"], [recorded.get("base_dir", ".")])

@@ -2,7 +2,7 @@
 it trains.
 
 `inspect data` builds the job's dataset and takes the batch one rank trains on at step N through
-the training loop's own path (workers/loader.py's StepBatches: the same global order, the same
+the training loop's own path (workers/step/loader.py's StepBatches: the same global order, the same
 per-step seed before the dataset's own transforms and augmentation draw), then prints a summary
 table (shape, dtype, min/max/mean/std, NaN and Inf counts, the class histogram of integer
 targets) and draws the samples: a grid of images for image-shaped inputs, decoded text for token
@@ -68,9 +68,10 @@ def _job(args):
 
 def step_batch(job, step: int, rank: int = 0):
     """(inputs, targets) of `rank` at training step `step` (1-based), as the loop loads them."""
-    from gearshift.workers import components, streaming
-    from gearshift.workers.data import GlobalBatches
-    from gearshift.workers.loader import StepBatches
+    from gearshift.workers.build import components
+    from gearshift.workers.step import streaming
+    from gearshift.workers.step.data import GlobalBatches
+    from gearshift.workers.step.loader import StepBatches
 
     spec = job.to_dict()
     if streaming.is_streamed(spec["data"]):
@@ -239,7 +240,7 @@ def _graph(args) -> int:
     import torch
 
     from gearshift.strategies import tp_plan as plans
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     job = _job(args)
     spec = job.to_dict()
@@ -280,7 +281,7 @@ def explain(job) -> dict:
     """torch._dynamo.explain on the real model and a batch of the job's data: graphs, breaks."""
     import torch
 
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     spec = job.to_dict()
     torch.manual_seed(job.train.seed)

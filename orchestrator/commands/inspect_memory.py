@@ -46,8 +46,8 @@ def measure(job) -> list[dict]:
     import torch
 
     from gearshift.orchestrator.commands.inspect import step_batch
-    from gearshift.workers import components
-    from gearshift.workers.module_memory import ModuleMemory
+    from gearshift.workers.build import components
+    from gearshift.workers.step.module_memory import ModuleMemory
 
     spec = job.to_dict()
     torch.manual_seed(job.train.seed)

@@ -278,7 +278,7 @@ def cmd_replay(args) -> int:
     from gearshift import api
     from gearshift.monitoring.progress import ProgressView
     from gearshift.orchestrator.records.rundir import RunDir
-    from gearshift.workers.checkpoint import write_file_atomic
+    from gearshift.workers.state.checkpoint import write_file_atomic
 
     original = find_run(args.run, args.root)
     for line in source_warnings(original):

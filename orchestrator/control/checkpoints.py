@@ -1,6 +1,6 @@
 """Checkpoints seen from the driver: it asks for them, commits them, and writes `final.pt`.
 
-The workers write a checkpoint's data (workers/dcp.py: every rank its own shards; or, in the
+The workers write a checkpoint's data (workers/state/dcp.py: every rank its own shards; or, in the
 full format, rank 0's whole state, which the driver writes). A DCP checkpoint arrives as one
 part per rank, each naming the files that rank hashed as it wrote them; once every rank's part
 is in, the driver writes the manifest and renames the folder into place (workers/checkpoint.commit),
@@ -19,7 +19,7 @@ import torch
 from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.control.reporting import Reporter
-from gearshift.workers import checkpoint, storage
+from gearshift.workers.state import checkpoint, storage
 
 
 def load_into(group, root: pathlib.Path, found: tuple[str, dict], report: Reporter | None,
@@ -90,10 +90,10 @@ class Checkpoints:
 
     def write_final(self, step: int, path: pathlib.Path, verify: bool = False) -> None:
         """final.pt: the model's full tensors (weights_only loadable), read back from the checkpoint
-        of `step` on the driver one tensor at a time (workers/export.py), so neither a worker nor
+        of `step` on the driver one tensor at a time (workers/state/export.py), so neither a worker nor
         the driver ever holds the whole model for it. The model's tensors only are read: the
         checkpoint's files are hashed first only with `verify` (one this run did not just write)."""
-        from gearshift.workers import export
+        from gearshift.workers.state import export
 
         export.write_torch(export.ModelTensors(self.root / f"step_{step:08d}", verify=verify), path)
 
@@ -105,7 +105,7 @@ class Checkpoints:
     def _commit(self, parts: list[dict], fmt: int = checkpoint.DCP_FORMAT) -> int:
         """A checkpoint the workers wrote into its temporary folder: every rank's DCP shards, or
         (the full format) rank 0's state.pt."""
-        from gearshift.workers import dcp
+        from gearshift.workers.state import dcp
 
         # the folder the ranks wrote, named here (the ranks name it the same way, without asking)
         step, folder = parts[0]["step"], dcp.tmp_folder(self.root, parts[0]["step"])

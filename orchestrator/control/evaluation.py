@@ -24,14 +24,14 @@ from typing import Callable
 
 from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.control.reporting import Reporter
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 
 
 class Evaluation:
     def __init__(self, job: Job, report: Reporter, checkpoints: pathlib.Path, save: Callable[[object], int]):
         self.every, self.batches = job.eval.every, job.eval.batches
         self.keep_best, self.keep = job.checkpoint.keep_best, job.checkpoint.keep
-        from gearshift.workers import storage
+        from gearshift.workers.state import storage
 
         self.report, self.checkpoints, self.save = report, storage.location(checkpoints), save
         self.last: dict | None = None  # the latest eval record

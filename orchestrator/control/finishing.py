@@ -17,7 +17,7 @@ import secrets
 
 from gearshift.orchestrator.control.checkpoints import FINAL_AUTO_BYTES, final_wanted
 from gearshift.orchestrator.errors import WorkerFailed
-from gearshift.workers import storage
+from gearshift.workers.state import storage
 
 
 @contextlib.contextmanager
@@ -69,8 +69,8 @@ class Finishing:
     def _final_by_worker(self) -> bool:
         """final.pt written by rank 0 on its node, out of the DCP checkpoint just committed, where
         rank 0 sees the run's folder (a token the driver leaves there says so); whether it did."""
-        from gearshift.workers import checkpoint
-        from gearshift.workers.state_io import FINAL_MARK
+        from gearshift.workers.state import checkpoint
+        from gearshift.workers.state.state_io import FINAL_MARK
 
         c = self.c
         folder = c.checkpoints.root / f"step_{c.step:08d}"

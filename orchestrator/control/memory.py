@@ -1,6 +1,6 @@
 """Out of memory, survived (`train.on_oom: adapt`, the default) or reported (`fail`).
 
-A step that ran out of memory on any rank is dropped on every rank (workers/oom.py): nothing of
+A step that ran out of memory on any rank is dropped on every rank (workers/step/oom.py): nothing of
 it is applied and it is not counted. The controller forms a new process group on the same
 workers and goes on at the same step with a setting that needs less memory:
 

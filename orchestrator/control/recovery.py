@@ -20,7 +20,7 @@ from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.control.reporting import Reporter
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup, worker_bundle
 from gearshift.strategies.layout import LayoutError
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 
 # how Ray says an actor went down with its node (a killed worker process reads "worker process has died")
 _NODE_DIED = re.compile(r"node (has )?died|node is dead|NODE_DIED|NodeDied", re.IGNORECASE)

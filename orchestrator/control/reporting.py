@@ -22,7 +22,7 @@ from gearshift.orchestrator.errors import GearshiftError
 from gearshift.orchestrator.job import Job
 from gearshift.orchestrator.records.rundir import RunDir
 from gearshift.orchestrator.control.startup import STARTUP
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 
 log = logging.getLogger("gearshift")
 

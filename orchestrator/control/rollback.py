@@ -17,7 +17,7 @@ import dataclasses
 
 from gearshift.orchestrator.errors import GearshiftError
 from gearshift.orchestrator.control.checkpoints import load_into
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 
 WINDOW = 100  # steps: non-finite steps farther apart than this do not add up
 

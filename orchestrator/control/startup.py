@@ -64,7 +64,7 @@ def build_lines(built: dict, loaded: bool) -> list[str]:
     lines = []
     if built.get("why"):  # a sharded layout, yet every rank built the whole model
         lines.append(f"build: the whole model on every rank, not on the meta device: {built['why']}")
-    if built.get("init") and not loaded:  # exact or per_shard (workers/shard_init.py)
+    if built.get("init") and not loaded:  # exact or per_shard (workers/build/shard_init.py)
         whole = len(built.get("drawn_whole") or ())
         lines.append(f"init: {built['init']} ({built['init_why']})" + (f", {whole} tensors drawn whole" if whole else ""))
     return lines

@@ -10,7 +10,7 @@ from gearshift.orchestrator.job.spec import Job, _DATA_FORMS
 
 def check_job(job: Job) -> None:
     """Checks that need more than one field, and the components the job names."""
-    from gearshift.workers.components import ComponentError
+    from gearshift.workers.build.components import ComponentError
 
     try:
         _check_components(job)
@@ -64,7 +64,7 @@ def _check_checkpoint_path(job: Job) -> None:
         return
     import pathlib
 
-    from gearshift.workers import storage
+    from gearshift.workers.state import storage
 
     if storage.is_url(place):
         try:
@@ -108,7 +108,7 @@ def _check_pretrained(job: Job) -> None:
     folder = pretrained_folder(job)
     if folder is None:
         return
-    from gearshift.workers import components, pretrained
+    from gearshift.workers.build import components, pretrained
 
     model, _ = components.model_for_checks(job.to_dict()["model"], [job.base_dir])
     try:
@@ -118,7 +118,7 @@ def _check_pretrained(job: Job) -> None:
 
 
 def _check_components(job: Job) -> None:
-    from gearshift.workers import components  # the registry of built-ins lives with the code that builds them
+    from gearshift.workers.build import components  # the registry of built-ins lives with the code that builds them
 
     for section in ("model", "data", "loss"):
         spec = getattr(job, section)
@@ -189,7 +189,8 @@ def _check_eval(job: Job, components) -> None:
 def _check_streamed(job: Job, field: str, spec: dict) -> bool:
     """A Ray Dataset (ray_dataset or read) is complete and alone; False for map-style data.
     Its columns, rows and files are checked by its feeder once Ray runs, before any worker."""
-    from gearshift.workers import components, streaming
+    from gearshift.workers.build import components
+    from gearshift.workers.step import streaming
 
     streamed = {k: spec[k] for k in ("ray_dataset", "read") if spec.get(k)}
     if not streamed:
@@ -239,7 +240,7 @@ class _renamed:
         return self
 
     def __exit__(self, kind, err, tb):
-        from gearshift.workers.components import ComponentError
+        from gearshift.workers.build.components import ComponentError
 
         if isinstance(err, ComponentError) and (err.field_path + ".").startswith(self.old + "."):
             raise ComponentError(self.new + err.field_path[len(self.old):], err.value, err.allowed,
@@ -259,8 +260,8 @@ def _resolve_strategy(job: Job, field_path: str, name: str):
 
 def _check_layout(job: Job) -> None:
     from gearshift.strategies.layout import LayoutError
-    from gearshift.workers import components
-    from gearshift.workers.components import ComponentError
+    from gearshift.workers.build import components
+    from gearshift.workers.build.components import ComponentError
 
     if job.parallel.strategy == "auto" and job.parallel.tp_size is not None:
         raise JobError("parallel.tp_size", job.parallel.tp_size, "is chosen by the policy under strategy auto; "
@@ -299,8 +300,8 @@ def _check_layout(job: Job) -> None:
 def _check_adapt(job: Job) -> None:
     """Every layout the run may switch to must fit the workers, the batch and the model."""
     from gearshift.strategies.layout import LayoutError
-    from gearshift.workers import components
-    from gearshift.workers.components import ComponentError
+    from gearshift.workers.build import components
+    from gearshift.workers.build.components import ComponentError
 
     w = job.cluster.num_workers
     if job.inject.nodes > 1 and w % job.inject.nodes:
@@ -399,8 +400,8 @@ def _check_lr_schedule(job: Job) -> None:
         raise JobError("optimizer.schedule.warmup_steps", sched.warmup_steps,
                        f"must be shorter than the run (train.steps = {steps})")
     if ":" in sched.name:
-        from gearshift.workers import schedules
-        from gearshift.workers.components import ComponentError
+        from gearshift.workers.step import schedules
+        from gearshift.workers.build.components import ComponentError
 
         try:
             schedules.check_user_schedule(sched.name, job.optimizer.lr, steps, [job.base_dir])
@@ -423,8 +424,8 @@ def _check_keep_fp32(job: Job) -> None:
     p = job.train.precision
     if not isinstance(p, dict):
         return
-    from gearshift.workers import precision
-    from gearshift.workers.components import ComponentError
+    from gearshift.workers.step import precision
+    from gearshift.workers.build.components import ComponentError
 
     for field in ("keep_fp32", "final_fp32"):
         if p.get(field):

@@ -310,11 +310,11 @@ def _name(v, path):
 
 def _builtin(registry: str):
     """A built-in's name. Any non-empty string passes here; check_job then looks it up in
-    gearshift.workers.components' `registry`, which the schema offers as its list (imported only when
+    gearshift.workers.build.components' `registry`, which the schema offers as its list (imported only when
     the schema is made: the registries import torch)."""
 
     def names():
-        from gearshift.workers import components
+        from gearshift.workers.build import components
 
         return _nullable({"type": "string", "enum": list(getattr(components, registry))})
 

@@ -120,7 +120,7 @@ def schema_text() -> str:
 
 def cmd_schema(args) -> int:
     from gearshift.orchestrator.errors import UsageError
-    from gearshift.workers.checkpoint import write_file_atomic
+    from gearshift.workers.state.checkpoint import write_file_atomic
 
     text = schema_text()
     if args.output is None:

@@ -266,7 +266,7 @@ class TrackingSpec:
 
 @dataclass(frozen=True)
 class InjectSpec:
-    """A simulated network, for trying adaptive mode on one machine (workers/simnet.py): the
+    """A simulated network, for trying adaptive mode on one machine (workers/group/simnet.py): the
     workers grouped into simulated nodes, a slow link between them, a delay on every collective."""
 
     comm_delay_ms: float = _f(0.0, _float(0.0, 60000.0), "extra latency added to every timed collective")

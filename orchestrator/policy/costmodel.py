@@ -521,7 +521,7 @@ def shape_of_job(job) -> ModelShape:
     splits is what the model's plan shards."""
     import torch  # noqa: PLC0415
 
-    from gearshift.workers import components  # noqa: PLC0415
+    from gearshift.workers.build import components  # noqa: PLC0415
 
     spec = job.to_dict()["model"]
     grad_bytes = 4.0  # parameters and their gradients stay fp32 under autocast
@@ -540,7 +540,7 @@ def shape_of_job(job) -> ModelShape:
         n_embd, vocab = k.tok_emb.embedding_dim, k.tok_emb.num_embeddings
         ffn_mult = k.blocks[0].mlp.fc.out_features // n_embd if blocks else 4
         # the built-in GPT's q, k and v are separate column-parallel layers, its head is replicated
-        # (workers/models.py)
+        # (workers/build/models.py)
         shape = ModelShape.transformer(blocks, n_embd, k.block_size, vocab, act_bytes=act, grad_bytes=grad_bytes,
                                        recompute=recompute, tp_allreduces_per_layer=6, head_parallel=False,
                                        ffn_mult=ffn_mult, heads=k.n_head, params=params, name="gpt")

@@ -14,8 +14,8 @@ def layout_candidates(job: Job, node_sizes: list[int], sharded: bool) -> list[La
     """The layouts the workers (per node) can take that the model can be split into and this
     process can build, data first (adaptive.candidate_layouts says the order)."""
     from gearshift import strategies
-    from gearshift.workers import components
-    from gearshift.workers.components import ComponentError
+    from gearshift.workers.build import components
+    from gearshift.workers.build.components import ComponentError
 
     def shardable(tp: int) -> bool:  # a model that cannot be split tp ways is not a candidate
         dp = job.cluster.num_workers // tp  # nor a layout whose dp the micro-batches do not fit

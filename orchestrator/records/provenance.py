@@ -38,7 +38,7 @@ def pretrained_weights(job_dict: dict, base_dir: str) -> dict:
     """model.pretrained's folder and what identifies each weight file in it: its size and its
     header's sha256 (the driver reads no tensor data; under `model.pretrained.hash: full` the
     workers hash every byte by slices as they load, and `add_slices` records it)."""
-    from gearshift.workers import pretrained
+    from gearshift.workers.build import pretrained
 
     spec = job_dict["model"]["pretrained"]
     folder = pathlib.Path(base_dir).joinpath(pathlib.Path(spec["path"]).expanduser())
@@ -54,8 +54,8 @@ def add_slices(path: pathlib.Path, loaded: list[dict]) -> None:
     """Record in source.json (at `path`) the sha256 of every slice of the weight files, as the
     workers hashed them while they loaded (`loaded`: each rank's `load_pretrained` answer):
     `sha256_slices` per file, slices of `slice_bytes`."""
-    from gearshift.workers import pretrained
-    from gearshift.workers.checkpoint import write_file_atomic
+    from gearshift.workers.build import pretrained
+    from gearshift.workers.state.checkpoint import write_file_atomic
 
     source = read(path) or {}
     weights = source.get("pretrained") or {}
@@ -68,7 +68,7 @@ def add_slices(path: pathlib.Path, loaded: list[dict]) -> None:
 
 
 def write(path: pathlib.Path, job) -> None:
-    from gearshift.workers.checkpoint import write_file_atomic
+    from gearshift.workers.state.checkpoint import write_file_atomic
 
     write_file_atomic(path, json.dumps(collect(job.to_dict(), job.base_dir), indent=2).encode())
 

@@ -12,7 +12,7 @@ import yaml
 
 from gearshift.orchestrator.errors import GearshiftError, UsageError
 from gearshift.orchestrator.job import Job, JobError, apply_overrides, credentials, dump_job, job_from_dict, secrets
-from gearshift.workers import checkpoint
+from gearshift.workers.state import checkpoint
 
 # Keys that may differ between a run and its resume: they change how long or how often,
 # not what the trajectory is.
@@ -53,7 +53,7 @@ class RunDir:
         a place (a shared folder, or an object store as a RemotePath), else checkpoints/ here.
         `section`: the job's checkpoint section (a CheckpointSpec or its mapping); default: the
         run's own job.yaml."""
-        from gearshift.workers import storage
+        from gearshift.workers.state import storage
 
         if section is None:
             try:

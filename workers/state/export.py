@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from gearshift.workers import checkpoint, storage
+from gearshift.workers.state import checkpoint, storage
 
 INDEX = "model.safetensors.index.json"
 PIECE = 64 << 20  # bytes of a mapped full tensor converted and written at once
@@ -58,7 +58,7 @@ class ModelTensors:
         if self.format == checkpoint.DCP_FORMAT:
             import torch.distributed.checkpoint as dcp
 
-            from gearshift.workers import dcp as shards
+            from gearshift.workers.state import dcp as shards
 
             self._dcp, self._reader = dcp, lambda: shards.reader(self.folder)
             self._metadata = self._reader().read_metadata()

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gearshift.workers import data, models
+from gearshift.workers.build import models
+from gearshift.workers.step import data
 
 
 class ComponentError(ValueError):
@@ -197,7 +198,7 @@ def build_model_and_plan(spec: dict, search_paths: Iterable[str] = (), activatio
     (an entry point may return `model` or `(model, plan)`)."""
     kwargs = dict(spec.get("kwargs") or {})
     if activation_checkpointing is True and not spec.get("entrypoint"):
-        kwargs["activation_checkpointing"] = True  # the built-ins checkpoint their own blocks (workers/recompute.py)
+        kwargs["activation_checkpointing"] = True  # the built-ins checkpoint their own blocks (workers/build/recompute.py)
     if spec.get("entrypoint"):
         func = resolve("model.entrypoint", spec["entrypoint"], search_paths)
         with _on_path(search_paths):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
-from gearshift.workers.components import ComponentError, _on_path, resolve
+from gearshift.workers.build.components import ComponentError, _on_path, resolve
 
 
 def builtin(name: str, step: int, total: int, base_lr: float, warmup: int, min_ratio: float) -> float:

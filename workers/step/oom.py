@@ -60,6 +60,6 @@ def give_back(device: torch.device) -> None:
 
 def leave_group() -> None:
     """Leave every process group now, so that peers blocked in this step's collectives fail fast."""
-    from gearshift.workers import rendezvous
+    from gearshift.workers.group import rendezvous
 
     rendezvous.leave()

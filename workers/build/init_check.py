@@ -1,6 +1,6 @@
 """Whether the record of a build initialised each parameter the way the model's own
 initialisation does: the check that catches a constructor the recorder saw run differently from
-a plain build (workers/meta_init.py).
+a plain build (workers/build/meta_init.py).
 
 A transformers model initialises its weights in `post_init` (`init_weights`), after its layers
 were built with torch's defaults; transformers skips that pass where it sees the meta device, and

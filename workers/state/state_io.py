@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from gearshift.workers import dcp, full_format, oom
-from gearshift.workers.checkpoint import to_cpu
+from gearshift.workers.state import dcp, full_format
+from gearshift.workers.step import oom
+from gearshift.workers.state.checkpoint import to_cpu
 
 FINAL_MARK = ".final-mark"  # the driver's token in the run's folder: rank 0 writes final.pt only where it reads it
 
@@ -64,7 +65,7 @@ class StateIO:
 
     def load_pretrained(self) -> dict:
         """model.pretrained's weights into the model as laid out, this rank's pieces only."""
-        from gearshift.workers import pretrained
+        from gearshift.workers.build import pretrained
 
         w = self.w
         spec = w.config.model.get("pretrained")
@@ -83,7 +84,7 @@ class StateIO:
         """final.pt out of the committed DCP checkpoint `folder` (as the driver named it), a tensor
         at a time, by rank 0 where it sees the run's folder itself (the driver's token in
         FINAL_MARK there); {"written": bool, "bytes": ...}. Other ranks do nothing."""
-        from gearshift.workers import export
+        from gearshift.workers.state import export
 
         w = self.w
         if w.rank != 0:

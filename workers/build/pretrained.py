@@ -109,7 +109,7 @@ def covered(model: nn.Module, spec: dict | None, search_paths) -> set[str]:
     once, under the name the model lists first, when the file holds any of them."""
     if not spec:
         return set()
-    from gearshift.workers.hf_conversion import mapped
+    from gearshift.workers.build.hf_conversion import mapped
 
     prefix = spec.get("prefix", "")
     saved = mapped(model, saved_tensors(folder(spec, search_paths)), prefix)  # as the model names them
@@ -147,7 +147,7 @@ def plan(model: nn.Module, saved: dict[str, tuple[str, list[int]]], prefix: str 
     model, each read from the files (through a transformers model's own conversion mapping); a
     PretrainedError naming what is missing, unexpected or of another shape otherwise. Works on a
     model on the meta device (the driver's check) as on a real one."""
-    from gearshift.workers.hf_conversion import mapped
+    from gearshift.workers.build.hf_conversion import mapped
 
     sources = mapped(model, saved, prefix)
     saved = {k: (src.dtype, src.shape) if not isinstance(src, str) else saved[src] for k, src in sources.items()}
@@ -242,7 +242,7 @@ def _load_fused(model: nn.Module, state: dict, fused: dict, folder: pathlib.Path
     """Fill the model's fused tensors (state's, as laid out) from their sources in the files: this
     rank's rows and columns of each, by slices where the conversion allows, else whole."""
     from gearshift.strategies.state import shard_like
-    from gearshift.workers import hf_conversion
+    from gearshift.workers.build import hf_conversion
 
     where, hf = locations(folder), hf_conversion.transformers_model(model, prefix)
     for name, source in fused.items():

@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from gearshift.workers.components import ComponentError, model_for_checks
+from gearshift.workers.build.components import ComponentError, model_for_checks
 
 
 def matching(model: nn.Module, patterns: Iterable[str]) -> dict[str, list[str]]:

@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 from gearshift.strategies.state import full
-from gearshift.workers import checkpoint, dcp, export, storage
+from gearshift.workers.state import checkpoint, dcp, export, storage
 
 STATE = "state.pt"
 
@@ -27,7 +27,7 @@ def place(checkpoint_dir: str | None, server: str | None, options: dict | None, 
     """Where this rank can put a full-format checkpoint's file: the driver's folder itself where
     this node sees it, else through the driver's file server, else (a URL) the store; None when
     nothing reaches it (then the state goes to the driver whole, as earlier versions sent it)."""
-    from gearshift.workers import fileserver
+    from gearshift.workers.state import fileserver
 
     if not checkpoint_dir:
         return None

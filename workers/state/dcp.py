@@ -3,9 +3,9 @@
 Nothing is gathered: a rank writes the pieces of the model and optimizer state it holds (a
 tensor replicated on several ranks is written once, by one of them), all ranks at once, into
 the checkpoint's temporary folder; DCP's `.metadata` is written last, by rank 0, after every
-rank's data is on disk. Each rank hashes its files as it writes them (workers/hashing.py: nothing
+rank's data is on disk. Each rank hashes its files as it writes them (workers/state/hashing.py: nothing
 is read back) and reports the digests; the driver writes the manifest and renames the folder into
-place (workers/checkpoint.py), so a checkpoint becomes visible only when complete.
+place (workers/state/checkpoint.py), so a checkpoint becomes visible only when complete.
 
 `start_save` writes behind the training steps (DCP's `async_save`): the rank's state is copied
 to the CPU (one copy of this rank's state), then written by a thread of DCP's while training goes
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gearshift.workers import checkpoint, hashing, storage
-from gearshift.workers.checkpoint import CheckpointError, DCP_DIR, EXTRA
+from gearshift.workers.state import checkpoint, hashing, storage
+from gearshift.workers.state.checkpoint import CheckpointError, DCP_DIR, EXTRA
 
 log = logging.getLogger("gearshift.checkpoint")
 
@@ -49,7 +49,7 @@ def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options
     full, no run directory, or (auto) some rank cannot reach the checkpoints' place and there is
     no way round: an object store this node has no route or credentials to, or the driver's
     folder on a cluster whose nodes share no file system when no FileServer was started for it.
-    When the driver's FileServer `served` runs (workers/fileserver.py) and some rank does not see
+    When the driver's FileServer `served` runs (workers/state/fileserver.py) and some rank does not see
     the folder (or `unshared`: inject.unshared_storage says to act so), every rank reaches it
     through the server. Every rank must agree, so it is a collective."""
     if fmt == "full" or not checkpoint_dir:
@@ -81,7 +81,7 @@ def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options
 def _sees(root: pathlib.Path, served: str | None) -> bool:
     """This node sees the driver's folder itself: it exists here, and when the driver's server runs,
     it holds the server's mark (a folder of the same name on another disk does not count)."""
-    from gearshift.workers import fileserver
+    from gearshift.workers.state import fileserver
 
     if not root.is_dir():
         return False
@@ -96,7 +96,7 @@ def _sees(root: pathlib.Path, served: str | None) -> bool:
 def _through_server(root: pathlib.Path, served: str | None, device: torch.device):
     """The driver's folder as reached through its FileServer, or None when no server answers.
     Every rank takes part: all of them use the server or none does."""
-    from gearshift.workers import fileserver
+    from gearshift.workers.state import fileserver
 
     ok = True
     try:
@@ -114,7 +114,7 @@ def locate(path: str, root, options: dict | None = None):
     """A checkpoint folder the driver named (a path on its node, or a URL) as this rank reaches
     it: through the driver's FileServer when this rank writes through it."""
     if storage.is_served(root) and not storage.is_url(path):
-        from gearshift.workers import fileserver
+        from gearshift.workers.state import fileserver
 
         return storage.location(fileserver.url(root.fs.server, path))
     return storage.location(path, options)
@@ -129,7 +129,7 @@ def open_full(path: str, server: str | None = None, options: dict | None = None,
     import shutil
     import tempfile
 
-    from gearshift.workers import fileserver
+    from gearshift.workers.state import fileserver
 
     local = None if storage.is_url(path) else pathlib.Path(path)
     if local is not None and not unshared and local.is_file() and _sees(local.parent.parent, server):
@@ -155,7 +155,7 @@ def tmp_folder(root, step: int):
 
 
 def _writer(folder):
-    """DCP's writer for `folder`, every file it writes hashed on the way (workers/hashing.py)."""
+    """DCP's writer for `folder`, every file it writes hashed on the way (workers/state/hashing.py)."""
     dcp = _dcp()
     if storage.is_remote(folder):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter

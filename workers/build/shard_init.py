@@ -1,10 +1,10 @@
 """`model.init: per_shard`: each rank initialises only the pieces it holds, with the distributions
 the model's constructor uses, and the values are the same for the same seed whatever the layout
 (data, tensor, fsdp, hsdp, any number of ranks) and from run to run; they are not a plain build's
-values (`exact`, workers/meta_init.py, replays the whole model's random draws on every rank to
+values (`exact`, workers/build/meta_init.py, replays the whole model's random draws on every rank to
 give those).
 
-The record of the constructor's build (workers/meta_init.py) says, for each parameter and buffer,
+The record of the constructor's build (workers/build/meta_init.py) says, for each parameter and buffer,
 the operations its final value depends on (`normal_`, a padding row's `zero_`, a `trunc_normal_`
 call). Each parameter is cut along its first dimension into blocks of whole rows fixed by its
 shape alone (at most `BLOCK_ELEMENTS` elements, at least `MIN_BLOCKS` blocks where it has the rows),
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from gearshift.workers import meta_init
-from gearshift.workers.meta_init import Recorded, _Op, _Ref
+from gearshift.workers.build import meta_init
+from gearshift.workers.build.meta_init import Recorded, _Op, _Ref
 
 BLOCK_ELEMENTS = 1 << 16  # a block's most elements
 MIN_BLOCKS = 64  # a tensor of enough rows has at least this many blocks: a rank draws little beyond its rows

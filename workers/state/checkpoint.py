@@ -2,12 +2,12 @@
 
 Two formats, both loaded by any layout and world size:
 - `dcp` (format 2): `checkpoints/step_00000050/{dcp/.metadata, dcp/__R_0.distcp..., extra.pt,
-  manifest.json}`. Every rank writes its own shards in parallel (workers/dcp.py); nothing is
+  manifest.json}`. Every rank writes its own shards in parallel (workers/state/dcp.py); nothing is
   gathered. `extra.pt` holds the scaler state and the step.
 - `full` (format 1, what earlier versions wrote; chosen by checkpoint.format full, or when some
   worker reaches the checkpoints' place by no route): `checkpoints/step_00000050/{state.pt,
   manifest.json}`, whole tensors, gathered a tensor at a time and written by rank 0 as they come
-  (workers/full_format.py); the driver commits it. Where rank 0 reaches no place either, it
+  (workers/state/full_format.py); the driver commits it. Where rank 0 reaches no place either, it
   sends the whole state and the driver writes it (`save`).
 
 A checkpoint is written into a temporary folder, every file fsynced, then the folder renamed
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from gearshift.workers.storage import is_remote, location, remove_tree
+from gearshift.workers.state.storage import is_remote, location, remove_tree
 
 log = logging.getLogger("gearshift.checkpoint")
 

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from gearshift.workers.components import ComponentError, _call, _on_path, resolve
+from gearshift.workers.build.components import ComponentError, _call, _on_path, resolve
 
 READERS = ("parquet", "json", "csv", "images")
 TAKE_TIMEOUT_S = 600.0  # a step's rows not ready after this long: the feeder reports why

@@ -14,7 +14,7 @@ import torch
 from gearshift import strategies
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
-from gearshift.workers import oom
+from gearshift.workers.step import oom
 
 
 def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: int | None, world: int | None,
@@ -86,7 +86,7 @@ def warm(worker) -> None:
     otherwise do while the others wait for it: its data, loss and schedule, the modules a
     relayout uses, and a first build of the model on the meta device (its code imported)."""
     from gearshift.strategies import relayout, survivors  # noqa: F401 (imported now, not in the regroup)
-    from gearshift.workers import components
+    from gearshift.workers.build import components
 
     cfg = worker.config
     worker._prepare()

@@ -23,7 +23,7 @@ Checked before anything is laid out (`Recorded.replayable` False, with the reaso
 built whole): a parameter or buffer that no recorded operation filled (an initialiser the record
 did not see), a value used that no recorded operation made, and, for a transformers model, a
 parameter whose recorded last initialisation is not what the model's own `_init_weights` does
-(workers/init_check.py). A constructor that reads a value while it is built (`.item()`,
+(workers/build/init_check.py). A constructor that reads a value while it is built (`.item()`,
 `.tolist()` of a computed tensor, a rejection loop) cannot be recorded and is built whole too.
 """
 
@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from gearshift.workers import init_check
+from gearshift.workers.build import init_check
 
 # in-place operations that overwrite the whole of what they are given, whatever it held
 _OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "copy_", "random_", "bernoulli_", "exponential_",

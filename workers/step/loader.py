@@ -16,8 +16,9 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from gearshift.workers import components, streaming
-from gearshift.workers.data import GlobalBatches, load_batch
+from gearshift.workers.build import components
+from gearshift.workers.step import streaming
+from gearshift.workers.step.data import GlobalBatches, load_batch
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 
 from gearshift.monitoring.comm import CommClock, time_functional_collectives
-from gearshift.workers.simnet import SimulatedNetwork, delay_functional_collectives
+from gearshift.workers.group.simnet import SimulatedNetwork, delay_functional_collectives
 
 
 class CommRoute:

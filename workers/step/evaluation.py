@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gearshift.workers.data import load_batch, tokens_per_sample
+from gearshift.workers.step.data import load_batch, tokens_per_sample
 
 
 def held_out_loss(dataset, forward_loss, module, device, global_batch: int, layout, rank: int, world: int,

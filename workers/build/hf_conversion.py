@@ -5,7 +5,7 @@ into one tensor, transposes, prefix changes) applied to the files' names, so tha
 earlier versions did (`vit.encoder.layer.0.attention.attention.query` for today's
 `vit.layers.0.attention.q_proj`).
 
-A renamed tensor is read as any other, by slices (workers/pretrained.py). A fused one (Mixtral's
+A renamed tensor is read as any other, by slices (workers/build/pretrained.py). A fused one (Mixtral's
 `experts.*.w1` and `w3` stacked and concatenated into `experts.gate_up_proj`) is read by slices
 too where its conversion is a stack of a module list along dim 0, then, optionally, a
 concatenation: each rank reads, of each expert's tensor, only the rows and columns its piece of

@@ -4,7 +4,7 @@ other fsspec URL (`s3://bucket/prefix`, `gs://...`, `memory://...`), as a `Remot
 `RemotePath` offers the few `pathlib.Path` operations the checkpoint code uses (`/`, `name`,
 `parent`, `is_dir`, `is_file`, `exists`, `iterdir`, `glob`, `read_bytes`, `read_text`,
 `write_bytes`, `open`, `stat`, `mkdir`, `unlink`), so that code reads the same for both; what
-differs is said where it differs (workers/checkpoint.py): an object store has no rename and
+differs is said where it differs (workers/state/checkpoint.py): an object store has no rename and
 no fsync, so a checkpoint there is written under its final name and becomes a checkpoint when
 its manifest, written last in one PUT, appears; a folder without a manifest is never loaded.
 
@@ -41,7 +41,7 @@ def is_remote(path) -> bool:
 
 def is_served(path) -> bool:
     """A folder on the driver's node that this worker reaches through its FileServer."""
-    from gearshift.workers import fileserver
+    from gearshift.workers.state import fileserver
 
     return is_remote(path) and path.fs.protocol == fileserver.PROTOCOL
 
@@ -66,10 +66,10 @@ class RemotePath:
     def open_url(cls, url: str, options: dict) -> "RemotePath":
         import fsspec
 
-        from gearshift.workers import fileserver
+        from gearshift.workers.state import fileserver
 
-        # the driver's folder served to workers on other nodes (workers/fileserver.py)
-        fsspec.register_implementation(fileserver.PROTOCOL, "gearshift.workers.fileserver.ServedFileSystem",
+        # the driver's folder served to workers on other nodes (workers/state/fileserver.py)
+        fsspec.register_implementation(fileserver.PROTOCOL, "gearshift.workers.state.fileserver.ServedFileSystem",
                                        clobber=True)
         fs, path = fsspec.core.url_to_fs(url, **options)
         return cls(fs, path, url.rstrip("/"), path, options)
