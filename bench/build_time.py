@@ -70,19 +70,19 @@ def timed_build(worker, spec: dict, layout: dict) -> dict:
     before = {"file": int(status["RssFile"].split()[0]) * 1024, "anon": int(status["RssAnon"].split()[0]) * 1024}
     sampler = memory._SAMPLER
     worker.config = dataclasses.replace(worker.config, model=spec)
-    worker.build_info = {"on_meta": False}
+    worker.builder.info = {"on_meta": False}
     phase = f"build-{time.perf_counter()}"  # a phase's peak is kept per name: a name per build
     sampler.enter(phase)
     started = time.perf_counter()
-    worker._lay_out(Layout.from_dict(layout))
+    worker.builder.lay_out(Layout.from_dict(layout))
     built = time.perf_counter() - started
     loaded = worker.load_pretrained() if spec.get("pretrained") else {}
     total = time.perf_counter() - started
     sampler.enter(None)
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
     return {"rss_file_after": int(status["RssFile"].split()[0]) * 1024 - before["file"],
-            "rss_anon_after": int(status["RssAnon"].split()[0]) * 1024 - before["anon"],"build_s": built, "fill_s": worker.build_info.get("fill_s"), "load_s": loaded.get("seconds"),
-            "total_s": total, "drawn": worker.build_info.get("drawn"), "init": worker.build_info.get("init"),
+            "rss_anon_after": int(status["RssAnon"].split()[0]) * 1024 - before["anon"],"build_s": built, "fill_s": worker.builder.info.get("fill_s"), "load_s": loaded.get("seconds"),
+            "total_s": total, "drawn": worker.builder.info.get("drawn"), "init": worker.builder.info.get("init"),
             "growth": sampler.peak(phase) - baseline}
 
 

@@ -218,7 +218,7 @@ def full_gather_switch(worker, layout: dict) -> dict:
              "step": w.step}
     w.parallel.detach()
     w.parallel = w.optimizer = None
-    w._lay_out(target)
+    w.builder.lay_out(target)
     w.load(state)
     return {"seconds": time.perf_counter() - start, "layout": target.to_dict(), "step": w.step}
 
@@ -238,7 +238,7 @@ def grown(worker, phase: str, method: str):
 
 def no_full_place(worker) -> None:
     """Rank 0 reaches no place to write: the full format's state goes to the driver whole."""
-    worker.full_place = None
+    worker.io.full_place = None
 
 
 def set_checkpoints(worker, fmt: str, root: str) -> str:
@@ -248,10 +248,10 @@ def set_checkpoints(worker, fmt: str, root: str) -> str:
     from gearshift.workers.state import full_format
 
     worker.config = dataclasses.replace(worker.config, checkpoint_dir=root, checkpoint_format=fmt)
-    worker.dcp_root = dcp.root_for(root, fmt, worker.device)
-    worker.full_place = full_format.place(root, None, None, False) if worker.dcp_root is None and worker.rank == 0 \
+    worker.io.dcp_root = dcp.root_for(root, fmt, worker.device)
+    worker.io.full_place = full_format.place(root, None, None, False) if worker.io.dcp_root is None and worker.rank == 0 \
         else None
-    return "dcp" if worker.dcp_root else "full"
+    return "dcp" if worker.io.dcp_root else "full"
 
 
 # ------------------------------------------------------------------ the driver
@@ -293,13 +293,13 @@ def eval_peak(worker, micro_batch):
     forward (None: a rank's whole slice at once), in this phase."""
     from gearshift.workers.step.evaluation import held_out_loss
 
-    return held_out_loss(worker.dataset, worker._forward_loss, worker.parallel.module, worker.device, 64,
+    return held_out_loss(worker.dataset, worker.runner.forward_loss, worker.parallel.module, worker.device, 64,
                          worker.layout, worker.rank, worker.world, 2, micro_batch=micro_batch)
 
 
 def build_whole(worker) -> None:
     """The first build as it was before the meta device: every worker builds the whole model."""
-    worker._shards = lambda layout: False
+    worker.builder._shards = lambda layout: False
 
 
 def build_part(args, log, finish: dict | None = None) -> dict:

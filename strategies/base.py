@@ -106,6 +106,9 @@ class Parallel:
     # True when full state exists only as pieces on several ranks: gathering it is a collective
     # every rank must enter; otherwise rank 0 alone holds all of it.
     gathers_collectively = False
+    # how a rank's share of a step runs forward and backward (workers/step/steps.py names the
+    # variants); None: at once, or in micro-batches when the share is accumulated
+    step_variant: str | None = None
 
     def __init__(self, module: nn.Module, model: nn.Module, layout: Layout, options: Options, mesh=None):
         self.module, self.model, self.layout, self.options, self.mesh = module, model, layout, options, mesh

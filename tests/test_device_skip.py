@@ -127,12 +127,12 @@ def test_no_host_sync_in_the_step_on_cuda(tmp_path):
     worker.setup(0, 1, "127.0.0.1", free_port(), 60.0)
     try:
         worker.build()
-        worker._one_step(0)  # warm-up: lazy init of kernels and the allocator may sync
+        worker.runner.one_step(0)  # warm-up: lazy init of kernels and the allocator may sync
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for step in range(1, 4):
-                *_, found = worker._one_step(step)
+                *_, found = worker.runner.one_step(step)
                 assert found is not None  # checked on the device, read later
         finally:
             torch.cuda.set_sync_debug_mode(0)

@@ -118,7 +118,7 @@ def _first_build_against_plain(worker, spec: dict, layout: dict) -> dict:
     from gearshift.strategies.state import full
 
     worker.config = dataclasses.replace(worker.config, model=spec)
-    worker._lay_out(Layout.from_dict(layout))
+    worker.builder.lay_out(Layout.from_dict(layout))
     torch.manual_seed(worker.config.seed)
     plain, _ = components.build_model_and_plan(spec, worker.config.search_paths)
     want = _state(plain)
@@ -129,7 +129,7 @@ def _first_build_against_plain(worker, spec: dict, layout: dict) -> dict:
         if value is None or not torch.equal(value, want[name].detach()):
             wrong[name] = None if value is None else float((value.float() - want[name].float()).abs().max())
     local = sum(t.to_local().numel() if hasattr(t, "to_local") else t.numel() for t in worker.parallel.model.parameters())
-    return {"wrong": wrong, "build": worker.build_info, "local": local,
+    return {"wrong": wrong, "build": worker.builder.info, "local": local,
             "total": sum(p.numel() for p in plain.parameters())}
 
 
@@ -171,14 +171,14 @@ def _per_shard_against_single(worker, spec: dict, layout: dict) -> dict:
     from gearshift.workers.build import shard_init
 
     worker.config = dataclasses.replace(worker.config, model={**spec, "init": "per_shard"})
-    worker.build_info = {"on_meta": False}
-    worker._lay_out(Layout.from_dict(layout))
+    worker.builder.info = {"on_meta": False}
+    worker.builder.lay_out(Layout.from_dict(layout))
     torch.manual_seed(worker.config.seed)
     (single, _), record = build_recorded(lambda: components.build_model_and_plan(spec, worker.config.search_paths))
     alone = shard_init.fill(single, record, torch.device("cpu"), worker.config.seed)
     want, got = _state(single), _state(worker.parallel.model)
     wrong = sorted(name for name in want if not torch.equal(full(got[name].detach()), want[name].detach()))
-    return {"wrong": wrong, "build": worker.build_info, "alone": alone.drawn}
+    return {"wrong": wrong, "build": worker.builder.info, "alone": alone.drawn}
 
 
 @pytest.mark.parametrize("layout", ["data", *LAYOUTS])

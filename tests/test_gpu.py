@@ -75,7 +75,7 @@ def test_gpu_telemetry_reads_nvml_and_times_with_cuda_events():
                                                 "train.steps=300", "telemetry.sample_period_s=0.2",
                                                 f"inject.comm_delay_ms={delay_ms}", "parallel.bucket_cap_mb=100"])
     worker = TrainWorker(WorkerConfig.from_job(job.to_dict(), [job.base_dir]))
-    worker.gpu_ids = ["0"]  # what Ray would hand the worker; NVML counts physical devices
+    worker.member.gpu_ids = ["0"]  # what Ray would hand the worker; NVML counts physical devices
     try:
         worker.setup(0, 1, "127.0.0.1", free_port(), 60)
         info = worker.build()

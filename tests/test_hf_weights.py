@@ -104,14 +104,14 @@ def _load_under(worker, family: str, folder: str, layout: dict) -> dict:
 
     spec = {"entrypoint": f"first_build:{family}", "pretrained": {"path": folder, "prefix": "", "hash": "header"}}
     worker.config = dataclasses.replace(worker.config, model=spec)
-    worker._lay_out(Layout.from_dict(layout))
+    worker.builder.lay_out(Layout.from_dict(layout))
     got = worker.load_pretrained()
     want = _reference(family, folder)
     state = worker.parallel.model.state_dict()
     wrong = [k for k, v in want.items() if not torch.equal(full(state[k].detach()), v)]
     fused = sum(v.numel() * v.element_size() for k, v in want.items() if "experts" in k)
     return {"wrong": wrong, "bytes": got["bytes"], "read_whole": got["read_whole"], "fused": fused,
-            "from_weights": worker.build_info.get("from_weights")}
+            "from_weights": worker.builder.info.get("from_weights")}
 
 
 @pytest.fixture(scope="module")

@@ -178,7 +178,7 @@ def _inflight_at_each_finish(worker):
 
     par.after_backward = after_backward
     list(worker.train(worker.step + 2, 0, 1000.0))
-    return seen, worker.build_info["on_meta"]
+    return seen, worker.builder.info["on_meta"]
 
 
 def test_a_model_built_on_meta_overlaps_in_the_worker():

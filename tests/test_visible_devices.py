@@ -44,11 +44,14 @@ def test_a_worker_keeps_its_one_gpu_once_cuda_has_started(monkeypatch):
     from gearshift.workers import worker
 
     monkeypatch.setattr(worker.torch.cuda, "is_initialized", lambda: True)
-    w = worker.TrainWorker.__new__(worker.TrainWorker)
-    w.device_index = None
+    from gearshift.workers.group.member import Member
+
+    w = worker.TrainWorker.__new__(worker.TrainWorker)  # no process group, no config: only the group part
+    w.member = Member.__new__(Member)
+    w.member.device_index = None
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert w.use_devices("0,1", 1) is False
-    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before and w.device_index is None
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before and w.member.device_index is None
 
 
 def test_the_rendezvous_takes_the_shared_index():

@@ -58,7 +58,7 @@ class Startup:
 
 
 def build_lines(built: dict, loaded: bool) -> list[str]:
-    """What the workers' first build (workers/worker.py, build_info) says at a run's start: a
+    """What the workers' first build (workers/build/builder.py, Builder.info) says at a run's start: a
     sharded layout built whole, and why; how the initial values are made (model.init), unless a
     checkpoint replaces them."""
     lines = []

@@ -24,21 +24,21 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
     places on the new mesh, with no collective of the old group. With `rank` of `world`, `layout`
     and `old_ranks` (the old rank of each new one): the survivors' state moves onto `layout`."""
     start = time.perf_counter()
-    worker.writes.drop()  # a write behind the steps on the old group cannot finish
+    worker.io.writes.drop()  # a write behind the steps on the old group cannot finish
     oom.leave_group()
     if worker.parallel is not None:
         worker.parallel.drop_step()  # what the layout kept of the step that broke off
     if rank is not None:
         worker.rank, worker.world = rank, world
-    worker._join(master_addr, master_port, timeout_s)
+    worker.member.join(master_addr, master_port, timeout_s)
     joined = time.perf_counter()
     if joining is not None:  # a new worker, or one a step behind: it receives the others' state
         if worker.parallel is not None:  # what it held is a step old: given up
             worker.parallel.detach()
             worker.parallel = worker.optimizer = None
             oom.give_back(worker.device)
-        if not getattr(worker, "warmed", False):
-            worker._prepare()
+        if not worker.builder.warmed:
+            worker.builder.prepare()
         _move_survivors(worker, Layout.from_dict(layout), old_ranks, joining)
         return _done(worker, start, joined)
     worker.optimizer.zero_grad(set_to_none=True)
@@ -57,12 +57,12 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
         old = (worker.parallel, worker.optimizer)
         worker.parallel.detach()
         worker.parallel = worker.optimizer = None
-        worker._lay_out(Layout.from_dict(layout) if layout is not None else worker.layout, rewrap=old)
+        worker.builder.lay_out(Layout.from_dict(layout) if layout is not None else worker.layout, rewrap=old)
         del old
         if scaler:
             worker.scaler.load_state_dict(scaler)
         if layout is not None:
-            worker._checkpoints()  # every rank of the new group: where they all write
+            worker.io.locate()  # every rank of the new group: where they all write
     if layout is None or worker.device.type == "cuda":
         # after an out-of-memory step, or on a GPU: what the old layout held goes back now. (A
         # full collection takes 0.2-0.5 s in a worker; on the host, memory dropped in cycles
@@ -89,10 +89,10 @@ def warm(worker) -> None:
     from gearshift.workers.build import components
 
     cfg = worker.config
-    worker._prepare()
+    worker.builder.prepare()
     with torch.device("meta"):
         components.build_model_and_plan(dict(cfg.model), cfg.search_paths, cfg.activation_checkpointing)
-    worker.warmed = True
+    worker.builder.warmed = True
 
 
 def describe(worker) -> dict:
@@ -143,10 +143,10 @@ def _move_survivors(worker, target: Layout, old_ranks: list, joining: dict | Non
         worker.parallel.detach()
         worker.parallel = worker.optimizer = None
     try:
-        worker._lay_out(target, move_from=old, gather=Survivors(old_ranks).full)
+        worker.builder.lay_out(target, move_from=old, gather=Survivors(old_ranks).full)
     except SwitchAborted as err:
         raise RuntimeError(f"rank {worker.rank}: {err}") from None
     del old
     if scaler:
         worker.scaler.load_state_dict(scaler)
-    worker._checkpoints()  # every rank of the new group: where they all write
+    worker.io.locate()  # every rank of the new group: where they all write

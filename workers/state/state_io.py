@@ -2,9 +2,10 @@
 format's state.pt gathered a tensor at a time), a load from a checkpoint or from pretrained
 weights, and final.pt written by rank 0 on its own node.
 
-The worker's actor methods (`checkpoint`, `load`, `load_pretrained`, `write_final`) call these;
-where checkpoints go (`worker.dcp_root`, `worker.full_place`) the worker decides once its group
-is formed (`TrainWorker._checkpoints`).
+StateIO is the worker's state part: the worker's actor methods (`state`, `checkpoint`, `load`,
+`load_pretrained`, `write_final`) call it. It keeps where checkpoints go (`dcp_root`,
+`full_place`: decided by `locate` once the group is formed, a collective) and the checkpoint
+written behind the steps (`writes`, one at a time).
 """
 
 from __future__ import annotations
@@ -24,19 +25,38 @@ FINAL_MARK = ".final-mark"  # the driver's token in the run's folder: rank 0 wri
 class StateIO:
     def __init__(self, worker):
         self.w = worker
+        self.writes = dcp.Behind()  # a checkpoint written behind the steps (checkpoint.async_save)
+        self.dcp_root = None  # where DCP checkpoints go, None for the full format (locate)
+        self.full_place = None  # where rank 0 writes the full format's state.pt, if it reaches one
+
+    def locate(self) -> None:
+        """Where checkpoints go (a collective) and where rank 0 writes the full format's state.pt."""
+        w, cfg = self.w, self.w.config
+        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, w.device, cfg.checkpoint_options,
+                                     served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
+        self.full_place = None if self.dcp_root is not None or w.rank != 0 else full_format.place(
+            cfg.checkpoint_dir, cfg.checkpoint_server, cfg.checkpoint_options, cfg.unshared_storage)
+
+    def state(self) -> dict | None:
+        """The full state on rank 0, on the CPU (see TrainWorker.state); a collective when sharded."""
+        w = self.w
+        full = w.parallel.full_state(w.optimizer, w.rank)
+        if full is None:
+            return None
+        return to_cpu({**full, "scaler": w.scaler.state_dict(), "step": w.step})
 
     def checkpoint(self) -> dict:
         """This rank's part of a checkpoint of the current step (see TrainWorker.checkpoint)."""
         w = self.w
-        w.writes.settle()
-        if w.dcp_root is None:
+        self.writes.settle()
+        if self.dcp_root is None:
             extra = {"scaler": to_cpu(w.scaler.state_dict()), "step": w.step}
-            if w.rank != 0 or w.full_place is not None:
-                part = full_format.save(w.parallel, w.optimizer, w.full_place, w.step, w.rank, extra)
+            if w.rank != 0 or self.full_place is not None:
+                part = full_format.save(w.parallel, w.optimizer, self.full_place, w.step, w.rank, extra)
                 return {"checkpoint_file": part} if part is not None else {}
-            state = w.state()
+            state = self.state()
             return {"checkpoint": state} if state is not None else {}
-        folder = dcp.tmp_folder(w.dcp_root, w.step)
+        folder = dcp.tmp_folder(self.dcp_root, w.step)
         files = dcp.save(w.parallel.model, w.optimizer, folder, w.rank, w.world, self.extra())
         return {"checkpoint_part": {"step": w.step, "folder": str(folder), "files": files, "rank": w.rank}}
 
@@ -49,10 +69,10 @@ class StateIO:
     def load(self, state: dict) -> int:
         """Continue from a checkpoint (see TrainWorker.load); the step it is of."""
         w, cfg = self.w, self.w.config
-        w.writes.settle()
+        self.writes.settle()
         if "dcp" in state:
             state = dcp.load(w.parallel.model, w.optimizer,
-                             dcp.locate(state["dcp"], w.dcp_root, cfg.checkpoint_options), state.get("files"))
+                             dcp.locate(state["dcp"], self.dcp_root, cfg.checkpoint_options), state.get("files"))
         else:
             if "full" in state:
                 state = dcp.open_full(state["full"], cfg.checkpoint_server, cfg.checkpoint_options,
@@ -96,5 +116,5 @@ class StateIO:
             seen = False
         if not seen:
             return {"written": False}
-        source = export.ModelTensors(dcp.locate(folder, w.dcp_root, w.config.checkpoint_options), verify=False)
+        source = export.ModelTensors(dcp.locate(folder, self.dcp_root, w.config.checkpoint_options), verify=False)
         return {"written": True, "bytes": export.write_torch(source, target)}
