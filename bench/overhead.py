@@ -21,6 +21,14 @@ the command's start (a subprocess, like a user's shell) to rank 0's end of each 
 
     python bench/overhead.py            # 3 repeats of 300 steps
     python bench/overhead.py --quick    # 1 repeat of 120 steps
+    python bench/overhead.py --skip raytrain,gearshift_joined --compare before=../old
+
+`--compare NAME=CHECKOUT` adds `gearshift@NAME`: the same run from another checkout of gearshift
+(before a change; run in that folder with its own .venv), alternating with the rest.
+Every gearshift run also reports each process's peak resident memory (the driver's, and the
+largest of its workers'), polled every 0.2 s over the command's process tree (bench/ingest.py's
+Watcher); `ratio_gearshift_vs_gearshift@NAME` and `peak_rss_*_gearshift_over_gearshift@NAME`
+compare it with the other checkout.
 
 The last line is one JSON object with `ratio_gearshift_vs_torchrun` and
 `ratio_gearshift_vs_raytrain` (steady samples/s, higher is better for gearshift), and
@@ -129,14 +137,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def timed(cmd: list[str], env: dict | None = None, timeout_s: float = 900) -> tuple[float, float, str]:
-    """(wall-clock start, seconds to exit, stderr tail) of a command, run like a user's shell would."""
+def timed(cmd: list[str], env: dict | None = None, timeout_s: float = 900,
+          peaks: dict | None = None, cwd: pathlib.Path = ROOT) -> tuple[float, float, str]:
+    """(wall-clock start, seconds to exit, stderr tail) of a command, run like a user's shell would.
+    With `peaks`, the peak resident bytes of the command's processes go there by role (driver, worker)."""
+    from bench.ingest import Watcher
+
     start = time.time()
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout_s)
-    if done.returncode != 0:
-        raise SystemExit(f"{cmd[:4]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return start, time.time() - start, done.stderr[-2000:]
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    watcher = Watcher(proc.pid) if peaks is not None else None
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if watcher is not None:
+            watcher.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[:4]} failed ({proc.returncode}):\n{err[-3000:]}")
+    if watcher is not None:
+        for role in ("driver", "worker"):
+            peaks[role] = max((rss for r, rss, _, _ in watcher.peaks.values() if r == role), default=0)
+    return start, time.time() - start, err[-2000:]
 
 
 def figures(start: float, wall: float, ends: list[float], batch: int, warmup: int) -> dict:
@@ -145,17 +169,22 @@ def figures(start: float, wall: float, ends: list[float], batch: int, warmup: in
             "first_step_s": ends[0] - start, "wall_s": wall, "steps": n}
 
 
-def run_gearshift(steps: int, batch: int, warmup: int, tmp: pathlib.Path, address: str | None = None) -> dict:
+def run_gearshift(steps: int, batch: int, warmup: int, tmp: pathlib.Path, address: str | None = None,
+                  checkout: pathlib.Path | None = None) -> dict:
     run_dir = tmp / f"gearshift-{time.monotonic_ns()}"
-    start, wall, _ = timed([sys.executable, "-m", "gearshift", "run", str(JOB), "--run-dir", str(run_dir),
+    peaks: dict[str, int] = {}
+    python = str(checkout / ".venv" / "bin" / "python") if checkout else sys.executable
+    start, wall, _ = timed([python, "-m", "gearshift", "run", str(JOB), "--run-dir", str(run_dir),
                             "--set", f"cluster.num_workers={WORLD}", "--set", f"train.steps={steps}",
                             "--set", f"train.global_batch_size={batch}", "--set", "checkpoint.every=0",
                             "--set", "parallel.strategy=data", "--set", "telemetry.enabled=true",
                             *(["--address", address] if address else [])],
-                           env={"RAY_AUTH_MODE": "token"} if address else None)
+                           env={"RAY_AUTH_MODE": "token"} if address else None, peaks=peaks,
+                           cwd=checkout or ROOT)
     records = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
     ends = [r["ended_at"] for r in sorted((r for r in records if r["type"] == "step"), key=lambda r: r["step"])]
-    return figures(start, wall, ends, batch, warmup)
+    return {**figures(start, wall, ends, batch, warmup), "peak_rss_driver": peaks["driver"],
+            "peak_rss_worker": peaks["worker"]}
 
 
 class RunningRay:
@@ -220,6 +249,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=20, help="steps left out of the steady rate")
     ap.add_argument("--skip", default="", help="systems to leave out, comma-separated (e.g. raytrain)")
+    ap.add_argument("--compare", action="append", default=[], metavar="NAME=CHECKOUT",
+                    help="also run gearshift from another checkout (with its .venv) as gearshift@NAME")
     ap.add_argument("--as", dest="role", choices=["ddp", "raytrain"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--storage", help=argparse.SUPPRESS)
@@ -231,6 +262,13 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     steps = args.steps or (120 if args.quick else 300)
     systems = [s for s in SYSTEMS if s not in args.skip.split(",")]
+    for spec in args.compare:
+        name, sep, folder = spec.partition("=")
+        checkout = pathlib.Path(folder).resolve()
+        if not sep or not name or not (checkout / ".venv" / "bin" / "python").exists():
+            raise SystemExit(f"--compare {spec!r}: give NAME=CHECKOUT, a checkout of gearshift with its .venv")
+        SYSTEMS[f"gearshift@{name}"] = (lambda s, b, w, t, c=checkout: run_gearshift(s, b, w, t, checkout=c))
+        systems.append(f"gearshift@{name}")
     print(f"GPT (examples/gpt.yaml), {WORLD} workers, gloo on CPU, batch {args.batch}, {steps} steps "
           f"(steady rate after {args.warmup}), {repeats} repeat(s), alternating; {platform.machine()} with "
           f"{os.cpu_count()} cores", flush=True)
@@ -244,7 +282,8 @@ def main() -> None:
                 runs[name].append(result)
                 print(f"  repeat {r + 1} {name:<10}{result['samples_per_s']:>9.1f} samples/s  first step "
                       f"{result['first_step_s']:>5.2f} s  wall {result['wall_s']:>6.2f} s", flush=True)
-    med = {name: {k: statistics.median(x[k] for x in rs) for k in ("samples_per_s", "first_step_s", "wall_s")}
+    med = {name: {k: statistics.median(x[k] for x in rs) for k in ("samples_per_s", "first_step_s", "wall_s",
+                                                                   "peak_rss_driver", "peak_rss_worker") if k in rs[0]}
            for name, rs in runs.items()}
     print(f"\n{'':<18}{'samples/s':>20}{'first step s':>22}{'wall s':>22}   (medians [min..max])")
     for name, rs in runs.items():
@@ -253,6 +292,12 @@ def main() -> None:
             vals = [x[key] for x in rs]
             cells.append(f"{statistics.median(vals):{fmt}} [{min(vals):{fmt}}..{max(vals):{fmt}}]")
         print(f"{name:<18}{cells[0]:>20}{cells[1]:>22}{cells[2]:>22}")
+    print(f"\n{'peak resident MiB':<18}{'driver':>20}{'largest worker':>22}   (medians [min..max])")
+    for name, rs in runs.items():
+        if "peak_rss_driver" in rs[0]:
+            cells = [f"{statistics.median(v) / 2**20:.0f} [{min(v) / 2**20:.0f}..{max(v) / 2**20:.0f}]"
+                     for v in ([x[k] for x in rs] for k in ("peak_rss_driver", "peak_rss_worker"))]
+            print(f"{name:<18}{cells[0]:>20}{cells[1]:>22}")
     ratios = {}
     # per-repeat ratios (the systems of one repeat ran back to back): their min..max is the spread
     def per_repeat(a: str, b: str, key: str, invert: bool = False) -> list[float]:
@@ -266,6 +311,15 @@ def main() -> None:
                                  ("gearshift", "raytrain", "wall_s", "wall_raytrain_over_gearshift", True)):
         if a in runs and b in runs:
             r = per_repeat(a, b, key, inv)
+            ratios[f"{name}_min"], ratios[f"{name}_max"] = r[0], r[-1]
+            ratios[f"{name}_median_of_repeats"] = statistics.median(r)
+    # this checkout against another (--compare): per-repeat ratios, their median and spread
+    for other in (s for s in runs if s.startswith("gearshift@") and "gearshift" in runs):
+        for key, name in (("samples_per_s", f"ratio_gearshift_vs_{other}"),
+                          ("peak_rss_driver", f"peak_rss_driver_gearshift_over_{other}"),
+                          ("peak_rss_worker", f"peak_rss_worker_gearshift_over_{other}")):
+            r = per_repeat("gearshift", other, key)
+            ratios[name] = statistics.median(r)
             ratios[f"{name}_min"], ratios[f"{name}_max"] = r[0], r[-1]
             ratios[f"{name}_median_of_repeats"] = statistics.median(r)
     g = med.get("gearshift")
