@@ -55,9 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gearshift.orchestrator.policy.comm_wait import CommWait, CommWaitFell, Rebase
-from gearshift.orchestrator.policy.decisions import (
-    KEEP, AdaptConfig, Decision, Fits, Keep, Report, Revert, Switch,
-)
+from gearshift.orchestrator.policy.decisions import KEEP, AdaptConfig, Decision, Fits, Keep, Report, Revert, Switch
 from gearshift.orchestrator.policy.judge import Judge
 from gearshift.orchestrator.policy.measures import rate, rate_error, window_means
 from gearshift.orchestrator.policy.memory_pressure import Memory, MemoryPressure

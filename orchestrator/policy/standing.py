@@ -46,6 +46,7 @@ class PassedOver:
 
 @dataclass
 class Standing:
+    """The run as the policy has seen it so far; see the module's doc."""
     candidates: list[Layout]
     current: Layout
     change: ChangePoint                    # the per-step comm wait's change points (the link changed)
