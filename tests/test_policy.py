@@ -15,6 +15,7 @@ from gearshift.orchestrator.policy.adaptive import (
     Policy,
     Report,
     Revert,
+    Rules,
     Switch,
     candidate_layouts,
 )
@@ -407,3 +408,24 @@ def test_each_revert_of_a_layout_doubles_its_block():
     gaps = [t - r for r, t in zip(reverts, tries[1:])]
     assert [g // cfg.retry_after for g in gaps] == [1, 2, 4], gaps  # 400, 800, 1600 steps (+ a window)
     assert all(g < b * cfg.retry_after + 2 * cfg.window for g, b in zip(gaps, [1, 2, 4]))
+
+
+def test_the_rules_are_passed_in_and_asked_in_order():
+    """A rule put before the default ones answers first; one that answers None leaves the window
+    to the others (here rule 4's switch)."""
+    config, asked = AdaptConfig(window=5), []
+
+    def first(answer):  # the default rules, fresh (they keep what they said), after one of the test's
+        def rule(st, window, means, step):
+            asked.append((step, means["steps"]))
+            return answer
+        default = Rules.default(config)
+        return Rules(default.every_step, (rule, *default.every_window))
+
+    said = Report("test", {})
+    policy = Policy(config, [DATA4, HYB2], DATA4, rules=first(said))
+    assert run(policy, 5, lambda layout, step: {"wait": 0.4}) == [(5, said)]
+    assert policy.history == [{"step": 5, **said.to_dict()}]
+    policy = Policy(config, [DATA4, HYB2], DATA4, rules=first(None))
+    assert [(s, d.name, d.to) for s, d in run(policy, 5, lambda layout, step: {"wait": 0.4})] == [(5, "switch", HYB2)]
+    assert asked == [(5, [1, 5]), (5, [1, 5])]
