@@ -179,7 +179,7 @@ def main() -> None:
     if args.replay:
         REPLAY, args.keep = True, args.replay
     steps = 30 if args.quick else 60
-    model = costmodel.shape_of_job(load_job(JOB))
+    model = job_shape.shape_of_job(load_job(JOB))
     print(f"GPT (examples/gpt.yaml, {model.params:,.0f} parameters), batch {BATCH}, {platform.machine()} with "
           f"{os.cpu_count()} cores", flush=True)
     with contextlib.ExitStack() as stack:

@@ -692,13 +692,14 @@ def cost_model_part(steady: dict) -> dict:
     is taken without its overhead term (MemoryOverhead(0, 0)): that term is the CUDA context and
     the caching allocator's slack, which a CPU process's RSS above its pre-build baseline has not."""
     from gearshift.orchestrator.policy import costmodel
+    from gearshift.orchestrator.policy import job_shape
 
     if not hasattr(costmodel, "memory"):
         return {"memory_worst_rel_error": None,
                 "memory_model": "orchestrator/costmodel.py has no memory model in this checkout"}
     job = make_job(WORKERS, as_dict=False)
-    shape = costmodel.shape_of_job(job)
-    settings = costmodel.memory_settings(job)
+    shape = job_shape.shape_of_job(job)
+    settings = job_shape.memory_settings(job)
     none = costmodel.MemoryOverhead(0.0, 0.0)
     out, errors = {}, {}
     for name, measured in steady.items():

@@ -120,6 +120,7 @@ def check(job: JobLike, *, overrides: Overrides = None, cluster: str | None = No
     as one node of h100-ib400's kind (the step times are then a ranking, not a forecast)."""
     from gearshift.orchestrator.commands.plan import layout_memory, load_cluster
     from gearshift.orchestrator.policy import costmodel
+    from gearshift.orchestrator.policy import job_shape
     from gearshift.orchestrator.policy import hardware
     from gearshift.orchestrator.records.tracking import check_installed
 
@@ -131,7 +132,7 @@ def check(job: JobLike, *, overrides: Overrides = None, cluster: str | None = No
         hw = costmodel.replace(base, nodes=1, per_node=n, name=f"{n} device(s) of h100-ib400's kind on one node")
     else:
         hw = load_cluster(cluster)
-    model = costmodel.shape_of_job(job)
+    model = job_shape.shape_of_job(job)
     batch = job.train.global_batch_size
     preds = costmodel.plan(model, hw, batch)
     memory = layout_memory(job, model, hw, batch, preds)

@@ -506,10 +506,10 @@ def test_auto_starts_in_the_least_sharded_layout_that_fits(tmp_path):
     """Devices with room for fsdp's share but not data's whole replica and Adam state: auto starts
     in the fitting layout that needs the most (not data), and its first policy record says what
     every layout was predicted to need."""
-    from gearshift.orchestrator.policy import costmodel
+    from gearshift.orchestrator.policy import job_shape
 
     job, _, _, _ = _auto_with_devices(tmp_path / "probe", 1)
-    check = costmodel.memory_check(job, 1)
+    check = job_shape.memory_check(job, 1)
     need = {s: check(Layout.for_workers(s, 2, None))[1]["predicted_bytes"] for s in ("data", "fsdp")}
     assert need["fsdp"] < need["data"]
     device = int((need["fsdp"] + need["data"]) / 2)

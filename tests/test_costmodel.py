@@ -10,6 +10,7 @@ import pytest
 
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy import job_shape
 from gearshift.orchestrator.policy import calibration
 from gearshift.orchestrator.policy import hardware
 from gearshift.orchestrator.policy.costmodel import Hardware, Link, ModelShape, allgather_time, allreduce_time, overlap, predict
@@ -255,7 +256,7 @@ def test_calibration_reads_the_slowest_compute_and_the_last_arrivals_wait():
 def test_plan_takes_the_figures_from_runs_of_the_model(tmp_path, capsys):
     from gearshift.orchestrator.job import load_job
 
-    model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
+    model = job_shape.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
     truth = Hardware(nodes=1, per_node=2, flops=5e10, intra=Link(4e8, 5e-4), inter=Link(4e8, 5e-4))
     sharded = costmodel.replace(model, tp_overhead_flops=5e8)  # 10 ms of work at 50 GFLOP/s
     data = _run_dir(tmp_path / "data", predict(model, truth, 32, 2, 1), 2, 1)
@@ -326,7 +327,7 @@ def test_plan_lists_only_layouts_the_model_can_split_into():
     # the built-in GPT splits attention by whole heads: 4 heads, so no tp of 8 or more
     from gearshift.orchestrator.job import load_job
 
-    model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
+    model = job_shape.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
     assert model.tp_divides == 4
     tps = {p.tp for p in costmodel.plan(model, hardware.PRESETS["a100-ib200"], 1024)}
     assert tps == {1, 2, 4}

@@ -13,6 +13,7 @@ import pytest
 from gearshift import strategies
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy import job_shape
 from gearshift.orchestrator.policy import hardware
 from gearshift.orchestrator.policy.costmodel import GiB, Activations, Hardware, Link, MemoryOverhead, ModelShape, memory, predict
 from gearshift.orchestrator.policy.adaptive import AdaptConfig, Policy, Switch, candidate_layouts
@@ -112,11 +113,11 @@ def test_the_optimizer_and_precision_are_read_from_the_job():
         return SimpleNamespace(optimizer=SimpleNamespace(name=name, momentum=momentum),
                                train=SimpleNamespace(micro_batch_size=4, precision=precision))
 
-    assert costmodel.memory_settings(job("adamw")) == {"micro_batch": 4, "optimizer_states": 2, "compute_bytes": 4.0}
-    assert costmodel.memory_settings(job("sgd"))["optimizer_states"] == 0
-    assert costmodel.memory_settings(job("sgd", 0.9))["optimizer_states"] == 1
-    assert costmodel.memory_settings(job("adam", precision="bf16"))["compute_bytes"] == 2.0
-    assert costmodel.memory_settings(job("adam", precision={"dtype": "fp16"}))["compute_bytes"] == 2.0
+    assert job_shape.memory_settings(job("adamw")) == {"micro_batch": 4, "optimizer_states": 2, "compute_bytes": 4.0}
+    assert job_shape.memory_settings(job("sgd"))["optimizer_states"] == 0
+    assert job_shape.memory_settings(job("sgd", 0.9))["optimizer_states"] == 1
+    assert job_shape.memory_settings(job("adam", precision="bf16"))["compute_bytes"] == 2.0
+    assert job_shape.memory_settings(job("adam", precision={"dtype": "fp16"}))["compute_bytes"] == 2.0
 
 
 def test_a_gpt_layer_saves_what_korthikanti_counts_less_dropout():
@@ -135,7 +136,7 @@ def test_a_gpt_layer_saves_what_korthikanti_counts_less_dropout():
 def test_the_built_in_gpt_splits_what_its_plan_shards():
     from gearshift.orchestrator.job import load_job
 
-    model = costmodel.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
+    model = job_shape.shape_of_job(load_job(ROOT / "examples" / "gpt.yaml"))
     # examples/gpt.yaml: 2 layers of width 128, vocabulary 128, block 64; what tp splits: q, k, v,
     # fc (weights and biases, colwise), the projections' weights (rowwise; their biases stay whole)
     h = 128
@@ -181,8 +182,8 @@ def test_predicted_activations_are_what_autograd_keeps(precision):
         job = load_job(ROOT / "examples" / example, overrides)
         torch.manual_seed(0)
         model = components.build_model(job.to_dict()["model"], [job.base_dir])
-        shape = costmodel.shape_of_job(job)
-        settings = costmodel.memory_settings(job)
+        shape = job_shape.shape_of_job(job)
+        settings = job_shape.memory_settings(job)
         m = memory(shape, 1, global_batch=4, **settings)
         measured = saved_for_backward(model, x, x if y is None else y,
                                       torch.bfloat16 if precision == "bf16" else None)
@@ -408,8 +409,8 @@ def test_job_policy_builds_the_memory_check_from_the_job():
     assert checked.candidates == [start, Layout("hsdp", 4, 1, 2), Layout("fsdp", 4, 1, 4), Layout("hybrid", 2, 2),
                                   Layout("hybrid", 2, 2, 2)]
     ok, said = checked.fits(start)
-    want = costmodel.memory(costmodel.shape_of_job(job), 4, 1, 1, global_batch=job.train.global_batch_size,
-                            **costmodel.memory_settings(job))
+    want = costmodel.memory(job_shape.shape_of_job(job), 4, 1, 1, global_batch=job.train.global_batch_size,
+                            **job_shape.memory_settings(job))
     assert said["predicted_bytes"] == pytest.approx(want["total"]) and said["available_bytes"] == 24 * GiB
     assert ok == (want["total"] <= 24 * GiB) and said["breakdown"]["params"] == want["params"]
     tiny = job_policy(job, start, [2, 2], device_memory_bytes=1)

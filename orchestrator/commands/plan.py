@@ -8,6 +8,7 @@ import pathlib
 import yaml
 
 from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy import job_shape
 from gearshift.orchestrator.policy import calibration
 from gearshift.orchestrator.policy import hardware
 from gearshift.orchestrator.errors import UsageError
@@ -111,7 +112,7 @@ def with_device_memory(hw: costmodel.Hardware, gib: float | None) -> costmodel.H
 def layout_memory(job, model: costmodel.ModelShape, hw: costmodel.Hardware, batch: int,
                   preds: list[costmodel.Prediction]) -> dict[tuple[int, int, int], tuple[dict, bool, dict]]:
     """(dp, tp, shard) -> (memory breakdown per rank, whether it fits the device, what fits says)."""
-    settings = costmodel.memory_settings(job)
+    settings = job_shape.memory_settings(job)
     out = {}
     for p in preds:
         key = (p.dp, p.tp, p.shard)
@@ -185,7 +186,7 @@ def cmd_plan(args) -> int:
 
     job = load_job(args.job, args.overrides)
     hw = with_device_memory(load_cluster(args.cluster, args.nodes), getattr(args, "device_memory", None))
-    model, hw, notes = calibrated(job, costmodel.shape_of_job(job), hw, args.calibrate)
+    model, hw, notes = calibrated(job, job_shape.shape_of_job(job), hw, args.calibrate)
     batch = global_batch(args, job)
     preds = costmodel.plan(model, hw, batch)
     if not preds:

@@ -126,10 +126,11 @@ class OutOfMemory:
         """The candidate predicted to need less memory than `layout` (and to fit `memory_bytes`,
         when known) that needs the most among those, and has not run out of memory; None: none."""
         from gearshift.orchestrator.policy import costmodel
+        from gearshift.orchestrator.policy import job_shape
 
         if self._shape is None:
-            self._shape = costmodel.shape_of_job(self.job)
-        settings = costmodel.memory_settings(self.job)
+            self._shape = job_shape.shape_of_job(self.job)
+        settings = job_shape.memory_settings(self.job)
 
         def need(lay: Layout) -> float:
             return costmodel.memory(self._shape, lay.dp, lay.tp, lay.shard, global_batch=self.job.train.global_batch_size,

@@ -36,15 +36,16 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
     """The policy a job's `adapt` section asks for, starting on `layout`. Its candidates are the
     layouts the workers (per node) can take that the model can be split into. Given the devices'
     memory, layouts with sharded state join them and no layout predicted not to fit is switched
-    to (costmodel.memory_check); without it memory is not judged, and sharded state, whose only
+    to (job_shape.memory_check); without it memory is not judged, and sharded state, whose only
     gain is memory, is not offered."""
     from gearshift.orchestrator.policy import costmodel
+    from gearshift.orchestrator.policy import job_shape
 
     a = job.adapt
     config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide,
                          memory_threshold=a.memory_threshold)
-    shape = costmodel.shape_of_job(job)
-    fits = None if device_memory_bytes is None else costmodel.memory_check(job, device_memory_bytes, model=shape)
+    shape = job_shape.shape_of_job(job)
+    fits = None if device_memory_bytes is None else job_shape.memory_check(job, device_memory_bytes, model=shape)
     candidates = layout_candidates(job, node_sizes, sharded=fits is not None)
     # the cost model, fitted as the run goes from its own records (no prior: a live run's hardware is
     # what it measures)
@@ -52,7 +53,7 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
                         unseen_error=config.unseen_error)
     need = None
     if device_memory_bytes is not None:
-        settings = costmodel.memory_settings(job)
+        settings = job_shape.memory_settings(job)
         need = lambda lay: costmodel.memory(shape, lay.dp, lay.tp, lay.shard,  # noqa: E731
                                             global_batch=job.train.global_batch_size, **settings)["total"]
     return Policy(config, candidates, layout, fits=fits, model=model, total_steps=job.train.steps,

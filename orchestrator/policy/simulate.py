@@ -23,6 +23,7 @@ import dataclasses
 import json
 
 from gearshift.orchestrator.policy import costmodel
+from gearshift.orchestrator.policy import job_shape
 from gearshift.orchestrator.errors import UsageError
 from gearshift.orchestrator.policy.online import OnlineModel
 from gearshift.orchestrator.policy.adaptive import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
@@ -170,7 +171,7 @@ def cmd_simulate(args) -> int:
 
     job = load_job(args.job, args.overrides)
     hw = load_cluster(args.cluster, args.nodes)
-    model, hw, notes = calibrated(job, costmodel.shape_of_job(job), hw, args.calibrate)
+    model, hw, notes = calibrated(job, job_shape.shape_of_job(job), hw, args.calibrate)
     for note in notes:
         print(note)
     scenario = load_scenario(args.scenario)

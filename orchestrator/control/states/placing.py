@@ -34,12 +34,13 @@ class PlacingState:
         share of its host's on CPU), given the workers' `device_memory` before the model is built.
         Nothing fits: a GearshiftError with every layout's prediction."""
         from gearshift.orchestrator.policy import costmodel
+        from gearshift.orchestrator.policy import job_shape
 
         ctl = self.ctl
         job, device = ctl.job, device_memory(infos)
         if device is None:
             return job.layout
-        check = costmodel.memory_check(job, device, model=costmodel.shape_of_job(job))
+        check = job_shape.memory_check(job, device, model=job_shape.shape_of_job(job))
         table = []
         for layout in layout_candidates(job, node_sizes(job, infos), sharded=True):
             ok, said = check(layout)
