@@ -127,10 +127,7 @@ CLASS_LINES, FUNCTION_LINES = 300, 60
 OVER_TODAY = {
     "gearshift.workers.worker:TrainWorker": 587,
     "gearshift.orchestrator.control.controller:Controller": 529,
-    "gearshift.orchestrator.cluster.worker_group:RayWorkerGroup": 461,
     "gearshift.orchestrator.policy.adaptive:Policy": 376,
-    "gearshift.orchestrator.cluster.worker_group:RayWorkerGroup.train": 74,
-    "gearshift.orchestrator.cluster.worker_group:RayWorkerGroup.start": 62,
 }
 
 
