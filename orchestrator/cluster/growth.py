@@ -43,12 +43,13 @@ class Growth:
         if self.on:
             self.free.extend(slots)
 
-    def ready(self, group) -> int:
-        """Start a worker in every free slot, and count those placed and answering; never waits."""
+    def ready(self, spawn) -> int:
+        """Start a worker in every free slot (`spawn(placement group, bundle index)` starts one),
+        and count those placed and answering; never waits."""
         import ray
 
         for slot in self.free:
-            handle = group._spawn(*slot)
+            handle = spawn(*slot)
             self.waiting[handle.node_info.remote(True)] = (handle, slot)  # warm: ready to join at once
         self.free = []
         if self.waiting:

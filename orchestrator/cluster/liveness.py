@@ -1,7 +1,7 @@
 """Whether the workers of a training chunk are alive and getting on, from their step reports and,
 while none comes in, their heartbeats (TrainWorker.heartbeat, answered on the actor's control
 thread, which a busy step does not block). Pure: no Ray, times passed in, so it is tested as
-logic; RayWorkerGroup.train sends the heartbeats and carries out the verdict.
+logic; the train stream (stream.py) sends the heartbeats and carries out the verdict.
 
 A worker is hung when
 - it answers neither with a report nor with a heartbeat for `silent_s` (the collective timeout

@@ -34,7 +34,7 @@ CALL_TIMEOUT_S = 300.0  # one block, or one fsync, on a loaded node
 
 
 class FileServer:
-    """Runs as a Ray actor on the driver's node (orchestrator/cluster/worker_group.py starts it)."""
+    """Runs as a Ray actor on the driver's node (orchestrator/cluster/placement.py starts it)."""
 
     def __init__(self, root: str):
         self.root = pathlib.Path(root).resolve()
