@@ -139,7 +139,7 @@ class Policy:
     def __init__(self, config: AdaptConfig, candidates: list[Layout], current: Layout, fits: Fits | None = None,
                  model: OnlineModel | None = None, total_steps: int | None = None, memory: Memory | None = None,
                  rules: Rules | None = None):
-        self.config = config  # fits (None: memory not judged) and memory go to PassedOver and the memory rule
+        self.config, self.fits, self.memory = config, fits, memory  # fits None: memory not judged
         self.model, self.total_steps = model, total_steps
         self.standing = Standing(list(candidates), current, ChangePoint(config.change_factor, config.change_steps),
                                  PassedOver(fits), model, model is not None and config.decide == "predict",
