@@ -144,6 +144,27 @@ SLOW = ["train.steps=30", "checkpoint.every=10", "inject.comm_delay_ms=30", "fau
 SGD = ["optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.lr=0.02", "optimizer.weight_decay=0"]
 
 
+def await_joiners(monkeypatch, when=lambda: True, timeout_s: float = 120.0) -> None:
+    """Make the driver's look for workers that can join (Growth.ready, which never waits) wait up
+    to `timeout_s` for every worker started in a free slot to answer, once `when()` holds. A test
+    of a grow then cannot lose the race between a new worker's start (seconds to minutes on a
+    loaded machine) and the end of its short run; what it checks is unchanged."""
+    import ray
+
+    from gearshift.orchestrator.cluster.growth import Growth
+
+    ready = Growth.ready
+
+    def waiting(self, spawn):
+        count = ready(self, spawn)
+        if self.waiting and when():
+            ray.wait(list(self.waiting), num_returns=len(self.waiting), timeout=timeout_s)
+            count = ready(self, spawn)
+        return count
+
+    monkeypatch.setattr(Growth, "ready", waiting)
+
+
 def _killed_run(tmp_path, overrides, rank=3, at_step=15):
     killer = Killer(tmp_path / "run", rank=rank, at_step=at_step)
     killer.start()
@@ -215,17 +236,17 @@ def test_two_workers_lost_at_once_end_where_plain_pytorch_ends_or_restart(ray_cl
 @pytest.mark.ray
 @pytest.mark.parametrize("layout", [["parallel.strategy=hybrid", "parallel.tp_size=2", "inject.comm_delay_ms=80"]],
                          ids=["hybrid"])
-def test_a_shrunk_run_grows_back_when_the_lost_place_returns(ray_cluster, tmp_path, layout):
+def test_a_shrunk_run_grows_back_when_the_lost_place_returns(ray_cluster, tmp_path, layout, monkeypatch):
     """The killed worker's node is alive, so its place in the placement group comes back: a new
     worker starts there and joins at a step boundary, receiving its pieces (and the optimizer's
-    momentum) from the others. A new worker takes seconds to start, so the run is long (Adam would
-    turn float rounding into 6e-4 over these 120 steps even uninterrupted). (Data parallel shrinks
-    and grows back onto a node that replaces the lost one in test_node_loss.py.)"""
-    # slow collectives (data has fewer of them a step): 120 steps outlast a new worker's start on a
-    # loaded 2-core machine (over 12 s measured)
-    overrides = MLP[1] + SLOW + SGD + layout + ["train.steps=120", "fault.collective_timeout_s=20"]
+    momentum) from the others. (Data parallel shrinks and grows back onto a node that replaces the
+    lost one in test_node_loss.py.)"""
+    # a new worker takes 12 s to start on an idle 2-core machine and over 40 s beside another test's
+    # cluster: the driver's look for joiners waits for it here, so that the run cannot end first
+    await_joiners(monkeypatch)
+    overrides = MLP[1] + SLOW + SGD + layout + ["train.steps=60", "fault.collective_timeout_s=20"]
     summary = _killed_run(tmp_path, overrides, at_step=10)
-    assert summary["status"] == "done" and summary["steps_done"] == 120, summary.get("error")
+    assert summary["status"] == "done" and summary["steps_done"] == 60, summary.get("error")
     job = load_job(MLP[0], overrides)
     shrink, grow = events(tmp_path / "run", "resize")
     assert shrink["world_size"] == [4, 3] and shrink["from_checkpoint"] is False
