@@ -19,12 +19,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from gearshift.strategies.base import GRID, MESHES, REPLICATE, SHARD, Options, Parallel, Strategy
+from gearshift.strategies.base import GRID, MESHES, PIPE, REPLICATE, SHARD, Options, Parallel, Strategy
 from gearshift.strategies.layout import GROUPED, REPLICATED, SHARDED, Layout, LayoutError
 from gearshift.strategies.registry import STRATEGIES, register
 from gearshift.strategies.tp_plan import PlanError
 
-__all__ = ["GRID", "MESHES", "REPLICATE", "SHARD", "STRATEGIES", "Layout", "LayoutError", "Options", "Parallel",
+__all__ = ["GRID", "MESHES", "PIPE", "REPLICATE", "SHARD", "STRATEGIES", "Layout", "LayoutError", "Options", "Parallel",
            "PlanError", "Strategy", "builtin_names", "lookup", "parallelize", "register"]
 
 
@@ -50,6 +50,9 @@ STRATEGIES.update({
                      "over every worker", sharding=(SHARDED,), meta_ok=True),
     "hsdp": Strategy("hsdp", REPLICATE, _apply_of("fsdp"), "FSDP2 HSDP: sharded inside groups of parallel.shard_size "
                      "workers, replicated across groups", sharding=(GROUPED, SHARDED, REPLICATED), meta_ok=True),
+    "pipeline": Strategy("pipeline", PIPE, _apply_of("pipeline.parallel"), "the model cut into parallel.pp_size stages "
+                         "of consecutive blocks, micro-batches flowing through them (GPipe, 1F1B); data parallel "
+                         "across pipeline replicas"),
 })
 _BUILTIN = tuple(STRATEGIES)
 
@@ -97,7 +100,7 @@ def parallelize(model: nn.Module, layout: Layout, plan: dict[str, str] | None, o
     made, if any: strategies/mesh.py)."""
     strategy = lookup(layout.strategy)
     mesh = None
-    if strategy.mesh != REPLICATE:
+    if strategy.mesh not in (REPLICATE, PIPE):  # a pipeline makes its own (pp, dp) mesh
         from gearshift.strategies.mesh import device_mesh
 
         mesh = device_mesh(options.device.type, (layout.dp, layout.tp), ("dp", "tp"))

@@ -23,7 +23,8 @@ from gearshift.strategies.layout import GROUPED, REPLICATED, SHARDED, Layout
 REPLICATE = "replicate"  # every worker a replica: dp = workers, tp = 1
 SHARD = "shard"          # every worker one shard of one model: dp = 1, tp = workers
 GRID = "grid"            # dp replicas of tp shards: tp = parallel.tp_size, dp = workers / tp
-MESHES = (REPLICATE, SHARD, GRID)
+PIPE = "pipe"            # pp stages of dp replicas: pp = parallel.pp_size, dp = workers / pp
+MESHES = (REPLICATE, SHARD, GRID, PIPE)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class Options:
     # FSDP2's (param_dtype, reduce_dtype), "bf16" | "fp32": gathers and compute in the first, the
     # gradients reduced in the second, fp32 master weights; None: everything in fp32
     mixed_precision: tuple[str, str] | None = None
+    # pipeline: micro-batches a step's share flows through the stages in, the schedule, the
+    # blocks each stage after the first begins at (empty: balanced), and a function giving one
+    # sample of input (the model is traced on it once, to check where it can be cut)
+    pp_microbatches: int = 1
+    pp_schedule: str = "1f1b"
+    pp_split: tuple[str, ...] = ()
+    example: Callable | None = None
 
 
 class SwitchAborted(RuntimeError):

@@ -1,5 +1,7 @@
-"""A layout: how many data-parallel replicas (dp) of how many tensor-parallel shards (tp), and
-over how many of the dp ranks the state of each replica is sharded (shard).
+"""A layout: how many pipeline stages (pp) of how many data-parallel replicas (dp) of how many
+tensor-parallel shards (tp), and over how many of the dp ranks the state of each replica is
+sharded (shard). Ranks fill the (pp, dp, tp) grid stage-major: a stage's ranks are consecutive,
+a tp group's too.
 
 `shard` = 1: every dp rank holds whole state for its tp slice (data, tensor, hybrid).
 `shard` = dp: parameters, gradients and optimizer state are split over all dp ranks (fsdp,
@@ -30,11 +32,17 @@ class Layout:
     dp: int
     tp: int
     shard: int = 1
+    pp: int = 1  # pipeline stages (strategy pipeline)
 
     def __post_init__(self):
-        if self.dp < 1 or self.tp < 1 or self.shard < 1:
-            raise LayoutError(f"dp({self.dp}), tp({self.tp}) and shard({self.shard}) must be at least 1")
+        if self.dp < 1 or self.tp < 1 or self.shard < 1 or self.pp < 1:
+            raise LayoutError(f"dp({self.dp}), tp({self.tp}), shard({self.shard}) and pp({self.pp}) must be at least 1")
         mesh = _mesh_of(self.strategy)
+        if mesh != "pipe" and self.pp != 1:
+            raise LayoutError(f"{self._noun()} has no pipeline stages: pp({self.pp}) must be 1")
+        if mesh == "pipe" and (self.tp != 1 or self.shard != 1):
+            raise LayoutError(f"strategy {self.strategy}: tensor parallelism and sharded state inside a stage are not "
+                              f"supported yet: tp({self.tp}) and shard({self.shard}) must be 1")
         if mesh == "replicate" and self.tp != 1:
             raise LayoutError(f"{self._noun()} shards no layer: tp({self.tp}) must be 1")
         if mesh == "shard" and self.dp != 1:
@@ -60,7 +68,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     @property
     def replicas(self) -> int:
@@ -73,21 +81,30 @@ class Layout:
         out = {"strategy": self.strategy, "dp": self.dp, "tp": self.tp}
         if self.shard > 1:
             out["shard"] = self.shard
+        if self.pp > 1:
+            out["pp"] = self.pp
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
-        return cls(d["strategy"], int(d["dp"]), int(d["tp"]), int(d.get("shard") or 1))
+        return cls(d["strategy"], int(d["dp"]), int(d["tp"]), int(d.get("shard") or 1), int(d.get("pp") or 1))
 
     def __str__(self) -> str:
-        return f"{self.strategy} dp={self.dp} tp={self.tp}" + (f" shard={self.shard}" if self.shard > 1 else "")
+        return (f"{self.strategy} " + (f"pp={self.pp} " if self.pp > 1 else "") + f"dp={self.dp} tp={self.tp}"
+                + (f" shard={self.shard}" if self.shard > 1 else ""))
 
     @classmethod
     def for_workers(cls, strategy: str, num_workers: int, tp_size: int | None, shard_size: int | None = None,
-                    dp_shard: bool = False) -> "Layout":
+                    dp_shard: bool = False, pp_size: int | None = None) -> "Layout":
         """The layout a job asks for, or LayoutError with the equation that fails. `shard_size`
-        is hsdp's group; `dp_shard` shards a grid layout's data dimension (hybrid)."""
+        is hsdp's group; `dp_shard` shards a grid layout's data dimension (hybrid); `pp_size`
+        the pipeline's stages."""
         mesh = _mesh_of(strategy)
+        if mesh == "pipe":
+            return _pipeline(strategy, num_workers, tp_size, pp_size, dp_shard)
+        if pp_size not in (None, 1):
+            raise LayoutError(f"parallel.pp_size applies to strategy pipeline; strategy {strategy} has no stages: "
+                              f"pp_size({pp_size}) must be 1 or unset")
         if mesh == "replicate":
             if tp_size not in (None, 1):
                 raise LayoutError(f"strategy {strategy} uses no tensor parallelism: tp_size({tp_size}) must be 1 "
@@ -110,11 +127,29 @@ class Layout:
         return cls(strategy, dp, tp, _shard_for(strategy, dp, shard_size, dp_shard))
 
     def dp_rank(self, rank: int) -> int:
-        # ranks fill the (dp, tp) mesh row by row: a tp group is tp consecutive ranks
-        return rank // self.tp
+        # ranks fill the (pp, dp, tp) mesh row by row: a tp group is tp consecutive ranks
+        return (rank % (self.dp * self.tp)) // self.tp
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage `rank` runs (0 where there is no pipeline)."""
+        return rank // (self.dp * self.tp)
 
     def tp_groups(self) -> list[list[int]]:
-        return [list(range(d * self.tp, (d + 1) * self.tp)) for d in range(self.dp)]
+        return [list(range(g * self.tp, (g + 1) * self.tp)) for g in range(self.pp * self.dp)]
+
+
+def _pipeline(strategy: str, num_workers: int, tp_size: int | None, pp_size: int | None, dp_shard: bool) -> Layout:
+    if pp_size is None:
+        raise LayoutError(f"strategy {strategy} needs parallel.pp_size (the stages; dp = num_workers / pp_size)")
+    if pp_size < 2:
+        raise LayoutError(f"parallel.pp_size: {pp_size} stages; a pipeline has at least 2")
+    if num_workers % pp_size:
+        raise LayoutError(f"parallel.pp_size: dp * pp_size({pp_size}) != num_workers({num_workers}): "
+                          f"{num_workers} % {pp_size} = {num_workers % pp_size}; allowed: a divisor of num_workers")
+    if tp_size not in (None, 1) or dp_shard:
+        raise LayoutError(f"strategy {strategy}: tensor parallelism (tp_size {tp_size}) and a sharded data dimension "
+                          "(dp_shard) inside a stage are not supported yet: leave tp_size unset and dp_shard false")
+    return Layout(strategy, num_workers // pp_size, 1, 1, pp_size)
 
 
 def _shard_for(strategy: str, dp: int, shard_size: int | None, dp_shard: bool) -> int:

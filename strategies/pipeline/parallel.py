@@ -1,0 +1,249 @@
+"""Pipeline parallelism on a (pp, dp) mesh: the model cut into `pp` stages of consecutive blocks
+(strategies/pipeline/cut.py), each rank holding one stage of one pipeline replica, the step's
+share cut into micro-batches that flow through the stages under a schedule of
+`torch.distributed.pipelining` (GPipe, 1F1B). Only a stage's boundary activation (and its
+gradient) crosses between stages; replicas of the same stage average their gradients over the
+dp dimension after the schedule, and a parameter two stages hold (a tied head) has its
+gradient summed between them.
+
+Ranks are stage-major (rank = stage * dp + replica): the workers of one node hold one stage, so a
+slow link between nodes carries activations only.
+
+What this rests on: gloo on CPU, torch 2.13 (GPipe and 1F1B, the tests in CI). It has not run on
+NCCL."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gearshift.strategies import state
+from gearshift.strategies.base import Options, Parallel
+from gearshift.strategies.grads import GradAverager
+from gearshift.strategies.layout import Layout
+from gearshift.strategies.pipeline import cut as cuts
+from gearshift.strategies.pipeline.stage import StageInfo, StageModule, holders, make_stage
+
+SCHEDULES = ("gpipe", "1f1b")  # offered on gloo (tests/test_pipeline.py runs each with a timeout)
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+
+
+class PipelineParallel(Parallel):
+    """One stage of one pipeline replica. `module` is the stage's StageModule, `model` the whole
+    model's object with the other stages taken out (its names are the whole model's)."""
+
+    gathers_collectively = True
+    step_variant = "pipelined"
+
+    def __init__(self, stage_module: StageModule, info: StageInfo, cut: cuts.Cut, layout: Layout, options: Options,
+                 mesh, tie_groups: dict[tuple, object]):
+        super().__init__(stage_module, stage_module.model, layout, options, mesh)
+        self.info, self.cut = info, cut
+        self.stage, self.stages = info.stage, layout.pp
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.tie_groups = tie_groups  # stages holding a parameter together -> this replica's group of them
+        self.averager = GradAverager(list(self.model.parameters()), self.dp_group, options.bucket_cap_mb)
+        self.averager.timer = lambda nbytes: self.blocked(nbytes, "dp")
+        self.microbatches = options.pp_microbatches
+        self._pipe = None
+        self._loss = None
+
+    # ------------------------------------------------------------ the step
+
+    def pipe(self):
+        """The stage and its schedule, made on the first step (the stage learns its shapes then)."""
+        if self._pipe is None:
+            from torch.distributed.pipelining import PipelineStage
+
+            stage = PipelineStage(self.module, self.stage, self.stages, self.options.device, group=self.pp_group)
+            schedule = _schedule_class(self.options.pp_schedule)(
+                stage, self.microbatches, loss_fn=lambda out, target: self._loss(out, target), scale_grads=False)
+            self._pipe = (stage, schedule)
+        return self._pipe
+
+    def run(self, x: torch.Tensor, y: torch.Tensor, loss_fn, scale: float) -> torch.Tensor | None:
+        """Forward and backward of `x` through the pipeline in `microbatches` micro-batches, each
+        micro-batch's loss multiplied by `scale`; the gradients accumulate. The sum of the scaled
+        losses on the last stage, None on the others."""
+        _, schedule = self.pipe()
+        self._loss = lambda out, target: loss_fn(out, target) * scale
+        losses: list = []
+        try:
+            if self.stage == 0:
+                schedule.step(x, losses=losses, return_outputs=False)
+            elif self.stage == self.stages - 1:
+                schedule.step(inputs=x, target=y, losses=losses, return_outputs=False)
+            else:
+                schedule.step(inputs=x, return_outputs=False)
+        finally:
+            self._loss = None
+        return torch.stack([l.detach().float() for l in losses]).sum() if losses else None
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor | None:
+        """The mean loss of `x` through the pipeline, forward only (the last stage's; None elsewhere)."""
+        _, schedule = self.pipe()
+        n = self.microbatches
+        self._loss = lambda out, target: loss_fn(out, target) / n
+        losses: list = []
+        try:
+            with torch.no_grad():
+                if self.stage == 0:
+                    schedule.eval(x, losses=losses)
+                elif self.stage == self.stages - 1:
+                    schedule.eval(inputs=x, target=y, losses=losses)
+                else:
+                    schedule.eval(inputs=x)
+        finally:
+            self._loss = None
+        return torch.stack([l.detach().float() for l in losses]).sum() if losses else None
+
+    def share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last stage's loss, on every stage of this replica (one number, broadcast)."""
+        out = loss if loss is not None else torch.zeros((), device=self.options.device)
+        out = out.to(torch.float32).reshape(())
+        if self.stages > 1:
+            last = dist.get_global_rank(self.pp_group, self.stages - 1)
+            with self.blocked(out.element_size(), "pp"):
+                dist.broadcast(out, src=last, group=self.pp_group)
+        return out
+
+    def after_backward(self) -> None:
+        """A parameter two stages hold gets the sum of their gradients; then every stage's
+        replicas average theirs."""
+        for name, stages in self.info.ties.items():
+            group = self.tie_groups.get(stages)
+            p = self.model.get_parameter(name)
+            if group is None or p.grad is None:
+                continue
+            with self.blocked(p.grad.numel() * p.grad.element_size(), "pp"):
+                dist.all_reduce(p.grad, group=group)
+        self.averager()
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """The gradients this stage counts in the global norm: a parameter two stages hold counts
+        on the first of them only."""
+        out = []
+        for name, p in self.model.named_parameters():
+            stages = self.info.ties.get(name)
+            if p.grad is not None and (stages is None or stages[0] == self.stage):
+                out.append(p.grad)
+        return out
+
+    def grad_norm(self) -> torch.Tensor:
+        grads = self._owned_grads()
+        squares = (torch.nn.utils.get_total_norm(grads, 2.0) ** 2 if grads
+                   else torch.zeros((), device=self.options.device)).to(torch.float32)
+        if self.stages > 1:
+            with self.blocked(squares.element_size(), "pp"):
+                dist.all_reduce(squares, group=self.pp_group)
+        return squares.sqrt()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """As torch.nn.utils.clip_grad_norm_ over the whole model: the global norm over every
+        stage, each gradient scaled by max_norm / (norm + 1e-6) where that is below 1."""
+        norm = self.grad_norm()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return norm
+
+    def make_scaler(self):
+        return torch.amp.GradScaler(self.options.device.type, enabled=False)
+
+    def compile(self, options: dict) -> None:
+        raise NotImplementedError("train.compile with parallel.strategy pipeline is not supported yet")
+
+    # ------------------------------------------------------------ full state
+
+    def full_state(self, optimizer, rank: int, everywhere: bool = False) -> dict | None:
+        """The whole model's state: each stage's part (from the first replica) gathered onto rank
+        0, or onto every rank with `everywhere`."""
+        part = None
+        if self.layout.dp_rank(rank) == 0:
+            part = {"model": state.model_state(self.model), "optimizer": state.optimizer_state(optimizer, self.model)}
+        parts = [None] * dist.get_world_size()
+        if everywhere:
+            dist.all_gather_object(parts, part)
+        else:
+            dist.gather_object(part, parts if rank == 0 else None, dst=0)
+            if rank != 0:
+                return None
+        out = {"model": {}, "optimizer": {"state": {}, "hyperparameters": {}}}
+        for p in parts:
+            if p is None:
+                continue
+            out["model"].update(p["model"])
+            out["optimizer"]["state"].update(p["optimizer"]["state"])
+            out["optimizer"]["hyperparameters"] = p["optimizer"]["hyperparameters"]
+        return out
+
+    def state_tensors(self, optimizer) -> dict:
+        """The whole state on rank 0 (gathered here, every rank taking part), nothing elsewhere:
+        what is left for the caller to gather is none."""
+        rank = dist.get_rank()
+        full = self.full_state(optimizer, rank)
+        return full if full is not None else {}
+
+    def load_full_state(self, optimizer, full: dict) -> None:
+        own = set(self.model.state_dict())
+        state.load_model_state(self.model, {k: v for k, v in full["model"].items() if k in own})
+        state.load_optimizer_state(optimizer, self.model, full["optimizer"])
+
+    def detach(self) -> None:
+        super().detach()
+        self._pipe = None
+
+
+def tie_groups(held_by: dict[int, set], layout: Layout) -> dict[tuple, object]:
+    """For each set of stages that hold a parameter together, a group of those stages' ranks of
+    each replica (every rank makes every group, in one order); this rank's group of each."""
+    from gearshift.strategies.mesh import MAKE_GROUPS, group_timeout
+
+    sets = sorted({tuple(sorted(s)) for s in held_by.values() if len(s) > 1})
+    mine = {}
+    rank = dist.get_rank()
+    for stages in sets:
+        for replica in range(layout.dp):
+            ranks = [s * layout.dp + replica for s in stages]
+            made = []
+            MAKE_GROUPS[0](lambda ranks=ranks: made.append(dist.new_group(ranks, timeout=group_timeout())))
+            if rank in ranks:
+                mine[stages] = made[0]
+    return mine
+
+
+def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> PipelineParallel:
+    """Cut `model` (whole on this rank, the same initial values on every rank) into layout.pp
+    stages and keep this rank's; the example input (Options.example) is traced once."""
+    from gearshift.strategies.mesh import device_mesh
+
+    if options.example is None:
+        raise cuts.CutError("parallel.strategy pipeline needs an example input to trace the model (Options.example)")
+    blocks = cuts.find_blocks(model, options.fsdp_units)
+    if not blocks:
+        raise cuts.CutError("parallel.strategy pipeline: no repeated blocks found to cut the model at (name them with "
+                            "parallel.fsdp_units, e.g. model.layers.*)")
+    chosen = cuts.choose(model, blocks, layout.pp, tuple(options.pp_split))
+    traced = cuts.trace(model, options.example().to(options.device), chosen.blocks)
+    cuts.check_crossings(chosen, traced)
+    held_by = holders(chosen, traced, model)
+    mesh = device_mesh(options.device.type, (layout.pp, layout.dp), ("pp", "dp"))
+    stage = layout.stage_of(dist.get_rank())
+    groups = tie_groups(held_by, layout)
+    module, info = make_stage(model, chosen, traced, stage)
+    return PipelineParallel(module, info, chosen, layout, options, mesh, groups)
+
+
+def bubble(pp: int, microbatches: int) -> float:
+    """The share of a GPipe or 1F1B step a stage is idle for lack of work: (pp - 1) / (m + pp - 1)."""
+    return (pp - 1) / (microbatches + pp - 1) if pp > 1 else 0.0
+
+
+__all__ = ["SCHEDULES", "PipelineParallel", "apply", "bubble"]

@@ -1,0 +1,248 @@
+"""Pipeline parallelism (strategies/pipeline/): where a model is cut and why it cannot be, and a
+pipelined step on gloo processes against plain single-process PyTorch on the same batches, for
+the built-in GPT, a Hugging Face Llama built from a config (its head tied to the embedding), and
+an MLP whose activation runs between its blocks; GPipe and 1F1B; pp alone and pp x dp; with
+clipping (the global norm over every stage) and accumulation."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gearshift import strategies
+from gearshift.strategies.layout import Layout, LayoutError
+from gearshift.strategies.pipeline import cut as cuts
+from test_fsdp import spawn_gloo
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "fixtures"))
+
+BATCH, SEQ, VOCAB, STEPS = 8, 8, 64, 3
+
+
+def gpt(layers: int = 4):
+    from gearshift.workers.build.models import gpt as build
+
+    return build(vocab_size=VOCAB, block_size=SEQ, n_layer=layers, n_head=4, n_embd=32)
+
+
+def llama(layers: int = 4):
+    import hf_model
+
+    return hf_model.build(layers)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in [(12, 16), (16, 16), (16, 16), (16, 8)])
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x):
+        for layer in self.hidden:
+            x = F.relu(layer(x))
+        return self.out(x)
+
+
+class Skips(nn.Module):
+    """Each block's input is added to the block after next: a skip connection across any cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        prev = x
+        for block in self.blocks:
+            x, prev = block(x) + prev, x
+        return x
+
+
+class Unordered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for i in (0, 2, 1, 3):
+            x = self.blocks[i](x)
+        return x
+
+
+MODELS = {"gpt": gpt, "llama": llama, "mlp": MLP}
+
+
+def data(name: str, step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    if name == "mlp":
+        return torch.randn(BATCH, 12, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def optimizer(params, name: str):
+    return torch.optim.Adam(params, lr=1e-2) if name == "adam" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def plain(name: str, opt_name: str, clip: float | None) -> tuple[dict, list[float]]:
+    model = build(name)
+    opt = optimizer(model.parameters(), opt_name)
+    losses = []
+    for step in range(STEPS):
+        x, y = data(name, step)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.clone() for k, v in model.state_dict().items()}, losses
+
+
+def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, clip, out_path):
+    from gearshift.strategies.pipeline.parallel import PipelineParallel
+
+    layout = Layout.for_workers("pipeline", world, None, pp_size=pp)
+    model = build(name)
+    sample = data(name, 0)[0][:1]
+    options = strategies.Options(torch.device("cpu"), pp_microbatches=micro, pp_schedule=schedule,
+                                 example=lambda: sample)
+    par = strategies.parallelize(model, layout, None, options)
+    assert isinstance(par, PipelineParallel)
+    opt = optimizer(par.param_groups()[0]["params"], opt_name)
+    d, dp = layout.dp_rank(rank), layout.dp
+    losses = []
+    for step in range(STEPS):
+        x, y = data(name, step)
+        share = BATCH // dp
+        x, y = x[d * share:(d + 1) * share], y[d * share:(d + 1) * share]
+        opt.zero_grad(set_to_none=True)
+        total = None
+        for xa, ya in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            got = par.run(xa, ya, loss_fn, 1.0 / (micro * accumulation))
+            total = got if total is None else (total + got if got is not None else total)
+        loss = par.share_loss(total)  # this replica's share's loss, on each of its stages
+        torch.distributed.all_reduce(loss)  # the mean over the replicas: the global batch's
+        loss /= world
+        par.after_backward()
+        if clip:
+            par.clip_grad_norm(clip)
+        opt.step()
+        losses.append(loss.item())
+    full = par.full_state(opt, rank)
+    if rank == 0:
+        torch.save({"model": full["model"], "losses": losses, "held": sorted(par.info.held),
+                    "ties": par.info.ties, "cut": par.cut.describe()}, out_path)
+
+
+CASES = [  # model, workers, pp, schedule, micro-batches, accumulation, optimizer, clip
+    ("gpt", 2, 2, "gpipe", 4, 1, "adam", None),
+    ("gpt", 2, 2, "1f1b", 4, 1, "sgd", 0.5),
+    ("gpt", 4, 2, "1f1b", 2, 2, "sgd", 0.5),
+    ("gpt", 2, 2, "1f1b", 2, 2, "adam", 0.5),
+    ("gpt", 4, 4, "1f1b", 4, 1, "sgd", None),
+    ("llama", 2, 2, "1f1b", 2, 1, "adam", 0.5),
+    ("llama", 4, 2, "gpipe", 2, 1, "sgd", None),
+    ("mlp", 2, 2, "gpipe", 2, 1, "sgd", 0.5),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-w{c[1]}-pp{c[2]}-{c[3]}-m{c[4]}-acc{c[5]}-{c[6]}"
+                         + ("-clip" if c[7] else ""))
+def test_a_pipelined_step_equals_plain_pytorch(tmp_path, case):
+    name, world, pp, schedule, micro, accumulation, opt_name, clip = case
+    out = tmp_path / "out.pt"
+    spawn_gloo(_pipelined, world, (name, pp, schedule, micro, accumulation, opt_name, clip, str(out)), timeout_s=180)
+    got = torch.load(out, weights_only=False)
+    ref, ref_losses = plain(name, opt_name, clip)
+    assert got["model"].keys() == ref.keys()  # the whole model's names, every tensor once
+    worst = max((got["model"][k].float() - ref[k].float()).abs().max().item() for k in ref)
+    assert worst <= 1e-5, (worst, got["cut"])
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5
+    # the Llama's head is tied to its embedding: the first and last stage hold it, their gradients summed
+    assert list(got["ties"].values()) == ([(0, pp - 1)] if name == "llama" else []), got["ties"]
+    print(f"{case}: max |pipeline - plain| {worst:.2e}, cut {got['cut']}")
+
+
+def test_a_balanced_cut_evens_the_parameters_out():
+    assert cuts.balanced([1, 1, 1, 1], 2) == [0, 2]
+    assert cuts.balanced([4, 1, 1, 1, 1], 2) == [0, 1]
+    assert cuts.balanced([1] * 8, 4, first_extra=2, last_extra=0) == [0, 1, 3, 6] or \
+        max(cuts_loads([1] * 8, cuts.balanced([1] * 8, 4, 2, 0), 2, 0)) == 3
+    model = gpt(8)
+    cut = cuts.choose(model, cuts.find_blocks(model), 4)
+    assert [len(s) for s in cut.stages] == [2, 2, 2, 2] and cut.how == "balanced"
+    named = cuts.choose(model, cuts.find_blocks(model), 2, ("blocks.5",))
+    assert [len(s) for s in named.stages] == [5, 3] and named.stages[1][0] == "blocks.5"
+
+
+def cuts_loads(weights, starts, first, last):
+    ends = starts[1:] + [len(weights)]
+    loads = [sum(weights[a:b]) for a, b in zip(starts, ends)]
+    loads[0] += first
+    loads[-1] += last
+    return loads
+
+
+@pytest.mark.parametrize("model, split, says", [
+    (lambda: gpt(4), ("blocks.9",), "'blocks.9' names no block; the blocks are blocks.0 .. blocks.3 (4)"),
+    (lambda: gpt(4), ("blocks.1", "blocks.2"), "names 2 cut(s); pp_size 2 needs 1"),
+    (lambda: gpt(2), (), None),
+])
+def test_a_cut_that_names_no_block_says_which_blocks_there_are(model, split, says):
+    m = model()
+    blocks = cuts.find_blocks(m)
+    if says is None:  # more stages than blocks
+        with pytest.raises(cuts.CutError, match=r"3 stages need at least 3 blocks; the model has 2"):
+            cuts.choose(m, blocks, 3)
+        return
+    with pytest.raises(cuts.CutError) as err:
+        cuts.choose(m, blocks, 2, split)
+    assert says in str(err.value)
+
+
+def test_a_model_that_cannot_be_cut_is_refused_before_anything_starts():
+    skips = Skips()
+    blocks = cuts.find_blocks(skips)
+    traced = cuts.trace(skips, torch.randn(1, 8), blocks)
+    with pytest.raises(cuts.CutError, match="skip connection across the cut"):
+        cuts.check_crossings(cuts.choose(skips, blocks, 2), traced)
+    unordered = Unordered()
+    with pytest.raises(cuts.CutError, match="does not run its blocks as a chain"):
+        cuts.trace(unordered, torch.randn(1, 8), cuts.find_blocks(unordered))
+    # a cut the GPT and Llama allow: what crosses is the next block's input only
+    for m, x in ((gpt(4), torch.randint(0, VOCAB, (1, SEQ))), (llama(4), torch.randint(0, VOCAB, (1, SEQ)))):
+        blocks = cuts.find_blocks(m)
+        cuts.check_crossings(cuts.choose(m, blocks, 4), cuts.trace(m, x, blocks))
+
+
+@pytest.mark.parametrize("args, says", [
+    (dict(num_workers=4, pp_size=3), "dp * pp_size(3) != num_workers(4): 4 % 3 = 1"),
+    (dict(num_workers=4, pp_size=None), "needs parallel.pp_size"),
+    (dict(num_workers=4, pp_size=1), "a pipeline has at least 2"),
+    (dict(num_workers=4, pp_size=2, tp_size=2), "not supported yet"),
+])
+def test_a_pipeline_layout_that_does_not_add_up_says_the_equation(args, says):
+    with pytest.raises(LayoutError, match=says.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        Layout.for_workers("pipeline", args["num_workers"], args.get("tp_size"), pp_size=args["pp_size"])
+    layout = Layout.for_workers("pipeline", 4, None, pp_size=2)
+    assert (layout.pp, layout.dp, layout.world, layout.to_dict()) == (2, 2, 4, {"strategy": "pipeline", "dp": 2,
+                                                                                "tp": 1, "pp": 2})
+    assert [layout.stage_of(r) for r in range(4)] == [0, 0, 1, 1] and [layout.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert Layout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(LayoutError, match="applies to strategy pipeline"):
+        Layout.for_workers("data", 4, None, pp_size=2)
