@@ -67,6 +67,8 @@ class WorkerConfig:
     # FSDP2's (param_dtype, reduce_dtype) under fsdp, hsdp and hybrid dp_shard; None: fp32 gathers
     # and reductions (see fsdp_mixed_precision)
     fsdp_mixed_precision: tuple[str, str] | None = None
+    # strategy pipeline: {"microbatches", "schedule", "split"} (orchestrator/job/checks.py pp_microbatches)
+    pipeline: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",), checkpoint_dir: str | None = None,
@@ -95,7 +97,8 @@ class WorkerConfig:
             compile=train.get("compile") or None, eval_data=_eval_data(job), profile=_profile(train),
             checkpoint_server=checkpoint_server, unshared_storage=bool(inject.get("unshared_storage", False)),
             feeders=dict(feeders or {}),
-            fsdp_mixed_precision=fsdp_mixed_precision(train["precision"], par.get("reduce_dtype", "fp32"))[0])
+            fsdp_mixed_precision=fsdp_mixed_precision(train["precision"], par.get("reduce_dtype", "fp32"))[0],
+            pipeline=_pipeline(job))
 
 
 def fsdp_mixed_precision(precision, reduce_dtype: str = "fp32") -> tuple[tuple[str, str] | None, str | None]:
@@ -151,3 +154,17 @@ def _eval_data(job: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def _profile(train: Mapping[str, Any]) -> tuple[int, int] | None:
     p = train.get("profile")  # a run dir written before profiling existed has no train.profile
     return (p["start_step"], p["steps"]) if p else None
+
+
+def _pipeline(job: Mapping[str, Any]) -> dict:
+    """What a pipeline stage needs of the job (empty under other strategies)."""
+    par, train = job["parallel"], job["train"]
+    if par.get("strategy") != "pipeline":
+        return {}
+    from gearshift.strategies.pipeline import microbatches
+
+    pp = par["pp_size"]
+    share = train.get("micro_batch_size") or train["global_batch_size"] // (job["cluster"]["num_workers"] // pp)
+    micro = microbatches(share, pp, par.get("pp_microbatches"))
+    return {"microbatches": int(micro), "schedule": par.get("pp_schedule", "1f1b"), "split": tuple(par.get("pp_split") or ())}
+

@@ -169,6 +169,8 @@ class Elastic:
         f = job.fault
         if f.max_failures != -1 and failures > f.max_failures:
             return "fault.max_failures is used up"
+        if layout.pp > 1:  # the stages' ranks would be numbered anew: each survivor's stage may change
+            return f"{layout} cannot go on in memory on fewer workers yet (a pipeline's stages are not moved between ranks)"
         gone = pieces_lost(layout, lost)
         if gone:
             return (f"{layout} held {len(gone)} piece(s) of the state only on the lost rank(s) {lost}: "

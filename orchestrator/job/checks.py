@@ -345,6 +345,7 @@ def _check_sizes(job: Job) -> None:
                        f"{job.train.global_batch_size} % {dp} = {job.train.global_batch_size % dp}",
                        f"Use a multiple of {dp}, e.g. {dp * max(1, round(job.train.global_batch_size / dp))}.")
     _check_micro_batch(job, [("parallel.strategy", job.layout)] + _scheduled_layouts(job))
+    _check_pipeline(job)
     _check_lr_schedule(job)
     _check_keep_fp32(job)
     _check_profile(job)
@@ -392,6 +393,56 @@ def _check_micro_batch(job: Job, layouts: list) -> None:
                            f"global_batch_size({g}) must be a multiple of micro_batch_size({b}) x dp({layout.dp}) "
                            f"= {b * layout.dp} under {where} = {layout}: {g} % {b * layout.dp} = {g % (b * layout.dp)}",
                            "Accumulation steps = global_batch_size / (micro_batch_size x dp).")
+
+
+def pp_microbatches(job: Job, dp: int) -> int:
+    """parallel.pp_microbatches resolved: the job's, else the largest up to 2 x pp_size that
+    divides a replica's share of one pass (its micro-batch under accumulation)."""
+    from gearshift.strategies.pipeline import microbatches
+
+    share = job.train.micro_batch_size or job.train.global_batch_size // dp
+    return microbatches(share, job.parallel.pp_size or 1, job.parallel.pp_microbatches)
+
+
+def _check_pipeline(job: Job) -> None:
+    """What the pipeline layout needs, and what it does not do yet, before anything starts."""
+    p, t = job.parallel, job.train
+    if p.strategy != "pipeline":
+        for name, value, default in (("pp_microbatches", p.pp_microbatches, None), ("pp_split", p.pp_split, []),
+                                     ("pp_schedule", p.pp_schedule, "1f1b")):
+            if value != default:
+                raise JobError(f"parallel.{name}", value, f"applies to strategy pipeline, not {p.strategy}")
+        if any(e["strategy"] == "pipeline" for e in job.adapt.schedule):
+            raise JobError("adapt.schedule", job.adapt.schedule, "cannot switch to strategy pipeline yet: a pipeline "
+                           "run keeps its layout from start to end")
+        return
+    layout = job.layout
+    if job.adapt.schedule:
+        raise JobError("adapt.schedule", job.adapt.schedule, "a pipeline run keeps its layout from start to end: "
+                       "switching to or from strategy pipeline is not supported yet")
+    share = t.micro_batch_size or t.global_batch_size // layout.dp
+    m = pp_microbatches(job, layout.dp)
+    if share % m:
+        raise JobError("parallel.pp_microbatches", m, f"must divide a replica's share of the step, "
+                       f"{share} samples ({'train.micro_batch_size' if t.micro_batch_size else f'train.global_batch_size / dp({layout.dp})'}): "
+                       f"{share} % {m} = {share % m}")
+    if p.pp_split and len(p.pp_split) != layout.pp - 1:
+        raise JobError("parallel.pp_split", p.pp_split, f"names the first block of every stage after the first: "
+                       f"pp_size {layout.pp} needs {layout.pp - 1} name(s), not {len(p.pp_split)}")
+    if p.pp_split:
+        from gearshift.workers.build import components
+        from gearshift.workers.build.components import ComponentError
+
+        try:
+            components.check_module_patterns(job.to_dict()["model"], p.pp_split, "parallel.pp_split", [job.base_dir])
+        except ComponentError as err:
+            raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+    from gearshift.workers.config import _dtype
+
+    for field, on, why in (("train.precision", _dtype(t.precision) == "fp16", "fp16's loss scaling; use bf16"),
+                           ("train.compile", bool(t.compile), "torch.compile of a stage")):
+        if on:
+            raise JobError(field, getattr(t, field.split(".")[1]), f"strategy pipeline does not support {why} yet")
 
 
 def _check_lr_schedule(job: Job) -> None:

@@ -428,7 +428,7 @@ def _bucket_values(v, path):
 
 # strategies.builtin_names(), written out: importing strategies imports torch, and the CLI reads
 # and checks a job file's fields before torch is needed (tests/test_job.py holds them equal)
-BUILTIN_STRATEGIES = ("data", "tensor", "hybrid", "fsdp", "hsdp")
+BUILTIN_STRATEGIES = ("data", "tensor", "hybrid", "fsdp", "hsdp", "pipeline")
 
 
 def _strategy(allow_auto: bool):

@@ -165,6 +165,15 @@ class ParallelSpec:
     fsdp_units: list = _f([], _fsdp_units, "fsdp, hsdp, hybrid dp_shard: the modules sharded as units of their own "
                           "(module-name patterns such as model.layers.*, or class names); empty: a Hugging Face "
                           "model's _no_split_modules, else the blocks of the outermost ModuleList at any depth")
+    pp_size: int | None = _f(None, _tp_size, "pipeline: the stages the model is cut into, one after the other "
+                             "(dp = num_workers / pp_size)")
+    pp_microbatches: int | None = _f(None, _tp_size, "pipeline: the micro-batches a replica's share of the step "
+                                     "flows through the stages in; null: the largest up to 2 x pp_size that divides "
+                                     "the share")
+    pp_schedule: str = _f("1f1b", _choice("gpipe", "1f1b"), "pipeline: gpipe (every forward, then every backward) "
+                          "or 1f1b (one forward, one backward: fewer micro-batches' activations held)")
+    pp_split: list = _f([], _fsdp_units, "pipeline: the first block of every stage after the first (e.g. "
+                        "['blocks.4']); empty: cut where the stages hold about equal parameters")
     reduce_dtype: str = _f("fp32", _choice("fp32", "bf16"), "fsdp, hsdp, hybrid dp_shard with train.precision bf16: "
                            "the dtype gradients are reduced in (parameters are gathered in bf16; the optimizer "
                            "updates fp32 master weights either way); bf16 halves the reduce-scatter's bytes")
@@ -368,7 +377,8 @@ class Job:
         # where the model fits, Controller._starting_layout); the policy moves it from there
         strategy = "data" if self.parallel.strategy == "auto" else self.parallel.strategy
         p = self.parallel
-        return Layout.for_workers(strategy, self.cluster.num_workers, p.tp_size, self.shard_size(strategy), p.dp_shard)
+        return Layout.for_workers(strategy, self.cluster.num_workers, p.tp_size, self.shard_size(strategy), p.dp_shard,
+                                  p.pp_size)
 
     def shard_size(self, strategy: str) -> int | None:
         """hsdp's shard group: parallel.shard_size, else the workers of one node (the simulated

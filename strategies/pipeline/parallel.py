@@ -25,7 +25,8 @@ from gearshift.strategies.layout import Layout
 from gearshift.strategies.pipeline import cut as cuts
 from gearshift.strategies.pipeline.stage import StageInfo, StageModule, holders, make_stage
 
-SCHEDULES = ("gpipe", "1f1b")  # offered on gloo (tests/test_pipeline.py runs each with a timeout)
+SCHEDULES = ("gpipe", "1f1b")
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # offered on gloo (tests/test_pipeline.py runs each with a timeout)
 
 
 def _schedule_class(name: str):
@@ -86,22 +87,38 @@ class PipelineParallel(Parallel):
         return torch.stack([l.detach().float() for l in losses]).sum() if losses else None
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor | None:
-        """The mean loss of `x` through the pipeline, forward only (the last stage's; None elsewhere)."""
-        _, schedule = self.pipe()
-        n = self.microbatches
-        self._loss = lambda out, target: loss_fn(out, target) / n
-        losses: list = []
-        try:
-            with torch.no_grad():
-                if self.stage == 0:
-                    schedule.eval(x, losses=losses)
-                elif self.stage == self.stages - 1:
-                    schedule.eval(inputs=x, target=y, losses=losses)
-                else:
-                    schedule.eval(inputs=x)
-        finally:
-            self._loss = None
-        return torch.stack([l.detach().float() for l in losses]).sum() if losses else None
+        """The loss of `x` forward through the stages, one stage after the other (no schedule:
+        any batch size, each activation's shape sent ahead of it); the last stage's, None on the
+        others. Every stage of this replica calls it with the same batch."""
+        if self.stage == 0:
+            out = self.module(x)
+        else:
+            out = self.module(self._receive(), inputs=x)
+        if self.stage < self.stages - 1:
+            self._send(out)
+            return None
+        return loss_fn(out, y)
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.pp_group, stage)
+
+    def _send(self, t: torch.Tensor) -> None:
+        head = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.int64)
+        with self.blocked(t.numel() * t.element_size(), "pp"):
+            dist.send(torch.tensor([head.numel()], dtype=torch.int64), self._peer(self.stage + 1), group=self.pp_group)
+            dist.send(head, self._peer(self.stage + 1), group=self.pp_group)
+            dist.send(t.contiguous(), self._peer(self.stage + 1), group=self.pp_group)
+
+    def _receive(self) -> torch.Tensor:
+        size = torch.zeros(1, dtype=torch.int64)
+        with self.blocked(0, "pp"):
+            dist.recv(size, self._peer(self.stage - 1), group=self.pp_group)
+            head = torch.zeros(int(size), dtype=torch.int64)
+            dist.recv(head, self._peer(self.stage - 1), group=self.pp_group)
+            dtype, ndim = _DTYPES[int(head[0])], int(head[1])
+            out = torch.empty([int(d) for d in head[2:2 + ndim]], dtype=dtype, device=self.options.device)
+            dist.recv(out, self._peer(self.stage - 1), group=self.pp_group)
+        return out
 
     def share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss, on every stage of this replica (one number, broadcast)."""

@@ -65,7 +65,7 @@ class Builder:
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
         options = strategies.Options(w.device, w.bucket_cap_mb, fp16=cfg.precision == "fp16",
                                      fsdp_units=cfg.fsdp_units, dp_overlap=cfg.dp_overlap,
-                                     mixed_precision=cfg.fsdp_mixed_precision)
+                                     mixed_precision=cfg.fsdp_mixed_precision, **self._pipeline(layout))
         make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer), w.device)  # noqa: E731
         if move_from:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
@@ -88,6 +88,18 @@ class Builder:
         self.attach_route()
         if cfg.compile and rewrap is None:  # compiled afresh with every layout: a switch recompiles
             w.parallel.compile(dict(cfg.compile))
+
+    def _pipeline(self, layout: Layout) -> dict:
+        """A pipeline's options: its micro-batches, schedule and cuts, and one sample of the
+        job's data to trace the model on (strategies/pipeline/cut.py)."""
+        cfg = self.w.config
+        if layout.pp == 1:
+            return {}
+        from gearshift.workers.step.data import load_batch
+
+        pipe = dict(cfg.pipeline)
+        return {"pp_microbatches": pipe["microbatches"], "pp_schedule": pipe["schedule"],
+                "pp_split": tuple(pipe["split"]), "example": lambda: load_batch(self.w.dataset, [0])[0]}
 
     def _model(self, layout: Layout, move_from: tuple | None, rewrap: tuple | None):
         """(model, the plan its builder returned, the meta build's record or None) for `lay_out`:

@@ -22,7 +22,7 @@ class SimulatedNetwork:
     def __init__(self, delay_ms: float, link: dict | None, slow: dict[str, bool]):
         self.delay_s = delay_ms / 1000.0
         self.link = (link["mb_per_s"] * 1e6, link["latency_ms"] / 1000.0) if link else None
-        self.slow = slow  # {"dp": spans nodes, "tp": spans nodes} for this rank's groups
+        self.slow = slow  # {"dp", "tp", "pp": whether this rank's group spans nodes}
 
     @classmethod
     def for_rank(cls, delay_ms: float, nodes: int, link: dict | None, layout: Layout, rank: int):
@@ -30,10 +30,13 @@ class SimulatedNetwork:
         if not delay_ms and not link:
             return None
         node = [r // (layout.world // nodes) for r in range(layout.world)]
-        tp_group = layout.tp_groups()[layout.dp_rank(rank)]
-        dp_group = [d * layout.tp + rank % layout.tp for d in range(layout.dp)]
+        tp_group = layout.tp_groups()[rank // layout.tp]
+        stage, replicas = layout.stage_of(rank), layout.dp * layout.tp  # ranks are stage-major
+        dp_group = [stage * replicas + d * layout.tp + rank % layout.tp for d in range(layout.dp)]
+        pp_group = [s * replicas + rank % replicas for s in range(layout.pp)]
         return cls(delay_ms, link, {"tp": len({node[r] for r in tp_group}) > 1,
-                                    "dp": len({node[r] for r in dp_group}) > 1})
+                                    "dp": len({node[r] for r in dp_group}) > 1,
+                                    "pp": len({node[r] for r in pp_group}) > 1})
 
     def delay(self, nbytes: int, dim: str) -> float:
         """Seconds one collective of `nbytes` on mesh dimension `dim` takes longer."""

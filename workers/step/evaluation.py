@@ -41,13 +41,17 @@ def held_out_loss(dataset, forward_loss, module, device, global_batch: int, layo
                     x, y = x.to(device), y.to(device)
                     if not part:
                         x, y = x[:0], y[:0]
+                    if not part and layout.pp > 1:  # a pipeline's replica skips it on every stage: no collective
+                        continue
                     loss = forward_loss(x, y)  # the training forward and loss, with its autocast
-                    if part:  # a loss that is a mean over its samples, weighted by their count
+                    if part and loss is not None:  # a mean over its samples, weighted by their count (None: not
+                        # a pipeline's last stage)
                         sums[0] += loss.detach().double() * len(part)
                         sums[1] += len(part)
     finally:
         module.train()
     dist.all_reduce(sums)
     loss_sum, count = sums.tolist()
-    return {"loss": loss_sum / count, "samples": int(round(count / (world // dp))), "batches": total,
+    copies = world // dp // layout.pp  # the ranks that counted each sample: a tp group's (a pipeline's last stage)
+    return {"loss": loss_sum / count, "samples": int(round(count / copies)), "batches": total,
             "token_targets": tokens_per_sample(dataset) is not None}

@@ -153,6 +153,11 @@ class StepRunner:
         w = self.w
         if w.eval_dataset is None:
             raise RuntimeError("evaluate: this job has no eval.data (eval.every is 0)")
-        return held_out_loss(w.eval_dataset, self.forward_loss, w.parallel.module, w.device,
+        forward_loss = self.forward_loss
+        if w.parallel.step_variant == "pipelined":  # forward through the stages: the last one's loss
+            def forward_loss(x, y):
+                with self.autocast():
+                    return w.parallel.evaluate(x, y, w.loss_fn)
+        return held_out_loss(w.eval_dataset, forward_loss, w.parallel.module, w.device,
                              w.config.global_batch_size, w.layout, w.rank, w.world, max_batches,
                              micro_batch=w.micro_batch)

@@ -34,7 +34,23 @@ def accumulated(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return total
 
 
-STEPS: dict[str, Callable] = {"plain": plain, "accumulated": accumulated}
+def pipelined(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The share through the pipeline's stages (strategies/pipeline/parallel.py), in the layout's
+    micro-batches, once per accumulation micro-batch: each micro-batch's loss is scaled by one
+    over their count, so the gradients are the share's mean. The loss, the last stage's, on
+    every stage."""
+    w = runner.w
+    n, par = w.accumulation, w.parallel
+    total = None
+    with runner.autocast():
+        for xm, ym in zip(x.chunk(n), y.chunk(n)):
+            got = par.run(xm, ym, w.loss_fn, 1.0 / (par.microbatches * n))
+            if got is not None:
+                total = got if total is None else total + got
+    return par.share_loss(total)
+
+
+STEPS: dict[str, Callable] = {"plain": plain, "accumulated": accumulated, "pipelined": pipelined}
 
 
 def choose(parallel, accumulation: int) -> Callable:
