@@ -271,7 +271,8 @@ def _check_layout(job: Job) -> None:
         layout = job.layout
     except LayoutError as err:
         text = str(err)
-        field = ("parallel.dp_shard" if "dp_shard" in text and job.parallel.dp_shard else
+        field = ("parallel.pp_size" if "pp_size" in text else
+                 "parallel.dp_shard" if "dp_shard" in text and job.parallel.dp_shard else
                  "parallel.shard_size" if "shard_size" in text and job.parallel.shard_size is not None else
                  "parallel.tp_size" if job.parallel.tp_size is not None else "parallel.strategy")
         raise JobError(field, getattr(job.parallel, field.split(".")[1]), text) from None
@@ -429,20 +430,34 @@ def _check_pipeline(job: Job) -> None:
     if p.pp_split and len(p.pp_split) != layout.pp - 1:
         raise JobError("parallel.pp_split", p.pp_split, f"names the first block of every stage after the first: "
                        f"pp_size {layout.pp} needs {layout.pp - 1} name(s), not {len(p.pp_split)}")
-    if p.pp_split:
-        from gearshift.workers.build import components
-        from gearshift.workers.build.components import ComponentError
-
-        try:
-            components.check_module_patterns(job.to_dict()["model"], p.pp_split, "parallel.pp_split", [job.base_dir])
-        except ComponentError as err:
-            raise JobError(err.field_path, err.value, err.allowed, err.hint) from None
+    _check_cut(job, layout)
     from gearshift.workers.config import _dtype
 
     for field, on, why in (("train.precision", _dtype(t.precision) == "fp16", "fp16's loss scaling; use bf16"),
                            ("train.compile", bool(t.compile), "torch.compile of a stage")):
         if on:
             raise JobError(field, getattr(t, field.split(".")[1]), f"strategy pipeline does not support {why} yet")
+
+
+def _check_cut(job: Job, layout) -> None:
+    """The pipeline's cut on a meta-device copy of the model (no memory): enough blocks for the
+    stages, and parallel.pp_split naming blocks in order. (Whether the forward can be cut there
+    is traced on a sample in the workers, before the first step.)"""
+    from gearshift.strategies.pipeline import cut as cuts
+    from gearshift.workers.build.components import model_for_checks
+
+    model, _ = model_for_checks(job.to_dict()["model"], [job.base_dir])
+    blocks = cuts.find_blocks(model, tuple(job.parallel.fsdp_units))
+    field = "parallel.pp_split" if job.parallel.pp_split else "parallel.pp_size"
+    if not blocks:
+        raise JobError("parallel.strategy", "pipeline", "finds no repeated blocks to cut the model at (the entries "
+                       "of a ModuleList, or a Hugging Face model's _no_split_modules)", "Name them with "
+                       "parallel.fsdp_units, e.g. ['model.layers.*'].")
+    try:
+        cuts.choose(model, blocks, layout.pp, tuple(job.parallel.pp_split))
+    except cuts.CutError as err:
+        text = str(err).split(": ", 1)[1] if str(err).startswith("parallel.") else str(err)
+        raise JobError(field, job.parallel.pp_split or job.parallel.pp_size, text) from None
 
 
 def _check_lr_schedule(job: Job) -> None:

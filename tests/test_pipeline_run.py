@@ -1,0 +1,59 @@
+"""A pipeline run through `gearshift run` on Ray: its final weights, its checkpoints and its
+held-out losses against plain single-process PyTorch on the same batches, and resumes from a
+pipeline checkpoint under data parallelism and the other way round. (The pipelined step
+itself, for more models and schedules: tests/test_pipeline.py.)"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from gearshift.orchestrator.job import load_job
+from test_eval import HELD_OUT, check_against_checkpoints
+from test_train_equivalence import MLP, max_diff, reference, run_gearshift
+
+pytestmark = [pytest.mark.ray]
+
+# four hidden layers: the blocks a pipeline is cut at
+DEEP = MLP[1] + ["model.kwargs={in_features: 784, hidden: 64, out_features: 10, layers: 4}", "checkpoint.every=4",
+                 "checkpoint.keep=5", "eval.every=4", HELD_OUT, "train.grad_clip=1.0"]
+PIPE = ["parallel.strategy=pipeline", "parallel.pp_size=2"]
+
+
+@pytest.mark.parametrize("layout", [PIPE + ["cluster.num_workers=2", "parallel.pp_schedule=gpipe"],
+                                    PIPE + ["cluster.num_workers=4", "parallel.pp_microbatches=2",
+                                            "train.micro_batch_size=8"]],
+                         ids=["pp2-gpipe", "pp2xdp2-1f1b-accumulated"])
+def test_a_pipeline_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
+    """Final weights within 1e-5 of the plain loop (the global norm clipped over both stages),
+    each eval record the plain loss of the checkpoint of its step."""
+    overrides = DEEP + layout
+    job = load_job(MLP[0], overrides)
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["layout"]["pp"] == 2, summary
+    ref, ref_losses = reference(job)
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert final.keys() == ref.keys()
+    assert max_diff(final, ref) <= 1e-5
+    evals = check_against_checkpoints(job, tmp_path / "run", 1e-5)
+    assert [(r["step"], r["strategy"]) for r in evals] == [(4, "pipeline"), (8, "pipeline"), (12, "pipeline")]
+    assert all(r["samples"] == 100 for r in evals)  # the short last batch counted once, by the last stage
+
+
+def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_cluster, tmp_path):
+    """Cut at step 4 and resumed under the other layout: both end where the plain loop ends."""
+    job = load_job(MLP[0], DEEP)
+    ref, _ = reference(job)
+    for first, then, name in ((PIPE, ["parallel.strategy=data"], "pipe_then_data"),
+                              (["parallel.strategy=data"], PIPE, "data_then_pipe")):
+        run = tmp_path / name
+        run_gearshift(MLP[0], DEEP + first, run)
+        for path in (run / "checkpoints").iterdir():
+            if path.name.startswith("step_") and path.name != "step_00000004":
+                shutil.rmtree(path)
+        (run / "final.pt").unlink()
+        summary = run_gearshift(MLP[0], DEEP + then, run, "--resume", str(run))
+        assert summary["resumed_from_step"] == 4
+        assert max_diff(torch.load(run / "final.pt", weights_only=True), ref) <= 1e-5, name
