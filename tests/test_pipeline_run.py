@@ -32,7 +32,7 @@ def test_a_pipeline_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
     overrides = DEEP + layout
     job = load_job(MLP[0], overrides)
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
-    assert summary["status"] == "done" and summary["layout"]["pp"] == 2, summary
+    assert summary["status"] == "done" and summary["strategy_history"][0]["pp"] == 2, summary
     ref, ref_losses = reference(job)
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert final.keys() == ref.keys()

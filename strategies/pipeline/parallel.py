@@ -57,22 +57,27 @@ class PipelineParallel(Parallel):
 
     # ------------------------------------------------------------ the step
 
-    def pipe(self):
-        """The stage and its schedule, made on the first step (the stage learns its shapes then)."""
+    def pipe(self, shape: tuple):
+        """The stage and its schedule for inputs of `shape`, made on the first step of that
+        shape: a stage learns its micro-batches' shapes once, on its first step, and reads a
+        later one of another size wrongly (torch 2.13), so a new share size (after an
+        out-of-memory step halved it) gets a new stage."""
+        if self._pipe is not None and self._pipe[2] != shape:
+            self._pipe = None
         if self._pipe is None:
             from torch.distributed.pipelining import PipelineStage
 
             stage = PipelineStage(self.module, self.stage, self.stages, self.options.device, group=self.pp_group)
             schedule = _schedule_class(self.options.pp_schedule)(
                 stage, self.microbatches, loss_fn=lambda out, target: self._loss(out, target), scale_grads=False)
-            self._pipe = (stage, schedule)
-        return self._pipe
+            self._pipe = (stage, schedule, shape)
+        return self._pipe[:2]
 
     def run(self, x: torch.Tensor, y: torch.Tensor, loss_fn, scale: float) -> torch.Tensor | None:
         """Forward and backward of `x` through the pipeline in `microbatches` micro-batches, each
         micro-batch's loss multiplied by `scale`; the gradients accumulate. The sum of the scaled
         losses on the last stage, None on the others."""
-        _, schedule = self.pipe()
+        _, schedule = self.pipe(tuple(x.shape))
         self._loss = lambda out, target: loss_fn(out, target) * scale
         losses: list = []
         try:

@@ -352,7 +352,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: pathlib.Pat
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    check_matches(folder, model_sd)
+    check_matches(folder, model_sd, _all_names(model_sd))
     state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     dcp.load(state, storage_reader=reader(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -374,9 +374,21 @@ def check_files(folder: pathlib.Path, files: dict) -> None:
         raise CheckpointError(f"{folder}: {', '.join(names[:4])} do(es) not match its manifest (size or checksum)")
 
 
-def check_matches(folder: pathlib.Path, model_sd: dict) -> None:
+def _all_names(model_sd: dict) -> set[str]:
+    """The model's tensor names over every rank: a pipeline stage holds only its own."""
+    names = set(model_sd)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, sorted(names))
+        names = {n for part in found for n in part}
+    return names
+
+
+def check_matches(folder: pathlib.Path, model_sd: dict, everyone: set[str] | None = None) -> None:
     """CheckpointError naming the first tensor whose name or global shape differs between the
-    checkpoint and the model (DCP's own message would not say which)."""
+    checkpoint and the model (DCP's own message would not say which). `everyone`: the names
+    every rank's model holds together (default: this rank's), which the checkpoint must not
+    exceed."""
     saved = reader(folder).read_metadata().state_dict_metadata
     shapes = {k[len("model."):]: list(v.size) for k, v in saved.items()
               if k.startswith("model.") and hasattr(v, "size")}
@@ -389,7 +401,7 @@ def check_matches(folder: pathlib.Path, model_sd: dict) -> None:
         if shapes[name] != list(tensor.shape):
             raise CheckpointError(f"{folder.name}: {name} is {shapes[name]} in the checkpoint, "
                                   f"{list(tensor.shape)} in the model")
-    extra = sorted(set(shapes) - set(model_sd))
+    extra = sorted(set(shapes) - (everyone if everyone is not None else set(model_sd)))
     if extra:
         raise CheckpointError(f"{folder.name}: the checkpoint has {extra[0]} {shapes[extra[0]]}, the model does not")
 
