@@ -57,3 +57,21 @@ def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_clust
         summary = run_gearshift(MLP[0], DEEP + then, run, "--resume", str(run))
         assert summary["resumed_from_step"] == 4
         assert max_diff(torch.load(run / "final.pt", weights_only=True), ref) <= 1e-5, name
+
+
+@pytest.mark.parametrize("workers, schedule", [
+    (2, "[{step: 4, strategy: pipeline, pp_size: 2}, {step: 8, strategy: data}]"),
+    (4, "[{step: 4, strategy: pipeline, pp_size: 2}, {step: 8, strategy: fsdp}]"),
+], ids=["data-pipeline-data", "data-pipeline2x2-fsdp"])
+def test_a_run_switches_into_a_pipeline_and_out_live(ray_cluster, tmp_path, workers, schedule):
+    """adapt.schedule moves the running job into pipeline stages and out again on the same
+    workers, the state moved tensor by tensor, the optimizer's with it: the run ends where the
+    plain loop ends."""
+    overrides = DEEP + [f"cluster.num_workers={workers}", f"adapt.schedule={schedule}"]
+    job = load_job(MLP[0], overrides)
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert [(s["step"], s["strategy"], s.get("pp", 1)) for s in summary["strategy_history"]][1:] == \
+        [(4, "pipeline", 2), (8, job.adapt.schedule[1]["strategy"], 1)], summary["strategy_history"]
+    ref, _ = reference(job)
+    assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5
+    check_against_checkpoints(job, tmp_path / "run", 1e-5)

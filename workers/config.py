@@ -157,14 +157,8 @@ def _profile(train: Mapping[str, Any]) -> tuple[int, int] | None:
 
 
 def _pipeline(job: Mapping[str, Any]) -> dict:
-    """What a pipeline stage needs of the job (empty under other strategies)."""
-    par, train = job["parallel"], job["train"]
-    if par.get("strategy") != "pipeline":
-        return {}
-    from gearshift.strategies.pipeline import microbatches
-
-    pp = par["pp_size"]
-    share = train.get("micro_batch_size") or train["global_batch_size"] // (job["cluster"]["num_workers"] // pp)
-    micro = microbatches(share, pp, par.get("pp_microbatches"))
-    return {"microbatches": int(micro), "schedule": par.get("pp_schedule", "1f1b"), "split": tuple(par.get("pp_split") or ())}
-
+    """What a pipeline stage needs of the job: the micro-batches it names (None: resolved for
+    the layout, workers/build/builder.py), the schedule and the cuts."""
+    par = job["parallel"]
+    return {"microbatches": par.get("pp_microbatches"), "schedule": par.get("pp_schedule", "1f1b"),
+            "split": tuple(par.get("pp_split") or ())}

@@ -373,7 +373,8 @@ def scheduled(job: Job, entry: dict, workers: int | None = None):
     shard = entry.get("shard_size")
     if entry["strategy"] == "hsdp" and shard is None:
         shard = job.shard_size("hsdp") if n == job.cluster.num_workers else n // max(1, job.inject.nodes)
-    return Layout.for_workers(entry["strategy"], n, entry["tp_size"], shard, entry.get("dp_shard", False))
+    return Layout.for_workers(entry["strategy"], n, entry["tp_size"], shard, entry.get("dp_shard", False),
+                              entry.get("pp_size"))
 
 
 def accumulation(global_batch: int, micro: int | None, dp: int) -> int | None:
@@ -408,25 +409,27 @@ def pp_microbatches(job: Job, dp: int) -> int:
 def _check_pipeline(job: Job) -> None:
     """What the pipeline layout needs, and what it does not do yet, before anything starts."""
     p, t = job.parallel, job.train
-    if p.strategy != "pipeline":
+    piped = [("parallel.strategy", job.layout)] if p.strategy == "pipeline" else []
+    piped += [(where, layout) for where, layout in _scheduled_layouts(job) if layout.pp > 1]
+    if not piped:
         for name, value, default in (("pp_microbatches", p.pp_microbatches, None), ("pp_split", p.pp_split, []),
                                      ("pp_schedule", p.pp_schedule, "1f1b")):
             if value != default:
                 raise JobError(f"parallel.{name}", value, f"applies to strategy pipeline, not {p.strategy}")
-        if any(e["strategy"] == "pipeline" for e in job.adapt.schedule):
-            raise JobError("adapt.schedule", job.adapt.schedule, "cannot switch to strategy pipeline yet: a pipeline "
-                           "run keeps its layout from start to end")
         return
-    layout = job.layout
-    if job.adapt.schedule:
-        raise JobError("adapt.schedule", job.adapt.schedule, "a pipeline run keeps its layout from start to end: "
-                       "switching to or from strategy pipeline is not supported yet")
+    for where, layout in piped:
+        _check_stages(job, where, layout)
+
+
+def _check_stages(job: Job, where: str, layout) -> None:
+    """One pipeline layout the run may take (`where` names it): its micro-batches, its cut."""
+    p, t = job.parallel, job.train
     share = t.micro_batch_size or t.global_batch_size // layout.dp
     m = pp_microbatches(job, layout.dp)
     if share % m:
         raise JobError("parallel.pp_microbatches", m, f"must divide a replica's share of the step, "
                        f"{share} samples ({'train.micro_batch_size' if t.micro_batch_size else f'train.global_batch_size / dp({layout.dp})'}): "
-                       f"{share} % {m} = {share % m}")
+                       f"{share} % {m} = {share % m}" + (f" (under {where})" if where != "parallel.strategy" else ""))
     if p.pp_split and len(p.pp_split) != layout.pp - 1:
         raise JobError("parallel.pp_split", p.pp_split, f"names the first block of every stage after the first: "
                        f"pp_size {layout.pp} needs {layout.pp - 1} name(s), not {len(p.pp_split)}")

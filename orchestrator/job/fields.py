@@ -471,19 +471,20 @@ def _host(v, path):
 @_schema({"type": ["array", "null"], "items": {
     "type": "object", "required": ["step", "strategy"], "additionalProperties": False,
     "properties": {"step": _number("integer", 1), "strategy": _strategy(allow_auto=False).schema,
-                   "tp_size": _tp_size.schema, "shard_size": _tp_size.schema, "dp_shard": {"type": "boolean"}}}})
+                   "tp_size": _tp_size.schema, "shard_size": _tp_size.schema, "dp_shard": {"type": "boolean"},
+                   "pp_size": _tp_size.schema}}})
 def _schedule(v, path):
     if v is None:
         return []
     if not isinstance(v, list):
-        raise JobError(path, v, "must be a list of {step: N, strategy: S, tp_size: K, shard_size: G, dp_shard: B}")
+        raise JobError(path, v, "must be a list of {step: N, strategy: S, tp_size: K, shard_size: G, dp_shard: B, pp_size: P}")
     out, last = [], 0
     for i, entry in enumerate(v):
         where = f"{path}[{i}]"
-        if not isinstance(entry, dict) or set(entry) - {"step", "strategy", "tp_size", "shard_size", "dp_shard"} or \
-                not {"step", "strategy"} <= set(entry):
+        if not isinstance(entry, dict) or set(entry) - {"step", "strategy", "tp_size", "shard_size", "dp_shard", "pp_size"} \
+                or not {"step", "strategy"} <= set(entry):
             raise JobError(where, entry, "must be {step: N, strategy: S} with tp_size for hybrid, shard_size for "
-                                         "hsdp and dp_shard: true for a sharded hybrid")
+                                         "hsdp, dp_shard: true for a sharded hybrid and pp_size for pipeline")
         step = _int(1)(entry["step"], f"{where}.step")
         if step <= last:
             raise JobError(f"{where}.step", step, f"must be later than the entry before it (step {last})")
@@ -491,7 +492,8 @@ def _schedule(v, path):
         strategy = _strategy(allow_auto=False)(entry["strategy"], f"{where}.strategy")
         out.append({"step": step, "strategy": strategy, "tp_size": _tp_size(entry.get("tp_size"), f"{where}.tp_size"),
                     "shard_size": _tp_size(entry.get("shard_size"), f"{where}.shard_size"),
-                    "dp_shard": _bool(entry.get("dp_shard", False), f"{where}.dp_shard")})
+                    "dp_shard": _bool(entry.get("dp_shard", False), f"{where}.dp_shard"),
+                    "pp_size": _tp_size(entry.get("pp_size"), f"{where}.pp_size")})
     return out
 
 

@@ -230,15 +230,22 @@ def tie_groups(held_by: dict[int, set], layout: Layout) -> dict[tuple, object]:
 
     sets = sorted({tuple(sorted(s)) for s in held_by.values() if len(s) > 1})
     mine = {}
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.distributed_c10d._get_default_group()
+    for key in [k for k in _TIES if k[0] != id(world)]:  # made on a default group that is gone
+        del _TIES[key]
     for stages in sets:
         for replica in range(layout.dp):
-            ranks = [s * layout.dp + replica for s in stages]
-            made = []
-            MAKE_GROUPS[0](lambda ranks=ranks: made.append(dist.new_group(ranks, timeout=group_timeout())))
+            ranks = tuple(s * layout.dp + replica for s in stages)
+            if (id(world), ranks) not in _TIES:  # made once per default group: a switch back reuses it
+                made = []
+                MAKE_GROUPS[0](lambda ranks=ranks: made.append(dist.new_group(list(ranks), timeout=group_timeout())))
+                _TIES[(id(world), ranks)] = made[0]
             if rank in ranks:
-                mine[stages] = made[0]
+                mine[stages] = _TIES[(id(world), ranks)]
     return mine
+
+
+_TIES: dict[tuple, object] = {}  # (default group, ranks) -> the group of stages holding a parameter together
 
 
 def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> PipelineParallel:
@@ -253,7 +260,8 @@ def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> Pip
         raise cuts.CutError("parallel.strategy pipeline: no repeated blocks found to cut the model at (name them with "
                             "parallel.fsdp_units, e.g. model.layers.*)")
     chosen = cuts.choose(model, blocks, layout.pp, tuple(options.pp_split))
-    traced = cuts.trace(model, options.example().to(options.device), chosen.blocks)
+    device = next(model.parameters()).device  # meta in a switch: traced on the meta device
+    traced = cuts.trace(model, options.example().to(device), chosen.blocks)
     cuts.check_crossings(chosen, traced)
     held_by = holders(chosen, traced, model)
     mesh = device_mesh(options.device.type, (layout.pp, layout.dp), ("pp", "dp"))

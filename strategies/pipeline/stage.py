@@ -52,6 +52,20 @@ class StageInfo:
     stage: int
     held: list[str]          # the names of the parameters this stage holds
     ties: dict[str, tuple]   # a held parameter that other stages hold too -> the stages that hold it
+    stand_ins: tuple = ()    # the buffers that stand in for parameters other stages hold
+
+    def restore_stand_ins(self, model: nn.Module) -> None:
+        """After `to_empty` (which gives every buffer storage of its own): the stand-ins back
+        to one zero element each."""
+        for name in self.stand_ins:
+            parent, _, leaf = name.rpartition(".")
+            module = model.get_submodule(parent) if parent else model
+            b = getattr(module, leaf)
+            module.register_buffer(leaf, _stand_in(b.shape, b.dtype, b.device), persistent=False)
+
+
+def _stand_in(shape, dtype, device) -> torch.Tensor:
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def holders(cut: Cut, traced: Trace, model: nn.Module) -> dict[int, set]:
@@ -102,12 +116,13 @@ def make_stage(model: nn.Module, cut: Cut, traced: Trace, stage: int) -> tuple[S
         if name not in mine:
             _set(model, name, Skip(traced.inputs[name], traced.in_shapes[name], traced.out_shapes[name]))
     # parameters outside the blocks that another stage holds: zero buffers of their shape
-    for module in list(model.modules()):
+    stand_ins = []
+    for mname, module in list(model.named_modules()):
         for pname, p in list(module.named_parameters(recurse=False)):
             if stage not in held_by[id(p)]:
                 delattr(module, pname)
-                module.register_buffer(pname, torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape),
-                                       persistent=False)
+                module.register_buffer(pname, _stand_in(p.shape, p.dtype, p.device), persistent=False)
+                stand_ins.append(f"{mname}.{pname}" if mname else pname)
     wrapper = StageModule(model, stage, stages)
     modules = dict(model.named_modules())
     if stage > 0:
@@ -118,7 +133,7 @@ def make_stage(model: nn.Module, cut: Cut, traced: Trace, stage: int) -> tuple[S
         modules[following].register_forward_pre_hook(_stop(traced.inputs[following]), with_kwargs=True)
     names = {id(p): n for n, p in model.named_parameters()}
     ties = {names[id(p)]: tuple(sorted(held_by[id(p)])) for p in model.parameters() if len(held_by[id(p)]) > 1}
-    return wrapper, StageInfo(stage, list(names.values()), ties)
+    return wrapper, StageInfo(stage, list(names.values()), ties, tuple(stand_ins))
 
 
 def _receive(wrapper: StageModule, where: tuple):

@@ -70,6 +70,8 @@ class Builder:
         if move_from:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
 
+            if layout.pp > 1 or getattr(move_from[0], "layout", layout).pp > 1:  # the ranks hold different names
+                from gearshift.strategies.pipeline.switch import relayout
             w.parallel, w.optimizer = relayout(*move_from, model, layout, plan, options, make_optimizer,
                                                agree=w.member.agree, gather=gather)
         elif rewrap is not None:
@@ -92,14 +94,17 @@ class Builder:
     def _pipeline(self, layout: Layout) -> dict:
         """A pipeline's options: its micro-batches, schedule and cuts, and one sample of the
         job's data to trace the model on (strategies/pipeline/cut.py)."""
-        cfg = self.w.config
+        w, cfg = self.w, self.w.config
         if layout.pp == 1:
             return {}
+        from gearshift.strategies.pipeline import microbatches
         from gearshift.workers.step.data import load_batch
 
         pipe = dict(cfg.pipeline)
-        return {"pp_microbatches": pipe["microbatches"], "pp_schedule": pipe["schedule"],
-                "pp_split": tuple(pipe["split"]), "example": lambda: load_batch(self.w.dataset, [0])[0]}
+        share = w.micro_batch or cfg.global_batch_size // layout.dp
+        return {"pp_microbatches": microbatches(share, layout.pp, pipe.get("microbatches")),
+                "pp_schedule": pipe.get("schedule", "1f1b"), "pp_split": tuple(pipe.get("split", ())),
+                "example": lambda: load_batch(w.dataset, [0])[0]}
 
     def _model(self, layout: Layout, move_from: tuple | None, rewrap: tuple | None):
         """(model, the plan its builder returned, the meta build's record or None) for `lay_out`:
