@@ -38,6 +38,9 @@ class CommClock:
         self._spans: list = []  # CUDA (start, end) event pairs of this step
         self._last_launch = None
         self._timed_hidden = False
+        # a pipeline's stage (strategies/pipeline/parallel.py): seconds of this step's comm wait it
+        # spent idle for lack of work (the bubble) and on the link (the transfers); None: no pipeline
+        self.pipe: list[float] | None = None
 
     # ------------------------------------------------------------ the step's bookkeeping
 
@@ -54,14 +57,23 @@ class CommClock:
         else:
             self.wait += end - start
 
-    def take(self) -> tuple[object, int, tuple[float, float] | None]:
-        """This step's comm wait (seconds, or CUDA spans to resolve later), call count and (hidden
-        seconds, seconds waited for those collectives), None where nothing was measured; resets."""
+    def take(self) -> tuple[object, int, tuple[float, float] | None, tuple[float, float] | None]:
+        """This step's comm wait (seconds, or CUDA spans to resolve later), call count, (hidden
+        seconds, seconds waited for those collectives) and a pipeline's (bubble, link) seconds,
+        each None where nothing was measured; resets."""
         wait = self._spans if self.cuda else self.wait
         calls, hidden = self.calls, (self.hidden, self.hidden_waited) if self._timed_hidden else None
+        pipe = tuple(self.pipe) if self.pipe is not None else None
         self.wait, self.calls, self._spans, self._last_launch = 0.0, 0, [], None
-        self.hidden, self.hidden_waited, self._timed_hidden = 0.0, 0.0, False
-        return wait, calls, hidden
+        self.hidden, self.hidden_waited, self._timed_hidden, self.pipe = 0.0, 0.0, False, None
+        return wait, calls, hidden, pipe
+
+    def add_pipe(self, bubble_s: float, link_s: float) -> None:
+        """A pipeline stage's wait for a peer: idle for lack of work, and on the link."""
+        if self.pipe is None:
+            self.pipe = [0.0, 0.0]
+        self.pipe[0] += bubble_s
+        self.pipe[1] += link_s
 
     @staticmethod
     def resolve(wait) -> float:

@@ -38,9 +38,13 @@ class ProgressView:
                                                  loss="-", rate="-", wait="")
             self._progress.start()
 
-    def update(self, step: int, loss: float, samples_per_s: float, comm_wait_frac: float | None = None) -> None:
-        """`comm_wait_frac`: the recent mean comm-wait fraction over ranks (None: not measured)."""
+    def update(self, step: int, loss: float, samples_per_s: float, comm_wait_frac: float | None = None,
+               pipe: tuple[float, float] | None = None) -> None:
+        """`comm_wait_frac`: the recent mean comm-wait fraction over ranks (None: not measured);
+        `pipe`: a pipeline's share of the step idle in its bubble and waiting on the link."""
         wait = f"comm wait {comm_wait_frac:.0%}" if comm_wait_frac is not None else ""
+        if wait and pipe is not None:
+            wait += f" (bubble {pipe[0]:.0%}, link {pipe[1]:.0%})"
         if self._progress is not None:
             self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", rate=f"{samples_per_s:,.0f}",
                                   wait=wait)

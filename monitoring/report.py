@@ -234,6 +234,8 @@ def summarise(records, run_dir) -> dict:
         "samples_per_s_median": stat(np.median, sps), "samples_per_s_p90": stat(lambda x: np.percentile(x, 90), sps),
         "tokens_per_s_median": stat(np.median, tps), "tokens_per_s_p90": stat(lambda x: np.percentile(x, 90), tps),
         "comm_wait_pct_mean": stat(np.mean, cw_mean), "comm_wait_pct_max": stat(np.max, cw_max),
+        "bubble_pct_mean": stat(np.mean, _col(steps, "bubble_frac_mean") * 100),
+        "link_wait_pct_mean": stat(np.mean, _col(steps, "link_wait_frac_mean") * 100),
         "step_time_median_s": stat(np.median, _col(steps, "step_time_max")),
         "slowest_rank": slow_rank, "slowest_rank_steps": slow_n,
         "strategies": strategies,
@@ -289,6 +291,9 @@ def format_summary(s: dict) -> str:
     if s["comm_wait_pct_mean"] is not None:
         rows.append(("comm wait", f"mean {s['comm_wait_pct_mean']:.1f} % of the step, max "
                                   f"{s['comm_wait_pct_max']:.1f} % (one rank, one step)"))
+    if s.get("bubble_pct_mean") is not None:  # pipeline steps: their wait split
+        rows.append(("pipeline wait", f"mean {s['bubble_pct_mean']:.1f} % of the step idle in the bubble, "
+                                      f"{s['link_wait_pct_mean']:.1f} % on the link"))
     st = s["step_time_median_s"]
     rows.append(("step time", "n/a" if st is None else
                  f"median {st * 1000:.1f} ms" if st < 1 else f"median {st:.2f} s"))

@@ -46,12 +46,17 @@ STEP = {
     "comm_hidden_frac_mean": (OPT_NUM, "the share of those all-reduces' time hidden behind backward: hidden / "
                                        "(hidden + the wait for them after backward), mean over ranks; null where "
                                        "not measured"),
+    "bubble_frac_mean": (OPT_NUM, "pipeline: the share of the step a stage's comm wait was idle for lack of work "
+                                  "(the schedule's bubble), mean over ranks; null under other layouts"),
+    "link_wait_frac_mean": (OPT_NUM, "pipeline: the share of the step a stage waited on the link (activations and "
+                                     "their gradients in transfer), mean over ranks; null under other layouts"),
     "samples_per_s": (NUM, "global batch / step_time_max"),
     "tokens_per_s": (OPT_NUM, "samples_per_s x tokens per sample, for sequence models; else null"),
     "peak_mem_bytes": (OPT_NUM, "peak memory of the rank that used most (device memory on GPU, "
                                  "process peak RSS on CPU); null if unknown"),
     "ranks": (dict, "per-rank lists indexed by rank: step_time, data_time, compute_time, comm_wait, "
-                    "comm_wait_frac, samples_per_s (the timing lists are null when telemetry is off)"),
+                    "comm_wait_frac, samples_per_s (the timing lists are null when telemetry is off); under a "
+                    "pipeline also bubble and link_wait, seconds"),
 }
 STEP_RANK_LISTS = ("step_time", "data_time", "compute_time", "comm_wait", "comm_wait_frac", "samples_per_s")
 

@@ -120,6 +120,12 @@ class WatchState:
             world = len(rows[-1]) if rows else 0
             rows = [row for row in rows if len(row) == world]  # a leg with another world size
             out[name] = [statistics.fmean(row[i] for row in rows) for i in range(world)]
+        # a pipeline's wait split: each rank's share of its step idle in the bubble and on the link
+        split = [r["ranks"] for r in self.recent if isinstance(r.get("ranks"), dict)
+                 and isinstance(r["ranks"].get("bubble"), list) and len(r["ranks"]["bubble"]) == len(out["step_time"])]
+        for name in ("bubble", "link_wait"):
+            out[name] = [statistics.fmean(row[name][i] / row["step_time"][i] if row["step_time"][i] > 0 else 0.0
+                                          for row in split) for i in range(len(out["step_time"]))] if split else []
         return out
 
 
@@ -274,6 +280,8 @@ def _workers(state: WatchState, max_rows: int | None) -> Table | Text:
         source = {"nvml": "GPU", "psutil": "CPU"}.get(s.get("source"), s.get("source") or "")
         util = f"{_num(s.get('util_pct'), '.0f')}% {source}" if s else "-"
         notes = (["slowest"] if r == slowest else []) + (["comm-bound"] if r in high else [])
+        if r < len(means["bubble"]):  # pipeline: where the stage's wait went
+            notes.append(f"bubble {means['bubble'][r]:.0%} link {means['link_wait'][r]:.0%}")
         table.add_row(
             str(r), s.get("node_ip") or w.get("node_ip") or "-", util,
             _bytes(s.get("mem_used_bytes"), s.get("mem_total_bytes")) if s else "-",

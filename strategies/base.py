@@ -83,6 +83,8 @@ class Comm(Protocol):
 
     def hidden(self, hidden_s: float, waited_s: float) -> None: ...
 
+    def pipe(self, bubble_s: float, link_s: float) -> None: ...  # a pipeline stage's wait, split
+
 
 @dataclass(frozen=True)
 class Strategy:

@@ -75,3 +75,36 @@ def test_a_run_switches_into_a_pipeline_and_out_live(ray_cluster, tmp_path, work
     ref, _ = reference(job)
     assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5
     check_against_checkpoints(job, tmp_path / "run", 1e-5)
+
+
+def test_a_pipelines_wait_splits_into_its_bubble_and_the_link(ray_cluster, tmp_path):
+    """Two stages on two simulated nodes joined by a slow link: each step record says, per rank,
+    how long the stage waited on the link (its micro-batches' activations or gradients, each
+    bytes / rate + latency, what the link costs) and how long it sat idle for lack of work; the
+    progress line, watch and the report show both."""
+    from gearshift.monitoring.report import make_report
+    from gearshift.monitoring.telemetry import read
+    from gearshift.monitoring.watch import WatchState, render
+    from rich.console import Console
+
+    overrides = DEEP[:2] + ["model.kwargs={in_features: 784, hidden: 64, out_features: 10, layers: 4}",
+                            "checkpoint.every=0", "train.steps=6"] + PIPE + \
+        ["inject.nodes=2", "inject.link={mb_per_s: 50, latency_ms: 5}", "parallel.pp_microbatches=4"]
+    run_gearshift(MLP[0], overrides, tmp_path / "run")
+    records = list(read(tmp_path / "run" / "telemetry.jsonl"))
+    steps = [r for r in records if r["type"] == "step"]
+    per_message = 8 * 64 * 4 / 50e6 + 0.005  # a micro-batch of 8 rows of 64 float32 across the link
+    for r in steps:
+        assert r["ranks"]["link_wait"] == pytest.approx([4 * per_message] * 2, rel=1e-9)
+        assert all(b >= 0 for b in r["ranks"]["bubble"])
+        for rank in range(2):
+            assert r["ranks"]["bubble"][rank] + r["ranks"]["link_wait"][rank] <= r["ranks"]["comm_wait"][rank] + 1e-6
+        assert r["link_wait_frac_mean"] > 0 and r["bubble_frac_mean"] is not None
+    state = WatchState()
+    for r in records:
+        state.add(r)
+    console = Console(record=True, width=120)
+    console.print(render(state))
+    shown = console.export_text()
+    assert "bubble" in shown and "link" in shown, shown
+    assert "pipeline wait" in make_report(tmp_path / "run").summary_text

@@ -31,7 +31,8 @@ class StepMerger:
     """Collects per-rank reports and releases a step, aggregated over ranks, once every rank has
     reported it. `context` (strategy, dp, tp, bucket_cap_mb) is stamped on every record."""
 
-    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls", "step_ends", "lrs", "comm_hidden")
+    _PER_STEP = ("losses", "step_times", "data_times", "comm_waits", "comm_calls", "step_ends", "lrs", "comm_hidden",
+                 "pipe_waits")
 
     def __init__(self, world: int, global_batch: int, context: dict, tokens_per_sample: int | None = None):
         self.world = world
@@ -67,7 +68,7 @@ class StepMerger:
         return out
 
     def _merge(self, step: int, per_rank: list[tuple]) -> dict:
-        losses, times, data, waits, calls, ends, lrs, hidden = (list(c) for c in zip(*per_rank))
+        losses, times, data, waits, calls, ends, lrs, hidden, pipe = (list(c) for c in zip(*per_rank))
         slowest = max(range(len(per_rank)), key=lambda r: times[r])
         rate = self.global_batch / times[slowest] if times[slowest] > 0 else 0.0
         timed = all(w is not None for w in waits)  # telemetry off: only loss and step time
@@ -84,14 +85,16 @@ class StepMerger:
             "comm_wait_mean": mean(waits) if timed else None, "comm_wait_max": max(waits) if timed else None,
             "comm_wait_frac_mean": mean(fracs) if timed else None, "comm_wait_frac_max": max(fracs) if timed else None,
             "comm_calls": max(calls) if timed else 0,
-            **_hidden(hidden if timed else [None]),
+            **_hidden(hidden if timed else [None]), **_pipe(pipe if timed else [None], times),
             "samples_per_s": rate,
             "tokens_per_s": rate * self.tokens_per_sample if self.tokens_per_sample else None,
             "peak_mem_bytes": max(self.peak_mem.values()) if self.peak_mem else None,
             "ranks": {"step_time": times, "data_time": data if timed else None,
                       "compute_time": [t - w - d for t, w, d in zip(times, waits, data)] if timed else None,
                       "comm_wait": waits if timed else None, "comm_wait_frac": fracs,
-                      "samples_per_s": [self.local_batch / t if t > 0 else 0.0 for t in times]},
+                      "samples_per_s": [self.local_batch / t if t > 0 else 0.0 for t in times],
+                      **({"bubble": [b for b, _ in pipe], "link_wait": [l for _, l in pipe]}
+                         if timed and all(x is not None for x in pipe) else {})},
         }
 
 
@@ -105,6 +108,16 @@ def _hidden(per_rank: list) -> dict:
             "comm_hidden_frac_mean": sum(fracs) / len(fracs)}
 
 
+def _pipe(per_rank: list, times: list) -> dict:
+    """Where a pipeline measured it: the share of the step each stage waited for lack of work
+    (the bubble) and on the link (its transfers), mean over ranks; null elsewhere."""
+    if not per_rank or any(p is None for p in per_rank):
+        return {"bubble_frac_mean": None, "link_wait_frac_mean": None}
+    fracs = [(b / t, l / t) if t > 0 else (0.0, 0.0) for (b, l), t in zip(per_rank, times)]
+    return {"bubble_frac_mean": sum(b for b, _ in fracs) / len(fracs),
+            "link_wait_frac_mean": sum(l for _, l in fracs) / len(fracs)}
+
+
 class RunStats:
     """Running figures of a run in constant memory, however many steps it has."""
 
@@ -115,6 +128,7 @@ class RunStats:
         self.last: dict | None = None
         self.recent: collections.deque = collections.deque(maxlen=window)
         self.recent_wait: collections.deque = collections.deque(maxlen=20)
+        self.recent_pipe: collections.deque = collections.deque(maxlen=20)  # a pipeline's (bubble, link) shares
         self.steady_steps = 0
         self.steady_time = 0.0
         self.steady_wait = 0.0  # comm wait (mean over ranks) summed over the steady steps
@@ -127,6 +141,8 @@ class RunStats:
         self.recent.append(record["step_time_max"])
         if record.get("comm_wait_frac_mean") is not None:
             self.recent_wait.append(record["comm_wait_frac_mean"])
+        if record.get("bubble_frac_mean") is not None:
+            self.recent_pipe.append((record["bubble_frac_mean"], record["link_wait_frac_mean"]))
         if record["step"] - self.first["step"] >= self.WARMUP:
             self.steady_steps += 1
             self.steady_time += record["step_time_max"]
@@ -143,6 +159,13 @@ class RunStats:
     def recent_comm_wait(self) -> float | None:
         return sum(self.recent_wait) / len(self.recent_wait) if self.recent_wait else None
 
+    def recent_pipe_wait(self) -> tuple[float, float] | None:
+        """A pipeline's recent (bubble, link) shares of the step, None under other layouts."""
+        if not self.recent_pipe:
+            return None
+        n = len(self.recent_pipe)
+        return sum(b for b, _ in self.recent_pipe) / n, sum(l for _, l in self.recent_pipe) / n
+
     def summary(self, global_batch: int) -> dict:
         steps, time_s = self.steady_steps, self.steady_time
         if not steps:  # a run shorter than the warm-up: report what there is
@@ -155,6 +178,7 @@ class RunStats:
             # the share of the steady-state step time spent waiting on collectives
             "comm_wait_frac": self.steady_wait / self.steady_mean_time if self.timed and self.steady_steps
             and self.steady_mean_time > 0 else None,
+            **({"bubble_frac": pipe[0], "link_wait_frac": pipe[1]} if (pipe := self.recent_pipe_wait()) else {}),
         }
 
 
@@ -317,7 +341,7 @@ class Reporter:
         self.emit(record)
         if self.view:
             self.view.update(record["step"], record["loss"], self.stats.recent_rate(self.job.train.global_batch_size),
-                             self.stats.recent_comm_wait())
+                             self.stats.recent_comm_wait(), self.stats.recent_pipe_wait())
 
     def _startup(self, first_step_end: float) -> None:
         """The path to the first step, once a run (orchestrator/startup.py)."""

@@ -77,7 +77,7 @@ def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: 
         "data_time_mean": 0.0, "data_time_max": 0.0, "compute_time_mean": compute,
         "comm_wait_mean": pred.exposed_wait_s, "comm_wait_max": pred.exposed_wait_s,
         "comm_wait_frac_mean": frac, "comm_wait_frac_max": frac, "comm_calls": 0,
-        "comm_hidden_mean": None, "comm_hidden_frac_mean": None,
+        "comm_hidden_mean": None, "comm_hidden_frac_mean": None, "bubble_frac_mean": None, "link_wait_frac_mean": None,
         "samples_per_s": global_batch / pred.step_s, "tokens_per_s": None, "peak_mem_bytes": None,
         "ranks": {"step_time": [pred.step_s] * world, "data_time": [0.0] * world, "compute_time": [compute] * world,
                   "comm_wait": [pred.exposed_wait_s] * world, "comm_wait_frac": [frac] * world,

@@ -14,6 +14,9 @@ NCCL."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -81,15 +84,58 @@ class PipelineParallel(Parallel):
         self._loss = lambda out, target: loss_fn(out, target) * scale
         losses: list = []
         try:
-            if self.stage == 0:
-                schedule.step(x, losses=losses, return_outputs=False)
-            elif self.stage == self.stages - 1:
-                schedule.step(inputs=x, target=y, losses=losses, return_outputs=False)
-            else:
-                schedule.step(inputs=x, return_outputs=False)
+            with self._timed_p2p():
+                self._step(schedule, x, y, losses)
         finally:
             self._loss = None
         return torch.stack([l.detach().float() for l in losses]).sum() if losses else None
+
+    def _step(self, schedule, x, y, losses: list) -> None:
+        if self.stage == 0:
+            schedule.step(x, losses=losses, return_outputs=False)
+        elif self.stage == self.stages - 1:
+            schedule.step(inputs=x, target=y, losses=losses, return_outputs=False)
+        else:
+            schedule.step(inputs=x, return_outputs=False)
+
+    @contextlib.contextmanager
+    def _timed_p2p(self):
+        """The schedule's waits for a peer's activations or gradients, through this layout's
+        comm route: timed as comm wait, delayed by the simulated link, and split into the time
+        idle before the data came (the bubble) and the link's (its simulated delay; on a real
+        link no clock shared between nodes tells the transfer apart, so it counts as bubble).
+        Sends are not timed: a stage that sends goes on computing."""
+        route = self.comm
+        if route is None:
+            yield
+            return
+        from torch.distributed.pipelining import schedules
+
+        batch, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+        receiving: dict[int, int] = {}
+
+        def batched(ops, desc=None):
+            works = batch(ops, desc)
+            receiving[id(works)] = sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                                       if op.op is dist.irecv)
+            return works
+
+        def waited(works):
+            nbytes = receiving.pop(id(works), 0)
+            if not nbytes:
+                return wait(works)
+            started = time.perf_counter()
+            with route.blocked(nbytes, "pp"):
+                wait(works)
+            link = route.delay_s(nbytes, "pp")
+            route.pipe(max(0.0, time.perf_counter() - started - link), link)
+            return None
+
+        schedules._batch_p2p, schedules._wait_batch_p2p = batched, waited
+        try:
+            yield
+        finally:
+            schedules._batch_p2p, schedules._wait_batch_p2p = batch, wait
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor | None:
         """The loss of `x` forward through the stages, one stage after the other (no schedule:

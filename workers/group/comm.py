@@ -47,6 +47,10 @@ class CommRoute:
     def waiting(self):
         return self.clock.waiting() if self.clock is not None else contextlib.nullcontext()
 
+    def pipe(self, bubble_s: float, link_s: float) -> None:
+        if self.clock is not None:
+            self.clock.add_pipe(bubble_s, link_s)
+
     def hidden(self, hidden_s: float, waited_s: float) -> None:
         if self.clock is not None and not self.clock.cuda:  # host times: meaningless where the host runs ahead
             self.clock.add_hidden(hidden_s, waited_s)

@@ -56,9 +56,10 @@ class WorkerTelemetry:
             spans[-1][0][1].synchronize()  # every event of the report is on this stream, before it
             report["step_times"] = [a.elapsed_time(b) / 1000.0 for (a, b), _, _ in spans]
         report["data_times"] = [b - a if not cuda else a.elapsed_time(b) / 1000.0 for _, (a, b), _ in spans]
-        report["comm_waits"] = [CommClock.resolve(wait) for _, _, (wait, _, _) in spans]
-        report["comm_calls"] = [calls for _, _, (_, calls, _) in spans]
-        report["comm_hidden"] = [hidden for _, _, (_, _, hidden) in spans]
+        report["comm_waits"] = [CommClock.resolve(taken[0]) for _, _, taken in spans]
+        report["comm_calls"] = [taken[1] for _, _, taken in spans]
+        report["comm_hidden"] = [taken[2] for _, _, taken in spans]
+        report["pipe_waits"] = [taken[3] for _, _, taken in spans]
         report["peak_mem_bytes"] = self.peak_memory()
         now = time.monotonic()
         if now - self.extras_at < self.EXTRAS_S:
