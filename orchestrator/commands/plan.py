@@ -110,29 +110,41 @@ def with_device_memory(hw: costmodel.Hardware, gib: float | None) -> costmodel.H
 
 
 def layout_memory(job, model: costmodel.ModelShape, hw: costmodel.Hardware, batch: int,
-                  preds: list[costmodel.Prediction]) -> dict[tuple[int, int, int], tuple[dict, bool, dict]]:
-    """(dp, tp, shard) -> (memory breakdown per rank, whether it fits the device, what fits says)."""
+                  preds: list[costmodel.Prediction]) -> dict[tuple[int, int, int, int], tuple[dict, bool, dict]]:
+    """(dp, tp, shard, pp) -> (memory breakdown per rank, whether it fits the device, what fits says)."""
+    from gearshift.orchestrator.policy import pipeline_cost
+
     settings = job_shape.memory_settings(job)
     out = {}
     for p in preds:
-        key = (p.dp, p.tp, p.shard)
+        key = layout_key(p)
         if key not in out:
-            mem = costmodel.memory(model, p.dp, p.tp, p.shard, global_batch=batch, overhead=hw.memory_overhead,
-                                   **settings)
+            if p.pp > 1:
+                mem = pipeline_cost.memory(model, p.pp, p.dp, global_batch=batch, microbatches_=p.microbatches,
+                                           overhead=hw.memory_overhead, **settings)
+            else:
+                mem = costmodel.memory(model, p.dp, p.tp, p.shard, global_batch=batch, overhead=hw.memory_overhead,
+                                       **settings)
             out[key] = (mem, *costmodel.fits(mem, hw.device_memory))
     return out
+
+
+def layout_key(p: costmodel.Prediction) -> tuple[int, int, int, int]:
+    return (p.dp, p.tp, p.shard, p.pp)
 
 
 def recommendation(best: costmodel.Prediction, hw: costmodel.Hardware) -> str:
     """The job settings that ask for `best`."""
     words = [f"strategy {best.strategy}"]
+    if best.pp > 1:
+        words.append(f"pp_size {best.pp}, pp_microbatches {best.microbatches}")
     if best.tp > 1:
         words.append(f"tp_size {best.tp}")
     if best.strategy == "hsdp":
         words.append(f"shard_size {best.shard}")
     if best.tp > 1 and best.shard > 1:
         words.append("dp_shard true")
-    if best.dp > 1 and best.shard == 1:
+    if best.dp > 1 and best.shard == 1 and best.pp == 1:
         words.append(f"bucket_cap_mb {best.bucket_cap_mb:g}")
     if best.tp > hw.per_node or hw.per_node % best.tp:
         words.append("tp_across_nodes true")
@@ -143,9 +155,9 @@ def _print_json(model, hw, batch, notes, preds, memory, best) -> None:
     import json  # noqa: PLC0415
 
     def row(p):
-        mem, ok, said = memory[(p.dp, p.tp, p.shard)]
-        # sharded state has no all-reduce buckets: FSDP moves a unit at a time
-        bucket = {"bucket_cap_mb": None} if p.shard > 1 else {}
+        mem, ok, said = memory[layout_key(p)]
+        # sharded state has no all-reduce buckets: FSDP moves a unit at a time (nor has a pipeline's average)
+        bucket = {"bucket_cap_mb": None} if p.shard > 1 or p.pp > 1 else {}
         return {"strategy": p.strategy, "layout": p.label, **p.to_dict(), **bucket, "memory": mem, "fits": ok,
                 **said}
 
@@ -162,20 +174,21 @@ def _print_json(model, hw, batch, notes, preds, memory, best) -> None:
 
 
 def _print_table(model, hw, batch, preds, memory) -> None:
-    best_per_layout: dict[tuple[int, int, int], costmodel.Prediction] = {}
+    best_per_layout: dict[tuple[int, int, int, int], costmodel.Prediction] = {}
     for p in preds:
-        best_per_layout.setdefault((p.dp, p.tp, p.shard), p)
+        best_per_layout.setdefault(layout_key(p), p)
     device = f", {hw.device_memory / costmodel.GiB:.3g} GiB each" if hw.device_memory else ""
     print(f"{model.name}: {model.params / 1e6:,.1f} M parameters, {model.flops_per_sample / 1e9:,.1f} GFLOP per "
           f"sample; global batch {batch}; {hw.name or 'cluster'}: {hw.nodes} x {hw.per_node} devices at "
           f"{hw.flops / 1e12:.3g} TFLOP/s{device}")
-    names = {key: f"{p.label} {p.dp}x{p.tp}" for key, p in best_per_layout.items()}
+    names = {key: f"{p.label} {p.dp}x{p.tp}" if p.pp == 1 else f"pipeline {p.pp}x{p.dp} m{p.microbatches}"
+             for key, p in best_per_layout.items()}
     width = max(16, max(len(n) for n in names.values()) + 1)
     print(f"{'layout':<{width}}{'bucket MB':>10}{'step ms':>10}{'compute':>9}{'comm wait':>11}{'samples/s':>12}"
           f"{'GiB/rank':>10}")
     for key, p in sorted(best_per_layout.items(), key=lambda kv: kv[1].step_s):
         mem, ok, said = memory[key]
-        bucket = f"{p.bucket_cap_mb:g}" if p.dp > 1 and p.shard == 1 else "-"
+        bucket = f"{p.bucket_cap_mb:g}" if p.dp > 1 and p.shard == 1 and p.pp == 1 else "-"
         print(f"{names[key]:<{width}}{bucket:>10}{p.step_s * 1e3:>10.1f}{p.compute_s * 1e3:>9.1f}"
               f"{p.comm_wait_frac:>11.1%}{p.samples_per_s:>12,.1f}{mem['total'] / costmodel.GiB:>10.1f}"
               + ("" if ok else f"  {said['reason']}"))
@@ -194,7 +207,7 @@ def cmd_plan(args) -> int:
                          f"--global-batch with a multiple of {hw.devices}")
     memory = layout_memory(job, model, hw, batch, preds)
     # a layout predicted not to fit the device is never recommended, however fast
-    best = next((p for p in preds if memory[(p.dp, p.tp, p.shard)][1]), None)
+    best = next((p for p in preds if memory[layout_key(p)][1]), None)
     if args.json:
         _print_json(model, hw, batch, notes, preds, memory, best)
         return 0
@@ -208,7 +221,7 @@ def cmd_plan(args) -> int:
               "activation checkpointing")
     else:
         print(f"recommended: {recommendation(best, hw)} ({best.step_s * 1e3:.1f} ms a step, comm wait "
-              f"{best.comm_wait_frac:.0%}, {memory[(best.dp, best.tp, best.shard)][0]['total'] / costmodel.GiB:.1f} "
+              f"{best.comm_wait_frac:.0%}, {memory[layout_key(best)][0]['total'] / costmodel.GiB:.1f} "
               "GiB a rank)")
     if model.tp_boundaries == 0:
         print("note: this model's tensor-parallel activations are not modelled (only the built-in GPT's are): "

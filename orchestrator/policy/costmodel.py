@@ -220,6 +220,10 @@ class Prediction:
     step_s: float
     samples_per_s: float
     shard: int = 1            # dp ranks that split each replica's state (1: replicated)
+    pp: int = 1               # pipeline stages (orchestrator/policy/pipeline_cost.py)
+    microbatches: int = 0     # a pipeline's micro-batches a step
+    bubble_s: float = 0.0     # a pipeline stage's time idle filling and draining the pipeline
+    link_s: float = 0.0       # a pipeline stage's time its activations spend on the link, both ways
 
     @property
     def comm_wait_frac(self) -> float:
@@ -227,11 +231,14 @@ class Prediction:
 
     @property
     def strategy(self) -> str:
-        return strategy_of(self.dp, self.tp, self.shard)
+        return strategy_of(self.dp, self.tp, self.shard, self.pp)
 
     @property
     def label(self) -> str:
-        """How a table names the layout: the strategy, hsdp's group size, hybrid's sharded data dimension."""
+        """How a table names the layout: the strategy, hsdp's group size, hybrid's sharded data
+        dimension, a pipeline's stages."""
+        if self.pp > 1:
+            return f"pipeline:{self.pp}"
         if self.shard > 1 and self.tp > 1:
             return "hybrid:fsdp"
         return f"hsdp:{self.shard}" if self.strategy == "hsdp" else self.strategy
@@ -240,8 +247,10 @@ class Prediction:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__}, "comm_wait_frac": self.comm_wait_frac}
 
 
-def strategy_of(dp: int, tp: int, shard: int = 1) -> str:
-    """The built-in strategy a (dp, tp, shard) layout is: a hybrid with dp_shard stays `hybrid`."""
+def strategy_of(dp: int, tp: int, shard: int = 1, pp: int = 1) -> str:
+    """The built-in strategy a (dp, tp, shard, pp) layout is: a hybrid with dp_shard stays `hybrid`."""
+    if pp > 1:
+        return "pipeline"
     if tp > 1:
         return "tensor" if dp == 1 else "hybrid"
     if shard == 1 or dp == 1:
@@ -467,11 +476,17 @@ def sharded_layouts(hw: Hardware, global_batch: int, model_divides: int = 0) -> 
 
 
 def plan(model: ModelShape, hw: Hardware, global_batch: int,
-         buckets_mb: tuple[float, ...] = (1, 5, 10, 25, 50, 100), sharded: bool = True) -> list[Prediction]:
+         buckets_mb: tuple[float, ...] = (1, 5, 10, 25, 50, 100), sharded: bool = True,
+         pipelined: bool = True) -> list[Prediction]:
     """Every layout at every bucket size (one for those without a data-parallel all-reduce: no dp,
-    or sharded state), fastest first; `sharded=False` leaves out fsdp, hsdp and hybrid dp_shard."""
+    or sharded state), fastest first; `sharded=False` leaves out fsdp, hsdp and hybrid dp_shard,
+    `pipelined=False` the pipelines (a stage of whole nodes each: pipeline_cost.py)."""
     preds = [predict(model, hw, global_batch, dp, tp, b, shard=shard)
              for dp, tp, shard in sharded_layouts(hw, global_batch, model_divides=model.tp_divides)
              if sharded or shard == 1
              for b in (buckets_mb if dp > 1 and shard == 1 else buckets_mb[:1])]
+    if pipelined and model.blocks >= 2:
+        from gearshift.orchestrator.policy import pipeline_cost
+
+        preds += pipeline_cost.plan(model, hw, global_batch)
     return sorted(preds, key=lambda p: p.step_s)

@@ -1,0 +1,99 @@
+"""The cost model's pipeline layouts (strategies/pipeline/): a step's time and a rank's memory
+when the model is cut into `pp` stages of consecutive blocks, one stage per node or group of
+nodes, `dp` replicas of each stage inside its nodes, micro-batches flowing through under GPipe
+or 1F1B. Pure Python, like costmodel.py.
+
+The step, with `m` micro-batches of `b` samples each (a replica's share of the global batch,
+`G / dp`, cut in `m`), per stage:
+
+- compute `c` a micro-batch, forward and backward: the model's FLOPs for `b` samples over `pp`
+  (the blocks are cut evenly), the head's share (`ModelShape.tp_replicated`) on the last stage
+  whole: the slowest stage sets the pace;
+- the link `t` a micro-batch, each way: the activation at a cut (`boundary_bytes_per_sample` x
+  `b`) over the link between the stages' nodes, and its gradient back;
+- the step is `m x max(c, 2t) + (pp - 1) x (c + 2t)`: the slower of compute and link paces the
+  steady state, and filling and draining the pipeline costs `pp - 1` micro-batches more (the
+  bubble, `(pp - 1) / (m + pp - 1)` of the step when compute paces it);
+- then each stage's replicas all-reduce its gradients (a `1/pp` share of the model's) inside its
+  node, after the schedule (not overlapped).
+
+A rank's memory: its stage's parameters, gradients and optimizer state (`1/pp` of the model's),
+and the activations of the micro-batches in flight at once on the first stage (all `m` under
+GPipe, at most `pp` under 1F1B), each `b` samples of `1/pp` of the model's layers.
+"""
+
+from __future__ import annotations
+
+from gearshift.orchestrator.policy.costmodel import (PARAM_BYTES, Hardware, Link, MemoryOverhead, ModelShape, Prediction,
+                                                     allreduce_time, group_link)
+
+
+def microbatches(share: int, pp: int) -> int:
+    """As a job resolves parallel.pp_microbatches left null (strategies/pipeline/__init__.py)."""
+    return max(m for m in range(1, 2 * pp + 1) if share % m == 0)
+
+
+def stage_link(hw: Hardware, pp: int) -> Link:
+    """The link between two stages: between nodes when the stages are a node or more each,
+    inside a node when a node holds several stages."""
+    return group_link(hw, pp <= hw.nodes and hw.nodes > 1, 1)
+
+
+def predict(model: ModelShape, hw: Hardware, global_batch: int, pp: int, dp: int,
+            microbatches_: int | None = None, schedule: str = "1f1b") -> Prediction:
+    """One step of a pipeline of `pp` stages and `dp` replicas on `hw`."""
+    if pp * dp > hw.devices:
+        raise ValueError(f"pp({pp}) x dp({dp}) = {pp * dp} devices; the hardware has {hw.devices}")
+    if global_batch % dp:
+        raise ValueError(f"dp({dp}) must divide the global batch ({global_batch})")
+    share = global_batch // dp
+    m = microbatches_ or microbatches(share, pp)
+    b = share / m
+    head = model.tp_replicated  # a replicated head: on the last stage, whole
+    c = model.flops_per_sample * b * ((1 - head) / pp + head) / hw.flops
+    link = stage_link(hw, pp)
+    t = model.boundary_bytes_per_sample * b / link.bandwidth + link.latency if pp > 1 else 0.0
+    steady = m * max(c, 2 * t)
+    fill = (pp - 1) * (c + 2 * t)
+    grads = model.params * model.grad_bytes_per_param / pp
+    dp_comm = allreduce_time(grads, dp, group_link(hw, dp > hw.per_node, 1)) if dp > 1 else 0.0
+    compute = m * c
+    step = steady + fill + dp_comm
+    return Prediction(dp, 1, 0.0, compute, 0.0, dp_comm, step - compute, step,
+                      global_batch / step if step > 0 else 0.0, 1, pp, m,
+                      bubble_s=(pp - 1) * c, link_s=(m + pp - 1) * 2 * t)
+
+
+def memory(model: ModelShape, pp: int, dp: int, *, global_batch: int, microbatches_: int | None = None,
+           schedule: str = "1f1b", optimizer_states: int = 2, overhead: MemoryOverhead = MemoryOverhead(),
+           **_ignored) -> dict:
+    """Bytes one rank of the first stage holds at its peak (the most micro-batches in flight)."""
+    share = global_batch // dp
+    m = microbatches_ or microbatches(share, pp)
+    b = share / m
+    local = model.params / pp
+    out = {"params": local * PARAM_BYTES, "grads": local * model.grad_bytes_per_param,
+           "optimizer": local * 4.0 * optimizer_states, "gathered": 0.0, "cast_weights": 0.0}
+    in_flight = m if schedule == "gpipe" else min(m, pp)
+    per_sample = model.activations.per_sample(1) if model.activations else 0.0
+    out["activations"] = in_flight * b * per_sample / pp
+    tensors = sum(out.values())
+    out["overhead"] = overhead.fixed + overhead.fraction * tensors
+    out["total"] = tensors + out["overhead"]
+    out["micro_batch"] = b
+    return out
+
+
+def layouts(hw: Hardware, global_batch: int, model: ModelShape) -> list[tuple[int, int]]:
+    """(pp, dp) over all devices: stages of whole nodes (pp dividing the nodes), at most one a
+    block, each replica's share of the batch whole."""
+    out = []
+    for pp in range(2, hw.nodes + 1):
+        dp = hw.devices // pp
+        if hw.nodes % pp == 0 and (not model.blocks or pp <= model.blocks) and global_batch % dp == 0:
+            out.append((pp, dp))
+    return out
+
+
+def plan(model: ModelShape, hw: Hardware, global_batch: int) -> list[Prediction]:
+    return [predict(model, hw, global_batch, pp, dp) for pp, dp in layouts(hw, global_batch, model)]
