@@ -118,8 +118,8 @@ def check(job: JobLike, *, overrides: Overrides = None, cluster: str | None = No
     sizes, the tracking packages it asks for), then the starting layout and the plan's table.
     `cluster` is a `gearshift plan --cluster` preset or spec file; by default the job's devices
     as one node of h100-ib400's kind (the step times are then a ranking, not a forecast)."""
-    from gearshift.orchestrator.commands.plan import layout_memory, load_cluster
-    from gearshift.orchestrator.policy import costmodel
+    from gearshift.orchestrator.commands.plan import layout_key, layout_memory, load_cluster
+    from gearshift.orchestrator.policy import costmodel, pipeline_cost
     from gearshift.orchestrator.policy import job_shape
     from gearshift.orchestrator.policy import hardware
     from gearshift.orchestrator.records.tracking import check_installed
@@ -134,12 +134,13 @@ def check(job: JobLike, *, overrides: Overrides = None, cluster: str | None = No
         hw = load_cluster(cluster)
     model = job_shape.shape_of_job(job)
     batch = job.train.global_batch_size
-    preds = costmodel.plan(model, hw, batch)
+    preds = pipeline_cost.plan(model, hw, batch)
     memory = layout_memory(job, model, hw, batch, preds)
     best: dict = {}
     for p in preds:  # the fastest bucket size of each layout
-        best.setdefault((p.dp, p.tp, p.shard), p)
+        best.setdefault(layout_key(p), p)
     rows = [{"layout": f"{p.label} {p.dp}x{p.tp}", "strategy": p.strategy, "dp": p.dp, "tp": p.tp, "shard": p.shard,
+             "pp": p.pp,
              "memory_gib": memory[key][0]["total"] / costmodel.GiB, "fits": memory[key][1],
              "step_ms": p.step_s * 1e3, "comm_wait_frac": p.comm_wait_frac, "samples_per_s": p.samples_per_s}
             for key, p in sorted(best.items(), key=lambda kv: kv[1].step_s)]

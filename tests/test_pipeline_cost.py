@@ -31,7 +31,7 @@ def test_a_compute_bound_pipeline_idles_for_its_bubble_and_a_slow_link_paces_it(
 
 def test_across_a_slow_link_stages_beat_data_parallelism_and_not_across_a_fast_one():
     for gbps, wins in ((0.5, True), (400.0, False)):
-        preds = costmodel.plan(MODEL, hw(gbps), 64)
+        preds = pipeline_cost.plan(MODEL, hw(gbps), 64)
         pipe = min(p.step_s for p in preds if p.strategy == "pipeline")
         data = min(p.step_s for p in preds if p.strategy == "data")
         assert (pipe < data) is wins, (gbps, pipe, data)

@@ -43,7 +43,7 @@ def record(step, layout, *, step_time=0.1, wait=0.05, data=0.02, batch=32, telem
         "data_time_mean": t(mean(dt)), "data_time_max": t(max(dt)),
         "compute_time_mean": t(mean(ct)), "comm_wait_mean": t(mean(cw)), "comm_wait_max": t(max(cw)),
         "comm_wait_frac_mean": t(mean(waits)), "comm_wait_frac_max": t(max(waits)), "comm_calls": 3,
-        "comm_hidden_mean": None, "comm_hidden_frac_mean": None,
+        "comm_hidden_mean": None, "comm_hidden_frac_mean": None, "bubble_frac_mean": None, "link_wait_frac_mean": None,
         "samples_per_s": batch / max(st), "tokens_per_s": None, "peak_mem_bytes": None,
         "ranks": {"step_time": st, "data_time": t(dt), "compute_time": t(ct), "comm_wait": t(cw),
                   "comm_wait_frac": t(waits), "samples_per_s": [batch / world / s for s in st]},

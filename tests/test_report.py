@@ -39,7 +39,7 @@ def step_record(step, *, strategy="data", dp=2, tp=1, t=None, rng=None, tokens=1
         "comm_wait_mean": sum(waits) / 2, "comm_wait_max": max(waits),
         "comm_wait_frac_mean": sum(w / s for w, s in zip(waits, times)) / 2,
         "comm_wait_frac_max": max(w / s for w, s in zip(waits, times)),
-        "comm_hidden_mean": None, "comm_hidden_frac_mean": None, "comm_calls": 4, "samples_per_s": sps, "tokens_per_s": sps * tokens if tokens else None,
+        "comm_hidden_mean": None, "comm_hidden_frac_mean": None, "bubble_frac_mean": None, "link_wait_frac_mean": None, "comm_calls": 4, "samples_per_s": sps, "tokens_per_s": sps * tokens if tokens else None,
         "peak_mem_bytes": None,
         "ranks": {"step_time": times, "data_time": [0.001, 0.002], "compute_time": [0.07, 0.07],
                   "comm_wait": waits, "comm_wait_frac": [w / s for w, s in zip(waits, times)],

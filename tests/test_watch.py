@@ -45,7 +45,7 @@ def step(n: int, world: int = WORLD, loss: float | None = None, t: float | None 
             "data_time_mean": 0.002, "data_time_max": 0.002,
             "compute_time_mean": sum(s - c - d for s, c, d in zip(times, comm, data)) / world,
             "comm_wait_mean": sum(comm) / world, "comm_wait_max": max(comm),
-            "comm_wait_frac_mean": sum(frac) / world, "comm_wait_frac_max": max(frac), "comm_hidden_mean": None, "comm_hidden_frac_mean": None, "comm_calls": 3,
+            "comm_wait_frac_mean": sum(frac) / world, "comm_wait_frac_max": max(frac), "comm_hidden_mean": None, "comm_hidden_frac_mean": None, "bubble_frac_mean": None, "link_wait_frac_mean": None, "comm_calls": 3,
             "samples_per_s": 64 / times[slowest], "tokens_per_s": 64 * 128 / times[slowest],
             "peak_mem_bytes": 3 << 30,
             "ranks": {"step_time": times, "data_time": data,

@@ -201,7 +201,9 @@ def cmd_plan(args) -> int:
     hw = with_device_memory(load_cluster(args.cluster, args.nodes), getattr(args, "device_memory", None))
     model, hw, notes = calibrated(job, job_shape.shape_of_job(job), hw, args.calibrate)
     batch = global_batch(args, job)
-    preds = costmodel.plan(model, hw, batch)
+    from gearshift.orchestrator.policy import pipeline_cost
+
+    preds = pipeline_cost.plan(model, hw, batch)  # every layout, the pipelines too
     if not preds:
         raise UsageError(f"no layout of {hw.devices} devices divides the global batch {batch}: use "
                          f"--global-batch with a multiple of {hw.devices}")

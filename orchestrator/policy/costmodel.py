@@ -476,17 +476,12 @@ def sharded_layouts(hw: Hardware, global_batch: int, model_divides: int = 0) -> 
 
 
 def plan(model: ModelShape, hw: Hardware, global_batch: int,
-         buckets_mb: tuple[float, ...] = (1, 5, 10, 25, 50, 100), sharded: bool = True,
-         pipelined: bool = True) -> list[Prediction]:
+         buckets_mb: tuple[float, ...] = (1, 5, 10, 25, 50, 100), sharded: bool = True) -> list[Prediction]:
     """Every layout at every bucket size (one for those without a data-parallel all-reduce: no dp,
-    or sharded state), fastest first; `sharded=False` leaves out fsdp, hsdp and hybrid dp_shard,
-    `pipelined=False` the pipelines (a stage of whole nodes each: pipeline_cost.py)."""
+    or sharded state), fastest first; `sharded=False` leaves out fsdp, hsdp and hybrid dp_shard.
+    (Pipelines: pipeline_cost.plan, which adds them.)"""
     preds = [predict(model, hw, global_batch, dp, tp, b, shard=shard)
              for dp, tp, shard in sharded_layouts(hw, global_batch, model_divides=model.tp_divides)
              if sharded or shard == 1
              for b in (buckets_mb if dp > 1 and shard == 1 else buckets_mb[:1])]
-    if pipelined and model.blocks >= 2:
-        from gearshift.orchestrator.policy import pipeline_cost
-
-        preds += pipeline_cost.plan(model, hw, global_batch)
     return sorted(preds, key=lambda p: p.step_s)

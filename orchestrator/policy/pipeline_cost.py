@@ -24,6 +24,7 @@ GPipe, at most `pp` under 1F1B), each `b` samples of `1/pp` of the model's layer
 
 from __future__ import annotations
 
+from gearshift.orchestrator.policy import costmodel
 from gearshift.orchestrator.policy.costmodel import (PARAM_BYTES, Hardware, Link, MemoryOverhead, ModelShape, Prediction,
                                                      allreduce_time, group_link)
 
@@ -95,5 +96,14 @@ def layouts(hw: Hardware, global_batch: int, model: ModelShape) -> list[tuple[in
     return out
 
 
-def plan(model: ModelShape, hw: Hardware, global_batch: int) -> list[Prediction]:
+def pipelines(model: ModelShape, hw: Hardware, global_batch: int) -> list[Prediction]:
+    """Each pipeline layout of `layouts`, at its default micro-batches."""
     return [predict(model, hw, global_batch, pp, dp) for pp, dp in layouts(hw, global_batch, model)]
+
+
+def plan(model: ModelShape, hw: Hardware, global_batch: int, **kwargs) -> list[Prediction]:
+    """costmodel.plan's layouts (`kwargs` go to it) and the pipelines, fastest first."""
+    preds = costmodel.plan(model, hw, global_batch, **kwargs)
+    if model.blocks >= 2:
+        preds = sorted(preds + pipelines(model, hw, global_batch), key=lambda p: p.step_s)
+    return preds
