@@ -74,7 +74,7 @@ TIMING_FIELDS = ("comm_wait_frac_mean", "comm_wait_mean", "data_time_mean", "com
 
 
 def candidate_layouts(world: int, node_sizes: list[int], tp_ok: Callable[[int], bool] = lambda tp: True,
-                      sharded: bool = True) -> list[Layout]:
+                      sharded: bool = True, pipelines: tuple[int, ...] | list[int] = ()) -> list[Layout]:
     """Layouts to try in order, data first, then ever larger node-local tensor-parallel groups;
     at each tp the replicated layout first, then (`sharded`) the same tp with sharded state.
 
@@ -106,6 +106,9 @@ def candidate_layouts(world: int, node_sizes: list[int], tp_ok: Callable[[int], 
             out.append(Layout("hybrid", world // tp, tp))
             if sharded:
                 out.append(Layout("hybrid", world // tp, tp, world // tp))
+    # last, `pipelines`' stage counts (the caller's: stages of whole nodes), offered to the predicting
+    # policy only (the trial rules move along tensor parallelism and pass them by)
+    out += [Layout("pipeline", world // pp, 1, 1, pp) for pp in pipelines if world % pp == 0]
     return out
 
 

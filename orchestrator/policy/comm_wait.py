@@ -30,7 +30,7 @@ def next_candidate(st: Standing, step: int, wait: float = 0.0) -> tuple[Layout |
         later = [layout for layout in st.candidates if layout.tp > st.current.tp]
     settled, skipped = {st.current.tp}, []
     for layout in later:
-        if layout.tp in settled:
+        if layout.tp in settled or layout.pp > 1:  # a pipeline is the predicting policy's move alone
             continue
         passed = st.passed_over(layout)
         if passed is not None:
@@ -49,7 +49,7 @@ def previous_candidate(st: Standing, means: dict, step: int) -> tuple[Layout | N
         return None, []
     if st.current not in st.candidates:
         return None, []
-    earlier = [c for c in st.candidates[:st.candidates.index(st.current)] if c.tp < st.current.tp]
+    earlier = [c for c in st.candidates[:st.candidates.index(st.current)] if c.tp < st.current.tp and c.pp == 1]
     if not earlier:
         return None, []
     skipped = []

@@ -10,7 +10,19 @@ from gearshift.orchestrator.policy.online import OnlineModel
 from gearshift.strategies.layout import Layout
 
 
-def layout_candidates(job: Job, node_sizes: list[int], sharded: bool) -> list[Layout]:
+def pipeline_stages(job: Job, shape, node_sizes: list[int]) -> list[int]:
+    """The pipelines a run deciding by prediction may move to: stages of whole nodes (as many as
+    divide the nodes, nodes of one size), at most one a block, where the cost model knows what
+    crosses a cut (the built-in GPT's shape: `boundary_bytes_per_sample`)."""
+    nodes, world = len(node_sizes), sum(node_sizes)
+    if nodes < 2 or len(set(node_sizes)) != 1 or not shape.boundary_bytes_per_sample or shape.blocks < 2:
+        return []
+    return [pp for pp in range(2, nodes + 1) if nodes % pp == 0 and pp <= shape.blocks
+            and job.train.global_batch_size % (world // pp) == 0
+            and accumulation(job.train.global_batch_size, job.train.micro_batch_size, world // pp) is not None]
+
+
+def layout_candidates(job: Job, node_sizes: list[int], sharded: bool, pipelines: list[int] = ()) -> list[Layout]:
     """The layouts the workers (per node) can take that the model can be split into and this
     process can build, data first (adaptive.candidate_layouts says the order)."""
     from gearshift import strategies
@@ -27,7 +39,8 @@ def layout_candidates(job: Job, node_sizes: list[int], sharded: bool) -> list[La
         except ComponentError:
             return False
 
-    candidates = candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable, sharded=sharded)
+    candidates = candidate_layouts(job.cluster.num_workers, node_sizes, tp_ok=shardable, sharded=sharded,
+                                   pipelines=pipelines)
     # only layouts whose strategy this process can build (fsdp and hsdp are named before they exist)
     return [c for c in candidates if c.strategy in strategies.STRATEGIES]
 
@@ -38,15 +51,15 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
     memory, layouts with sharded state join them and no layout predicted not to fit is switched
     to (job_shape.memory_check); without it memory is not judged, and sharded state, whose only
     gain is memory, is not offered."""
-    from gearshift.orchestrator.policy import costmodel
-    from gearshift.orchestrator.policy import job_shape
+    from gearshift.orchestrator.policy import job_shape, pipeline_cost
 
     a = job.adapt
     config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide,
                          memory_threshold=a.memory_threshold)
     shape = job_shape.shape_of_job(job)
     fits = None if device_memory_bytes is None else job_shape.memory_check(job, device_memory_bytes, model=shape)
-    candidates = layout_candidates(job, node_sizes, sharded=fits is not None)
+    candidates = layout_candidates(job, node_sizes, sharded=fits is not None,
+                                   pipelines=pipeline_stages(job, shape, node_sizes) if a.decide == "predict" else ())
     # the cost model, fitted as the run goes from its own records (no prior: a live run's hardware is
     # what it measures)
     model = OnlineModel(shape, job.train.global_batch_size, node_sizes, predict_error=config.predict_error,
@@ -54,7 +67,7 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
     need = None
     if device_memory_bytes is not None:
         settings = job_shape.memory_settings(job)
-        need = lambda lay: costmodel.memory(shape, lay.dp, lay.tp, lay.shard,  # noqa: E731
-                                            global_batch=job.train.global_batch_size, **settings)["total"]
+        need = lambda lay: pipeline_cost.memory_of(shape, lay, global_batch=job.train.global_batch_size,  # noqa: E731
+                                                   **settings)["total"]
     return Policy(config, candidates, layout, fits=fits, model=model, total_steps=job.train.steps,
                   memory=(need, device_memory_bytes) if need else None)

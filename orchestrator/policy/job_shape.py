@@ -41,8 +41,9 @@ def memory_check(job, device_memory_bytes: float, overhead: MemoryOverhead = Mem
     settings = memory_settings(job)
 
     def check(layout) -> tuple[bool, dict]:
-        mem = memory(model, layout.dp, layout.tp, layout.shard, global_batch=job.train.global_batch_size,
-                     overhead=overhead, **settings)
+        from gearshift.orchestrator.policy.pipeline_cost import memory_of  # noqa: PLC0415
+
+        mem = memory_of(model, layout, global_batch=job.train.global_batch_size, overhead=overhead, **settings)
         ok, said = fits(mem, device_memory_bytes)
         return ok, {**said, "breakdown": mem}
 

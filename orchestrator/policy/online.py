@@ -124,7 +124,7 @@ class OnlineModel:
         step = median(r["step_time_max"] for r in rs)
         self.rest_s = max(0.0, step - compute - wait)
         self.bucket_cap_mb = rs[-1].get("bucket_cap_mb") or self.bucket_cap_mb
-        base = layout.tp == 1 and layout.shard == 1
+        base = layout.tp == 1 and layout.shard == 1 and layout.pp == 1
         if compute > 0 and (self.rate_from is None or layout == self.rate_from or (base and self.rate_from.tp > 1)):
             self.hw = replace(self.hw, flops=self._work(layout) / compute)
             self.rate_from = layout
@@ -153,12 +153,17 @@ class OnlineModel:
         self.hw, self.link_fitted = self._at(calibration._solve(lambda bw: self._wait(layout, bw), target)), True
 
     def _work(self, layout: Layout) -> float:
-        """FLOPs a step on one rank of `layout`, tensor parallelism's added work left out."""
+        """FLOPs a step on one rank of `layout`, tensor parallelism's added work left out (a
+        pipeline's stage: its share of the blocks, the head whole on the last)."""
         m = self.model
-        return m.flops_per_sample * self.global_batch / layout.dp * ((1 - m.tp_replicated) / layout.tp
-                                                                    + m.tp_replicated)
+        split = layout.tp * layout.pp
+        return m.flops_per_sample * self.global_batch / layout.dp * ((1 - m.tp_replicated) / split + m.tp_replicated)
 
     def _predict(self, layout: Layout, bandwidth: float) -> costmodel.Prediction:
+        if layout.pp > 1:
+            from gearshift.orchestrator.policy import pipeline_cost
+
+            return pipeline_cost.predict(self.model, self._at(bandwidth), self.global_batch, layout.pp, layout.dp)
         return costmodel.predict(self.model, self._at(bandwidth), self.global_batch, layout.dp, layout.tp,
                                  self.bucket_cap_mb, shard=layout.shard)
 
@@ -182,7 +187,7 @@ class OnlineModel:
         and the errors measured so far (their median size) for a layout that has run, or whose
         costs the model knows (replicated tp=1, or any layout given a spec of the hardware);
         `unseen_error` for one whose tensor-parallel or sharding costs nothing here has measured."""
-        if layout in self.seen or self.tp_known or (layout.tp == 1 and layout.shard == 1):
+        if layout in self.seen or self.tp_known or (layout.tp == 1 and layout.shard == 1 and layout.pp == 1):
             measured = median(abs(e) for e in self.errors[-5:]) if self.errors else 0.0
             return max(self.predict_error, measured)
         return self.unseen_error

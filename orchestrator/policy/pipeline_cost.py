@@ -85,6 +85,14 @@ def memory(model: ModelShape, pp: int, dp: int, *, global_batch: int, microbatch
     return out
 
 
+def memory_of(model: ModelShape, layout, *, global_batch: int, **settings) -> dict:
+    """`memory` of any layout (anything with dp, tp, shard and pp): a pipeline's here, the
+    others' costmodel.memory."""
+    if getattr(layout, "pp", 1) > 1:
+        return memory(model, layout.pp, layout.dp, global_batch=global_batch, **settings)
+    return costmodel.memory(model, layout.dp, layout.tp, layout.shard, global_batch=global_batch, **settings)
+
+
 def layouts(hw: Hardware, global_batch: int, model: ModelShape) -> list[tuple[int, int]]:
     """(pp, dp) over all devices: stages of whole nodes (pp dividing the nodes), at most one a
     block, each replica's share of the batch whole."""

@@ -25,7 +25,9 @@ class Predictive:
         c = self.config
         st.model.update(st.current, window)
         over = means["comm_wait_frac"] > c.threshold
-        if st.cooling(step, c.cooldown) or not (over or any(x.tp < st.current.tp for x in st.candidates)):
+        # a review while a layout with less tensor parallelism, or without stages, is there (the link may be better)
+        if st.cooling(step, c.cooldown) or not (over or any(x.tp < st.current.tp or x.pp < st.current.pp
+                                                           for x in st.candidates)):
             return KEEP
         return self.weigh(st, means, step, "comm_wait" if over else "review")
 
@@ -34,13 +36,14 @@ class Predictive:
         with its error counted against it, pays the switch over the steps left by a margin."""
         c, model = self.config, st.model
         now = model.predict(st.current)
-        options, skipped, settled = [], [], {st.current.tp}
-        for layout in st.candidates:  # at each tp its least sharded layout that fits (see adaptive.py's doc)
-            passed = None if layout.tp in settled else st.passed_over(layout)
+        options, skipped, settled = [], [], {(st.current.tp, st.current.pp)}
+        for layout in st.candidates:  # at each (tp, pp) its least sharded layout that fits (adaptive.py's doc)
+            key = (layout.tp, layout.pp)
+            passed = None if key in settled else st.passed_over(layout)
             if passed is not None:
                 skipped.append(passed)
-            elif layout.tp not in settled:
-                settled.add(layout.tp)
+            elif key not in settled:
+                settled.add(key)
                 if st.open(layout, step):
                     options.append(model.predict(layout))
         best = min(options, key=lambda e: e.pessimistic_s, default=None)
