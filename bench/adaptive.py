@@ -3,7 +3,9 @@
 The testbed (bench/testbed/testbed.py) makes two network namespaces joined by a tbf-shaped veth,
 with a Ray node in each; 4 workers, 2 per node. The built-in GPT trains the same number of steps
 as static data (4), static hybrid (2 x 2, tensor-parallel inside a node), static tensor (4, over
-the link) and auto (starts data, the policy decides), at each fixed link rate and in a scenario
+the link), static pipeline (2 stages, one a node, 2 replicas each: only the activations at the cut
+cross the link) and auto (starts data, the policy decides, pipelines among its candidates), at
+each fixed link rate and in a scenario
 where the rate changes at given steps (fast -> slow -> fast; the testbed follows the run's
 telemetry), so every layout trains the same steps under the same link.
 
@@ -70,6 +72,7 @@ LAYOUTS = {
     "data": ["parallel.strategy=data"],
     "hybrid": ["parallel.strategy=hybrid", "parallel.tp_size=2"],
     "tensor": ["parallel.strategy=tensor", "parallel.tp_across_nodes=true"],  # gearshift refuses it otherwise
+    "pipeline": ["parallel.strategy=pipeline", "parallel.pp_size=2"],  # a stage a node: activations on the link
     "auto": ["parallel.strategy=auto"],
 }
 STATIC = [k for k in LAYOUTS if k != "auto"]
