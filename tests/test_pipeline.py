@@ -1,8 +1,9 @@
 """Pipeline parallelism (strategies/pipeline/): where a model is cut and why it cannot be, and a
 pipelined step on gloo processes against plain single-process PyTorch on the same batches, for
-the built-in GPT, a Hugging Face Llama built from a config (its head tied to the embedding), and
-an MLP whose activation runs between its blocks; GPipe and 1F1B; pp alone and pp x dp; with
-clipping (the global norm over every stage) and accumulation."""
+the built-in GPT and a Hugging Face Llama built from a config (its head tied to the embedding);
+GPipe and 1F1B; pp alone and pp x dp; with clipping (the global norm over every stage) and
+accumulation. (An MLP, whose activation runs between its blocks, through `gearshift run`:
+tests/test_pipeline_run.py.)"""
 
 from __future__ import annotations
 
@@ -36,18 +37,6 @@ def llama(layers: int = 4):
     return hf_model.build(layers)
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in [(12, 16), (16, 16), (16, 16), (16, 8)])
-        self.out = nn.Linear(8, 5)
-
-    def forward(self, x):
-        for layer in self.hidden:
-            x = F.relu(layer(x))
-        return self.out(x)
-
-
 class Skips(nn.Module):
     """Each block's input is added to the block after next: a skip connection across any cut."""
 
@@ -73,13 +62,11 @@ class Unordered(nn.Module):
         return x
 
 
-MODELS = {"gpt": gpt, "llama": llama, "mlp": MLP}
+MODELS = {"gpt": gpt, "llama": llama}
 
 
 def data(name: str, step: int):
     g = torch.Generator().manual_seed(100 + step)
-    if name == "mlp":
-        return torch.randn(BATCH, 12, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return x, torch.roll(x, -1, 1)
 
@@ -157,8 +144,7 @@ CASES = [  # model, workers, pp, schedule, micro-batches, accumulation, optimize
     ("gpt", 4, 4, "1f1b", 4, 1, "sgd", None),
     ("llama", 2, 2, "1f1b", 2, 1, "adam", 0.5),
     ("llama", 4, 2, "gpipe", 2, 1, "sgd", None),
-    ("mlp", 2, 2, "gpipe", 2, 1, "sgd", 0.5),
-]
+]  # an MLP (its activation between the blocks): tests/test_pipeline_run.py, through `gearshift run`
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-w{c[1]}-pp{c[2]}-{c[3]}-m{c[4]}-acc{c[5]}-{c[6]}"

@@ -1,0 +1,67 @@
+"""Peak memory per process under a pipeline, and of a switch into and out of one.
+
+Three runs of a GPT of 8 layers (width 512: 25 M parameters, Adam) on 2 CPU workers: static data
+(each worker holds the whole model and its optimizer), static pipeline (2 stages: each holds
+half), and data switched into the pipeline at step 10 and back at step 20 (adapt.schedule). Per
+run: the driver's and the largest worker's peak resident set (bench.ingest.Watcher polls every
+process of the run), and from the step records each worker's own high-water mark (`peak_mem_bytes`,
+ru_maxrss: it only grows) just before each switch and just after it, so that what a switch adds
+beyond the layouts' own shows as the rise across it.
+
+    python bench/pipeline_memory.py            # ~3 minutes
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.overhead import timed  # noqa: E402
+
+MiB = 2**20
+MODEL = "model.kwargs={vocab_size: 128, block_size: 64, n_layer: 8, n_head: 8, n_embd: 512}"
+BASE = ["train.steps=30", "train.global_batch_size=8", "checkpoint.every=0", "cluster.num_workers=2",
+        "optimizer.name=adam", "optimizer.weight_decay=0.0", MODEL]
+RUNS = {
+    "data": ["parallel.strategy=data"],
+    "pipeline": ["parallel.strategy=pipeline", "parallel.pp_size=2"],
+    "data>pipeline>data": ["parallel.strategy=data", "adapt.schedule=[{step: 10, strategy: pipeline, pp_size: 2}, "
+                           "{step: 20, strategy: data}]"],
+}
+
+
+def one(name: str, overrides: list[str], tmp: pathlib.Path) -> dict:
+    run_dir = tmp / name.replace(">", "-")
+    cmd = [sys.executable, "-m", "gearshift", "run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(run_dir)]
+    for item in BASE + overrides:
+        cmd += ["--set", item]
+    peaks: dict = {}
+    timed(cmd, peaks=peaks)
+    steps = {r["step"]: r for r in map(json.loads, (run_dir / "telemetry.jsonl").read_text().splitlines())
+             if r["type"] == "step"}
+    marks = {s: steps[s]["peak_mem_bytes"] / MiB for s in (9, 11, 19, 21, 30) if s in steps}
+    return {"driver_peak_mib": peaks["driver"] / MiB, "worker_peak_mib": peaks["worker"] / MiB,
+            "worker_high_water_mib_at_step": marks}
+
+
+def main() -> None:
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="gs-ppmem-") as tmp:
+        for name, overrides in RUNS.items():
+            out[name] = one(name, overrides, pathlib.Path(tmp))
+            r = out[name]
+            print(f"{name:<20} driver {r['driver_peak_mib']:7.0f} MiB   largest worker {r['worker_peak_mib']:7.0f} MiB   "
+                  "worker high-water at step " + ", ".join(f"{s}: {v:.0f}" for s, v in
+                                                          r["worker_high_water_mib_at_step"].items()), flush=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
