@@ -139,6 +139,9 @@ def _add_planning_commands(sub) -> None:
     sim.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR", help="as for plan")
     sim.add_argument("--json", action="store_true",
                      help="print the result as one JSON object (auto_vs_oracle, auto_vs_best_static, decisions, ...)")
+    sim.add_argument("--no-pipelines", dest="pipelines", action="store_false",
+                     help="leave the pipelines (a stage of whole nodes each) out of the layouts and the policy's "
+                          "candidates")
     sim.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
 

@@ -67,7 +67,7 @@ def _at(hw: costmodel.Hardware, factor: float) -> costmodel.Hardware:
 
 def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: int) -> dict:
     """The merged step record the controller would emit for this prediction (every rank alike)."""
-    world = layout.dp * layout.tp
+    world = layout.world
     frac = pred.comm_wait_frac
     compute = pred.step_s - pred.exposed_wait_s
     return {
@@ -86,19 +86,28 @@ def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: 
 
 
 def simulate(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: int, scenario: Scenario,
-             config: AdaptConfig = AdaptConfig(), bucket_cap_mb: float = 25.0, switch_steps: float = 2.0) -> dict:
+             config: AdaptConfig = AdaptConfig(), bucket_cap_mb: float = 25.0, switch_steps: float = 2.0,
+             pipelines: bool = True) -> dict:
+    from gearshift.orchestrator.policy import pipeline_cost
+
     world = hw.devices
     # sharded state only saves memory, which the simulation does not judge: the layouts the policy
-    # would choose among without a memory figure (controller.job_policy)
-    candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes, sharded=False)
+    # would choose among without a memory figure (controller.job_policy); pipelines of whole nodes a
+    # stage where the policy predicts and the model's cut is modelled (for_job.pipeline_stages)
+    stages = [pp for pp, _ in pipeline_cost.layouts(hw, global_batch, model_shape)] \
+        if pipelines and config.decide == "predict" and model_shape.boundary_bytes_per_sample else []
+    candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes, sharded=False, pipelines=stages)
                   if global_batch % c.dp == 0 and (not model_shape.tp_divides or model_shape.tp_divides % c.tp == 0)]
     price = {}
 
     def step_time(layout: Layout, factor: float) -> costmodel.Prediction:
         key = (layout, factor)
         if key not in price:
-            price[key] = costmodel.predict(model_shape, _at(hw, factor), global_batch, layout.dp, layout.tp, bucket_cap_mb,
-                                           shard=layout.shard)
+            if layout.pp > 1:
+                price[key] = pipeline_cost.predict(model_shape, _at(hw, factor), global_batch, layout.pp, layout.dp)
+            else:
+                price[key] = costmodel.predict(model_shape, _at(hw, factor), global_batch, layout.dp, layout.tp,
+                                               bucket_cap_mb, shard=layout.shard)
         return price[key]
 
     steps = range(1, scenario.steps + 1)
@@ -150,6 +159,8 @@ def _said(decision) -> str | None:
 def _name(layout: Layout) -> str:
     """As plan's table names a layout: hsdp with its group size, a hybrid with sharded state as hybrid:fsdp."""
     kind = layout.strategy
+    if layout.pp > 1:
+        return f"pipeline:{layout.pp} {layout.dp}x{layout.tp}"
     if layout.shard > 1:
         kind = "hybrid:fsdp" if layout.tp > 1 else f"hsdp:{layout.shard}" if kind == "hsdp" else kind
     return f"{kind} {layout.dp}x{layout.tp}"
@@ -182,7 +193,8 @@ def cmd_simulate(args) -> int:
     a = job.adapt
     result = simulate(model, hw, batch, scenario,
                       AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide),
-                      bucket_cap_mb=25.0 if job.parallel.bucket_cap_mb == "auto" else job.parallel.bucket_cap_mb)
+                      bucket_cap_mb=25.0 if job.parallel.bucket_cap_mb == "auto" else job.parallel.bucket_cap_mb,
+                      pipelines=getattr(args, "pipelines", True))
     if args.json:
         print(json.dumps({"steps": scenario.steps, "nodes": hw.nodes, "per_node": hw.per_node,
                           "inter_link": [list(f) for f in scenario.factors], **result}))
