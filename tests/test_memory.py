@@ -404,10 +404,13 @@ def test_job_policy_builds_the_memory_check_from_the_job():
     job = load_job(ROOT / "examples" / "gpt.yaml", ["cluster.num_workers=4", "parallel.strategy=auto", BIG_GPT])
     start = Layout("data", 4, 1)
     plain = job_policy(job, start, [2, 2])
-    assert plain.fits is None and plain.candidates == [start, Layout("hybrid", 2, 2)]  # as before
+    stages = Layout("pipeline", 2, 1, 1, 2)  # one stage a node (a GPT's cut is modelled), last
+    assert plain.fits is None and plain.candidates == [start, Layout("hybrid", 2, 2), stages]  # as before, and stages
     checked = job_policy(job, start, [2, 2], device_memory_bytes=24 * GiB)
     assert checked.candidates == [start, Layout("hsdp", 4, 1, 2), Layout("fsdp", 4, 1, 4), Layout("hybrid", 2, 2),
-                                  Layout("hybrid", 2, 2, 2)]
+                                  Layout("hybrid", 2, 2, 2), stages]
+    # a stage holds half the model: the pipeline's memory is its own (pipeline_cost.memory), not data's
+    assert checked.fits(stages)[1]["predicted_bytes"] < checked.fits(start)[1]["predicted_bytes"]
     ok, said = checked.fits(start)
     want = costmodel.memory(job_shape.shape_of_job(job), 4, 1, 1, global_batch=job.train.global_batch_size,
                             **job_shape.memory_settings(job))
