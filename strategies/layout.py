@@ -40,6 +40,8 @@ class Layout:
         mesh = _mesh_of(self.strategy)
         if mesh != "pipe" and self.pp != 1:
             raise LayoutError(f"{self._noun()} has no pipeline stages: pp({self.pp}) must be 1")
+        if mesh == "pipe" and self.pp < 2:
+            raise LayoutError(f"strategy {self.strategy}: pp({self.pp}) stages; a pipeline has at least 2")
         if mesh == "pipe" and (self.tp != 1 or self.shard != 1):
             raise LayoutError(f"strategy {self.strategy}: tensor parallelism and sharded state inside a stage are not "
                               f"supported yet: tp({self.tp}) and shard({self.shard}) must be 1")

@@ -53,6 +53,8 @@ def _same_shape(layout: Layout, n: int) -> Layout:
     from gearshift import strategies
 
     tries = []
+    if layout.pp > 1:  # the same stages over fewer replicas where n allows it, else data parallel
+        return Layout(layout.strategy, n // layout.pp, 1, 1, layout.pp) if n % layout.pp == 0 else Layout("data", n, 1)
     if layout.tp == 1 and layout.shard == 1:
         tries.append((layout.strategy, n, 1, 1))
     if layout.tp > 1 and n % layout.tp == 0:

@@ -100,8 +100,9 @@ class TrainingState:
     def _may_grow(self) -> bool:
         ctl = self.ctl
         n = ctl.job.cluster.num_workers  # a tuning round's trials are timed on one world: not during one
+        # a pipeline's stages are not moved onto new workers in memory (strategies/pipeline/switch.py)
         return (ctl.job.on_node_loss == "elastic" and n < ctl.max_workers and hasattr(ctl.group, "joinable")
-                and not ctl.tuning.active)
+                and not ctl.tuning.active and ctl.layout.pp == 1)
 
     def _grow(self) -> None:
         """Elastic: workers placed since (a node joined, a lost worker's place came back) join
