@@ -90,14 +90,7 @@ def simulate(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_b
              pipelines: bool = True) -> dict:
     from gearshift.orchestrator.policy import pipeline_cost
 
-    world = hw.devices
-    # sharded state only saves memory, which the simulation does not judge: the layouts the policy
-    # would choose among without a memory figure (controller.job_policy); pipelines of whole nodes a
-    # stage where the policy predicts and the model's cut is modelled (for_job.pipeline_stages)
-    stages = [pp for pp, _ in pipeline_cost.layouts(hw, global_batch, model_shape)] \
-        if pipelines and config.decide == "predict" and model_shape.boundary_bytes_per_sample else []
-    candidates = [c for c in candidate_layouts(world, [hw.per_node] * hw.nodes, sharded=False, pipelines=stages)
-                  if global_batch % c.dp == 0 and (not model_shape.tp_divides or model_shape.tp_divides % c.tp == 0)]
+    candidates = _candidates(model_shape, hw, global_batch, config, pipelines)
     price = {}
 
     def step_time(layout: Layout, factor: float) -> costmodel.Prediction:
@@ -146,6 +139,19 @@ def simulate(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_b
             "deciding_by": "prediction" if policy.predicting else "trial",
             "utilisation": compute / clock, "utilisation_oracle": compute / oracle,
             "utilisation_static": {_name(c): compute / t for c, t in static.items()}}
+
+
+def _candidates(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_batch: int, config: AdaptConfig,
+                pipelines: bool) -> list[Layout]:
+    """The layouts the policy would choose among without a memory figure (for_job.job_policy):
+    sharded state only saves memory, which the simulation does not judge; pipelines of whole
+    nodes a stage where the policy predicts and the model's cut is modelled (for_job.pipeline_stages)."""
+    from gearshift.orchestrator.policy import pipeline_cost
+
+    stages = [pp for pp, _ in pipeline_cost.layouts(hw, global_batch, model_shape)] \
+        if pipelines and config.decide == "predict" and model_shape.boundary_bytes_per_sample else []
+    return [c for c in candidate_layouts(hw.devices, [hw.per_node] * hw.nodes, sharded=False, pipelines=stages)
+            if global_batch % c.dp == 0 and (not model_shape.tp_divides or model_shape.tp_divides % c.tp == 0)]
 
 
 def _said(decision) -> str | None:
