@@ -30,8 +30,10 @@ from gearshift.orchestrator.policy.costmodel import (PARAM_BYTES, Hardware, Link
 
 
 def microbatches(share: int, pp: int) -> int:
-    """As a job resolves parallel.pp_microbatches left null (strategies/pipeline/__init__.py)."""
-    return max(m for m in range(1, 2 * pp + 1) if share % m == 0)
+    """As a job resolves parallel.pp_microbatches left null (one rule: strategies/pipeline/__init__.py)."""
+    from gearshift.strategies.pipeline import microbatches as resolved
+
+    return resolved(share, pp)
 
 
 def stage_link(hw: Hardware, pp: int) -> Link:
