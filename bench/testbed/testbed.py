@@ -42,6 +42,8 @@ import tempfile
 import threading
 import time
 
+from cores import NodeCores
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PREFIX = "gs-tb"  # every namespace this testbed makes is named PREFIX-<tag>-{a,b}
 SUBNET = "10.77.{n}.{host}"
@@ -97,7 +99,8 @@ class Testbed:
     """`with Testbed(rate="200mbit") as tb: tb.run_driver([...])` — up on enter, down on exit."""
 
     def __init__(self, rate: str = "200mbit", cpus: tuple[float, float] = (1, 1), tag: str | None = None,
-                 burst: str = "256kb", delay_ms: float = 0.0, start_timeout_s: float = 90):
+                 burst: str = "256kb", delay_ms: float = 0.0, start_timeout_s: float = 90,
+                 own_cores: bool = False):
         if os.geteuid() != 0:
             raise SystemExit("the testbed makes network namespaces and shapes links: run it as root")
         for tool in ("ip", "tc"):
@@ -109,6 +112,8 @@ class Testbed:
         self.ips = (SUBNET.format(n=n, host=1), SUBNET.format(n=n, host=2))
         self.rate, self.burst, self.delay_ms = rate, burst, delay_ms
         self.cpus = cpus
+        self.own_cores = own_cores  # each node on cores of its own (cores.py), as real nodes have their own devices
+        self.cores: NodeCores | None = None
         self.start_timeout_s = start_timeout_s
         self.temp = pathlib.Path(tempfile.mkdtemp(prefix="gs-testbed-"))
         self.token_path = self.temp / "auth_token"  # made in up(), given to every process as RAY_AUTH_TOKEN_PATH
@@ -149,6 +154,8 @@ class Testbed:
             sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "gs0", step=f"giving gs0 in {ns} address {ip}")
             sh("ip", "-n", ns, "link", "set", "gs0", "up", step=f"bringing up gs0 in {ns}")
             self._shape(ns, "add")
+        if self.own_cores:
+            self.cores = NodeCores(self.tag, nodes=len(self.ns))
         self._make_token()
         self._start_ray()
 
@@ -187,13 +194,24 @@ class Testbed:
     def _in(self, ns: str, *argv: str) -> list[str]:
         return ["ip", "netns", "exec", ns, *argv]
 
+    def _node(self, k: int, *argv: str) -> list[str]:
+        """ARGV in node K's namespace and, with own_cores, on node K's cores."""
+        cmd = self._in(self.ns[k], *argv)
+        return self.cores.wrap(k, cmd) if self.cores else cmd
+
+    def set_node_share(self, node: int, share: float) -> None:
+        """Node NODE's processes at SHARE of its cores' time while a run trains (needs own_cores)."""
+        if self.cores is None:
+            raise TestbedError("a node's share of its cores needs the testbed made with own_cores=True")
+        self.cores.set_share(node, share)
+
     def _start_ray(self) -> None:
         ray = str(pathlib.Path(sys.executable).with_name("ray"))
         common = ["--disable-usage-stats", "--temp-dir", str(self.temp / "ray"), "--num-gpus", "0"]
-        sh(*self._in(self.ns[0], ray, "start", "--head", "--node-ip-address", self.ips[0], "--port", str(RAY_PORT),
+        sh(*self._node(0, ray, "start", "--head", "--node-ip-address", self.ips[0], "--port", str(RAY_PORT),
                      "--num-cpus", str(self.cpus[0]), "--include-dashboard", "false", *common),
            env=self.env(), timeout=self.start_timeout_s, step=f"starting the Ray head in {self.ns[0]}")
-        sh(*self._in(self.ns[1], ray, "start", "--address", self.address, "--node-ip-address", self.ips[1],
+        sh(*self._node(1, ray, "start", "--address", self.address, "--node-ip-address", self.ips[1],
                      "--num-cpus", str(self.cpus[1]), *common),
            env=self.env(), timeout=self.start_timeout_s, step=f"starting the Ray worker node in {self.ns[1]}")
         self._wait_for_nodes(2)
@@ -268,6 +286,18 @@ class Testbed:
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and any(_ns_pids(ns) for ns in self.ns):
                 time.sleep(0.2)
+        if self.cores is not None:  # the groups' own processes too (a node's stray child outside the netns)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for pid in self.cores.pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                deadline = time.monotonic() + 5
+                while self.cores.pids() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            left = self.cores.remove()
+            if left:
+                print(f"testbed: could not remove cgroups {left}", file=sys.stderr)
+            self.cores = None
         for ns in self.ns:
             sh("ip", "netns", "del", ns, check=False)
         shutil.rmtree(self.temp, ignore_errors=True)
@@ -358,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--scenario", help="rate changes while the job runs: RATE:SECONDS,... (seconds from the "
                                         "driver's start) or RATE@STEP,... (from that step on; needs --run-dir)")
     run.add_argument("--cpus", type=float, nargs=2, default=(1, 1), metavar=("HEAD", "WORKER"))
+    run.add_argument("--own-cores", action="store_true",
+                     help="each node on cores of its own (cgroup cpuset), as real nodes have their own devices")
     sub.add_parser("check", help="list namespaces and processes a testbed left behind (exit 1 if any)")
     sub.add_parser("clean", help="stop and delete whatever a killed testbed left behind")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -377,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--scenario {args.scenario!r} changes the link at steps, which the testbed reads from "
                          "the run's telemetry: give the run dir after --, e.g. -- --run-dir runs/mine")
     try:
-        with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms) as tb:
+        with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms, own_cores=args.own_cores) as tb:
             print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}",
                   file=sys.stderr, flush=True)
             return tb.run_driver(["run", args.job, *extra], scenario).returncode
