@@ -1,7 +1,10 @@
 """Adaptive against every fixed layout, on a real two-node cluster with a shaped link (as root).
 
 The testbed (bench/testbed/testbed.py) makes two network namespaces joined by a tbf-shaped veth,
-with a Ray node in each; 4 workers, 2 per node. The built-in GPT trains the same number of steps
+with a Ray node in each; 4 workers, 2 per node. Each node runs on a core of its own (a cgroup
+cpuset, bench/testbed/cores.py), as each node of a real cluster has its own devices: a rank that
+waits (a pipeline stage in its bubble, a rank blocked on the link) leaves its core idle instead of
+lending it to the other node (`--shared-cores`: both nodes on both cores, as before). The built-in GPT trains the same number of steps
 as static data (4), static hybrid (2 x 2, tensor-parallel inside a node), static tensor (4, over
 the link), static pipeline (2 stages, one a node, 2 replicas each: only the activations at the cut
 cross the link) and auto (starts data, the policy decides, pipelines among its candidates), at
@@ -77,6 +80,7 @@ LAYOUTS = {
 }
 STATIC = [k for k in LAYOUTS if k != "auto"]
 BATCH = 32
+PP, MICROBATCHES = 2, 4  # static pipeline: 2 replicas of 16 samples, the default micro-batches (<= 2 x pp, dividing 16)
 
 
 def run_one(tb: Testbed, layout: str, steps: int, tmp: pathlib.Path, scenario=None, rate: str | None = None,
@@ -114,7 +118,10 @@ def run_one(tb: Testbed, layout: str, steps: int, tmp: pathlib.Path, scenario=No
              for r in records if r.get("event") == "decision" and r.get("decision") in ("switch", "revert")]
     lags = [m["applied_step"] - m["seen_step"] for m in moves if m["applied_step"] is not None]
     ends = {r["step"]: r["ended_at"] for r in records if r["type"] == "step"}
-    return {"seconds": seconds, "samples_per_s": steps * BATCH / seconds, "switches": switches,
+    # the pipeline's bubble (a stage idle for lack of work) as a share of the step, past the first 3 steps
+    bubbles = [r["bubble_frac_mean"] for r in records
+               if r["type"] == "step" and r["step"] > 3 and isinstance(r.get("bubble_frac_mean"), (int, float))]
+    return {"bubble_frac": statistics.median(bubbles) if bubbles else None, "seconds": seconds, "samples_per_s": steps * BATCH / seconds, "switches": switches,
             "reverts": reverts, "steps_trained": trained, "moves": moves, "reaction_steps": max(lags, default=0),
             "start": start, "step_ends": ends}
 
@@ -142,6 +149,33 @@ def parse_rates(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def phase_leads(oracle: list[dict], bounds) -> list[dict]:
+    """Per phase of the scenario: its best static layout and that layout's lead over the runner-up
+    (runner-up's time / best's time), median over repeats."""
+    out = []
+    for j, _ in enumerate(bounds):
+        bests, leads, runners = [], [], []
+        for o in oracle:
+            ranked = sorted(o["per_phase_s"], key=lambda k: o["per_phase_s"][k][j])
+            bests.append(ranked[0])
+            runners.append(ranked[1])
+            leads.append(o["per_phase_s"][ranked[1]][j] / o["per_phase_s"][ranked[0]][j])
+        out.append({"best": statistics.mode(bests), "same_every_repeat": len(set(bests)) == 1,
+                    "runner_up": statistics.mode(runners), "lead": statistics.median(leads)})
+    return out
+
+
+def bubble_figures(results: dict) -> dict:
+    """Static pipeline's measured bubble share per setting, beside the schedule's own share."""
+    out = {}
+    for name, per_layout in results.items():
+        measured = [r["bubble_frac"] for r in per_layout.get("pipeline", []) if r.get("bubble_frac") is not None]
+        if measured:
+            out[name] = {"measured": statistics.median(measured), "per_repeat": measured,
+                         "schedule": (PP - 1) / (MICROBATCHES + PP - 1)}
+    return out
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -156,6 +190,9 @@ def main() -> None:
     ap.add_argument("--tensor-steps", type=int, default=None,
                     help="steps static tensor trains per rate (its time is extrapolated): over a slow link "
                          "it takes seconds per step")
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="both nodes' processes on every core (by default each node has cores of its own, "
+                         "as real nodes have their own devices: a rank's idle time is not lent to the other node)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every (setting, layout), interleaved across layouts (static tensor: once per rate)")
     args = ap.parse_args()
@@ -188,7 +225,8 @@ def main() -> None:
         print(f"  {name:<16}#{rep + 1:<3}{layout:<8}{r['seconds']:>8.1f} s{r['samples_per_s']:>9.1f} samples/s  "
               f"{' '.join(r['switches'])}{reverts}{note}", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="gs-adaptive-") as tmp, Testbed(rate=fixed[0][0]) as tb:
+    with tempfile.TemporaryDirectory(prefix="gs-adaptive-") as tmp, Testbed(rate=fixed[0][0], own_cores=not args.shared_cores) as tb:
+        print(f"cores: {tb.cores.describe() if tb.cores else 'shared by both nodes'}", flush=True)
         tmp = pathlib.Path(tmp)
         for rate, steps in fixed:
             name = f"fixed_{rate}"
@@ -290,6 +328,15 @@ def main() -> None:
         print(f"scenario: auto / oracle {s['median']:.3f} [{s['min']:.3f}..{s['max']:.3f}] (the oracle runs each phase "
               f"on its best static layout and switches for free: {oracle[0]['phases']}); the oracle is "
               f"{figures['oracle_vs_best_static_scenario']:.3f}x the best static layout")
+        figures["phase_leads_scenario"] = phase_leads(oracle, bounds)
+        for (first, last), lead in zip(bounds, figures["phase_leads_scenario"]):
+            print(f"  steps {first}-{last}: best {lead['best']} in every repeat? {lead['same_every_repeat']}; "
+                  f"its lead over the runner-up {lead['runner_up']}: {lead['lead']:.3f}x (median over repeats)")
+    figures["pipeline_bubble"] = bubble_figures(results)
+    for name, b in figures["pipeline_bubble"].items():
+        print(f"{name}: static pipeline's bubble {b['measured']:.3f} of the step (median over repeats and steps); "
+              f"the schedule's own share (pp - 1) / (m + pp - 1) = {b['schedule']:.3f} "
+              f"(pp {PP}, m {MICROBATCHES}, GPipe)")
     for name in results:
         print(f"{name}: reaction_steps {figures[f'reaction_steps_{name}']} (the most steps from the record that "
               f"brought a decision to the boundary it was carried out at)")

@@ -130,20 +130,24 @@ def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, c
             par.clip_grad_norm(clip)
         opt.step()
         losses.append(loss.item())
+    x, y = data(name, 99)  # a held-out batch, forward through the stages (any batch size)
+    held_out = par.share_loss(par.evaluate(x[:5], y[:5], loss_fn)).item()
     full = par.full_state(opt, rank)
     if rank == 0:
-        torch.save({"model": full["model"], "losses": losses, "held": sorted(par.info.held),
-                    "ties": par.info.ties, "cut": par.cut.describe()}, out_path)
+        torch.save({"model": full["model"], "losses": losses, "held": sorted(par.info.held), "eval": held_out,
+                    "ties": par.info.ties, "cut": par.cut.describe(), "stages": len(par.cut.stages)}, out_path)
 
 
 CASES = [  # model, workers, pp, schedule, micro-batches, accumulation, optimizer, clip
     ("gpt", 2, 2, "gpipe", 4, 1, "adam", None),
     ("gpt", 2, 2, "1f1b", 4, 1, "sgd", 0.5),
     ("gpt", 4, 2, "1f1b", 2, 2, "sgd", 0.5),
-    ("gpt", 2, 2, "1f1b", 2, 2, "adam", 0.5),
+    ("gpt", 2, 2, "interleaved_1f1b", 2, 2, "adam", 0.5),  # 4 stages, 2 a rank
     ("gpt", 4, 4, "1f1b", 4, 1, "sgd", None),
     ("llama", 2, 2, "1f1b", 2, 1, "adam", 0.5),
     ("llama", 4, 2, "gpipe", 2, 1, "sgd", None),
+    ("llama", 4, 2, "interleaved_1f1b", 4, 1, "sgd", 0.5),  # the tied head's stages 0 and 3 on ranks 0 and 1
+    ("llama", 4, 2, "interleaved_zb", 4, 1, "adam", 0.5),  # zero bubble: the weights' backward apart
 ]  # an MLP (its activation between the blocks): tests/test_pipeline_run.py, through `gearshift run`
 
 
@@ -160,7 +164,14 @@ def test_a_pipelined_step_equals_plain_pytorch(tmp_path, case):
     assert worst <= 1e-5, (worst, got["cut"])
     assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5
     # the Llama's head is tied to its embedding: the first and last stage hold it, their gradients summed
-    assert list(got["ties"].values()) == ([(0, pp - 1)] if name == "llama" else []), got["ties"]
+    stages = pp * (2 if schedule.startswith("interleaved") else 1)
+    assert got["stages"] == stages
+    assert list(got["ties"].values()) == ([(0, stages - 1)] if name == "llama" else []), got["ties"]
+    model = build(name)
+    model.load_state_dict(ref)
+    x, y = data(name, 99)
+    with torch.no_grad():
+        assert abs(got["eval"] - loss_fn(model(x[:5]), y[:5]).item()) <= 1e-5
     print(f"{case}: max |pipeline - plain| {worst:.2e}, cut {got['cut']}")
 
 

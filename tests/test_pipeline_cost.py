@@ -44,6 +44,26 @@ def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
     assert one["params"] == pytest.approx(1e9 / 2 * 4)
 
 
+def test_interleaving_halves_the_bubble_and_crosses_the_link_twice_as_often():
+    """Two stages a position, each half a position's layers: the fill costs pp - 1 half-stages
+    (zero bubble: a third of that), each micro-batch crosses the link twice each way."""
+    c = MODEL.flops_per_sample * 2 / 2 / 1e14
+    t = 4e6 * 2 / 1e7 + 1e-5
+    for schedule, v, f in (("1f1b", 1, 1.0), ("interleaved_1f1b", 2, 1.0), ("interleaved_zb", 2, 1 / 3)):
+        fast = pipeline_cost.predict(MODEL, hw(100.0), 64, pp=2, dp=4, microbatches_=8, schedule=schedule)
+        assert fast.bubble_s == pytest.approx(f * c / v), schedule
+        slow = pipeline_cost.predict(MODEL, hw(0.01), 64, pp=2, dp=4, microbatches_=8, schedule=schedule)
+        assert slow.link_s == pytest.approx((v * 8 + 1) * 2 * t), schedule
+        assert slow.step_s >= 8 * 2 * v * t
+    # two stages a position: up to (v - 1) pp + 2 pp - 1 = 5 passes of a quarter of the layers in flight
+    one = pipeline_cost.memory(MODEL, 2, 4, global_batch=64, microbatches_=8, schedule="1f1b")
+    inter = pipeline_cost.memory(MODEL, 2, 4, global_batch=64, microbatches_=8, schedule="interleaved_1f1b")
+    assert inter["activations"] == pytest.approx(one["activations"] * (5 / 4) / (2 / 2))
+    from gearshift.strategies.pipeline import bubble
+
+    assert bubble(2, 8, "interleaved_1f1b") == pytest.approx(1 / 17) and bubble(2, 8, "gpipe") == pytest.approx(1 / 9)
+
+
 def test_stages_are_whole_nodes_and_no_more_than_the_blocks():
     assert pipeline_cost.layouts(hw(1.0, nodes=4), 64, MODEL) == [(2, 8), (4, 4)]
     few = ModelShape(params=1e9, flops_per_sample=1.0, blocks=2, block_params=1e8)

@@ -24,8 +24,8 @@ PIPE = ["parallel.strategy=pipeline", "parallel.pp_size=2"]
 
 @pytest.mark.parametrize("layout", [PIPE + ["cluster.num_workers=2", "parallel.pp_schedule=gpipe"],
                                     PIPE + ["cluster.num_workers=4", "parallel.pp_microbatches=2",
-                                            "train.micro_batch_size=8"]],
-                         ids=["pp2-gpipe", "pp2xdp2-1f1b-accumulated"])
+                                            "train.micro_batch_size=8", "parallel.pp_schedule=interleaved_1f1b"]],
+                         ids=["pp2-gpipe", "pp2xdp2-interleaved-accumulated"])
 def test_a_pipeline_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
     """Final weights within 1e-5 of the plain loop (the global norm clipped over both stages),
     each eval record the plain loss of the checkpoint of its step."""
@@ -59,15 +59,16 @@ def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_clust
         assert max_diff(torch.load(run / "final.pt", weights_only=True), ref) <= 1e-5, name
 
 
-@pytest.mark.parametrize("workers, schedule", [
-    (2, "[{step: 4, strategy: pipeline, pp_size: 2}, {step: 8, strategy: data}]"),
-    (4, "[{step: 4, strategy: pipeline, pp_size: 2}, {step: 8, strategy: fsdp}]"),
-], ids=["data-pipeline-data", "data-pipeline2x2-fsdp"])
-def test_a_run_switches_into_a_pipeline_and_out_live(ray_cluster, tmp_path, workers, schedule):
+@pytest.mark.parametrize("workers, schedule, pp_schedule", [
+    (2, "[{step: 4, strategy: pipeline, pp_size: 2}, {step: 8, strategy: data}]", "1f1b"),
+    (4, "[{step: 4, strategy: pipeline, pp_size: 2}, {step: 8, strategy: fsdp}]", "interleaved_1f1b"),
+], ids=["data-pipeline-data", "data-pipeline2x2interleaved-fsdp"])
+def test_a_run_switches_into_a_pipeline_and_out_live(ray_cluster, tmp_path, workers, schedule, pp_schedule):
     """adapt.schedule moves the running job into pipeline stages and out again on the same
     workers, the state moved tensor by tensor, the optimizer's with it: the run ends where the
     plain loop ends."""
-    overrides = DEEP + [f"cluster.num_workers={workers}", f"adapt.schedule={schedule}"]
+    overrides = DEEP + [f"cluster.num_workers={workers}", f"adapt.schedule={schedule}",
+                        f"parallel.pp_schedule={pp_schedule}"]
     job = load_job(MLP[0], overrides)
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
     assert [(s["step"], s["strategy"], s.get("pp", 1)) for s in summary["strategy_history"]][1:] == \

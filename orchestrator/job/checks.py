@@ -430,9 +430,7 @@ def _check_stages(job: Job, where: str, layout) -> None:
         raise JobError("parallel.pp_microbatches", m, f"must divide a replica's share of the step, "
                        f"{share} samples ({'train.micro_batch_size' if t.micro_batch_size else f'train.global_batch_size / dp({layout.dp})'}): "
                        f"{share} % {m} = {share % m}" + (f" (under {where})" if where != "parallel.strategy" else ""))
-    if p.pp_split and len(p.pp_split) != layout.pp - 1:
-        raise JobError("parallel.pp_split", p.pp_split, f"names the first block of every stage after the first: "
-                       f"pp_size {layout.pp} needs {layout.pp - 1} name(s), not {len(p.pp_split)}")
+    _check_interleaved(job, layout, m, where)
     _check_cut(job, layout)
     from gearshift.workers.config import _dtype
 
@@ -442,11 +440,26 @@ def _check_stages(job: Job, where: str, layout) -> None:
             raise JobError(field, getattr(t, field.split(".")[1]), f"strategy pipeline does not support {why} yet")
 
 
+def _check_interleaved(job: Job, layout, m: int, where: str) -> None:
+    """An interleaved schedule's micro-batches: torch's runs them in rounds of pp_size, so they
+    are fewer than 2 x pp_size or a multiple of the rounds (`m % (m // pp_size)`)."""
+    from gearshift.strategies.pipeline import stages_per_rank
+
+    if stages_per_rank(job.parallel.pp_schedule) == 1:
+        return
+    rounds = max(1, m // layout.pp)
+    if m % rounds:
+        fits = sorted({k for k in range(1, 4 * layout.pp + 1) if k % max(1, k // layout.pp) == 0})
+        raise JobError("parallel.pp_microbatches", m, f"{job.parallel.pp_schedule} runs the micro-batches in rounds "
+                       f"of pp_size ({layout.pp}): {m} // {layout.pp} = {rounds} rounds must divide them; e.g. "
+                       f"{fits}" + (f" (under {where})" if where != "parallel.strategy" else ""))
+
+
 def _check_cut(job: Job, layout) -> None:
     """The pipeline's cut on a meta-device copy of the model (no memory): enough blocks for the
     stages, and parallel.pp_split naming blocks in order. (Whether the forward can be cut there
     is traced on a sample in the workers, before the first step.)"""
-    from gearshift.strategies.pipeline import cut as cuts
+    from gearshift.strategies.pipeline import cut as cuts, stages_per_rank
     from gearshift.workers.build.components import model_for_checks
 
     model, _ = model_for_checks(job.to_dict()["model"], [job.base_dir])
@@ -457,7 +470,7 @@ def _check_cut(job: Job, layout) -> None:
                        "of a ModuleList, or a Hugging Face model's _no_split_modules)", "Name them with "
                        "parallel.fsdp_units, e.g. ['model.layers.*'].")
     try:
-        cuts.choose(model, blocks, layout.pp, tuple(job.parallel.pp_split))
+        cuts.choose(model, blocks, layout.pp, tuple(job.parallel.pp_split), stages_per_rank(job.parallel.pp_schedule))
     except cuts.CutError as err:
         text = str(err).split(": ", 1)[1] if str(err).startswith("parallel.") else str(err)
         raise JobError(field, job.parallel.pp_split or job.parallel.pp_size, text) from None

@@ -170,8 +170,11 @@ class ParallelSpec:
     pp_microbatches: int | None = _f(None, _tp_size, "pipeline: the micro-batches a replica's share of the step "
                                      "flows through the stages in; null: the largest up to 2 x pp_size that divides "
                                      "the share")
-    pp_schedule: str = _f("1f1b", _choice("gpipe", "1f1b"), "pipeline: gpipe (every forward, then every backward) "
-                          "or 1f1b (one forward, one backward: fewer micro-batches' activations held)")
+    pp_schedule: str = _f("1f1b", _choice("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb"), "pipeline: gpipe "
+                          "(every forward, then every backward), 1f1b (one forward, one backward: fewer micro-batches' "
+                          "activations held), interleaved_1f1b (2 stages a rank, the model cut in 2 x pp_size: half "
+                          "the bubble, twice the activations crossing) or interleaved_zb (that, with the weights' "
+                          "backward apart from the inputs', filling the bubble)")
     pp_split: list = _f([], _fsdp_units, "pipeline: the first block of every stage after the first (e.g. "
                         "['blocks.4']); empty: cut where the stages hold about equal parameters")
     reduce_dtype: str = _f("fp32", _choice("fp32", "bf16"), "fsdp, hsdp, hybrid dp_shard with train.precision bf16: "

@@ -63,7 +63,8 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
     # the cost model, fitted as the run goes from its own records (no prior: a live run's hardware is
     # what it measures)
     model = OnlineModel(shape, job.train.global_batch_size, node_sizes, predict_error=config.predict_error,
-                        unseen_error=config.unseen_error, pp_microbatches=job.parallel.pp_microbatches)
+                        unseen_error=config.unseen_error, pp_microbatches=job.parallel.pp_microbatches,
+                        pp_schedule=job.parallel.pp_schedule)
     need = None
     if device_memory_bytes is not None:
         settings = job_shape.memory_settings(job)

@@ -74,7 +74,7 @@ def _steady(records: list[dict]) -> list[dict]:
 class OnlineModel:
     def __init__(self, model: ModelShape, global_batch: int, node_sizes: list[int], prior: Hardware | None = None,
                  predict_error: float = 0.05, unseen_error: float = 0.25, switch_steps: float = 2.0,
-                 pp_microbatches: int | None = None):
+                 pp_microbatches: int | None = None, pp_schedule: str = "1f1b"):
         # nodes of unequal size: as many devices as the run has, spread evenly (tp never leaves a node)
         nodes, per_node = len(node_sizes), math.ceil(sum(node_sizes) / len(node_sizes))
         # a spec that says what the link inside a node is makes tensor parallelism's collectives predictable
@@ -86,6 +86,7 @@ class OnlineModel:
             prior = replace(prior, nodes=nodes, per_node=per_node)
         self.model, self.global_batch, self.hw = model, global_batch, prior
         self.pp_microbatches = pp_microbatches  # parallel.pp_microbatches (None: each pipeline's default)
+        self.pp_schedule = pp_schedule  # parallel.pp_schedule: the one a pipeline candidate would run
         self.predict_error, self.unseen_error, self.switch_steps = predict_error, unseen_error, switch_steps
         self.seen: dict[Layout, Seen] = {}
         self.rate_from: Layout | None = None  # the layout the device rate was fitted from
@@ -166,7 +167,7 @@ class OnlineModel:
             from gearshift.orchestrator.policy import pipeline_cost
 
             return pipeline_cost.predict(self.model, self._at(bandwidth), self.global_batch, layout.pp, layout.dp,
-                                         self.pp_microbatches)
+                                         self.pp_microbatches, self.pp_schedule)
         return costmodel.predict(self.model, self._at(bandwidth), self.global_batch, layout.dp, layout.tp,
                                  self.bucket_cap_mb, shard=layout.shard)
 

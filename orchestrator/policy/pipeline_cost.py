@@ -14,17 +14,25 @@ The step, with `m` micro-batches of `b` samples each (a replica's share of the g
 - the step is `m x max(c, 2t) + (pp - 1) x (c + 2t)`: the slower of compute and link paces the
   steady state, and filling and draining the pipeline costs `pp - 1` micro-batches more (the
   bubble, `(pp - 1) / (m + pp - 1)` of the step when compute paces it);
+- under an interleaved schedule each position holds `v` (2) stages of `c / v` each: a
+  micro-batch crosses every link `v` times each way, and the fill costs `pp - 1` of the smaller
+  stages, `m x max(c, 2vt) + (pp - 1) x (c / v + 2t)` (the bubble `(pp - 1) / (v m + pp - 1)`);
+  under zero bubble the weights' backward fills the bubble but for the forward, `f = 1/3` of a
+  stage's work where forward, input and weight backward cost alike (strategies/pipeline FILL_SHARE):
+  `(pp - 1) x (f c / v + 2t)`;
 - then each stage's replicas all-reduce its gradients (a `1/pp` share of the model's) inside its
   node, after the schedule (not overlapped).
 
 A rank's memory: its stage's parameters, gradients and optimizer state (`1/pp` of the model's),
 and the activations of the micro-batches in flight at once on the first stage (all `m` under
-GPipe, at most `pp` under 1F1B), each `b` samples of `1/pp` of the model's layers.
+GPipe, at most `pp` under 1F1B), each `b` samples of `1/pp` of the model's layers; interleaved,
+at most `(v - 1) pp + 2 pp - 1` stage-passes of `1/(v pp)` of the layers (torch's warm-up).
 """
 
 from __future__ import annotations
 
 from gearshift.orchestrator.policy import costmodel
+from gearshift.strategies.pipeline import FILL_SHARE, stages_per_rank
 from gearshift.orchestrator.policy.costmodel import (PARAM_BYTES, Hardware, Link, MemoryOverhead, ModelShape, Prediction,
                                                      allreduce_time, group_link)
 
@@ -56,15 +64,16 @@ def predict(model: ModelShape, hw: Hardware, global_batch: int, pp: int, dp: int
     c = model.flops_per_sample * b * ((1 - head) / pp + head) / hw.flops
     link = stage_link(hw, pp)
     t = model.boundary_bytes_per_sample * b / link.bandwidth + link.latency if pp > 1 else 0.0
-    steady = m * max(c, 2 * t)
-    fill = (pp - 1) * (c + 2 * t)
+    v, f = stages_per_rank(schedule), FILL_SHARE.get(schedule, 1.0)
+    steady = m * max(c, 2 * v * t)
+    fill = (pp - 1) * (f * c / v + 2 * t)
     grads = model.params * model.grad_bytes_per_param / pp
     dp_comm = allreduce_time(grads, dp, group_link(hw, dp > hw.per_node, 1)) if dp > 1 else 0.0
     compute = m * c
     step = steady + fill + dp_comm
     return Prediction(dp, 1, 0.0, compute, 0.0, dp_comm, step - compute, step,
                       global_batch / step if step > 0 else 0.0, 1, pp, m,
-                      bubble_s=(pp - 1) * c, link_s=(m + pp - 1) * 2 * t)
+                      bubble_s=(pp - 1) * f * c / v, link_s=(v * m + pp - 1) * 2 * t)
 
 
 def memory(model: ModelShape, pp: int, dp: int, *, global_batch: int, microbatches_: int | None = None,
@@ -77,9 +86,10 @@ def memory(model: ModelShape, pp: int, dp: int, *, global_batch: int, microbatch
     local = model.params / pp
     out = {"params": local * PARAM_BYTES, "grads": local * model.grad_bytes_per_param,
            "optimizer": local * 4.0 * optimizer_states, "gathered": 0.0, "cast_weights": 0.0}
-    in_flight = m if schedule == "gpipe" else min(m, pp)
+    v = stages_per_rank(schedule)
+    in_flight = m if schedule == "gpipe" else min(m, pp) if v == 1 else min(v * m, (v - 1) * pp + 2 * pp - 1)
     per_sample = model.activations.per_sample(1) if model.activations else 0.0
-    out["activations"] = in_flight * b * per_sample / pp
+    out["activations"] = in_flight * b * per_sample / (pp * v)
     tensors = sum(out.values())
     out["overhead"] = overhead.fixed + overhead.fraction * tensors
     out["total"] = tensors + out["overhead"]

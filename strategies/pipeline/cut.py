@@ -251,15 +251,18 @@ def balanced(weights: list[int], pp: int, first_extra: int = 0, last_extra: int 
     return starts[::-1]
 
 
-def choose(model: nn.Module, blocks: list[str], pp: int, split: tuple[str, ...] = ()) -> Cut:
-    """The cut of `blocks` into `pp` stages: at the blocks `split` names, else balanced."""
-    if pp > len(blocks):
-        raise CutError(f"parallel.pp_size: {pp} stages need at least {pp} blocks; the model has {len(blocks)} "
-                       f"({_span(blocks)}); allowed: 1 < pp_size <= {len(blocks)}")
+def choose(model: nn.Module, blocks: list[str], pp: int, split: tuple[str, ...] = (), per_rank: int = 1) -> Cut:
+    """The cut of `blocks` into `pp` x `per_rank` stages (`per_rank` stages a position under an
+    interleaved schedule): at the blocks `split` names, else balanced."""
+    n = pp * per_rank
+    under = f" x {per_rank} stages a rank (an interleaved schedule)" if per_rank > 1 else ""
+    if n > len(blocks):
+        raise CutError(f"parallel.pp_size: {pp}{under} = {n} stages need at least {n} blocks; the model has "
+                       f"{len(blocks)} ({_span(blocks)}); allowed: 1 < pp_size <= {len(blocks) // per_rank}")
     if split:
-        if len(split) != pp - 1:
-            raise CutError(f"parallel.pp_split: {list(split)} names {len(split)} cut(s); pp_size {pp} needs {pp - 1}, "
-                           "the first block of every stage after the first")
+        if len(split) != n - 1:
+            raise CutError(f"parallel.pp_split: {list(split)} names {len(split)} cut(s); pp_size {pp}{under} needs "
+                           f"{n - 1}, the first block of every stage after the first")
         starts = [0]
         for name in split:
             hits = [i for i, b in enumerate(blocks) if b == name or fnmatch.fnmatchcase(b, name)]
@@ -274,7 +277,7 @@ def choose(model: nn.Module, blocks: list[str], pp: int, split: tuple[str, ...] 
         per_block, rest, _ = param_counts(model, blocks)
         # what runs before the first block goes with the first stage, after the last with the last:
         # the split below evens the blocks out around them (half of the rest to each end)
-        starts = balanced(per_block, pp, rest // 2, rest - rest // 2)
+        starts = balanced(per_block, n, rest // 2, rest - rest // 2)
         how = "balanced"
     ends = starts[1:] + [len(blocks)]
     return Cut(tuple(tuple(blocks[a:b]) for a, b in zip(starts, ends)), how)

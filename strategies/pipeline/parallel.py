@@ -6,11 +6,16 @@ gradient) crosses between stages; replicas of the same stage average their gradi
 dp dimension after the schedule, and a parameter two stages hold (a tied head) has its
 gradient summed between them.
 
-Ranks are stage-major (rank = stage * dp + replica): the workers of one node hold one stage, so a
-slow link between nodes carries activations only.
+Ranks are stage-major (rank = position * dp + replica): the workers of one node hold one
+position of the pipeline, so a slow link between nodes carries activations only. Under an
+interleaved schedule each position holds `stages_per_rank` (2) stages, the model cut into
+pp x 2 (position p holds stages p and p + pp: the loop order `torch.distributed.pipelining`'s
+multi-stage schedules expect), which cuts the bubble by that factor for one more activation
+crossing per micro-batch; `interleaved_zb` (torch's ScheduleInterleavedZeroBubble) also runs
+the backward of the weights apart from that of the inputs, to fill the bubble with it.
 
-What this rests on: gloo on CPU, torch 2.13 (GPipe and 1F1B, the tests in CI). It has not run on
-NCCL."""
+What this rests on: gloo on CPU, torch 2.13 (every schedule in SCHEDULES, the tests in CI with
+a timeout). It has not run on NCCL."""
 
 from __future__ import annotations
 
@@ -26,32 +31,39 @@ from gearshift.strategies.base import Options, Parallel
 from gearshift.strategies.grads import GradAverager
 from gearshift.strategies.layout import Layout
 from gearshift.strategies.pipeline import cut as cuts
+from gearshift.strategies.pipeline import stages_per_rank
 from gearshift.strategies.pipeline.stage import StageInfo, StageModule, holders, make_stage
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # offered on gloo (tests/test_pipeline.py runs each with a timeout)
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
 
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+            "interleaved_zb": ScheduleInterleavedZeroBubble}[name]
 
 
 class PipelineParallel(Parallel):
-    """One stage of one pipeline replica. `module` is the stage's StageModule, `model` the whole
-    model's object with the other stages taken out (its names are the whole model's)."""
+    """One position of one pipeline replica: its stage (several under an interleaved schedule).
+    `views` are the stages' StageModules (`module` the first), `model` the whole model's object
+    with the other positions' stages taken out (its names are the whole model's)."""
 
     gathers_collectively = True
     step_variant = "pipelined"
 
-    def __init__(self, stage_module: StageModule, info: StageInfo, cut: cuts.Cut, layout: Layout, options: Options,
+    def __init__(self, views: list[StageModule], info: StageInfo, cut: cuts.Cut, layout: Layout, options: Options,
                  mesh, tie_groups: dict[tuple, object]):
-        super().__init__(stage_module, stage_module.model, layout, options, mesh)
-        self.info, self.cut = info, cut
-        self.stage, self.stages = info.stage, layout.pp
+        super().__init__(views[0], views[0].model, layout, options, mesh)
+        self.views, self.info, self.cut = views, info, cut
+        self.mine, self.stages = info.stages, len(cut.stages)  # this position's stages; all stages
+        self.position = layout.stage_of(dist.get_rank())
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        self.tie_groups = tie_groups  # stages holding a parameter together -> this replica's group of them
+        # a parameter held at several positions -> those positions; this replica's group of them
+        self.ties = positions_holding(info.ties, layout.pp)
+        self.tie_groups = tie_groups
         self.averager = GradAverager(list(self.model.parameters()), self.dp_group, options.bucket_cap_mb)
         self.averager.timer = lambda nbytes: self.blocked(nbytes, "dp")
         self.microbatches = options.pp_microbatches
@@ -70,10 +82,12 @@ class PipelineParallel(Parallel):
         if self._pipe is None:
             from torch.distributed.pipelining import PipelineStage
 
-            stage = PipelineStage(self.module, self.stage, self.stages, self.options.device, group=self.pp_group)
+            stages = [PipelineStage(v, v.stage, self.stages, self.options.device, group=self.pp_group)
+                      for v in self.views]
             schedule = _schedule_class(self.options.pp_schedule)(
-                stage, self.microbatches, loss_fn=lambda out, target: self._loss(out, target), scale_grads=False)
-            self._pipe = (stage, schedule, shape)
+                stages if stages_per_rank(self.options.pp_schedule) > 1 else stages[0], self.microbatches,
+                loss_fn=lambda out, target: self._loss(out, target), scale_grads=False)
+            self._pipe = (stages, schedule, shape)
         return self._pipe[:2]
 
     def run(self, x: torch.Tensor, y: torch.Tensor, loss_fn, scale: float) -> torch.Tensor | None:
@@ -91,12 +105,14 @@ class PipelineParallel(Parallel):
         return torch.stack([l.detach().float() for l in losses]).sum() if losses else None
 
     def _step(self, schedule, x, y, losses: list) -> None:
-        if self.stage == 0:
-            schedule.step(x, losses=losses, return_outputs=False)
-        elif self.stage == self.stages - 1:
-            schedule.step(inputs=x, target=y, losses=losses, return_outputs=False)
-        else:
-            schedule.step(inputs=x, return_outputs=False)
+        """The first stage takes the micro-batches as its input, the last the targets; every
+        stage after the first gets the step's input as `inputs` (what runs before the first block
+        is computed again on every stage)."""
+        args = (x,) if 0 in self.mine else ()
+        kwargs = {"inputs": x} if any(s > 0 for s in self.mine) else {}
+        if self.stages - 1 in self.mine:
+            kwargs["target"] = y
+        schedule.step(*args, losses=losses, return_outputs=False, **kwargs)
 
     @contextlib.contextmanager
     def _timed_p2p(self):
@@ -140,52 +156,53 @@ class PipelineParallel(Parallel):
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor | None:
         """The loss of `x` forward through the stages, one stage after the other (no schedule:
         any batch size, each activation's shape sent ahead of it); the last stage's, None on the
-        others. Every stage of this replica calls it with the same batch."""
-        if self.stage == 0:
-            out = self.module(x)
-        else:
-            out = self.module(self._receive(), inputs=x)
-        if self.stage < self.stages - 1:
-            self._send(out)
-            return None
-        return loss_fn(out, y)
+        others. Every position of this replica calls it with the same batch; a position's stages
+        run in order, each after the stage before it (on the position before) sent its output."""
+        out = None
+        for view in self.views:
+            s = view.stage
+            out = view(x) if s == 0 else view(self._receive(self._peer(s - 1)), inputs=x)
+            if s < self.stages - 1:
+                self._send(out, self._peer(s + 1))
+        return loss_fn(out, y) if self.stages - 1 in self.mine else None
 
     def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.pp_group, stage)
+        """The global rank of this replica's position that holds `stage`."""
+        return dist.get_global_rank(self.pp_group, stage % self.layout.pp)
 
-    def _send(self, t: torch.Tensor) -> None:
+    def _send(self, t: torch.Tensor, peer: int) -> None:
         head = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.int64)
         with self.blocked(t.numel() * t.element_size(), "pp"):
-            dist.send(torch.tensor([head.numel()], dtype=torch.int64), self._peer(self.stage + 1), group=self.pp_group)
-            dist.send(head, self._peer(self.stage + 1), group=self.pp_group)
-            dist.send(t.contiguous(), self._peer(self.stage + 1), group=self.pp_group)
+            dist.send(torch.tensor([head.numel()], dtype=torch.int64), peer, group=self.pp_group)
+            dist.send(head, peer, group=self.pp_group)
+            dist.send(t.contiguous(), peer, group=self.pp_group)
 
-    def _receive(self) -> torch.Tensor:
+    def _receive(self, peer: int) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
         with self.blocked(0, "pp"):
-            dist.recv(size, self._peer(self.stage - 1), group=self.pp_group)
+            dist.recv(size, peer, group=self.pp_group)
             head = torch.zeros(int(size), dtype=torch.int64)
-            dist.recv(head, self._peer(self.stage - 1), group=self.pp_group)
+            dist.recv(head, peer, group=self.pp_group)
             dtype, ndim = _DTYPES[int(head[0])], int(head[1])
             out = torch.empty([int(d) for d in head[2:2 + ndim]], dtype=dtype, device=self.options.device)
-            dist.recv(out, self._peer(self.stage - 1), group=self.pp_group)
+            dist.recv(out, peer, group=self.pp_group)
         return out
 
     def share_loss(self, loss: torch.Tensor | None) -> torch.Tensor:
         """The last stage's loss, on every stage of this replica (one number, broadcast)."""
         out = loss if loss is not None else torch.zeros((), device=self.options.device)
         out = out.to(torch.float32).reshape(())
-        if self.stages > 1:
-            last = dist.get_global_rank(self.pp_group, self.stages - 1)
+        if self.layout.pp > 1:
+            last = self._peer(self.stages - 1)
             with self.blocked(out.element_size(), "pp"):
                 dist.broadcast(out, src=last, group=self.pp_group)
         return out
 
     def after_backward(self) -> None:
-        """A parameter two stages hold gets the sum of their gradients; then every stage's
+        """A parameter two positions hold gets the sum of their gradients; then every stage's
         replicas average theirs."""
-        for name, stages in self.info.ties.items():
-            group = self.tie_groups.get(stages)
+        for name, positions in self.ties.items():
+            group = self.tie_groups.get(positions)
             p = self.model.get_parameter(name)
             if group is None or p.grad is None:
                 continue
@@ -194,12 +211,12 @@ class PipelineParallel(Parallel):
         self.averager()
 
     def _owned_grads(self) -> list[torch.Tensor]:
-        """The gradients this stage counts in the global norm: a parameter two stages hold counts
-        on the first of them only."""
+        """The gradients this position counts in the global norm: a parameter two positions hold
+        counts on the first of them only."""
         out = []
         for name, p in self.model.named_parameters():
-            stages = self.info.ties.get(name)
-            if p.grad is not None and (stages is None or stages[0] == self.stage):
+            positions = self.ties.get(name)
+            if p.grad is not None and (positions is None or positions[0] == self.position):
                 out.append(p.grad)
         return out
 
@@ -207,7 +224,7 @@ class PipelineParallel(Parallel):
         grads = self._owned_grads()
         squares = (torch.nn.utils.get_total_norm(grads, 2.0) ** 2 if grads
                    else torch.zeros((), device=self.options.device)).to(torch.float32)
-        if self.stages > 1:
+        if self.layout.pp > 1:
             with self.blocked(squares.element_size(), "pp"):
                 dist.all_reduce(squares, group=self.pp_group)
         return squares.sqrt()
@@ -269,12 +286,20 @@ class PipelineParallel(Parallel):
         self._pipe = None
 
 
+def positions_holding(ties: dict[str, tuple], pp: int) -> dict[str, tuple]:
+    """For each parameter several stages hold, the positions holding them (stage s is at
+    position s % pp), where those are more than one (two stages at one position share it)."""
+    out = {name: tuple(sorted({s % pp for s in stages})) for name, stages in ties.items()}
+    return {name: positions for name, positions in out.items() if len(positions) > 1}
+
+
 def tie_groups(held_by: dict[int, set], layout: Layout) -> dict[tuple, object]:
-    """For each set of stages that hold a parameter together, a group of those stages' ranks of
-    each replica (every rank makes every group, in one order); this rank's group of each."""
+    """For each set of positions that hold a parameter together, a group of those positions'
+    ranks of each replica (every rank makes every group, in one order); this rank's group of each."""
     from gearshift.strategies.mesh import MAKE_GROUPS, group_timeout
 
-    sets = sorted({tuple(sorted(s)) for s in held_by.values() if len(s) > 1})
+    sets = sorted({tuple(sorted({s % layout.pp for s in stages})) for stages in held_by.values()})
+    sets = [s for s in sets if len(s) > 1]
     mine = {}
     rank, world = dist.get_rank(), dist.distributed_c10d._get_default_group()
     for key in [k for k in _TIES if k[0] != id(world)]:  # made on a default group that is gone
@@ -305,21 +330,17 @@ def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> Pip
     if not blocks:
         raise cuts.CutError("parallel.strategy pipeline: no repeated blocks found to cut the model at (name them with "
                             "parallel.fsdp_units, e.g. model.layers.*)")
-    chosen = cuts.choose(model, blocks, layout.pp, tuple(options.pp_split))
+    per_rank = stages_per_rank(options.pp_schedule)
+    chosen = cuts.choose(model, blocks, layout.pp, tuple(options.pp_split), per_rank)
     device = next(model.parameters()).device  # meta in a switch: traced on the meta device
     traced = cuts.trace(model, options.example().to(device), chosen.blocks)
     cuts.check_crossings(chosen, traced)
     held_by = holders(chosen, traced, model)
     mesh = device_mesh(options.device.type, (layout.pp, layout.dp), ("pp", "dp"))
-    stage = layout.stage_of(dist.get_rank())
+    position = layout.stage_of(dist.get_rank())
     groups = tie_groups(held_by, layout)
-    module, info = make_stage(model, chosen, traced, stage)
-    return PipelineParallel(module, info, chosen, layout, options, mesh, groups)
+    views, info = make_stage(model, chosen, traced, [position + i * layout.pp for i in range(per_rank)])
+    return PipelineParallel(views, info, chosen, layout, options, mesh, groups)
 
 
-def bubble(pp: int, microbatches: int) -> float:
-    """The share of a GPipe or 1F1B step a stage is idle for lack of work: (pp - 1) / (m + pp - 1)."""
-    return (pp - 1) / (microbatches + pp - 1) if pp > 1 else 0.0
-
-
-__all__ = ["SCHEDULES", "PipelineParallel", "apply", "bubble"]
+__all__ = ["SCHEDULES", "PipelineParallel", "apply", "positions_holding", "tie_groups"]

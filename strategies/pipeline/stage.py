@@ -49,8 +49,8 @@ class Skip(nn.Module):
 
 @dataclass
 class StageInfo:
-    stage: int
-    held: list[str]          # the names of the parameters this stage holds
+    stages: list[int]        # the stages this rank holds (one; several under an interleaved schedule)
+    held: list[str]          # the names of the parameters this rank holds
     ties: dict[str, tuple]   # a held parameter that other stages hold too -> the stages that hold it
     stand_ins: tuple = ()    # the buffers that stand in for parameters other stages hold
 
@@ -85,60 +85,100 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 class StageModule(nn.Module):
-    """What the stage's PipelineStage runs: `model` (the whole model with the other stages taken
-    out) from the step's input on the first stage, from the received activation on the others."""
+    """What one stage's PipelineStage runs: `model` (the whole model with the stages this rank
+    does not hold taken out) from the step's input on the first stage, from the received
+    activation on the others. A rank that holds several stages (an interleaved schedule) has one
+    StageModule per stage over the same model; `active` says which of them is running, so that
+    the blocks and cut points of the others stay out of its way."""
 
-    def __init__(self, model: nn.Module, stage: int, stages: int):
+    def __init__(self, model: nn.Module, stage: int, stages: int, active: list):
         super().__init__()
         self.model, self.stage, self.stages = model, stage, stages
+        self.active = active  # [the StageModule running now, or None], shared by the rank's stages
         self.received: torch.Tensor | None = None
+        self.own: list[nn.Parameter] = []  # the parameters this stage's part of the forward reads
+
+    def parameters(self, recurse: bool = True):
+        """This stage's own parameters (what a schedule's weight pass and gradient scaling walk),
+        not those of the rank's other stages."""
+        return iter(self.own)
 
     def forward(self, *args, inputs: torch.Tensor | None = None):
         if self.stage == 0:
             x, self.received = args[0], None
         else:
             x, self.received = inputs, args[0]
+        self.active[0] = self
         try:
             return self.model(x)
         except _Cut as cut:
             return cut.hidden
         finally:
             self.received = None
+            self.active[0] = None
 
 
-def make_stage(model: nn.Module, cut: Cut, traced: Trace, stage: int) -> tuple[StageModule, StageInfo]:
-    """Turn `model` (whole, on this rank) into stage `stage` of `cut`, in place."""
+def make_stage(model: nn.Module, cut: Cut, traced: Trace, mine: list[int]) -> tuple[list[StageModule], StageInfo]:
+    """Turn `model` (whole, on this rank) into the stages `mine` of `cut`, in place: one
+    StageModule per stage, all over the one model."""
     held_by = holders(cut, traced, model)
     stages = len(cut.stages)
-    mine = set(cut.stages[stage])
+    blocks = {name for s in mine for name in cut.stages[s]}
     # the parameters of the other stages' blocks go with the blocks
     for name in cut.blocks:
-        if name not in mine:
+        if name not in blocks:
             _set(model, name, Skip(traced.inputs[name], traced.in_shapes[name], traced.out_shapes[name]))
-    # parameters outside the blocks that another stage holds: zero buffers of their shape
+    # parameters outside the blocks that no stage of this rank holds: zero buffers of their shape
     stand_ins = []
     for mname, module in list(model.named_modules()):
         for pname, p in list(module.named_parameters(recurse=False)):
-            if stage not in held_by[id(p)]:
+            if not held_by[id(p)] & set(mine):
                 delattr(module, pname)
                 module.register_buffer(pname, _stand_in(p.shape, p.dtype, p.device), persistent=False)
                 stand_ins.append(f"{mname}.{pname}" if mname else pname)
-    wrapper = StageModule(model, stage, stages)
+    active: list = [None]
+    wrappers = [StageModule(model, s, stages, active) for s in mine]
     modules = dict(model.named_modules())
+    for wrapper in wrappers:
+        _hook_stage(wrapper, cut, traced, modules, several=len(mine) > 1)
+        wrapper.own = [p for p in model.parameters() if wrapper.stage in held_by[id(p)]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    ties = {names[id(p)]: tuple(sorted(held_by[id(p)])) for p in model.parameters() if len(held_by[id(p)]) > 1}
+    return wrappers, StageInfo(list(mine), list(names.values()), ties, tuple(stand_ins))
+
+
+def _hook_stage(wrapper: StageModule, cut: Cut, traced: Trace, modules: dict, several: bool) -> None:
+    """Where `wrapper`'s stage begins (its first block's input: the received activation) and ends
+    (the next stage's first block: the forward stops); with several stages on the rank, its blocks
+    hand their input on while another of the rank's stages runs."""
+    stage, stages = wrapper.stage, wrapper.stages
     if stage > 0:
         first = cut.stages[stage][0]
         modules[first].register_forward_pre_hook(_receive(wrapper, traced.inputs[first]), with_kwargs=True)
     if stage < stages - 1:
         following = cut.stages[stage + 1][0]
-        modules[following].register_forward_pre_hook(_stop(traced.inputs[following]), with_kwargs=True)
-    names = {id(p): n for n, p in model.named_parameters()}
-    ties = {names[id(p)]: tuple(sorted(held_by[id(p)])) for p in model.parameters() if len(held_by[id(p)]) > 1}
-    return wrapper, StageInfo(stage, list(names.values()), ties, tuple(stand_ins))
+        modules[following].register_forward_pre_hook(_stop(wrapper, traced.inputs[following]), with_kwargs=True)
+    if several:
+        for name in cut.stages[stage]:
+            skip = Skip(traced.inputs[name], traced.in_shapes[name], traced.out_shapes[name])
+            _gate(modules[name], wrapper, skip)
+
+
+def _gate(block: nn.Module, wrapper: StageModule, skip: Skip) -> None:
+    """`block` runs while its own stage (or no stage) is active, and is skipped while another is."""
+    forward = block.forward
+
+    def gated(*args, **kwargs):
+        running = wrapper.active[0]
+        if running is not None and running is not wrapper:
+            return skip(*args, **kwargs)
+        return forward(*args, **kwargs)
+    block.forward = gated
 
 
 def _receive(wrapper: StageModule, where: tuple):
     def hook(module, args, kwargs):
-        if wrapper.received is None:
+        if wrapper.active[0] is not wrapper or wrapper.received is None:
             return None
         if where[0] == "arg":
             args = args[:where[1]] + (wrapper.received,) + args[where[1] + 1:]
@@ -148,8 +188,10 @@ def _receive(wrapper: StageModule, where: tuple):
     return hook
 
 
-def _stop(where: tuple):
+def _stop(wrapper: StageModule, where: tuple):
     def hook(module, args, kwargs):
+        if wrapper.active[0] is not wrapper:
+            return None
         raise _Cut(args[where[1]] if where[0] == "arg" else kwargs[where[1]])
     return hook
 
