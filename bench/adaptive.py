@@ -336,7 +336,7 @@ def main() -> None:
     for name, b in figures["pipeline_bubble"].items():
         print(f"{name}: static pipeline's bubble {b['measured']:.3f} of the step (median over repeats and steps); "
               f"the schedule's own share (pp - 1) / (m + pp - 1) = {b['schedule']:.3f} "
-              f"(pp {PP}, m {MICROBATCHES}, GPipe)")
+              f"(pp {PP}, m {MICROBATCHES}, 1F1B)")
     for name in results:
         print(f"{name}: reaction_steps {figures[f'reaction_steps_{name}']} (the most steps from the record that "
               f"brought a decision to the boundary it was carried out at)")

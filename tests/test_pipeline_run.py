@@ -42,6 +42,34 @@ def test_a_pipeline_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
     assert all(r["samples"] == 100 for r in evals)  # the short last batch counted once, by the last stage
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_pipeline_trains_in_reduced_precision(ray_cluster, tmp_path, precision):
+    """Autocast through the stages after an fp32 warm-up (the activations crossing change dtype
+    there); fp16's loss scaled on the last stage, every stage unscaling its own gradients and the
+    scaler's state checkpointed: close to the fp32 loop (the tolerance the other layouts' reduced
+    precision has), never equal to it."""
+    from test_train_equivalence import max_diff as diff_of
+
+    overrides = DEEP + PIPE + ["cluster.num_workers=2", "checkpoint.every=6", "train.steps=12",
+                               f"train.precision={{dtype: {precision}, fp32_warmup_steps: 3}}"]
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["final_loss"] < summary["first_loss"], summary
+    ref, _ = reference(load_job(MLP[0], DEEP + ["train.steps=12"]))
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in final.values())
+    diff = diff_of(final, ref)
+    print(f"{precision}: max |pipeline - fp32 loop| {diff:.2e}")
+    assert 1e-6 < diff <= 0.03, diff
+    from gearshift.workers.state import checkpoint, dcp
+
+    path, _ = checkpoint.load_latest(tmp_path / "run" / "checkpoints")
+    scaler = dcp.load_full(path)["scaler"]
+    if precision == "fp16":  # dynamic loss scaling ran and its state is checkpointed
+        assert scaler["scale"] > 0 and "_growth_tracker" in scaler
+    else:
+        assert scaler == {}
+
+
 def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_cluster, tmp_path):
     """Cut at step 4 and resumed under the other layout: both end where the plain loop ends."""
     job = load_job(MLP[0], DEEP)

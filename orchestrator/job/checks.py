@@ -432,12 +432,8 @@ def _check_stages(job: Job, where: str, layout) -> None:
                        f"{share} % {m} = {share % m}" + (f" (under {where})" if where != "parallel.strategy" else ""))
     _check_interleaved(job, layout, m, where)
     _check_cut(job, layout)
-    from gearshift.workers.config import _dtype
-
-    for field, on, why in (("train.precision", _dtype(t.precision) == "fp16", "fp16's loss scaling; use bf16"),
-                           ("train.compile", bool(t.compile), "torch.compile of a stage")):
-        if on:
-            raise JobError(field, getattr(t, field.split(".")[1]), f"strategy pipeline does not support {why} yet")
+    if t.compile:
+        raise JobError("train.compile", t.compile, "strategy pipeline does not support torch.compile of a stage yet")
 
 
 def _check_interleaved(job: Job, layout, m: int, where: str) -> None:

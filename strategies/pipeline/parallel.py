@@ -74,10 +74,12 @@ class PipelineParallel(Parallel):
 
     def pipe(self, shape: tuple):
         """The stage and its schedule for inputs of `shape`, made on the first step of that
-        shape: a stage learns its micro-batches' shapes once, on its first step, and reads a
-        later one of another size wrongly (torch 2.13), so a new share size (after an
-        out-of-memory step halved it) gets a new stage."""
-        if self._pipe is not None and self._pipe[2] != shape:
+        shape: a stage learns its micro-batches' shapes and dtypes once, on its first step, and
+        reads a later one of another size wrongly (torch 2.13), so a new share size (after an
+        out-of-memory step halved it) gets a new stage, and so does a step under autocast after
+        one without (a precision phase's end: the activations crossing change dtype)."""
+        key = (shape, torch.is_autocast_enabled(self.options.device.type))
+        if self._pipe is not None and self._pipe[2] != key:
             self._pipe = None
         if self._pipe is None:
             from torch.distributed.pipelining import PipelineStage
@@ -87,7 +89,7 @@ class PipelineParallel(Parallel):
             schedule = _schedule_class(self.options.pp_schedule)(
                 stages if stages_per_rank(self.options.pp_schedule) > 1 else stages[0], self.microbatches,
                 loss_fn=lambda out, target: self._loss(out, target), scale_grads=False)
-            self._pipe = (stages, schedule, shape)
+            self._pipe = (stages, schedule, key)
         return self._pipe[:2]
 
     def run(self, x: torch.Tensor, y: torch.Tensor, loss_fn, scale: float) -> torch.Tensor | None:
@@ -240,7 +242,12 @@ class PipelineParallel(Parallel):
         return norm
 
     def make_scaler(self):
-        return torch.amp.GradScaler(self.options.device.type, enabled=False)
+        """fp16's loss scaling: the last stage's loss scaled, so every stage's gradients are;
+        every rank unscales its own and all agree whether any overflowed (the step is skipped,
+        or taken, everywhere)."""
+        from gearshift.strategies.grads import sharded_grad_scaler
+
+        return sharded_grad_scaler(self.options.device.type, self.options.fp16)
 
     def compile(self, options: dict) -> None:
         raise NotImplementedError("train.compile with parallel.strategy pipeline is not supported yet")

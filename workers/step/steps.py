@@ -41,13 +41,18 @@ def pipelined(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     every stage."""
     w = runner.w
     n, par = w.accumulation, w.parallel
+    loss_fn, scaler = w.loss_fn, (w.scaler if w.scaler.is_enabled() else None)
+    if scaler is not None:  # fp16: the last stage scales its losses; every rank's scaler starts alike
+        scaler.scale(torch.zeros((), device=w.device))
+        loss_fn = lambda out, target: scaler.scale(w.loss_fn(out, target))  # noqa: E731
     total = None
     with runner.autocast():
         for xm, ym in zip(x.chunk(n), y.chunk(n)):
-            got = par.run(xm, ym, w.loss_fn, 1.0 / (par.microbatches * n))
+            got = par.run(xm, ym, loss_fn, 1.0 / (par.microbatches * n))
             if got is not None:
                 total = got if total is None else total + got
-    return par.share_loss(total)
+    loss = par.share_loss(total)
+    return loss / scaler.get_scale() if scaler is not None else loss
 
 
 STEPS: dict[str, Callable] = {"plain": plain, "accumulated": accumulated, "pipelined": pipelined}
