@@ -137,3 +137,28 @@ def test_a_pipelines_wait_splits_into_its_bubble_and_the_link(ray_cluster, tmp_p
     shown = console.export_text()
     assert "bubble" in shown and "link" in shown, shown
     assert "pipeline wait" in make_report(tmp_path / "run").summary_text
+
+
+def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(ray_cluster, tmp_path):
+    """The worker of the last stage SIGKILLed at step 10: the first stage, blocked on its
+    activations' gradients, fails (gloo's receive ends, or the job's collective timeout), the run
+    goes back to its newest checkpoint under the same pipeline, and ends where the plain loop
+    ends. (A pipeline does not go on in memory without a stage: orchestrator/control/elastic.py.)"""
+    from test_fault import Killer, events
+
+    overrides = DEEP[:2] + ["model.kwargs={in_features: 784, hidden: 64, out_features: 10, layers: 4}",
+                            "train.steps=24", "checkpoint.every=8", "inject.comm_delay_ms=30",
+                            "fault.max_failures=2", "cluster.num_workers=2"] + PIPE
+    killer = Killer(tmp_path / "run", rank=1, at_step=10)
+    killer.start()
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    killer.join(timeout=5)
+    assert killer.killed, "the worker was never killed"
+    assert summary["status"] == "done" and summary["steps_done"] == 24, summary
+    [failure] = events(tmp_path / "run", "failure")
+    assert failure["dead_ranks"] == [1], failure
+    [restored] = events(tmp_path / "run", "restored")
+    assert restored["step"] == 8 or restored["step"] == 16, restored  # the newest checkpoint before the failure
+    assert summary["strategy_history"][-1]["pp"] == 2, summary["strategy_history"]
+    ref, _ = reference(load_job(MLP[0], overrides))
+    assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5

@@ -57,6 +57,20 @@ def assert_clean(tag_prefix: str, temp: str) -> None:
     assert namespaces(tag_prefix) == []
     assert processes_using(temp) == [], "Ray processes of the testbed outlived it"
     assert veths() == []  # the veth pair goes with its namespaces
+    left = [g for c in ("cpuset", "cpu") for g in pathlib.Path("/sys/fs/cgroup", c).glob(f"{tag_prefix}-*")]
+    assert left == [], left  # an own_cores testbed's groups go once their processes are gone
+
+
+def cores_of(pid: int) -> frozenset:
+    """The cores a process may run on ("0-2,4" -> {0, 1, 2, 4})."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            out = set()
+            for part in line.split(":", 1)[1].strip().split(","):
+                a, _, b = part.partition("-")
+                out |= set(range(int(a), int(b or a) + 1))
+            return frozenset(out)
+    return frozenset()
 
 
 @pytest.mark.slow
@@ -65,10 +79,16 @@ def assert_clean(tag_prefix: str, temp: str) -> None:
 def test_up_runs_a_job_across_the_link_and_down_leaves_nothing(tmp_path):
     from testbed import Testbed, parse_scenario
 
-    with Testbed(rate="500mbit", tag=f"t{os.getpid()}") as tb:
+    from testbed import _ns_pids
+
+    with Testbed(rate="500mbit", tag=f"t{os.getpid()}", own_cores=True) as tb:
         prefix, temp = f"gs-tb-{tb.tag}", str(tb.temp)
         assert sorted(namespaces(prefix)) == sorted(tb.ns)
         assert processes_using(temp), "no Ray processes in the namespaces"
+        # each node's Ray processes on that node's cores only
+        for k, ns in enumerate(tb.ns):
+            ray_pids = [pid for pid in _ns_pids(ns) if pid in processes_using(temp)]
+            assert ray_pids and {cores_of(pid) for pid in ray_pids} == {frozenset(tb.cores.cores[k])}, k
         # the link changes when the run reaches step 20, read from its telemetry
         done = tb.run_driver(["run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(tmp_path / "run"),
                               "--set", "train.steps=60", "--set", "checkpoint.every=0"],

@@ -87,7 +87,14 @@ def leftovers() -> dict:
     listed = sh("ip", "netns", "list", step="listing network namespaces").stdout
     names = [line.split()[0] for line in listed.splitlines() if line.startswith(PREFIX)]
     pids = {ns: _ns_pids(ns) for ns in names}
-    return {"namespaces": names, "pids": {ns: p for ns, p in pids.items() if p}}
+    return {"namespaces": names, "pids": {ns: p for ns, p in pids.items() if p}, "cgroups": _cgroups()}
+
+
+def _cgroups() -> list[str]:
+    """The cgroups an own_cores testbed made (cores.py), left behind."""
+    from cores import CGROUP
+
+    return sorted(str(g) for c in ("cpuset", "cpu") if (CGROUP / c).is_dir() for g in (CGROUP / c).glob(f"{PREFIX}-*"))
 
 
 def _ns_pids(ns: str) -> list[int]:
@@ -320,6 +327,16 @@ def clean() -> dict:
             while _ns_pids(ns) and time.monotonic() < deadline:
                 time.sleep(0.2)
         sh("ip", "netns", "del", ns, check=False)
+    for group in map(pathlib.Path, left["cgroups"]):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in (int(p) for p in (group / "cgroup.procs").read_text().split()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        with contextlib.suppress(OSError):
+            group.rmdir()
     return left
 
 
@@ -399,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         left = leftovers()
         print(left)
-        return 1 if left["namespaces"] else 0
+        return 1 if left["namespaces"] or left["cgroups"] else 0
     if args.command == "clean":
         print(f"removed: {clean()}")
         return 0
