@@ -1,8 +1,9 @@
 """Peak memory per process under a pipeline, and of a switch into and out of one.
 
-Three runs of a GPT of 8 layers (width 512: 25 M parameters, Adam) on 2 CPU workers: static data
+Four runs of a GPT of 8 layers (width 512: 25 M parameters, Adam) on 2 CPU workers: static data
 (each worker holds the whole model and its optimizer), static pipeline (2 stages: each holds
-half), and data switched into the pipeline at step 10 and back at step 20 (adapt.schedule). Per
+half), the same interleaved (4 stages, 2 a worker: each still holds half), and data switched
+into the pipeline at step 10 and back at step 20 (adapt.schedule). Per
 run: the driver's and the largest worker's peak resident set (bench.ingest.Watcher polls every
 process of the run), and from the step records each worker's own high-water mark (`peak_mem_bytes`,
 ru_maxrss: it only grows) just before each switch and just after it, so that what a switch adds
@@ -32,6 +33,7 @@ BASE = ["train.steps=30", "train.global_batch_size=8", "checkpoint.every=0", "cl
 RUNS = {
     "data": ["parallel.strategy=data"],
     "pipeline": ["parallel.strategy=pipeline", "parallel.pp_size=2"],
+    "interleaved": ["parallel.strategy=pipeline", "parallel.pp_size=2", "parallel.pp_schedule=interleaved_1f1b"],
     "data>pipeline>data": ["parallel.strategy=data", "adapt.schedule=[{step: 10, strategy: pipeline, pp_size: 2}, "
                            "{step: 20, strategy: data}]"],
 }
