@@ -71,6 +71,8 @@ sys.path.insert(0, str(ROOT))
 
 from testbed import Testbed, parse_scenario  # noqa: E402
 
+from gearshift.strategies.pipeline import bubble  # noqa: E402
+
 LAYOUTS = {
     "data": ["parallel.strategy=data"],
     "hybrid": ["parallel.strategy=hybrid", "parallel.tp_size=2"],
@@ -172,7 +174,7 @@ def bubble_figures(results: dict) -> dict:
         measured = [r["bubble_frac"] for r in per_layout.get("pipeline", []) if r.get("bubble_frac") is not None]
         if measured:
             out[name] = {"measured": statistics.median(measured), "per_repeat": measured,
-                         "schedule": (PP - 1) / (MICROBATCHES + PP - 1)}
+                         "schedule": bubble(PP, MICROBATCHES, "1f1b")}
     return out
 
 
