@@ -92,6 +92,9 @@ class OnlineModel:
         self.rate_from: Layout | None = None  # the layout the device rate was fitted from
         self.link_fitted = False
         self.link_bound = False               # the fitted link is only the slowest the waits allow
+        self.link_before_drop: tuple[float, Layout] | None = None  # the link before it last dropped, fitted on
+        self.link_assumed: float | None = None  # the link taken as that, since it came back (`recovered`)
+        self.last_fit: tuple[Layout, float, float] | None = None  # (layout, its wait, its step) the link was fitted on
         self.rest_s = 0.0                     # step time beyond compute and wait (data loading, skew)
         self.bucket_cap_mb = 25.0
         self.errors: list[float] = []          # measured / predicted - 1 of each checked move
@@ -145,6 +148,7 @@ class OnlineModel:
         else:
             self.seen[layout] = Seen(compute, known.offset_s, known.steps + len(rs))
         self._fit_link(layout, wait, compute)
+        self.last_fit = (layout, wait, step)
 
     def _fit_link(self, layout: Layout, wait: float, compute: float) -> None:
         target = wait - self.seen[layout].offset_s
@@ -153,7 +157,45 @@ class OnlineModel:
         floor = self._wait(layout, FREE) + 0.01 * compute
         self.link_bound = target <= floor  # the wait does not show the link: the fit is its slowest
         target = max(target, floor)
-        self.hw, self.link_fitted = self._at(calibration._solve(lambda bw: self._wait(layout, bw), target)), True
+        fitted, self.link_fitted = calibration._solve(lambda bw: self._wait(layout, bw), target), True
+        assumed, by = self.link_assumed, (self.link_before_drop or (None, None))[1]
+        if assumed is not None and fitted < assumed and (self.link_bound or self._shows(layout, assumed) < self._shows(by, assumed)):
+            return  # the link taken as it was since it came back (`recovered`): this layout's waits cannot tell
+        self.hw, self.link_assumed = self._at(fitted), None
+
+    def dropped(self) -> None:
+        """The link just got slower (a change point up in the wait), before the steps since are
+        fitted: the link as fitted until now, and the layout it was fitted on, kept for
+        `recovered` (unless the waits did not show it)."""
+        if self.link_fitted and not self.link_bound and self.last_fit is not None:
+            self.link_before_drop = (self.bandwidth, self.last_fit[0])
+
+    def recovered(self, layout: Layout) -> float | None:
+        """The link just got faster (a change point down in the wait), and `layout`'s steps since
+        were fitted. A layout that sends little across the link (a pipeline's activations,
+        transfers hidden behind compute) shows it poorly: its wait barely changes between a fast
+        link and a faster one, and the bubbles and skew it also holds read as a slower link. Such a
+        fit would price every layout that sends more across the link at that floor for good. So
+        where `layout` shows the link less than the layout that measured it before it dropped (a
+        halving of that link adds less to its wait), or its fit is only a bound, the link is taken
+        as it was before it dropped. A move on that assumption is judged by measurement like any
+        other, and reverted if the link did not come back. Returns the bandwidth assumed, or None."""
+        if self.link_before_drop is None or self.last_fit is None or self.last_fit[0] != layout:
+            return None
+        before, shown_by = self.link_before_drop
+        if before <= self.bandwidth:
+            return None
+        if not self.link_bound and self._shows(layout, before) >= self._shows(shown_by, before):
+            return None  # this layout's waits show the link at least as well: its fit stands
+        self.hw, self.link_assumed = self._at(before), before
+        # what the link no longer explains of this layout's wait is its own, as for a layout new here
+        wait, seen = self.last_fit[1], self.seen[layout]
+        self.seen[layout] = Seen(seen.compute_s, max(0.0, wait - self._wait(layout, before)), seen.steps)
+        return before
+
+    def _shows(self, layout: Layout, bandwidth: float) -> float:
+        """Seconds of wait a halving of the link from `bandwidth` adds to `layout`'s step."""
+        return self._wait(layout, bandwidth / 2) - self._wait(layout, bandwidth)
 
     def _work(self, layout: Layout) -> float:
         """FLOPs a step on one rank of `layout`, tensor parallelism's added work left out (a
@@ -191,6 +233,8 @@ class OnlineModel:
         and the errors measured so far (their median size) for a layout that has run, or whose
         costs the model knows (replicated tp=1, or any layout given a spec of the hardware);
         `unseen_error` for one whose tensor-parallel or sharding costs nothing here has measured."""
+        if self.link_assumed is not None and layout == self.link_before_drop[1]:
+            return self.predict_error  # the link taken as this layout measured it: its prediction is its own step
         if layout in self.seen or self.tp_known or (layout.tp == 1 and layout.shard == 1 and layout.pp == 1):
             measured = median(abs(e) for e in self.errors[-5:]) if self.errors else 0.0
             return max(self.predict_error, measured)
@@ -228,7 +272,9 @@ class OnlineModel:
                 "rate_from": self.rate_from.to_dict() if self.rate_from else None,
                 "measured": [{"layout": k.to_dict(), "compute_s": v.compute_s, "offset_s": v.offset_s}
                              for k, v in self.seen.items()],
-                "errors": list(self.errors), "switch_s": list(self.switch_s)}
+                "errors": list(self.errors), "switch_s": list(self.switch_s),
+                **({"link_hidden": True} if self.link_bound else {}),
+                **({"link_assumed_gb_s": self.link_assumed / 1e9} if self.link_assumed is not None else {})}
 
 
 class ChangePoint:

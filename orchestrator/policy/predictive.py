@@ -75,7 +75,8 @@ class LinkWatch:
 
     def __call__(self, st: Standing, record: dict, step: int) -> Decision | None:
         c = self.config
-        if st.change.add(record["comm_wait_mean"], record["step_time_max"]) is None:
+        direction = st.change.add(record["comm_wait_mean"], record["step_time_max"])
+        if direction is None:
             return None
         if not st.predicting:
             st.recent = st.recent[-c.change_steps:]
@@ -90,10 +91,14 @@ class LinkWatch:
                          "layout": st.current.to_dict(), "samples_per_s_before": trial.rate,
                          "steps_before": trial.steps(), "steps_judged": [st.window[0]["step"], step]}
             st.history.append({"step": step, **Keep(restarted).to_dict()})
+        if direction == "up":
+            st.model.dropped()  # the link as fitted so far, kept for when it comes back
         st.model.update(st.current, since)
+        assumed = st.model.recovered(st.current) if direction == "down" else None
         st.window, st.held = [], False  # windows count afresh under the new link
         st.blocked.clear()  # what was reverted under the old link is predicted afresh
-        means = {**window_means(since), "comm_wait_s_before": before["comm_wait_s"] if before else None}
+        means = {**window_means(since), "comm_wait_s_before": before["comm_wait_s"] if before else None,
+                 "link": direction, **({"link_assumed_gb_s": assumed / 1e9} if assumed is not None else {})}
         decision = self.predictive.weigh(st, means, step, "link_changed")
         if restarted is not None and isinstance(decision, Switch):
             decision.evidence["judgement_restarted"] = restarted
