@@ -100,7 +100,7 @@ def plain(name: str, opt_name: str, clip: float | None) -> tuple[dict, list[floa
     return {k: v.clone() for k, v in model.state_dict().items()}, losses
 
 
-def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, clip, out_path):
+def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, clip, out_path, compiled=False):
     from gearshift.strategies.pipeline.parallel import PipelineParallel
 
     layout = Layout.for_workers("pipeline", world, None, pp_size=pp)
@@ -110,6 +110,9 @@ def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, c
                                  example=lambda: sample)
     par = strategies.parallelize(model, layout, None, options)
     assert isinstance(par, PipelineParallel)
+    if compiled:
+        par.compile({"backend": "aot_eager"})  # dynamo and autograd tracing; inductor adds only codegen time
+        assert par.compiled
     opt = optimizer(par.param_groups()[0]["params"], opt_name)
     d, dp = layout.dp_rank(rank), layout.dp
     losses = []
@@ -133,6 +136,10 @@ def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, c
     x, y = data(name, 99)  # a held-out batch, forward through the stages (any batch size)
     held_out = par.share_loss(par.evaluate(x[:5], y[:5], loss_fn)).item()
     full = par.full_state(opt, rank)
+    if compiled:  # every block this rank runs went through a compiled graph
+        from torch._dynamo.utils import counters
+
+        assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
     if rank == 0:
         torch.save({"model": full["model"], "losses": losses, "held": sorted(par.info.held), "eval": held_out,
                     "ties": par.info.ties, "cut": par.cut.describe(), "stages": len(par.cut.stages)}, out_path)
@@ -151,12 +158,24 @@ CASES = [  # model, workers, pp, schedule, micro-batches, accumulation, optimize
 ]  # an MLP (its activation between the blocks): tests/test_pipeline_run.py, through `gearshift run`
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-w{c[1]}-pp{c[2]}-{c[3]}-m{c[4]}-acc{c[5]}-{c[6]}"
-                         + ("-clip" if c[7] else ""))
+COMPILED = [  # train.compile: each block of a rank's stages compiled in place
+    ("gpt", 2, 2, "1f1b", 4, 1, "adam", 0.5),
+    ("llama", 2, 2, "interleaved_1f1b", 2, 1, "adam", 0.5),  # the gate between a rank's stages outside the graphs
+]
+
+
+def _ids(c) -> str:
+    return f"{c[0]}-w{c[1]}-pp{c[2]}-{c[3]}-m{c[4]}-acc{c[5]}-{c[6]}" + ("-clip" if c[7] else "") \
+        + ("-compiled" if len(c) > 8 and c[8] else "")
+
+
+@pytest.mark.parametrize("case", CASES + [c + (True,) for c in COMPILED], ids=_ids)
 def test_a_pipelined_step_equals_plain_pytorch(tmp_path, case):
-    name, world, pp, schedule, micro, accumulation, opt_name, clip = case
+    name, world, pp, schedule, micro, accumulation, opt_name, clip = case[:8]
+    compiled = len(case) > 8 and case[8]
     out = tmp_path / "out.pt"
-    spawn_gloo(_pipelined, world, (name, pp, schedule, micro, accumulation, opt_name, clip, str(out)), timeout_s=180)
+    spawn_gloo(_pipelined, world, (name, pp, schedule, micro, accumulation, opt_name, clip, str(out), compiled),
+               timeout_s=180)
     got = torch.load(out, weights_only=False)
     ref, ref_losses = plain(name, opt_name, clip)
     assert got["model"].keys() == ref.keys()  # the whole model's names, every tensor once

@@ -432,8 +432,10 @@ def _check_stages(job: Job, where: str, layout) -> None:
                        f"{share} % {m} = {share % m}" + (f" (under {where})" if where != "parallel.strategy" else ""))
     _check_interleaved(job, layout, m, where)
     _check_cut(job, layout)
-    if t.compile:
-        raise JobError("train.compile", t.compile, "strategy pipeline does not support torch.compile of a stage yet")
+    if t.compile and job.parallel.pp_schedule == "interleaved_zb":
+        raise JobError("train.compile", t.compile, "pp_schedule interleaved_zb runs the weights' backward apart from "
+                       "the inputs', which a compiled block's backward does not allow: use pp_schedule 1f1b, gpipe "
+                       "or interleaved_1f1b with train.compile" + (f" (under {where})" if where != "parallel.strategy" else ""))
 
 
 def _check_interleaved(job: Job, layout, m: int, where: str) -> None:

@@ -165,15 +165,31 @@ def _hook_stage(wrapper: StageModule, cut: Cut, traced: Trace, modules: dict, se
 
 
 def _gate(block: nn.Module, wrapper: StageModule, skip: Skip) -> None:
-    """`block` runs while its own stage (or no stage) is active, and is skipped while another is."""
-    forward = block.forward
+    """`block` runs while its own stage (or no stage) is active, and is skipped while another is.
+    Its own forward stays reachable as `block.ungated_forward` (what `compile_blocks` compiles)."""
+    block.ungated_forward = block.forward
 
     def gated(*args, **kwargs):
         running = wrapper.active[0]
         if running is not None and running is not wrapper:
             return skip(*args, **kwargs)
-        return forward(*args, **kwargs)
+        return block.ungated_forward(*args, **kwargs)
     block.forward = gated
+
+
+def compile_blocks(model: nn.Module, names: list[str], compile_fn) -> int:
+    """Each of the blocks `names` (this rank's) gets its own forward compiled in place by
+    `compile_fn`, as FSDP's units are: the cut points' hooks (a stage's received activation,
+    where it stops) and the gate between a rank's stages stay outside the graphs. Returns how
+    many blocks were compiled."""
+    for name in names:
+        block = model.get_submodule(name)
+        if hasattr(block, "ungated_forward"):
+            block.ungated_forward = compile_fn(block.ungated_forward)
+        else:
+            block.forward = compile_fn(block.forward)
+        block.compiled_in_stage = True
+    return len(names)
 
 
 def _receive(wrapper: StageModule, where: tuple):
@@ -196,4 +212,4 @@ def _stop(wrapper: StageModule, where: tuple):
     return hook
 
 
-__all__ = ["PRE", "Skip", "StageInfo", "StageModule", "holders", "make_stage"]
+__all__ = ["PRE", "Skip", "StageInfo", "StageModule", "compile_blocks", "holders", "make_stage"]
