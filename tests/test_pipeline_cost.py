@@ -44,6 +44,22 @@ def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
     assert one["params"] == pytest.approx(1e9 / 2 * 4)
 
 
+def test_a_stage_sharded_over_its_replicas_holds_its_blocks_state_split_four_ways():
+    """parallel.dp_shard: the 24 blocks' 0.96e9 parameters split over 2 stages and 4 replicas,
+    the 0.04e9 outside them whole on their stage; two blocks gathered at once, one's gradients."""
+    whole = pipeline_cost.memory(MODEL, 2, 4, global_batch=64, microbatches_=8)
+    sharded = pipeline_cost.memory(MODEL, 2, 4, global_batch=64, microbatches_=8, shard=4)
+    local = 0.04e9 / 2 + 0.96e9 / 2 / 4
+    assert sharded["params"] == pytest.approx(local * 4) and sharded["optimizer"] == pytest.approx(local * 4 * 2)
+    assert sharded["gathered"] == pytest.approx((2 * 4e7 * 4 + 4e7 * 4) * 0.75)
+    assert sharded["params"] == pytest.approx(0.28 * whole["params"])  # 0.14e9 of the stage's 0.5e9
+    assert sharded["activations"] == whole["activations"] and sharded["total"] < whole["total"]
+    from gearshift.strategies.layout import Layout
+
+    layout = Layout.for_workers("pipeline", 8, None, pp_size=2, dp_shard=True)
+    assert pipeline_cost.memory_of(MODEL, layout, global_batch=64, microbatches_=8) == sharded
+
+
 def test_interleaving_halves_the_bubble_and_crosses_the_link_twice_as_often():
     """Two stages a position, each half a position's layers: the fill costs pp - 1 half-stages
     (zero bubble: a third of that), each micro-batch crosses the link twice each way."""
