@@ -29,10 +29,10 @@ from torch import nn
 from gearshift.strategies import state
 from gearshift.strategies.state import _is_dtensor
 from gearshift.strategies.base import Options, Parallel
-from gearshift.strategies.grads import GradAverager
 from gearshift.strategies.layout import Layout
 from gearshift.strategies.pipeline import cut as cuts
 from gearshift.strategies.pipeline import stages_per_rank
+from gearshift.strategies.pipeline.grads import StageGrads
 from gearshift.strategies.pipeline.stage import StageInfo, StageModule, compile_blocks, holders, make_stage
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
@@ -62,14 +62,8 @@ class PipelineParallel(Parallel):
         self.mine, self.stages = info.stages, len(cut.stages)  # this position's stages; all stages
         self.position = layout.stage_of(dist.get_rank())
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        # a parameter held at several positions -> those positions; this replica's group of them
-        self.ties = positions_holding(info.ties, layout.pp)
-        self.tie_groups = tie_groups
-        self.sharded = layout.shard > 1  # the blocks sharded over the replicas by FSDP2 (parallel.dp_shard)
-        # what FSDP2 does not reduce (all of it, unsharded) is averaged over the replicas here
-        self.averager = GradAverager([p for p in self.model.parameters() if not _is_dtensor(p)], self.dp_group,
-                                     options.bucket_cap_mb)
-        self.averager.timer = lambda nbytes: self.blocked(nbytes, "dp")
+        self.sharded = layout.shard > 1  # the stage sharded over its replicas by FSDP2 (parallel.dp_shard)
+        self.grads = StageGrads(self, positions_holding(info.ties, layout.pp), tie_groups)
         self.microbatches = options.pp_microbatches
         self._pipe = None
         self._loss = None
@@ -216,59 +210,13 @@ class PipelineParallel(Parallel):
         return out
 
     def after_backward(self) -> None:
-        """A parameter two positions hold gets the sum of their gradients; then every stage's
-        replicas average theirs."""
-        for name, positions in self.ties.items():
-            group = self.tie_groups.get(positions)
-            p = self.model.get_parameter(name)
-            if group is None or p.grad is None:
-                continue
-            grad = p.grad.to_local() if _is_dtensor(p.grad) else p.grad  # sharded alike at both positions
-            with self.blocked(grad.numel() * grad.element_size(), "pp"):
-                dist.all_reduce(grad, group=group)
-        self.averager()
-
-    def _owned_grads(self) -> list[torch.Tensor]:
-        """The gradients this position counts in the global norm: a parameter two positions hold
-        counts on the first of them only."""
-        out = []
-        for name, p in self.model.named_parameters():
-            positions = self.ties.get(name)
-            if p.grad is not None and (positions is None or positions[0] == self.position):
-                out.append(p.grad)
-        return out
+        self.grads.after_backward()
 
     def grad_norm(self) -> torch.Tensor:
-        """The global norm over every stage: each position's squares (a sharded gradient's over
-        its replicas' shards), summed over the positions."""
-        grads = self._owned_grads()
-        shards = [g.to_local() for g in grads if _is_dtensor(g)]
-        whole = [g for g in grads if not _is_dtensor(g)]
-        squares = self._squares(whole)
-        if shards:
-            sharded = self._squares(shards)
-            with self.blocked(sharded.element_size(), "dp"):
-                dist.all_reduce(sharded, group=self.dp_group)
-            squares = squares + sharded
-        if self.layout.pp > 1:
-            with self.blocked(squares.element_size(), "pp"):
-                dist.all_reduce(squares, group=self.pp_group)
-        return squares.sqrt()
-
-    def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return (torch.nn.utils.get_total_norm(grads, 2.0) ** 2 if grads
-                else torch.zeros((), device=self.options.device)).to(torch.float32)
+        return self.grads.norm()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """As torch.nn.utils.clip_grad_norm_ over the whole model: the global norm over every
-        stage, each gradient scaled by max_norm / (norm + 1e-6) where that is below 1."""
-        norm = self.grad_norm()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = [p.grad.to_local() if _is_dtensor(p.grad) else p.grad
-                 for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return norm
+        return self.grads.clip(max_norm)
 
     def param_groups(self) -> list[dict]:
         """The sharded blocks' parameters (DTensors on the replicas' mesh) apart from the rest: a
