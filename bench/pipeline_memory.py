@@ -3,19 +3,22 @@
 Four runs of a GPT of 8 layers (width 512: 25 M parameters, Adam) on 2 CPU workers: static data
 (each worker holds the whole model and its optimizer), static pipeline (2 stages: each holds
 half), the same interleaved (4 stages, 2 a worker: each still holds half), and data switched
-into the pipeline at step 10 and back at step 20 (adapt.schedule). Per
+into the pipeline at step 10 and back at step 20 (adapt.schedule); then on 4 workers (2 replicas of
+each stage) the pipeline with whole state, with each stage's blocks sharded over its replicas
+(parallel.dp_shard), and data switched into that sharded pipeline and back. Per
 run: the driver's and the largest worker's peak resident set (bench.ingest.Watcher polls every
 process of the run), and from the step records each worker's own high-water mark (`peak_mem_bytes`,
 ru_maxrss: it only grows) just before each switch and just after it, so that what a switch adds
 beyond the layouts' own shows as the rise across it.
 
-    python bench/pipeline_memory.py            # ~3 minutes
+    python bench/pipeline_memory.py            # ~6 minutes
 
 The last line is one JSON object.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
@@ -36,6 +39,13 @@ RUNS = {
     "interleaved": ["parallel.strategy=pipeline", "parallel.pp_size=2", "parallel.pp_schedule=interleaved_1f1b"],
     "data>pipeline>data": ["parallel.strategy=data", "adapt.schedule=[{step: 10, strategy: pipeline, pp_size: 2}, "
                            "{step: 20, strategy: data}]"],
+    # 4 workers, 2 replicas of each stage: whole state, then each stage's blocks sharded over its replicas
+    "pipeline 2x2": ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=pipeline", "parallel.pp_size=2"],
+    "pipeline 2x2 dp_shard": ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=pipeline", "parallel.pp_size=2",
+                              "parallel.dp_shard=true"],
+    "data>pipeline 2x2 dp_shard>data": ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=data",
+                                        "adapt.schedule=[{step: 10, strategy: pipeline, pp_size: 2, dp_shard: true}, "
+                                        "{step: 20, strategy: data}]"],
 }
 
 
@@ -54,9 +64,16 @@ def one(name: str, overrides: list[str], tmp: pathlib.Path) -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default=None, help="comma-separated names of RUNS to run (default: all)")
+    args = ap.parse_args()
+    names = args.only.split(",") if args.only else list(RUNS)
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise SystemExit(f"--only: unknown run(s) {unknown}; the runs are {list(RUNS)}")
     out = {}
     with tempfile.TemporaryDirectory(prefix="gs-ppmem-") as tmp:
-        for name, overrides in RUNS.items():
+        for name, overrides in ((n, RUNS[n]) for n in names):
             out[name] = one(name, overrides, pathlib.Path(tmp))
             r = out[name]
             print(f"{name:<20} driver {r['driver_peak_mib']:7.0f} MiB   largest worker {r['worker_peak_mib']:7.0f} MiB   "

@@ -52,7 +52,8 @@ STRATEGIES.update({
                      "workers, replicated across groups", sharding=(GROUPED, SHARDED, REPLICATED), meta_ok=True),
     "pipeline": Strategy("pipeline", PIPE, _apply_of("pipeline.parallel"), "the model cut into parallel.pp_size stages "
                          "of consecutive blocks, micro-batches flowing through them (GPipe, 1F1B); data parallel "
-                         "across pipeline replicas"),
+                         "across pipeline replicas (or each stage's blocks sharded across them, parallel.dp_shard)",
+                         sharding=(REPLICATED, SHARDED)),
 })
 _BUILTIN = tuple(STRATEGIES)
 

@@ -100,10 +100,11 @@ def plain(name: str, opt_name: str, clip: float | None) -> tuple[dict, list[floa
     return {k: v.clone() for k, v in model.state_dict().items()}, losses
 
 
-def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, clip, out_path, compiled=False):
+def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, clip, out_path, compiled=False,
+               dp_shard=False):
     from gearshift.strategies.pipeline.parallel import PipelineParallel
 
-    layout = Layout.for_workers("pipeline", world, None, pp_size=pp)
+    layout = Layout.for_workers("pipeline", world, None, pp_size=pp, dp_shard=dp_shard)
     model = build(name)
     sample = data(name, 0)[0][:1]
     options = strategies.Options(torch.device("cpu"), pp_microbatches=micro, pp_schedule=schedule,
@@ -113,7 +114,12 @@ def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, c
     if compiled:
         par.compile({"backend": "aot_eager"})  # dynamo and autograd tracing; inductor adds only codegen time
         assert par.compiled
-    opt = optimizer(par.param_groups()[0]["params"], opt_name)
+    opt = optimizer([p for g in par.param_groups() for p in g["params"]], opt_name)
+    if dp_shard:  # every parameter of the stage a shard over its replicas
+        from torch.distributed.tensor import DTensor
+
+        whole = [n for n, p in par.model.named_parameters() if not isinstance(p, DTensor)]
+        assert not whole, whole
     d, dp = layout.dp_rank(rank), layout.dp
     losses = []
     for step in range(STEPS):
@@ -158,29 +164,35 @@ CASES = [  # model, workers, pp, schedule, micro-batches, accumulation, optimize
 ]  # an MLP (its activation between the blocks): tests/test_pipeline_run.py, through `gearshift run`
 
 
-COMPILED = [  # train.compile: each block of a rank's stages compiled in place
-    ("gpt", 2, 2, "1f1b", 4, 1, "adam", 0.5),
-    ("llama", 2, 2, "interleaved_1f1b", 2, 1, "adam", 0.5),  # the gate between a rank's stages outside the graphs
+CASES += [  # train.compile: each block of a rank's stages compiled in place
+    ("gpt", 2, 2, "1f1b", 4, 1, "adam", 0.5, {"compiled": True}),
+    ("llama", 2, 2, "interleaved_1f1b", 2, 1, "adam", 0.5, {"compiled": True}),  # the gate outside the graphs
+] + [  # parallel.dp_shard: each stage's blocks sharded over its replicas by FSDP2
+    ("gpt", 4, 2, "1f1b", 2, 2, "adam", 0.5, {"dp_shard": True}),
+    ("llama", 4, 2, "gpipe", 2, 1, "sgd", 0.5, {"dp_shard": True}),  # the tied head: shards summed between stages
 ]
 
 
 def _ids(c) -> str:
     return f"{c[0]}-w{c[1]}-pp{c[2]}-{c[3]}-m{c[4]}-acc{c[5]}-{c[6]}" + ("-clip" if c[7] else "") \
-        + ("-compiled" if len(c) > 8 and c[8] else "")
+        + "".join(f"-{k}" for k in (c[8] if len(c) > 8 else {}))
 
 
-@pytest.mark.parametrize("case", CASES + [c + (True,) for c in COMPILED], ids=_ids)
+@pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_a_pipelined_step_equals_plain_pytorch(tmp_path, case):
     name, world, pp, schedule, micro, accumulation, opt_name, clip = case[:8]
-    compiled = len(case) > 8 and case[8]
+    extra = case[8] if len(case) > 8 else {}
     out = tmp_path / "out.pt"
-    spawn_gloo(_pipelined, world, (name, pp, schedule, micro, accumulation, opt_name, clip, str(out), compiled),
-               timeout_s=180)
+    spawn_gloo(_pipelined, world, (name, pp, schedule, micro, accumulation, opt_name, clip, str(out),
+                                   extra.get("compiled", False), extra.get("dp_shard", False)), timeout_s=180)
     got = torch.load(out, weights_only=False)
     ref, ref_losses = plain(name, opt_name, clip)
     assert got["model"].keys() == ref.keys()  # the whole model's names, every tensor once
     worst = max((got["model"][k].float() - ref[k].float()).abs().max().item() for k in ref)
-    assert worst <= 1e-5, (worst, got["cut"])
+    # sharded: the replicas' sum is reduce-scattered in another order, which Adam's division by
+    # the root of a near-zero second moment amplifies in single elements (1e-5..2e-5 measured;
+    # under SGD the same run is within 1e-7): the issue's 1e-4 for a sharded data dimension
+    assert worst <= (1e-4 if extra.get("dp_shard") else 1e-5), (worst, got["cut"])
     assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5
     # the Llama's head is tied to its embedding: the first and last stage hold it, their gradients summed
     stages = pp * (2 if schedule.startswith("interleaved") else 1)

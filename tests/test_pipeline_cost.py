@@ -44,6 +44,24 @@ def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe():
     assert one["params"] == pytest.approx(1e9 / 2 * 4)
 
 
+def test_a_stage_sharded_over_its_replicas_saves_optimizer_state_beyond_the_whole_stage_it_gathers():
+    """parallel.dp_shard: the stage's 0.5e9 parameters' state split over its replicas, and during
+    the step its parameters and gradients whole beside the shards. Over 2 replicas that breaks
+    even with the unsharded stage (as measured: bench/pipeline_memory.py); over 4 it saves."""
+    whole = pipeline_cost.memory(MODEL, 2, 4, global_batch=64, microbatches_=8)
+    two = pipeline_cost.memory(MODEL, 2, 2, global_batch=64, microbatches_=8, shard=2)
+    four = pipeline_cost.memory(MODEL, 2, 4, global_batch=64, microbatches_=8, shard=4)
+    assert four["params"] == pytest.approx(0.5e9 / 4 * 4) and four["optimizer"] == pytest.approx(0.5e9 / 4 * 8)
+    assert four["gathered"] == pytest.approx(0.5e9 * 8)
+    state = ("params", "grads", "optimizer", "gathered")
+    assert sum(two[k] for k in state) == pytest.approx(sum(whole[k] for k in state))
+    assert sum(four[k] for k in state) == pytest.approx(0.75 * sum(whole[k] for k in state))
+    from gearshift.strategies.layout import Layout
+
+    layout = Layout.for_workers("pipeline", 8, None, pp_size=2, dp_shard=True)
+    assert pipeline_cost.memory_of(MODEL, layout, global_batch=64, microbatches_=8) == four
+
+
 def test_interleaving_halves_the_bubble_and_crosses_the_link_twice_as_often():
     """Two stages a position, each half a position's layers: the fill costs pp - 1 half-stages
     (zero bubble: a third of that), each micro-batch crosses the link twice each way."""

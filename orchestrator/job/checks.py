@@ -445,6 +445,10 @@ def _check_interleaved(job: Job, layout, m: int, where: str) -> None:
 
     if stages_per_rank(job.parallel.pp_schedule) == 1:
         return
+    if layout.shard > 1:
+        raise JobError("parallel.dp_shard", True, f"a stage's blocks sharded over its replicas run under pp_schedule "
+                       f"gpipe or 1f1b, not {job.parallel.pp_schedule} (two stages a worker)"
+                       + (f" (under {where})" if where != "parallel.strategy" else ""))
     rounds = max(1, m // layout.pp)
     if m % rounds:
         fits = sorted({k for k in range(1, 4 * layout.pp + 1) if k % max(1, k // layout.pp) == 0})

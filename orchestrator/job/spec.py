@@ -157,7 +157,8 @@ class ParallelSpec:
     tp_across_nodes: bool = _f(False, _bool, "allow tensor-parallel groups that span nodes (slow: for comparisons)")
     shard_size: int | None = _f(None, _tp_size, "hsdp: workers per shard group (state sharded inside a group, "
                                                 "replicated across groups); null: the workers of one node")
-    dp_shard: bool = _f(False, _bool, "hybrid: shard the data dimension's state (FSDP over dp) instead of "
+    dp_shard: bool = _f(False, _bool, "hybrid, pipeline (gpipe, 1f1b): shard the data dimension's state (FSDP "
+                                      "over dp; a pipeline's blocks over each stage's replicas) instead of "
                                       "replicating it")
     dp_overlap: bool = _f(True, _bool, "hybrid: all-reduce the data-parallel gradients bucket by bucket while "
                                        "backward still computes (false: after backward, one bucket after the "

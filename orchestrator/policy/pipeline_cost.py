@@ -23,8 +23,9 @@ The step, with `m` micro-batches of `b` samples each (a replica's share of the g
 - then each stage's replicas all-reduce its gradients (a `1/pp` share of the model's) inside its
   node, after the schedule (not overlapped).
 
-A rank's memory: its stage's parameters, gradients and optimizer state (`1/pp` of the model's),
-and the activations of the micro-batches in flight at once on the first stage (all `m` under
+A rank's memory: its stage's parameters, gradients and optimizer state (`1/pp` of the model's;
+with parallel.dp_shard split over the stage's `dp` replicas, and the stage's parameters and
+gradients whole beside them during the step), and the activations of the micro-batches in flight at once on the first stage (all `m` under
 GPipe, at most `pp` under 1F1B), each `b` samples of `1/pp` of the model's layers; interleaved,
 at most `(v - 1) pp + 2 pp - 1` stage-passes of `1/(v pp)` of the layers (torch's warm-up).
 """
@@ -78,14 +79,22 @@ def predict(model: ModelShape, hw: Hardware, global_batch: int, pp: int, dp: int
 
 def memory(model: ModelShape, pp: int, dp: int, *, global_batch: int, microbatches_: int | None = None,
            schedule: str = "1f1b", optimizer_states: int = 2, overhead: MemoryOverhead = MemoryOverhead(),
-           **_ignored) -> dict:
-    """Bytes one rank of the first stage holds at its peak (the most micro-batches in flight)."""
+           shard: int = 1, **_ignored) -> dict:
+    """Bytes one rank of the first stage holds at its peak (the most micro-batches in flight).
+    `shard` (parallel.dp_shard: dp): the stage's state split over its replicas, and during the
+    step its parameters gathered whole (from a block's first forward until the schedule's end)
+    and its gradients accumulated whole over the micro-batches, beside the shards (`gathered`):
+    the peak falls below the unsharded stage's only where the optimizer state's share saved,
+    `(1 - 1/shard)` of it, exceeds the shards' `1/shard` of the parameters and gradients."""
     share = global_batch // dp
     m = microbatches_ or microbatches(share, pp)
     b = share / m
-    local = model.params / pp
+    stage = model.params / pp
+    local = stage / shard
     out = {"params": local * PARAM_BYTES, "grads": local * model.grad_bytes_per_param,
            "optimizer": local * 4.0 * optimizer_states, "gathered": 0.0, "cast_weights": 0.0}
+    if shard > 1:
+        out["gathered"] = stage * (PARAM_BYTES + model.grad_bytes_per_param)
     v = stages_per_rank(schedule)
     in_flight = m if schedule == "gpipe" else min(m, pp) if v == 1 else min(v * m, (v - 1) * pp + 2 * pp - 1)
     per_sample = model.activations.per_sample(1) if model.activations else 0.0
@@ -101,7 +110,7 @@ def memory_of(model: ModelShape, layout, *, global_batch: int, **settings) -> di
     """`memory` of any layout (anything with dp, tp, shard and pp): a pipeline's here, the
     others' costmodel.memory."""
     if getattr(layout, "pp", 1) > 1:
-        return memory(model, layout.pp, layout.dp, global_batch=global_batch, **settings)
+        return memory(model, layout.pp, layout.dp, global_batch=global_batch, shard=layout.shard, **settings)
     return costmodel.memory(model, layout.dp, layout.tp, layout.shard, global_batch=global_batch, **settings)
 
 

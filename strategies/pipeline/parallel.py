@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from gearshift.strategies import state
+from gearshift.strategies.state import _is_dtensor
 from gearshift.strategies.base import Options, Parallel
-from gearshift.strategies.grads import GradAverager
 from gearshift.strategies.layout import Layout
 from gearshift.strategies.pipeline import cut as cuts
 from gearshift.strategies.pipeline import stages_per_rank
+from gearshift.strategies.pipeline.grads import StageGrads
 from gearshift.strategies.pipeline.stage import StageInfo, StageModule, compile_blocks, holders, make_stage
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
@@ -61,11 +62,8 @@ class PipelineParallel(Parallel):
         self.mine, self.stages = info.stages, len(cut.stages)  # this position's stages; all stages
         self.position = layout.stage_of(dist.get_rank())
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        # a parameter held at several positions -> those positions; this replica's group of them
-        self.ties = positions_holding(info.ties, layout.pp)
-        self.tie_groups = tie_groups
-        self.averager = GradAverager(list(self.model.parameters()), self.dp_group, options.bucket_cap_mb)
-        self.averager.timer = lambda nbytes: self.blocked(nbytes, "dp")
+        self.sharded = layout.shard > 1  # the stage sharded over its replicas by FSDP2 (parallel.dp_shard)
+        self.grads = StageGrads(self, positions_holding(info.ties, layout.pp), tie_groups)
         self.microbatches = options.pp_microbatches
         self._pipe = None
         self._loss = None
@@ -166,7 +164,18 @@ class PipelineParallel(Parallel):
             out = view(x) if s == 0 else view(self._receive(self._peer(s - 1)), inputs=x)
             if s < self.stages - 1:
                 self._send(out, self._peer(s + 1))
+        self.at_rest()
         return loss_fn(out, y) if self.stages - 1 in self.mine else None
+
+    def at_rest(self) -> None:
+        """Sharded stages: the shards back in place of the gathered parameters (a forward without
+        backward, evaluation, leaves them gathered; state is read and matched by name)."""
+        if self.sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in [*self.views, *self.model.modules()]:
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def _peer(self, stage: int) -> int:
         """The global rank of this replica's position that holds `stage`."""
@@ -201,45 +210,24 @@ class PipelineParallel(Parallel):
         return out
 
     def after_backward(self) -> None:
-        """A parameter two positions hold gets the sum of their gradients; then every stage's
-        replicas average theirs."""
-        for name, positions in self.ties.items():
-            group = self.tie_groups.get(positions)
-            p = self.model.get_parameter(name)
-            if group is None or p.grad is None:
-                continue
-            with self.blocked(p.grad.numel() * p.grad.element_size(), "pp"):
-                dist.all_reduce(p.grad, group=group)
-        self.averager()
-
-    def _owned_grads(self) -> list[torch.Tensor]:
-        """The gradients this position counts in the global norm: a parameter two positions hold
-        counts on the first of them only."""
-        out = []
-        for name, p in self.model.named_parameters():
-            positions = self.ties.get(name)
-            if p.grad is not None and (positions is None or positions[0] == self.position):
-                out.append(p.grad)
-        return out
+        self.grads.after_backward()
 
     def grad_norm(self) -> torch.Tensor:
-        grads = self._owned_grads()
-        squares = (torch.nn.utils.get_total_norm(grads, 2.0) ** 2 if grads
-                   else torch.zeros((), device=self.options.device)).to(torch.float32)
-        if self.layout.pp > 1:
-            with self.blocked(squares.element_size(), "pp"):
-                dist.all_reduce(squares, group=self.pp_group)
-        return squares.sqrt()
+        return self.grads.norm()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """As torch.nn.utils.clip_grad_norm_ over the whole model: the global norm over every
-        stage, each gradient scaled by max_norm / (norm + 1e-6) where that is below 1."""
-        norm = self.grad_norm()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return norm
+        return self.grads.clip(max_norm)
+
+    def param_groups(self) -> list[dict]:
+        """The sharded blocks' parameters (DTensors on the replicas' mesh) apart from the rest: a
+        multi-tensor update cannot mix them."""
+        if not self.sharded:
+            return super().param_groups()
+        groups: dict[bool, list] = {}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                groups.setdefault(_is_dtensor(p), []).append(p)
+        return [{"params": g} for g in groups.values()]
 
     def make_scaler(self):
         """fp16's loss scaling: the last stage's loss scaled, so every stage's gradients are;
@@ -270,9 +258,11 @@ class PipelineParallel(Parallel):
     def full_state(self, optimizer, rank: int, everywhere: bool = False) -> dict | None:
         """The whole model's state: each stage's part (from the first replica) gathered onto rank
         0, or onto every rank with `everywhere`."""
+        self.at_rest()
         part = None
-        if self.layout.dp_rank(rank) == 0:
+        if self.sharded or self.layout.dp_rank(rank) == 0:  # sharded: every replica takes part in the gathers
             part = {"model": state.model_state(self.model), "optimizer": state.optimizer_state(optimizer, self.model)}
+            part = part if self.layout.dp_rank(rank) == 0 else None
         parts = [None] * dist.get_world_size()
         if everywhere:
             dist.all_gather_object(parts, part)
@@ -297,6 +287,7 @@ class PipelineParallel(Parallel):
         return full if full is not None else {}
 
     def load_full_state(self, optimizer, full: dict) -> None:
+        self.at_rest()
         own = set(self.model.state_dict())
         state.load_model_state(self.model, {k: v for k, v in full["model"].items() if k in own})
         state.load_optimizer_state(optimizer, self.model, full["optimizer"])
@@ -304,6 +295,36 @@ class PipelineParallel(Parallel):
     def detach(self) -> None:
         super().detach()
         self._pipe = None
+
+
+class StageSharding:
+    """parallel.dp_shard: a stage laid out over its replicas by FSDP2, as torchtitan composes
+    FSDP and pipelines: each block its own unit, then the stage (StageModule) the root over what
+    is left (embedding, final norm, head), so that torch's PipelineStage drives it as an FSDP
+    module: gradients accumulate unsharded over the step's micro-batches and are reduce-scattered
+    once, after the schedule; parameters are gathered at a block's first forward and kept until
+    then (not gathered again for every micro-batch)."""
+
+    def __init__(self, mesh, options: Options):
+        from torch.distributed.fsdp import fully_shard
+
+        from gearshift.strategies import fsdp
+
+        self.mesh, self.fully_shard = mesh, fully_shard
+        self.kw = {"mesh": mesh, "reshard_after_forward": False, "mp_policy": fsdp.policy(options.mixed_precision)}
+        self.gloo = fsdp._on_gloo(mesh)
+
+    def blocks(self, blocks: list[nn.Module]) -> None:
+        for block in blocks:
+            self._shard(block)
+
+    def stage(self, wrapper: nn.Module) -> None:
+        self._shard(wrapper)
+
+    def _shard(self, module: nn.Module) -> None:
+        self.fully_shard(module, **self.kw)
+        if self.gloo:  # sum, then FSDP2 divides by the replicas: nothing rests on gloo's AVG
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def positions_holding(ties: dict[str, tuple], pp: int) -> dict[str, tuple]:
@@ -359,7 +380,10 @@ def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> Pip
     mesh = device_mesh(options.device.type, (layout.pp, layout.dp), ("pp", "dp"))
     position = layout.stage_of(dist.get_rank())
     groups = tie_groups(held_by, layout)
-    views, info = make_stage(model, chosen, traced, [position + i * layout.pp for i in range(per_rank)])
+    if layout.shard > 1 and per_rank > 1:  # the job's check says so first
+        raise cuts.CutError(f"parallel.dp_shard runs under pp_schedule gpipe or 1f1b, not {options.pp_schedule}")
+    shard = StageSharding(mesh["dp"], options) if layout.shard > 1 else None
+    views, info = make_stage(model, chosen, traced, [position + i * layout.pp for i in range(per_rank)], shard)
     return PipelineParallel(views, info, chosen, layout, options, mesh, groups)
 
 

@@ -118,9 +118,13 @@ class StageModule(nn.Module):
             self.active[0] = None
 
 
-def make_stage(model: nn.Module, cut: Cut, traced: Trace, mine: list[int]) -> tuple[list[StageModule], StageInfo]:
+def make_stage(model: nn.Module, cut: Cut, traced: Trace, mine: list[int],
+               shard=None) -> tuple[list[StageModule], StageInfo]:
     """Turn `model` (whole, on this rank) into the stages `mine` of `cut`, in place: one
-    StageModule per stage, all over the one model."""
+    StageModule per stage, all over the one model. `shard`, if given, lays the stage out over
+    its replicas (FSDP2): `shard.blocks(blocks)` before the cut points are hooked, so that a
+    stage's received activation replaces its first block's input before FSDP2's hooks see it,
+    and `shard.stage(wrapper)` after (the rest of the stage, the root the schedule drives)."""
     held_by = holders(cut, traced, model)
     stages = len(cut.stages)
     blocks = {name for s in mine for name in cut.stages[s]}
@@ -136,15 +140,19 @@ def make_stage(model: nn.Module, cut: Cut, traced: Trace, mine: list[int]) -> tu
                 delattr(module, pname)
                 module.register_buffer(pname, _stand_in(p.shape, p.dtype, p.device), persistent=False)
                 stand_ins.append(f"{mname}.{pname}" if mname else pname)
+    by_name = {n: held_by[id(p)] for n, p in model.named_parameters()}  # sharding makes new parameter objects
+    if shard is not None:
+        shard.blocks([model.get_submodule(name) for s in mine for name in cut.stages[s]])
     active: list = [None]
     wrappers = [StageModule(model, s, stages, active) for s in mine]
     modules = dict(model.named_modules())
     for wrapper in wrappers:
         _hook_stage(wrapper, cut, traced, modules, several=len(mine) > 1)
-        wrapper.own = [p for p in model.parameters() if wrapper.stage in held_by[id(p)]]
-    names = {id(p): n for n, p in model.named_parameters()}
-    ties = {names[id(p)]: tuple(sorted(held_by[id(p)])) for p in model.parameters() if len(held_by[id(p)]) > 1}
-    return wrappers, StageInfo(list(mine), list(names.values()), ties, tuple(stand_ins))
+        if shard is not None:
+            shard.stage(wrapper)
+        wrapper.own = [p for n, p in model.named_parameters() if wrapper.stage in by_name[n]]
+    ties = {n: tuple(sorted(stages_)) for n, stages_ in by_name.items() if len(stages_) > 1}
+    return wrappers, StageInfo(list(mine), list(by_name), ties, tuple(stand_ins))
 
 
 def _hook_stage(wrapper: StageModule, cut: Cut, traced: Trace, modules: dict, several: bool) -> None:
@@ -154,7 +162,7 @@ def _hook_stage(wrapper: StageModule, cut: Cut, traced: Trace, modules: dict, se
     stage, stages = wrapper.stage, wrapper.stages
     if stage > 0:
         first = cut.stages[stage][0]
-        modules[first].register_forward_pre_hook(_receive(wrapper, traced.inputs[first]), with_kwargs=True)
+        modules[first].register_forward_pre_hook(_receive(wrapper, traced.inputs[first]), with_kwargs=True, prepend=True)
     if stage < stages - 1:
         following = cut.stages[stage + 1][0]
         modules[following].register_forward_pre_hook(_stop(wrapper, traced.inputs[following]), with_kwargs=True)

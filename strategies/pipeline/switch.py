@@ -7,6 +7,7 @@ the meta device), and for each name its full value is made on every rank, by the
 holds it now:
 - out of a pipeline, the first rank whose stage holds the tensor broadcasts it (every rank
   learns who holds what, and each optimizer state's shape, from one exchange of names first);
+  where the stage's blocks are sharded over its replicas (parallel.dp_shard), they gather it first;
 - out of another layout, as relayout does: its own gather (a collective for a sharded tensor),
   or the tensor itself where it is whole.
 The new layout keeps its piece of the value (its stage's tensors, its shard, or the whole) and
@@ -76,6 +77,8 @@ class _Source:
         t = self.tensors.get(name) if key is None else self.saved.get(name, {}).get(key)
         if not self.pipeline:
             return full(t.detach())
+        if t is not None and hasattr(t, "to_local"):  # a block sharded over its stage's replicas: they gather it
+            t = full(t.detach())
         src = self.holder[name]
         if dist.get_rank() == src:
             buf = t.detach().contiguous()
