@@ -162,15 +162,7 @@ CASES = [  # model, workers, pp, schedule, micro-batches, accumulation, optimize
     ("llama", 4, 2, "interleaved_1f1b", 4, 1, "sgd", 0.5),  # the tied head's stages 0 and 3 on ranks 0 and 1
     ("llama", 4, 2, "interleaved_zb", 4, 1, "adam", 0.5),  # zero bubble: the weights' backward apart
 ]  # an MLP (its activation between the blocks): tests/test_pipeline_run.py, through `gearshift run`
-
-
-CASES += [  # train.compile: each block of a rank's stages compiled in place
-    ("gpt", 2, 2, "1f1b", 4, 1, "adam", 0.5, {"compiled": True}),
-    ("llama", 2, 2, "interleaved_1f1b", 2, 1, "adam", 0.5, {"compiled": True}),  # the gate outside the graphs
-] + [  # parallel.dp_shard: each stage's blocks sharded over its replicas by FSDP2
-    ("gpt", 4, 2, "1f1b", 2, 2, "adam", 0.5, {"dp_shard": True}),
-    ("llama", 4, 2, "gpipe", 2, 1, "sgd", 0.5, {"dp_shard": True}),  # the tied head: shards summed between stages
-]
+  # with train.compile and parallel.dp_shard: tests/test_pipeline_compose.py
 
 
 def _ids(c) -> str:
@@ -180,6 +172,12 @@ def _ids(c) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_a_pipelined_step_equals_plain_pytorch(tmp_path, case):
+    check_case(tmp_path, case)
+
+
+def check_case(tmp_path, case) -> None:
+    """One case run on gloo processes, against plain PyTorch: the whole model's names, the
+    weights and losses, the stages and ties, the held-out loss through the stages."""
     name, world, pp, schedule, micro, accumulation, opt_name, clip = case[:8]
     extra = case[8] if len(case) > 8 else {}
     out = tmp_path / "out.pt"

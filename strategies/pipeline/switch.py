@@ -89,9 +89,12 @@ class _Source:
         return buf
 
     def drop(self, name: str) -> None:
+        """The old layout's tensor `name`, moved: its memory (a shard's, too) given back now."""
+        from gearshift.strategies.relayout import _free
+
         t = self.tensors.pop(name, None)
-        if t is not None and not hasattr(t, "to_local") and t.device.type != "meta":
-            t.untyped_storage().resize_(0)
+        if t is not None:
+            _free(t.detach())
 
 
 def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module, layout: Layout,

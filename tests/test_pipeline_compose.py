@@ -1,0 +1,24 @@
+"""A pipelined step composed with torch.compile (each block of a worker's stages compiled in
+place) and with each stage sharded over its replicas (parallel.dp_shard, FSDP2), on gloo
+processes against plain single-process PyTorch on the same batches (tests/test_pipeline.py's
+cases and checks; a file of its own so that the two files run side by side)."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_pipeline import _ids, check_case
+
+COMPOSED = [  # model, workers, pp, schedule, micro-batches, accumulation, optimizer, clip, composed with
+    # train.compile: each block of a rank's stages compiled in place
+    ("gpt", 2, 2, "1f1b", 4, 1, "adam", 0.5, {"compiled": True}),
+    ("llama", 2, 2, "interleaved_1f1b", 2, 1, "adam", 0.5, {"compiled": True}),  # the gate outside the graphs
+    # parallel.dp_shard: each stage sharded over its replicas by FSDP2
+    ("gpt", 4, 2, "1f1b", 2, 2, "adam", 0.5, {"dp_shard": True}),
+    ("llama", 4, 2, "gpipe", 2, 1, "sgd", 0.5, {"dp_shard": True}),  # the tied head: shards summed between stages
+]
+
+
+@pytest.mark.parametrize("case", COMPOSED, ids=_ids)
+def test_a_composed_pipelined_step_equals_plain_pytorch(tmp_path, case):
+    check_case(tmp_path, case)
