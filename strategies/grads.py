@@ -308,8 +308,14 @@ def mesh_grad_norm(params: Iterable[torch.Tensor], timer=None) -> torch.Tensor:
     or plain tensors: squares are summed locally per (mesh, sharded dimensions) and all-reduced
     over exactly those dimensions, so a piece held by several replicas counts once. The result
     is the same on every rank. `timer(nbytes, dim_name)`: a context around each all-reduce."""
-    grads = [p.grad for p in params if p.grad is not None]
-    device = _local(grads[0]).device if grads else torch.device("cpu")
+    return mesh_grad_squares([p.grad for p in params], timer).sqrt()
+
+
+def mesh_grad_squares(grads: Iterable[torch.Tensor | None], timer=None, device=None) -> torch.Tensor:
+    """The sum of the squares of `grads` (None: no gradient) as `mesh_grad_norm` counts them,
+    on `device` (default: the first gradient's, else the CPU)."""
+    grads = [g for g in grads if g is not None]
+    device = device or (_local(grads[0]).device if grads else torch.device("cpu"))
     sums: dict[tuple, list] = {}
     for g in grads:
         key, mesh = ((), None)
@@ -327,7 +333,7 @@ def mesh_grad_norm(params: Iterable[torch.Tensor], timer=None) -> torch.Tensor:
             with timer(sq.element_size(), name) if timer is not None else contextlib.nullcontext():
                 dist.all_reduce(sq, group=mesh.get_group(dim))
         total += sq
-    return total.sqrt()
+    return total
 
 
 def mesh_clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, timer=None) -> torch.Tensor:

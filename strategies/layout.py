@@ -42,10 +42,9 @@ class Layout:
             raise LayoutError(f"{self._noun()} has no pipeline stages: pp({self.pp}) must be 1")
         if mesh == "pipe" and self.pp < 2:
             raise LayoutError(f"strategy {self.strategy}: pp({self.pp}) stages; a pipeline has at least 2")
-        if mesh == "pipe" and (self.tp != 1 or self.shard not in (1, self.dp)):
-            raise LayoutError(f"strategy {self.strategy}: tensor parallelism inside a stage is not supported yet, and "
-                              f"a stage's state is whole or sharded over all its replicas: tp({self.tp}) must be 1 "
-                              f"and shard({self.shard}) 1 or dp({self.dp})")
+        if mesh == "pipe" and self.shard not in (1, self.dp):
+            raise LayoutError(f"strategy {self.strategy}: a stage's state is whole or sharded over all its "
+                              f"replicas: shard({self.shard}) must be 1 or dp({self.dp})")
         if mesh == "replicate" and self.tp != 1:
             raise LayoutError(f"{self._noun()} shards no layer: tp({self.tp}) must be 1")
         if mesh == "shard" and self.dp != 1:
@@ -149,11 +148,14 @@ def _pipeline(strategy: str, num_workers: int, tp_size: int | None, pp_size: int
     if num_workers % pp_size:
         raise LayoutError(f"parallel.pp_size: dp * pp_size({pp_size}) != num_workers({num_workers}): "
                           f"{num_workers} % {pp_size} = {num_workers % pp_size}; allowed: a divisor of num_workers")
-    if tp_size not in (None, 1):
-        raise LayoutError(f"strategy {strategy}: tensor parallelism (tp_size {tp_size}) inside a stage is not "
-                          "supported yet: leave tp_size unset")
-    dp = num_workers // pp_size
-    return Layout(strategy, dp, 1, dp if dp_shard else 1, pp_size)
+    tp = tp_size or 1
+    if tp < 1 or num_workers % (pp_size * tp):
+        raise LayoutError(f"parallel.tp_size: pp_size({pp_size}) * dp * tp_size({tp_size}) != "
+                          f"num_workers({num_workers}): {num_workers} % {pp_size * tp} = "
+                          f"{num_workers % (pp_size * tp) if tp >= 1 else 'undefined'}; allowed: a divisor of "
+                          f"num_workers / pp_size ({num_workers // pp_size})")
+    dp = num_workers // (pp_size * tp)
+    return Layout(strategy, dp, tp, dp if dp_shard else 1, pp_size)
 
 
 def _shard_for(strategy: str, dp: int, shard_size: int | None, dp_shard: bool) -> int:

@@ -1,5 +1,6 @@
 """A pipelined step composed with torch.compile (each block of a worker's stages compiled in
-place) and with each stage sharded over its replicas (parallel.dp_shard, FSDP2), on gloo
+place), with each stage sharded over its replicas (parallel.dp_shard, FSDP2) and with tensor
+parallelism inside a stage (parallel.tp_size), on gloo
 processes against plain single-process PyTorch on the same batches (tests/test_pipeline.py's
 cases and checks; a file of its own so that the two files run side by side)."""
 
@@ -16,6 +17,10 @@ COMPOSED = [  # model, workers, pp, schedule, micro-batches, accumulation, optim
     # parallel.dp_shard: each stage sharded over its replicas by FSDP2
     ("gpt", 4, 2, "1f1b", 2, 2, "adam", 0.5, {"dp_shard": True}),
     ("llama", 4, 2, "gpipe", 2, 1, "sgd", 0.5, {"dp_shard": True}),  # the tied head: shards summed between stages
+    # parallel.tp_size: each stage's blocks split over its tp group (pp x tp, pp x dp x tp, with dp_shard)
+    ("gpt", 4, 2, "1f1b", 2, 1, "adam", 0.5, {"tp": 2}),
+    ("llama", 8, 2, "interleaved_1f1b", 2, 1, "sgd", 0.5, {"tp": 2}),  # GQA: 2 of 4 query heads, 1 of 2 kv a rank
+    ("gpt", 8, 2, "1f1b", 2, 1, "adam", 0.5, {"tp": 2, "dp_shard": True}),
 ]
 
 

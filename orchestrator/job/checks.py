@@ -291,7 +291,7 @@ def _check_layout(job: Job) -> None:
     if job.parallel.tp_plan and job.parallel.strategy == "data" and not job.adapt.schedule:
         raise JobError("parallel.tp_plan", job.parallel.tp_plan, "only applies with tensor parallelism; "
                        "strategy data shards nothing")
-    if _resolve_strategy(job, "parallel.strategy", layout.strategy).needs_plan:
+    if _resolve_strategy(job, "parallel.strategy", layout.strategy).needs_plan or layout.tp > 1:  # a pipeline's tp
         try:
             components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
         except ComponentError as err:
@@ -322,7 +322,7 @@ def _check_adapt(job: Job) -> None:
         if job.train.global_batch_size % layout.dp:
             raise JobError(where, entry, f"dp({layout.dp}) must divide train.global_batch_size "
                                          f"({job.train.global_batch_size})")
-        if _resolve_strategy(job, f"{where}.strategy", layout.strategy).needs_plan:
+        if _resolve_strategy(job, f"{where}.strategy", layout.strategy).needs_plan or layout.tp > 1:
             try:
                 components.check_tp_plan(job.to_dict()["model"], job.parallel.tp_plan, layout.tp, [job.base_dir])
             except ComponentError as err:

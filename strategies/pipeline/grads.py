@@ -20,7 +20,8 @@ class StageGrads:
     def __init__(self, parallel, ties: dict[str, tuple], tie_groups: dict[tuple, object]):
         self.parallel, self.ties, self.tie_groups = parallel, ties, tie_groups
         self.model, self.position = parallel.model, parallel.position
-        self.averager = GradAverager([p for p in self.model.parameters() if not _is_dtensor(p)], parallel.dp_group,
+        # FSDP2 reduces a sharded stage's gradients itself; a whole stage's (tp shards too) are averaged here
+        self.averager = GradAverager([] if parallel.sharded else list(self.model.parameters()), parallel.dp_group,
                                      parallel.options.bucket_cap_mb)
         self.averager.timer = lambda nbytes: parallel.blocked(nbytes, "dp")
 
@@ -48,25 +49,17 @@ class StageGrads:
         return out
 
     def norm(self) -> torch.Tensor:
-        """The global norm over every stage: each position's squares (a sharded gradient's over
-        its replicas' shards), summed over the positions."""
+        """The global norm over every stage: each position's squares (a sharded gradient's summed
+        over the mesh dimensions it is split over: tp, the replicas, or both), summed over the
+        positions."""
+        from gearshift.strategies.grads import mesh_grad_squares
+
         par = self.parallel
-        grads = self.owned()
-        shards = [g.to_local() for g in grads if _is_dtensor(g)]
-        squares = self._squares([g for g in grads if not _is_dtensor(g)])
-        if shards:
-            sharded = self._squares(shards)
-            with par.blocked(sharded.element_size(), "dp"):
-                dist.all_reduce(sharded, group=par.dp_group)
-            squares = squares + sharded
+        squares = mesh_grad_squares(self.owned(), par.blocked, par.options.device)
         if par.layout.pp > 1:
             with par.blocked(squares.element_size(), "pp"):
                 dist.all_reduce(squares, group=par.pp_group)
         return squares.sqrt()
-
-    def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return (torch.nn.utils.get_total_norm(grads, 2.0) ** 2 if grads
-                else torch.zeros((), device=self.parallel.options.device)).to(torch.float32)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """As torch.nn.utils.clip_grad_norm_ over the whole model: the global norm over every

@@ -33,6 +33,7 @@ from gearshift.strategies.layout import Layout
 from gearshift.strategies.pipeline import cut as cuts
 from gearshift.strategies.pipeline import stages_per_rank
 from gearshift.strategies.pipeline.grads import StageGrads
+from gearshift.strategies.pipeline.stage_layout import StageLayout, resolve_plan
 from gearshift.strategies.pipeline.stage import StageInfo, StageModule, compile_blocks, holders, make_stage
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb")
@@ -219,9 +220,9 @@ class PipelineParallel(Parallel):
         return self.grads.clip(max_norm)
 
     def param_groups(self) -> list[dict]:
-        """The sharded blocks' parameters (DTensors on the replicas' mesh) apart from the rest: a
-        multi-tensor update cannot mix them."""
-        if not self.sharded:
+        """The sharded parameters (DTensors: tensor-parallel shards, or FSDP2's over the replicas)
+        apart from the rest: a multi-tensor update cannot mix them."""
+        if not self.sharded and self.layout.tp == 1:
             return super().param_groups()
         groups: dict[bool, list] = {}
         for p in self.model.parameters():
@@ -256,13 +257,13 @@ class PipelineParallel(Parallel):
     # ------------------------------------------------------------ full state
 
     def full_state(self, optimizer, rank: int, everywhere: bool = False) -> dict | None:
-        """The whole model's state: each stage's part (from the first replica) gathered onto rank
-        0, or onto every rank with `everywhere`."""
+        """The whole model's state: each stage's part (from the first replica's first tp rank)
+        gathered onto rank 0, or onto every rank with `everywhere`."""
         self.at_rest()
         part = None
         if self.sharded or self.layout.dp_rank(rank) == 0:  # sharded: every replica takes part in the gathers
             part = {"model": state.model_state(self.model), "optimizer": state.optimizer_state(optimizer, self.model)}
-            part = part if self.layout.dp_rank(rank) == 0 else None
+            part = part if self.layout.dp_rank(rank) == 0 and rank % self.layout.tp == 0 else None
         parts = [None] * dist.get_world_size()
         if everywhere:
             dist.all_gather_object(parts, part)
@@ -292,39 +293,16 @@ class PipelineParallel(Parallel):
         state.load_model_state(self.model, {k: v for k, v in full["model"].items() if k in own})
         state.load_optimizer_state(optimizer, self.model, full["optimizer"])
 
+    def attach(self, comm) -> None:
+        if self.layout.tp > 1 and self.comm is not None and comm is None:
+            self.comm.functional(False)
+        super().attach(comm)
+        if self.layout.tp > 1 and comm is not None:
+            comm.functional(True)  # DTensor's collectives are the stage's tp traffic
+
     def detach(self) -> None:
         super().detach()
         self._pipe = None
-
-
-class StageSharding:
-    """parallel.dp_shard: a stage laid out over its replicas by FSDP2, as torchtitan composes
-    FSDP and pipelines: each block its own unit, then the stage (StageModule) the root over what
-    is left (embedding, final norm, head), so that torch's PipelineStage drives it as an FSDP
-    module: gradients accumulate unsharded over the step's micro-batches and are reduce-scattered
-    once, after the schedule; parameters are gathered at a block's first forward and kept until
-    then (not gathered again for every micro-batch)."""
-
-    def __init__(self, mesh, options: Options):
-        from torch.distributed.fsdp import fully_shard
-
-        from gearshift.strategies import fsdp
-
-        self.mesh, self.fully_shard = mesh, fully_shard
-        self.kw = {"mesh": mesh, "reshard_after_forward": False, "mp_policy": fsdp.policy(options.mixed_precision)}
-        self.gloo = fsdp._on_gloo(mesh)
-
-    def blocks(self, blocks: list[nn.Module]) -> None:
-        for block in blocks:
-            self._shard(block)
-
-    def stage(self, wrapper: nn.Module) -> None:
-        self._shard(wrapper)
-
-    def _shard(self, module: nn.Module) -> None:
-        self.fully_shard(module, **self.kw)
-        if self.gloo:  # sum, then FSDP2 divides by the replicas: nothing rests on gloo's AVG
-            module.set_force_sum_reduction_for_comms(True)
 
 
 def positions_holding(ties: dict[str, tuple], pp: int) -> dict[str, tuple]:
@@ -336,7 +314,8 @@ def positions_holding(ties: dict[str, tuple], pp: int) -> dict[str, tuple]:
 
 def tie_groups(held_by: dict[int, set], layout: Layout) -> dict[tuple, object]:
     """For each set of positions that hold a parameter together, a group of those positions'
-    ranks of each replica (every rank makes every group, in one order); this rank's group of each."""
+    ranks of each replica and tp rank (every rank makes every group, in one order); this rank's
+    group of each."""
     from gearshift.strategies.mesh import MAKE_GROUPS, group_timeout
 
     sets = sorted({tuple(sorted({s % layout.pp for s in stages})) for stages in held_by.values()})
@@ -346,8 +325,8 @@ def tie_groups(held_by: dict[int, set], layout: Layout) -> dict[tuple, object]:
     for key in [k for k in _TIES if k[0] != id(world)]:  # made on a default group that is gone
         del _TIES[key]
     for stages in sets:
-        for replica in range(layout.dp):
-            ranks = tuple(s * layout.dp + replica for s in stages)
+        for slot in range(layout.dp * layout.tp):  # a replica's tp rank: rank = position * dp * tp + slot
+            ranks = tuple(s * layout.dp * layout.tp + slot for s in stages)
             if (id(world), ranks) not in _TIES:  # made once per default group: a switch back reuses it
                 made = []
                 MAKE_GROUPS[0](lambda ranks=ranks: made.append(dist.new_group(list(ranks), timeout=group_timeout())))
@@ -377,12 +356,15 @@ def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> Pip
     traced = cuts.trace(model, options.example().to(device), chosen.blocks)
     cuts.check_crossings(chosen, traced)
     held_by = holders(chosen, traced, model)
-    mesh = device_mesh(options.device.type, (layout.pp, layout.dp), ("pp", "dp"))
+    resolved = resolve_plan(model, plan, layout.tp, held_by)
+    mesh = device_mesh(options.device.type, (layout.pp, layout.dp, layout.tp), ("pp", "dp", "tp"))
     position = layout.stage_of(dist.get_rank())
     groups = tie_groups(held_by, layout)
     if layout.shard > 1 and per_rank > 1:  # the job's check says so first
         raise cuts.CutError(f"parallel.dp_shard runs under pp_schedule gpipe or 1f1b, not {options.pp_schedule}")
-    shard = StageSharding(mesh["dp"], options) if layout.shard > 1 else None
+    shard = None
+    if layout.shard > 1 or layout.tp > 1:
+        shard = StageLayout(mesh, layout.tp, resolved, layout.shard > 1, options)
     views, info = make_stage(model, chosen, traced, [position + i * layout.pp for i in range(per_rank)], shard)
     return PipelineParallel(views, info, chosen, layout, options, mesh, groups)
 

@@ -121,10 +121,11 @@ class StageModule(nn.Module):
 def make_stage(model: nn.Module, cut: Cut, traced: Trace, mine: list[int],
                shard=None) -> tuple[list[StageModule], StageInfo]:
     """Turn `model` (whole, on this rank) into the stages `mine` of `cut`, in place: one
-    StageModule per stage, all over the one model. `shard`, if given, lays the stage out over
-    its replicas (FSDP2): `shard.blocks(blocks)` before the cut points are hooked, so that a
-    stage's received activation replaces its first block's input before FSDP2's hooks see it,
-    and `shard.stage(wrapper)` after (the rest of the stage, the root the schedule drives)."""
+    StageModule per stage, all over the one model. `shard`, if given (a StageLayout), lays the
+    stage out over its ranks (tensor-parallel shards, FSDP2 over its replicas):
+    `shard.blocks(model, names)` before the cut points are hooked, so that a stage's received
+    activation replaces its first block's input before FSDP2's hooks see it, and
+    `shard.stage(wrapper)` after (the rest of the stage, the root the schedule drives)."""
     held_by = holders(cut, traced, model)
     stages = len(cut.stages)
     blocks = {name for s in mine for name in cut.stages[s]}
@@ -142,7 +143,7 @@ def make_stage(model: nn.Module, cut: Cut, traced: Trace, mine: list[int],
                 stand_ins.append(f"{mname}.{pname}" if mname else pname)
     by_name = {n: held_by[id(p)] for n, p in model.named_parameters()}  # sharding makes new parameter objects
     if shard is not None:
-        shard.blocks([model.get_submodule(name) for s in mine for name in cut.stages[s]])
+        shard.blocks(model, [name for s in mine for name in cut.stages[s]])
     active: list = [None]
     wrappers = [StageModule(model, s, stages, active) for s in mine]
     modules = dict(model.named_modules())

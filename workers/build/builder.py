@@ -61,7 +61,7 @@ class Builder:
         torch.manual_seed(cfg.seed)
         model, returned_plan, record = self._model(layout, move_from, rewrap)
         plan = None
-        if strategies.lookup(layout.strategy).needs_plan:
+        if strategies.lookup(layout.strategy).needs_plan or layout.tp > 1:  # a pipeline's stages may shard too
             plan = components.tp_plan(model, dict(cfg.tp_plan), returned_plan, layout.tp)
         options = strategies.Options(w.device, w.bucket_cap_mb, fp16=cfg.precision == "fp16",
                                      fsdp_units=cfg.fsdp_units, dp_overlap=cfg.dp_overlap,
