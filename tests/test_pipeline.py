@@ -274,7 +274,7 @@ def test_a_model_that_cannot_be_cut_is_refused_before_anything_starts():
     (dict(num_workers=4, pp_size=3), "dp * pp_size(3) != num_workers(4): 4 % 3 = 1"),
     (dict(num_workers=4, pp_size=None), "needs parallel.pp_size"),
     (dict(num_workers=4, pp_size=1), "a pipeline has at least 2"),
-    (dict(num_workers=4, pp_size=2, tp_size=2), "not supported yet"),
+    (dict(num_workers=4, pp_size=2, tp_size=3), "pp_size(2) * dp * tp_size(3) != num_workers(4): 4 % 6 = 4"),
 ])
 def test_a_pipeline_layout_that_does_not_add_up_says_the_equation(args, says):
     with pytest.raises(LayoutError, match=says.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
@@ -283,6 +283,10 @@ def test_a_pipeline_layout_that_does_not_add_up_says_the_equation(args, says):
     assert (layout.pp, layout.dp, layout.world, layout.to_dict()) == (2, 2, 4, {"strategy": "pipeline", "dp": 2,
                                                                                 "tp": 1, "pp": 2})
     assert [layout.stage_of(r) for r in range(4)] == [0, 0, 1, 1] and [layout.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    # pp x dp x tp: stage-major, a tp group's ranks consecutive
+    grid = Layout.for_workers("pipeline", 8, 2, pp_size=2)
+    assert (grid.pp, grid.dp, grid.tp) == (2, 2, 2) and [grid.stage_of(r) for r in range(8)] == [0] * 4 + [1] * 4
+    assert [grid.dp_rank(r) for r in range(8)] == [0, 0, 1, 1] * 2 and grid.tp_groups()[:2] == [[0, 1], [2, 3]]
     assert Layout.from_dict(layout.to_dict()) == layout
     with pytest.raises(LayoutError, match="applies to strategy pipeline"):
         Layout.for_workers("data", 4, None, pp_size=2)

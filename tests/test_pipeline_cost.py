@@ -124,3 +124,25 @@ def test_gearshift_simulate_can_leave_the_pipelines_out(capsys):
     assert "static pipeline:" in capsys.readouterr().out
     assert cli.main(args + ["--no-pipelines"]) == 0
     assert "pipeline" not in capsys.readouterr().out
+
+
+def test_tensor_parallelism_inside_a_stage_splits_its_compute_and_memory_and_adds_its_all_reduces():
+    """pp x dp x tp: a stage's blocks split tp ways inside the node (compute and the plan's share
+    of the state over tp), each micro-batch's activations all-reduced over the tp group, the
+    replicas' average a 1/(pp tp) share; `plan` lists each tp that divides a node."""
+    shape = ModelShape(params=1e9, flops_per_sample=6e12, boundary_bytes_per_sample=4e6, blocks=24, block_params=4e7,
+                       tp_boundaries=96, tp_param_share=0.96, activations=MODEL.activations)
+    one = pipeline_cost.predict(shape, hw(0.5), 64, pp=2, dp=4, microbatches_=8)
+    two = pipeline_cost.predict(shape, hw(0.5), 64, pp=2, dp=2, microbatches_=8, tp=2)
+    assert two.tp == 2 and one.tp_comm_s == 0 and two.tp_comm_s > 0
+    assert two.compute_s == pytest.approx(one.compute_s)  # micro-batches of twice the samples, each split in two
+    mb = pipeline_cost.stage_tp(shape, hw(0.5), 64 / 2 / 8, 2, 2)
+    assert two.tp_comm_s == pytest.approx(8 * mb) and mb == pytest.approx(
+        96 / 2 * costmodel.allreduce_time(4e6 * 4, 2, Link(1e11, 1e-6)))
+    mem1 = pipeline_cost.memory(shape, 2, 4, global_batch=64, microbatches_=8)
+    mem2 = pipeline_cost.memory(shape, 2, 2, global_batch=64, microbatches_=8, tp=2)
+    assert mem2["params"] == pytest.approx(mem1["params"] * (0.96 / 2 + 0.04))
+    labels = {p.label for p in pipeline_cost.plan(shape, hw(0.5), 64)}
+    assert {"pipeline:2", "pipeline:2xtp2", "pipeline:2xtp4"} <= labels, labels
+    with pytest.raises(ValueError, match=r"pp\(2\) x dp\(4\) x tp\(2\) = 16 devices"):
+        pipeline_cost.predict(shape, hw(0.5), 64, pp=2, dp=4, tp=2)

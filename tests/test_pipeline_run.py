@@ -89,22 +89,25 @@ def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_clust
 
 @pytest.mark.parametrize("workers, schedule, pp_schedule", [
     (2, "[{step: 4, strategy: pipeline, pp_size: 2}, {step: 8, strategy: data}]", "1f1b"),
-    (4, "[{step: 4, strategy: pipeline, pp_size: 2}, {step: 8, strategy: fsdp}]", "interleaved_1f1b"),
+    # a pipeline of 2 replicas, then its stages' layers split over 2 workers each (pp x tp), then fsdp
+    (4, "[{step: 3, strategy: pipeline, pp_size: 2}, {step: 6, strategy: pipeline, pp_size: 2, tp_size: 2}, "
+        "{step: 9, strategy: fsdp}]", "interleaved_1f1b"),
     # each stage's blocks sharded over its 2 replicas: moved into shards, checkpointed and gathered out
     (4, "[{step: 4, strategy: pipeline, pp_size: 2, dp_shard: true}, {step: 8, strategy: data}]", "1f1b"),
-], ids=["data-pipeline-data", "data-pipeline2x2interleaved-fsdp", "data-pipeline2x2sharded-data"])
+], ids=["data-pipeline-data", "data-pipeline2x2interleaved-pipeline2xtp2-fsdp", "data-pipeline2x2sharded-data"])
 def test_a_run_switches_into_a_pipeline_and_out_live(ray_cluster, tmp_path, workers, schedule, pp_schedule):
-    """adapt.schedule moves the running job into pipeline stages and out again on the same
-    workers, the state moved tensor by tensor, the optimizer's with it: the run ends where the
-    plain loop ends."""
+    """adapt.schedule moves the running job into pipeline stages, between two pipelines and out
+    again on the same workers, the state moved tensor by tensor, the optimizer's with it: the run
+    ends where the plain loop ends."""
     overrides = DEEP + [f"cluster.num_workers={workers}", f"adapt.schedule={schedule}",
                         f"parallel.pp_schedule={pp_schedule}"]
     job = load_job(MLP[0], overrides)
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
-    assert [(s["step"], s["strategy"], s.get("pp", 1), s.get("shard", 1)) for s in summary["strategy_history"]][1:] \
-        == [(4, "pipeline", 2, 2 if job.adapt.schedule[0].get("dp_shard") else 1),
-            (8, job.adapt.schedule[1]["strategy"], 1, 4 if job.adapt.schedule[1]["strategy"] == "fsdp" else 1)], \
-        summary["strategy_history"]
+    want = [(e["step"], e["strategy"], e.get("pp_size") or 1, e.get("tp_size") or 1,
+             workers // (e.get("pp_size") or 1) if e.get("dp_shard") or e["strategy"] == "fsdp" else 1)
+            for e in job.adapt.schedule]
+    assert [(s["step"], s["strategy"], s.get("pp", 1), s["tp"], s.get("shard", 1))
+            for s in summary["strategy_history"]][1:] == want, summary["strategy_history"]
     ref, _ = reference(job)
     assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5
     check_against_checkpoints(job, tmp_path / "run", 1e-5)

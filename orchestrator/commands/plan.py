@@ -120,7 +120,7 @@ def layout_memory(job, model: costmodel.ModelShape, hw: costmodel.Hardware, batc
         key = layout_key(p)
         if key not in out:
             if p.pp > 1:
-                mem = pipeline_cost.memory(model, p.pp, p.dp, global_batch=batch, microbatches_=p.microbatches,
+                mem = pipeline_cost.memory(model, p.pp, p.dp, global_batch=batch, microbatches_=p.microbatches, tp=p.tp,
                                            overhead=hw.memory_overhead, **settings)
             else:
                 mem = costmodel.memory(model, p.dp, p.tp, p.shard, global_batch=batch, overhead=hw.memory_overhead,

@@ -271,7 +271,8 @@ def _check_layout(job: Job) -> None:
         layout = job.layout
     except LayoutError as err:
         text = str(err)
-        field = ("parallel.pp_size" if "pp_size" in text else
+        field = (text.split(":", 1)[0] if text.startswith(("parallel.pp_size:", "parallel.tp_size:")) else
+                 "parallel.pp_size" if "pp_size" in text else
                  "parallel.dp_shard" if "dp_shard" in text and job.parallel.dp_shard else
                  "parallel.shard_size" if "shard_size" in text and job.parallel.shard_size is not None else
                  "parallel.tp_size" if job.parallel.tp_size is not None else "parallel.strategy")

@@ -238,7 +238,7 @@ class Prediction:
         """How a table names the layout: the strategy, hsdp's group size, hybrid's sharded data
         dimension, a pipeline's stages."""
         if self.pp > 1:
-            return f"pipeline:{self.pp}"
+            return f"pipeline:{self.pp}" + (f"xtp{self.tp}" if self.tp > 1 else "")
         if self.shard > 1 and self.tp > 1:
             return "hybrid:fsdp"
         return f"hsdp:{self.shard}" if self.strategy == "hsdp" else self.strategy

@@ -209,7 +209,7 @@ class OnlineModel:
             from gearshift.orchestrator.policy import pipeline_cost
 
             return pipeline_cost.predict(self.model, self._at(bandwidth), self.global_batch, layout.pp, layout.dp,
-                                         self.pp_microbatches, self.pp_schedule)
+                                         self.pp_microbatches, self.pp_schedule, layout.tp)
         return costmodel.predict(self.model, self._at(bandwidth), self.global_batch, layout.dp, layout.tp,
                                  self.bucket_cap_mb, shard=layout.shard)
 

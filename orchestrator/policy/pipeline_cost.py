@@ -21,9 +21,14 @@ The step, with `m` micro-batches of `b` samples each (a replica's share of the g
   stage's work where forward, input and weight backward cost alike (strategies/pipeline FILL_SHARE):
   `(pp - 1) x (f c / v + 2t)`;
 - then each stage's replicas all-reduce its gradients (a `1/pp` share of the model's) inside its
-  node, after the schedule (not overlapped).
+  node, after the schedule (not overlapped);
+- with tensor parallelism inside a stage (`tp`, its ranks inside a node), a stage's blocks are
+  split `tp` ways (`c` over `tp`, the head whole) and each micro-batch all-reduces its
+  activations `tp_boundaries / pp` times over the tp group, inside the stage's compute; the
+  replicas' gradients are a `1/(pp tp)` share.
 
-A rank's memory: its stage's parameters, gradients and optimizer state (`1/pp` of the model's;
+A rank's memory: its stage's parameters, gradients and optimizer state (`1/pp` of the model's,
+the tensor-parallel plan's share of them split `tp` ways;
 with parallel.dp_shard split over the stage's `dp` replicas, and the stage's parameters and
 gradients whole beside them during the step), and the activations of the micro-batches in flight at once on the first stage (all `m` under
 GPipe, at most `pp` under 1F1B), each `b` samples of `1/pp` of the model's layers; interleaved,
@@ -52,34 +57,47 @@ def stage_link(hw: Hardware, pp: int) -> Link:
 
 
 def predict(model: ModelShape, hw: Hardware, global_batch: int, pp: int, dp: int,
-            microbatches_: int | None = None, schedule: str = "1f1b") -> Prediction:
-    """One step of a pipeline of `pp` stages and `dp` replicas on `hw`."""
-    if pp * dp > hw.devices:
-        raise ValueError(f"pp({pp}) x dp({dp}) = {pp * dp} devices; the hardware has {hw.devices}")
+            microbatches_: int | None = None, schedule: str = "1f1b", tp: int = 1) -> Prediction:
+    """One step of a pipeline of `pp` stages and `dp` replicas (of `tp` tensor-parallel ranks
+    each) on `hw`."""
+    if pp * dp * tp > hw.devices:
+        raise ValueError(f"pp({pp}) x dp({dp}) x tp({tp}) = {pp * dp * tp} devices; the hardware has {hw.devices}")
     if global_batch % dp:
         raise ValueError(f"dp({dp}) must divide the global batch ({global_batch})")
     share = global_batch // dp
     m = microbatches_ or microbatches(share, pp)
     b = share / m
     head = model.tp_replicated  # a replicated head: on the last stage, whole
-    c = model.flops_per_sample * b * ((1 - head) / pp + head) / hw.flops
+    c = (model.flops_per_sample * b * ((1 - head) / (pp * tp) + head) + (model.tp_overhead_flops if tp > 1 else 0.0)
+         ) / hw.flops
+    tp_mb = stage_tp(model, hw, b, pp, tp)
+    c += tp_mb
     link = stage_link(hw, pp)
     t = model.boundary_bytes_per_sample * b / link.bandwidth + link.latency if pp > 1 else 0.0
     v, f = stages_per_rank(schedule), FILL_SHARE.get(schedule, 1.0)
     steady = m * max(c, 2 * v * t)
     fill = (pp - 1) * (f * c / v + 2 * t)
-    grads = model.params * model.grad_bytes_per_param / pp
-    dp_comm = allreduce_time(grads, dp, group_link(hw, dp > hw.per_node, 1)) if dp > 1 else 0.0
-    compute = m * c
+    grads = model.params * model.grad_bytes_per_param / (pp * tp)
+    dp_comm = allreduce_time(grads, dp, group_link(hw, dp * tp > hw.per_node, min(tp, hw.per_node))) if dp > 1 else 0.0
+    compute = m * (c - tp_mb)
     step = steady + fill + dp_comm
-    return Prediction(dp, 1, 0.0, compute, 0.0, dp_comm, step - compute, step,
+    return Prediction(dp, tp, 0.0, compute, m * tp_mb, dp_comm, step - compute, step,
                       global_batch / step if step > 0 else 0.0, 1, pp, m,
                       bubble_s=(pp - 1) * f * c / v, link_s=(v * m + pp - 1) * 2 * t)
 
 
+def stage_tp(model: ModelShape, hw: Hardware, samples: float, pp: int, tp: int) -> float:
+    """Seconds a stage's tensor-parallel all-reduces take for a micro-batch of `samples`: its
+    `1/pp` share of the model's, over a tp group inside a node."""
+    if tp == 1:
+        return 0.0
+    link = group_link(hw, tp > hw.per_node or hw.per_node % tp != 0, max(1, hw.per_node // tp))
+    return model.tp_boundaries / pp * allreduce_time(model.boundary_bytes_per_sample * samples, tp, link)
+
+
 def memory(model: ModelShape, pp: int, dp: int, *, global_batch: int, microbatches_: int | None = None,
            schedule: str = "1f1b", optimizer_states: int = 2, overhead: MemoryOverhead = MemoryOverhead(),
-           shard: int = 1, **_ignored) -> dict:
+           shard: int = 1, tp: int = 1, **_ignored) -> dict:
     """Bytes one rank of the first stage holds at its peak (the most micro-batches in flight).
     `shard` (parallel.dp_shard: dp): the stage's state split over its replicas, and during the
     step its parameters gathered whole (from a block's first forward until the schedule's end)
@@ -89,7 +107,7 @@ def memory(model: ModelShape, pp: int, dp: int, *, global_batch: int, microbatch
     share = global_batch // dp
     m = microbatches_ or microbatches(share, pp)
     b = share / m
-    stage = model.params / pp
+    stage = model.params / pp * (model.tp_param_share / tp + 1 - model.tp_param_share)
     local = stage / shard
     out = {"params": local * PARAM_BYTES, "grads": local * model.grad_bytes_per_param,
            "optimizer": local * 4.0 * optimizer_states, "gathered": 0.0, "cast_weights": 0.0}
@@ -97,7 +115,7 @@ def memory(model: ModelShape, pp: int, dp: int, *, global_batch: int, microbatch
         out["gathered"] = stage * (PARAM_BYTES + model.grad_bytes_per_param)
     v = stages_per_rank(schedule)
     in_flight = m if schedule == "gpipe" else min(m, pp) if v == 1 else min(v * m, (v - 1) * pp + 2 * pp - 1)
-    per_sample = model.activations.per_sample(1) if model.activations else 0.0
+    per_sample = model.activations.per_sample(tp) if model.activations else 0.0
     out["activations"] = in_flight * b * per_sample / (pp * v)
     tensors = sum(out.values())
     out["overhead"] = overhead.fixed + overhead.fraction * tensors
@@ -110,7 +128,8 @@ def memory_of(model: ModelShape, layout, *, global_batch: int, **settings) -> di
     """`memory` of any layout (anything with dp, tp, shard and pp): a pipeline's here, the
     others' costmodel.memory."""
     if getattr(layout, "pp", 1) > 1:
-        return memory(model, layout.pp, layout.dp, global_batch=global_batch, shard=layout.shard, **settings)
+        return memory(model, layout.pp, layout.dp, global_batch=global_batch, shard=layout.shard, tp=layout.tp,
+                      **settings)
     return costmodel.memory(model, layout.dp, layout.tp, layout.shard, global_batch=global_batch, **settings)
 
 
@@ -126,8 +145,18 @@ def layouts(hw: Hardware, global_batch: int, model: ModelShape) -> list[tuple[in
 
 
 def pipelines(model: ModelShape, hw: Hardware, global_batch: int) -> list[Prediction]:
-    """Each pipeline layout of `layouts`, at its default micro-batches."""
-    return [predict(model, hw, global_batch, pp, dp) for pp, dp in layouts(hw, global_batch, model)]
+    """Each pipeline layout of `layouts`, at its default micro-batches, and with tensor
+    parallelism inside its stages: tp a power of two dividing a node's devices (and the model's
+    heads), dp the rest."""
+    out = []
+    for pp, dp in layouts(hw, global_batch, model):
+        tp = 1
+        while tp <= min(dp, hw.per_node):
+            if dp % tp == 0 and hw.per_node % tp == 0 and (not model.tp_divides or model.tp_divides % tp == 0) \
+                    and global_batch % (dp // tp) == 0:
+                out.append(predict(model, hw, global_batch, pp, dp // tp, tp=tp))
+            tp *= 2
+    return out
 
 
 def plan(model: ModelShape, hw: Hardware, global_batch: int, **kwargs) -> list[Prediction]:

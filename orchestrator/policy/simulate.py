@@ -97,7 +97,8 @@ def simulate(model_shape: costmodel.ModelShape, hw: costmodel.Hardware, global_b
         key = (layout, factor)
         if key not in price:
             if layout.pp > 1:
-                price[key] = pipeline_cost.predict(model_shape, _at(hw, factor), global_batch, layout.pp, layout.dp)
+                price[key] = pipeline_cost.predict(model_shape, _at(hw, factor), global_batch, layout.pp, layout.dp,
+                                                   tp=layout.tp)
             else:
                 price[key] = costmodel.predict(model_shape, _at(hw, factor), global_batch, layout.dp, layout.tp,
                                                bucket_cap_mb, shard=layout.shard)
