@@ -5,13 +5,15 @@ Four runs of a GPT of 8 layers (width 512: 25 M parameters, Adam) on 2 CPU worke
 half), the same interleaved (4 stages, 2 a worker: each still holds half), and data switched
 into the pipeline at step 10 and back at step 20 (adapt.schedule); then on 4 workers (2 replicas of
 each stage) the pipeline with whole state, with each stage's blocks sharded over its replicas
-(parallel.dp_shard), and data switched into that sharded pipeline and back. Per
+(parallel.dp_shard), and data switched into that sharded pipeline and back; then the 4 workers
+as one replica of 2 stages whose blocks are split over 2 workers each (parallel.tp_size), and
+data switched into that and back. Per
 run: the driver's and the largest worker's peak resident set (bench.ingest.Watcher polls every
 process of the run), and from the step records each worker's own high-water mark (`peak_mem_bytes`,
 ru_maxrss: it only grows) just before each switch and just after it, so that what a switch adds
 beyond the layouts' own shows as the rise across it.
 
-    python bench/pipeline_memory.py            # ~6 minutes
+    python bench/pipeline_memory.py            # ~9 minutes
 
 The last line is one JSON object.
 """
@@ -46,6 +48,12 @@ RUNS = {
     "data>pipeline 2x2 dp_shard>data": ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=data",
                                         "adapt.schedule=[{step: 10, strategy: pipeline, pp_size: 2, dp_shard: true}, "
                                         "{step: 20, strategy: data}]"],
+    # 4 workers as 2 stages of one replica, each stage's blocks split over 2 workers (pp x tp)
+    "pipeline 2 x tp2": ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=pipeline",
+                         "parallel.pp_size=2", "parallel.tp_size=2"],
+    "data>pipeline 2 x tp2>data": ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=data",
+                                   "adapt.schedule=[{step: 10, strategy: pipeline, pp_size: 2, tp_size: 2}, "
+                                   "{step: 20, strategy: data}]"],
 }
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import default_collate
 
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import load_job
-from test_train_equivalence import MLP, max_diff, run_gearshift
+from test_train_equivalence import MLP, max_diff, reference, run_gearshift
 from gearshift.workers.build import components
 from gearshift.workers.state import checkpoint
 from gearshift.workers.step.data import GlobalBatches
@@ -67,8 +67,6 @@ class Killer(threading.Thread):
 @pytest.mark.parametrize("layout", [pytest.param("data", marks=pytest.mark.smoke), "hybrid", "fsdp"])
 def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(ray_cluster, tmp_path, layout):
     overrides = MLP[1] + LAYOUTS[layout] + SLOW
-    run_gearshift(MLP[0], overrides, tmp_path / "clean")
-
     killer = Killer(tmp_path / "killed", rank=1, at_step=15)
     killer.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "killed")
@@ -83,9 +81,11 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one
     [recovered] = events(tmp_path / "killed", "recovered")
     assert recovered["restored_step"] == restored["step"] and recovered["step"] == restored["step"] + 1
     assert summary["failures"][0]["steps_recomputed"] == failure["steps_to_recompute"]
+    # where an uninterrupted run of the layout ends: the plain loop's weights (every layout equals it,
+    # tests/test_train_equivalence.py); a restore from the wrong step or batch ends far from them
     a = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
-    b = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
-    assert max_diff(a, b) <= 1e-6
+    ref, _ = reference(load_job(MLP[0], overrides))
+    assert max_diff(a, ref) <= 1e-5
     seconds = recovered["time"] - killer.killed[1]
     print(f"{layout}: killed pid {killer.killed[0]} at step {killer.killed[2]}; training again at step "
           f"{recovered['step']} {seconds:.1f} s after the kill; {failure['steps_to_recompute']} step(s) recomputed")
