@@ -17,6 +17,7 @@ COMPOSED = [  # model, workers, pp, schedule, micro-batches, accumulation, optim
     # parallel.dp_shard: each stage sharded over its replicas by FSDP2
     ("gpt", 4, 2, "1f1b", 2, 2, "adam", 0.5, {"dp_shard": True}),
     ("llama", 4, 2, "gpipe", 2, 1, "sgd", 0.5, {"dp_shard": True}),  # the tied head: shards summed between stages
+    ("llama", 4, 2, "interleaved_1f1b", 2, 2, "adam", 0.5, {"dp_shard": True}),  # two stages a worker: the model the root
     # parallel.tp_size: each stage's blocks split over its tp group (pp x tp, pp x dp x tp, with dp_shard)
     ("gpt", 4, 2, "1f1b", 2, 1, "adam", 0.5, {"tp": 2}),
     ("llama", 8, 2, "interleaved_1f1b", 2, 1, "sgd", 0.5, {"tp": 2}),  # GQA: 2 of 4 query heads, 1 of 2 kv a rank

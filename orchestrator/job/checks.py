@@ -446,9 +446,10 @@ def _check_interleaved(job: Job, layout, m: int, where: str) -> None:
 
     if stages_per_rank(job.parallel.pp_schedule) == 1:
         return
-    if layout.shard > 1:
+    if layout.shard > 1 and job.parallel.pp_schedule == "interleaved_zb":
         raise JobError("parallel.dp_shard", True, f"a stage's blocks sharded over its replicas run under pp_schedule "
-                       f"gpipe or 1f1b, not {job.parallel.pp_schedule} (two stages a worker)"
+                       f"gpipe, 1f1b or interleaved_1f1b, not interleaved_zb (tried: its weights' backward run apart "
+                       f"from the inputs' leaves sharded stages' weights wrong)"
                        + (f" (under {where})" if where != "parallel.strategy" else ""))
     rounds = max(1, m // layout.pp)
     if m % rounds:

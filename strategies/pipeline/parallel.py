@@ -360,8 +360,9 @@ def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> Pip
     mesh = device_mesh(options.device.type, (layout.pp, layout.dp, layout.tp), ("pp", "dp", "tp"))
     position = layout.stage_of(dist.get_rank())
     groups = tie_groups(held_by, layout)
-    if layout.shard > 1 and per_rank > 1:  # the job's check says so first
-        raise cuts.CutError(f"parallel.dp_shard runs under pp_schedule gpipe or 1f1b, not {options.pp_schedule}")
+    if layout.shard > 1 and options.pp_schedule == "interleaved_zb":  # the job's check says so first
+        raise cuts.CutError("parallel.dp_shard runs under pp_schedule gpipe, 1f1b or interleaved_1f1b, not "
+                            "interleaved_zb (tried: its weights' backward run apart from the inputs' leaves the weights wrong)")
     shard = None
     if layout.shard > 1 or layout.tp > 1:
         shard = StageLayout(mesh, layout.tp, resolved, layout.shard > 1, options)

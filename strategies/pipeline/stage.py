@@ -125,7 +125,7 @@ def make_stage(model: nn.Module, cut: Cut, traced: Trace, mine: list[int],
     stage out over its ranks (tensor-parallel shards, FSDP2 over its replicas):
     `shard.blocks(model, names)` before the cut points are hooked, so that a stage's received
     activation replaces its first block's input before FSDP2's hooks see it, and
-    `shard.stage(wrapper)` after (the rest of the stage, the root the schedule drives)."""
+    `shard.stages(model, wrappers)` after (the rest of the stage, the root)."""
     held_by = holders(cut, traced, model)
     stages = len(cut.stages)
     blocks = {name for s in mine for name in cut.stages[s]}
@@ -149,8 +149,9 @@ def make_stage(model: nn.Module, cut: Cut, traced: Trace, mine: list[int],
     modules = dict(model.named_modules())
     for wrapper in wrappers:
         _hook_stage(wrapper, cut, traced, modules, several=len(mine) > 1)
-        if shard is not None:
-            shard.stage(wrapper)
+    if shard is not None:
+        shard.stages(model, wrappers)
+    for wrapper in wrappers:  # after the layout: sharding makes new parameter objects
         wrapper.own = [p for n, p in model.named_parameters() if wrapper.stage in by_name[n]]
     ties = {n: tuple(sorted(stages_)) for n, stages_ in by_name.items() if len(stages_) > 1}
     return wrappers, StageInfo(list(mine), list(by_name), ties, tuple(stand_ins))

@@ -48,10 +48,19 @@ class StageLayout:
             for name in names:
                 self._shard(model.get_submodule(name))
 
-    def stage(self, wrapper: nn.Module) -> None:
-        """The stage's root (after its cut points are hooked): FSDP2 over what the blocks left."""
-        if self.fsdp is not None:
-            self._shard(wrapper)
+    def stages(self, model: nn.Module, wrappers: list[nn.Module]) -> None:
+        """The root (after the cut points are hooked): FSDP2 over what the blocks left. One stage
+        a rank: the stage itself (StageModule), which torch's PipelineStage then drives as an
+        FSDP module (one reduce-scatter after the schedule). Two (an interleaved schedule): the
+        model object both stages run, so that what they share is sharded once; the schedule then
+        drives them as plain modules and each block reduce-scatters its gradients after every
+        micro-batch's backward, accumulating them sharded (correct, with more traffic)."""
+        if self.fsdp is None:
+            return
+        if len(wrappers) == 1:
+            self._shard(wrappers[0])
+        else:
+            self._shard(model)
 
     def _tensor_parallel(self, model: nn.Module) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
