@@ -150,14 +150,15 @@ class ParallelSpec:
     strategy: str = _f("data", _strategy(allow_auto=True),
                        "auto starts in the least-sharded layout predicted to fit the devices and lets the "
                        "adaptive policy switch (see adapt)")
-    tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size")
+    tp_size: int | None = _f(None, _tp_size, "tensor-parallel group size; hybrid: dp = num_workers / tp_size; "
+                                                "pipeline: inside each stage, dp = num_workers / (pp_size x tp_size)")
     tp_plan: dict = _f({}, _tp_plan, "module-name pattern -> colwise | rowwise, for models without a plan")
     bucket_cap_mb: float | str = _f(25.0, _bucket, "gradient bucket size in MB, or auto: tuned while training "
                                                     "(see tune)")
     tp_across_nodes: bool = _f(False, _bool, "allow tensor-parallel groups that span nodes (slow: for comparisons)")
     shard_size: int | None = _f(None, _tp_size, "hsdp: workers per shard group (state sharded inside a group, "
                                                 "replicated across groups); null: the workers of one node")
-    dp_shard: bool = _f(False, _bool, "hybrid, pipeline (gpipe, 1f1b): shard the data dimension's state (FSDP "
+    dp_shard: bool = _f(False, _bool, "hybrid, pipeline (not interleaved_zb): shard the data dimension's state (FSDP "
                                       "over dp; a pipeline's blocks over each stage's replicas) instead of "
                                       "replicating it")
     dp_overlap: bool = _f(True, _bool, "hybrid: all-reduce the data-parallel gradients bucket by bucket while "
