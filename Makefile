@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.gearshift-installed
 TEST_STAMP := $(VENV)/.gearshift-test-installed
 
-.PHONY: install install-test run test test-all clean
+.PHONY: install install-test run test test-all test-extended clean
 
 # what a run needs: gearshift and its own requirements (no test extras)
 install: $(STAMP)
@@ -37,16 +37,20 @@ run: install
 test: install-test
 	$(BIN)/python -m pytest -m "(not ray and not slow) or smoke" $(PYTEST_ARGS)
 
-# everything (what CI runs), in three parts: the tests that start no Ray and time nothing, two at a
-# time (a file's tests on one process); the Ray ones, two at a time too (each process its own Ray
-# session); then, one at a time, those that assert on measured time or count this machine's
-# processes (marked timing or alone). Every part always runs; it fails if any does (pytest's 5,
-# nothing selected, is not a failure)
+# everything but the extended variants (what CI runs), in three parts: the tests that start no Ray
+# and time nothing, two at a time (a file's tests on one process); the Ray ones, two at a time too
+# (each process its own Ray session); then, one at a time, those that assert on measured time or
+# count this machine's processes (marked timing or alone). Every part always runs; it fails if any
+# does (pytest's 5, nothing selected, is not a failure)
 test-all: install-test
-	$(BIN)/python -m pytest -m "not ray and not timing and not alone" -n 2 --dist loadfile $(PYTEST_ARGS); a=$$?; \
-	$(BIN)/python -m pytest -m "ray and not timing and not alone" -n 2 --dist loadfile $(PYTEST_ARGS); b=$$?; \
-	$(BIN)/python -m pytest -m "timing or alone" $(PYTEST_ARGS); c=$$?; \
+	$(BIN)/python -m pytest -m "not ray and not timing and not alone and not extended" -n 2 --dist loadfile $(PYTEST_ARGS); a=$$?; \
+	$(BIN)/python -m pytest -m "ray and not timing and not alone and not extended" -n 2 --dist loadfile $(PYTEST_ARGS); b=$$?; \
+	$(BIN)/python -m pytest -m "(timing or alone) and not extended" $(PYTEST_ARGS); c=$$?; \
 	for r in $$a $$b $$c; do [ $$r -eq 0 ] || [ $$r -eq 5 ] || exit $$r; done
+
+# the extended variants: further forms of scenarios test-all already runs (marked extended)
+test-extended: install-test
+	$(BIN)/python -m pytest -m "extended" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -141,7 +141,8 @@ ELASTIC = BASE + SGD + ["fault.on_node_loss=elastic", "cluster.min_workers=1", "
                         "train.steps=80", "inject.comm_delay_ms=150"]
 
 
-@pytest.mark.parametrize("mode", ["join", "replace"])
+# join alone is an extended variant: replace takes a joining node in too, after its loss (make test-extended)
+@pytest.mark.parametrize("mode", [pytest.param("join", marks=pytest.mark.extended), "replace"])
 def test_an_elastic_run_grows_onto_a_node_that_joins_even_as_another_is_lost(tmp_path, mode):
     """join: a 2-worker run on the head alone grows to 4 when a node joins (from step 2).
     replace: a 4-worker run loses one node and gains another at the same moment: it goes on in
