@@ -1,8 +1,7 @@
 # Two commands for a new user:   make run   (train a real job on an embedded local Ray)
 #                                 make test  (the quick tier of the tests; make test-all: all of them)
 # Each sets up .venv on first use. TORCH_VERSION picks the PyTorch build pip installs first;
-# gearshift itself only asks for torch>=2.4. pip installs without compiling every module's
-# bytecode (--no-compile: half of torch's install time); Python compiles what is imported, once.
+# gearshift itself only asks for torch>=2.4.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,8 +18,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -e .
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e .
 	touch $(STAMP)
 
 # what the tests need besides: pytest, transformers, mlflow, onnx, Ray Serve, moto (once)
@@ -28,7 +27,7 @@ install-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	@echo "installing the test extras (pytest, transformers, mlflow, tensorboard, onnx, onnxruntime, Ray Serve, moto, s3fs) once"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -e ".[test]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
 	touch $(TEST_STAMP)
 
 run: install
