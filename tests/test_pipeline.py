@@ -183,7 +183,13 @@ def _ids(c) -> str:
         + "".join(f"-{k}" for k in (c[8] if len(c) > 8 else {}))
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+# extended variants (make test-extended): pp x dp with accumulation runs in tests/test_pipeline_run.py
+# (interleaved, through `gearshift run`), and the Llama's pp x dp under GPipe sharded in test_pipeline_compose.py
+EXTENDED = [("gpt", 4, 2, "1f1b", 2, 2, "sgd", 0.5), ("llama", 4, 2, "gpipe", 2, 1, "sgd", None)]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=_ids(c), marks=[pytest.mark.extended] if c in EXTENDED else [])
+                                  for c in CASES])
 def test_a_pipelined_step_equals_plain_pytorch(tmp_path, case):
     check_case(tmp_path, case)
 

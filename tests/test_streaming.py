@@ -71,7 +71,8 @@ def full_batch_reference(job, x, y, steps: int) -> dict:
     return model.state_dict()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+# one worker is an extended variant (make test-extended): two split the same stream, and equal the same reference
+@pytest.mark.parametrize("workers", [pytest.param(1, marks=pytest.mark.extended), 2])
 def test_a_ray_dataset_trains_like_single_process_pytorch(ray_cluster, tmp_path, workers):
     from streamed import tensors  # noqa: E402  (copied next to the job by job_file)
 

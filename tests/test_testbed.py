@@ -106,6 +106,7 @@ def test_up_runs_a_job_across_the_link_and_down_leaves_nothing(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray  # a Ray cluster in network namespaces
+@pytest.mark.extended  # make test-extended: the interrupted run below leaves nothing either, by the same teardown
 @needs_root
 def test_a_failing_run_leaves_nothing(tmp_path):
     from testbed import Testbed

@@ -190,8 +190,14 @@ LAYOUTS = {  # name -> overrides; every one must reach the single-process result
 USER_PLAN = "parallel.tp_plan={net.0: colwise, net.2: rowwise}"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("which", ["mlp", "gpt", "user"])
+# extended variants (make test-extended): tensor parallelism of one worker is what the user model's
+# tensor1 case runs too, and the user model under data(4) is the MLP's data(4) case with another builder
+EXTENDED = {("mlp", "tensor1"), ("gpt", "tensor1"), ("user", "data4")}
+
+
+@pytest.mark.parametrize("which, layout", [
+    pytest.param(which, layout, id=f"{which}-{layout}", marks=[pytest.mark.extended] if (which, layout) in EXTENDED else [])
+    for which in ("mlp", "gpt", "user") for layout in LAYOUTS])
 def test_every_layout_equals_the_single_process_reference(ray_cluster, tmp_path, which, layout):
     job_file, overrides = {"mlp": MLP, "gpt": GPT}.get(which) or user_job(tmp_path)
     # plain Adam, and a clip limit low enough that clipping engages on every step
