@@ -281,14 +281,24 @@ def dead_now(group) -> list[int]:
         return []
 
 
-def gone_nodes(infos: list[dict], lost: list[int], group) -> list[str]:
+def gone_nodes(infos: list[dict], lost: list[int], group, patience_s: float = 5.0) -> list[str]:
     """The nodes of the lost ranks that the cluster no longer counts alive (as recovery names
-    them: "ip (id)"); none where the cluster knows of no nodes or cannot say."""
-    try:
-        alive = group.alive_node_ids()
-    except Exception:  # noqa: BLE001 - worker losses, as far as is known
-        return []
-    if not alive:
-        return []
+    them: "ip (id)"); none where the cluster knows of no nodes or cannot say. Ray marks a node
+    dead after its health checks fail, some seconds after its processes went: where every rank
+    of a node is lost (a node's loss is possible), wait up to `patience_s` for that; a node with
+    a surviving rank is not gone, and nothing is waited for."""
     held = {infos[r].get("node_id"): infos[r].get("node_ip") for r in lost if r < len(infos)}
-    return [f"{ip} ({nid[:8]})" for nid, ip in held.items() if nid and nid not in alive]
+    kept = {i.get("node_id") for r, i in enumerate(infos) if r not in set(lost)}
+    whole = {nid for nid in held if nid and nid not in kept}
+    deadline = time.monotonic() + (patience_s if whole else 0.0)
+    while True:
+        try:
+            alive = group.alive_node_ids()
+        except Exception:  # noqa: BLE001 - worker losses, as far as is known
+            return []
+        if not alive:
+            return []
+        gone = [f"{ip} ({nid[:8]})" for nid, ip in held.items() if nid and nid not in alive]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.25)
