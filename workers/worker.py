@@ -93,6 +93,17 @@ class TrainWorker:
         auto starts in a layout that fits it."""
         return rendezvous.device_memory(self.device)
 
+    def probe(self) -> dict:
+        """This worker's matmul rate and the timings of all-reduces over the world, every rank at
+        once, before the model is built: strategy auto's start by prediction (workers/group/probe.py)."""
+        from gearshift.workers.group import probe
+        from gearshift.workers.group.simnet import SimulatedNetwork
+
+        cfg = self.config
+        net = SimulatedNetwork.for_rank(cfg.comm_delay_ms, cfg.sim_nodes, cfg.sim_link, Layout("data", self.world, 1), self.rank)
+        with ACTIVITY.phase_of("probe"):
+            return probe.probe(net)
+
     def request_stop(self, chunk: int) -> None:
         """The controller wants training chunk `chunk` to end early (a decision to carry out): the
         ranks agree on the boundary (workers/step/stopping.py). Runs on a thread of its own while

@@ -45,6 +45,20 @@ def layout_candidates(job: Job, node_sizes: list[int], sharded: bool, pipelines:
     return [c for c in candidates if c.strategy in strategies.STRATEGIES]
 
 
+def adapt_config(job: Job) -> AdaptConfig:
+    a = job.adapt
+    return AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide,
+                       memory_threshold=a.memory_threshold)
+
+
+def online_model(job: Job, shape, node_sizes: list[int], config: AdaptConfig) -> OnlineModel:
+    """The cost model, fitted as the run goes from its own records (no prior: a live run's
+    hardware is what it measures)."""
+    return OnlineModel(shape, job.train.global_batch_size, node_sizes, predict_error=config.predict_error,
+                       unseen_error=config.unseen_error, pp_microbatches=job.parallel.pp_microbatches,
+                       pp_schedule=job.parallel.pp_schedule)
+
+
 def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_bytes: int | None = None) -> Policy:
     """The policy a job's `adapt` section asks for, starting on `layout`. Its candidates are the
     layouts the workers (per node) can take that the model can be split into. Given the devices'
@@ -53,18 +67,12 @@ def job_policy(job: Job, layout: Layout, node_sizes: list[int], device_memory_by
     gain is memory, is not offered."""
     from gearshift.orchestrator.policy import job_shape, pipeline_cost
 
-    a = job.adapt
-    config = AdaptConfig(threshold=a.threshold, window=a.window, cooldown=a.cooldown, decide=a.decide,
-                         memory_threshold=a.memory_threshold)
+    a, config = job.adapt, adapt_config(job)
     shape = job_shape.shape_of_job(job)
     fits = None if device_memory_bytes is None else job_shape.memory_check(job, device_memory_bytes, model=shape)
     candidates = layout_candidates(job, node_sizes, sharded=fits is not None,
                                    pipelines=pipeline_stages(job, shape, node_sizes) if a.decide == "predict" else ())
-    # the cost model, fitted as the run goes from its own records (no prior: a live run's hardware is
-    # what it measures)
-    model = OnlineModel(shape, job.train.global_batch_size, node_sizes, predict_error=config.predict_error,
-                        unseen_error=config.unseen_error, pp_microbatches=job.parallel.pp_microbatches,
-                        pp_schedule=job.parallel.pp_schedule)
+    model = online_model(job, shape, node_sizes, config)
     need = None
     if device_memory_bytes is not None:
         settings = job_shape.memory_settings(job)

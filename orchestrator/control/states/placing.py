@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from gearshift.orchestrator.control.states import State
 from gearshift.orchestrator.errors import GearshiftError
-from gearshift.orchestrator.policy.for_job import layout_candidates
+from gearshift.orchestrator.policy import start_probe
+from gearshift.orchestrator.policy.for_job import adapt_config, layout_candidates, online_model, pipeline_stages
 from gearshift.orchestrator.job import Job
 from gearshift.strategies.layout import Layout
 
@@ -32,17 +33,21 @@ class PlacingState:
         """strategy auto: the least-sharded layout (the one needing the most memory among those
         that fit) the memory model predicts fits the workers' devices (free memory, each worker's
         share of its host's on CPU), given the workers' `device_memory` before the model is built.
-        Nothing fits: a GearshiftError with every layout's prediction."""
-        from gearshift.orchestrator.policy import costmodel
+        On a run over nodes deciding by prediction, the layout the cost model predicts fastest
+        among those that fit, from the workers' probe of their devices and the link
+        (policy/start_probe.py). Nothing fits: a GearshiftError with every layout's prediction."""
         from gearshift.orchestrator.policy import job_shape
 
         ctl = self.ctl
         job, device = ctl.job, device_memory(infos)
         if device is None:
             return job.layout
-        check = job_shape.memory_check(job, device, model=job_shape.shape_of_job(job))
+        shape, nodes = job_shape.shape_of_job(job), node_sizes(job, infos)
+        check = job_shape.memory_check(job, device, model=shape)
+        probing = start_probe.applies(job, nodes)
+        pipelines = pipeline_stages(job, shape, nodes) if probing else ()
         table = []
-        for layout in layout_candidates(job, node_sizes(job, infos), sharded=True):
+        for layout in layout_candidates(job, nodes, sharded=True, pipelines=pipelines):
             ok, said = check(layout)
             table.append((layout, ok, said["predicted_bytes"]))
         fitting = [row for row in table if row[1]]
@@ -50,14 +55,31 @@ class PlacingState:
                             "predictions": [{**lay.to_dict(), "predicted_bytes": need, "fits": ok}
                                             for lay, ok, need in table]}
         if not fitting:
-            rows = "; ".join(f"{lay}: {need / costmodel.GiB:.2f} GiB" for lay, _, need in table)
-            raise GearshiftError(
-                f"strategy auto: the model fits no layout the workers can take. Predicted memory per worker "
-                f"against {device / costmodel.GiB:.2f} GiB free: {rows}. Use more workers, a smaller "
-                "micro-batch (train.micro_batch_size), activation checkpointing, or bigger devices.")
+            raise GearshiftError(nothing_fits(table, device))
         chosen = max(fitting, key=lambda row: row[2])[0]  # first of equals: the candidates' order
+        if probing:
+            chosen = self.by_prediction(shape, nodes, [row[0] for row in fitting], chosen)
         ctl.start_choice["layout"] = chosen.to_dict()
         return chosen
+
+    def by_prediction(self, shape, nodes: list[int], fitting: list[Layout], default: Layout) -> Layout:
+        """The workers probe their devices and the link; the layout predicted fastest, with the
+        evidence kept in start_choice."""
+        ctl = self.ctl
+        config = adapt_config(ctl.job)
+        results = ctl.group.call("probe")
+        chosen, evidence = start_probe.choose(online_model(ctl.job, shape, nodes, config), fitting, default, results)
+        ctl.start_choice.update(evidence)
+        return chosen
+
+
+def nothing_fits(table: list[tuple[Layout, bool, float]], device: int) -> str:
+    from gearshift.orchestrator.policy import costmodel
+
+    rows = "; ".join(f"{lay}: {need / costmodel.GiB:.2f} GiB" for lay, _, need in table)
+    return (f"strategy auto: the model fits no layout the workers can take. Predicted memory per worker "
+            f"against {device / costmodel.GiB:.2f} GiB free: {rows}. Use more workers, a smaller "
+            "micro-batch (train.micro_batch_size), activation checkpointing, or bigger devices.")
 
 
 def device_memory(infos: list[dict]) -> int | None:
