@@ -74,8 +74,9 @@ def test_forced_switches_reach_the_single_process_result(ray_cluster, tmp_path, 
 
 
 def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_slow(ray_cluster, tmp_path):
-    """4 workers in 2 simulated nodes joined by a 2.5 MB/s link: data parallelism all-reduces every
-    gradient over it and waits most of each step. The policy predicts hybrid (tensor-parallel
+    """4 workers in 2 simulated nodes joined by a 2.5 MB/s link, starting on data (`adapt.start:
+    memory`; the probe would start it on the pipeline: the test below): data parallelism
+    all-reduces every gradient over it and waits most of each step. The policy predicts hybrid (tensor-parallel
     inside a node, half the gradient bytes over the link) and a pipeline of one stage a node (only
     the activations at the cut over the link, 1 MiB a step each way here) and moves to the faster,
     the pipeline, within two steps of the record that showed it; it keeps it because it is faster
@@ -83,7 +84,7 @@ def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_
     run = tmp_path / "run"
     overrides = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=auto",
                  "inject.nodes=2", "inject.link={mb_per_s: 2.5, latency_ms: 2}", "train.steps=60",
-                 "train.global_batch_size=32", "checkpoint.every=0"]
+                 "train.global_batch_size=32", "checkpoint.every=0", "adapt.start=memory"]
     summary = run_gearshift(GPT[0], overrides, run)
     records = [json.loads(line) for line in (run / "telemetry.jsonl").read_text().splitlines()]
     [policy] = [r for r in records if r.get("event") == "policy"]
@@ -112,3 +113,34 @@ def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_
     print(f"auto: data {before:.1f} samples/s -> pipeline {after:.1f} samples/s at step {at}, predicted "
           f"{32 / predicted:.1f} "
           f"(switch took {switches[0]['seconds']:.2f} s)")
+
+
+def test_auto_starts_on_pipeline_stages_when_its_probe_finds_the_link_between_nodes_slow(ray_cluster, tmp_path):
+    """The same 2.5 MB/s link, `adapt.start: probe` (the default): before the model is built the
+    workers time all-reduces over the link and a matmul, and the run starts on the pipeline of a
+    stage a node, the layout the cost model predicts fastest, with the probe and every layout's
+    prediction in the policy's evidence. It never trains a step on data, and ends where plain
+    PyTorch ends on the same batches."""
+    from test_train_equivalence import reference
+
+    run = tmp_path / "run"
+    # plain SGD: AdamW's first steps turn float noise in tiny gradients into whole updates
+    overrides = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=auto",
+                 "inject.nodes=2", "inject.link={mb_per_s: 2.5, latency_ms: 2}", "train.steps=4",
+                 "train.global_batch_size=32", "checkpoint.every=0", "optimizer.name=sgd", "optimizer.lr=0.5"]
+    summary = run_gearshift(GPT[0], overrides, run)
+    records = [json.loads(line) for line in (run / "telemetry.jsonl").read_text().splitlines()]
+    [policy] = [r for r in records if r.get("event") == "policy"]
+    start = policy["start"]
+    assert start["by"] == "prediction" and start["layout"] == {"strategy": "pipeline", "dp": 2, "tp": 1, "pp": 2}
+    # the simulated link charges an all-reduce bytes / rate: a ring of 4 moves 1.5 x the bytes
+    assert start["probe"]["inter_link_gb_s"] == pytest.approx(1.5 * 2.5e-3, rel=0.3), start["probe"]
+    assert not start["probe"]["link_bound"] and start["probe"]["device_tflops"] > 0
+    steps = {(p["layout"]["strategy"], p["layout"]["dp"], p["layout"].get("pp", 1)): p["step_s"]
+             for p in start["step_predictions"]}
+    assert steps[("pipeline", 2, 2)] * 1.25 < steps[("data", 4, 1)], steps
+    assert {r["strategy"] for r in records if r["type"] == "step"} == {"pipeline"}
+    assert not [r for r in records if r.get("event") == "switch"]
+    ref, _ = reference(load_job(GPT[0], overrides))
+    assert max_diff(torch.load(run / "final.pt", weights_only=True), ref) <= 1e-5
+    assert summary["strategy_history"][0]["pp"] == 2

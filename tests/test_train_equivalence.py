@@ -191,8 +191,12 @@ USER_PLAN = "parallel.tp_plan={net.0: colwise, net.2: rowwise}"
 
 
 # extended variants (make test-extended): tensor parallelism of one worker is what the user model's
-# tensor1 case runs too, and the user model under data(4) is the MLP's data(4) case with another builder
-EXTENDED = {("mlp", "tensor1"), ("gpt", "tensor1"), ("user", "data4")}
+# tensor1 case runs too, and the user model under data(4) is the MLP's data(4) case with another builder.
+# The built-in MLP's tensor(2), tensor(4), hybrid(2 x 2), fsdp(2) and hsdp(4) run the same strategies
+# on the same kind of model as the user model's cases with the user's own plan (and the GPT's on a
+# transformer); the MLP keeps data(4) and the sharded hybrid
+EXTENDED = {("mlp", "tensor1"), ("gpt", "tensor1"), ("user", "data4"), ("mlp", "tensor2"), ("mlp", "tensor4"),
+            ("mlp", "hybrid2x2"), ("mlp", "fsdp2"), ("mlp", "hsdp4")}
 
 
 @pytest.mark.parametrize("which, layout", [

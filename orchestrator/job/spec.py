@@ -218,6 +218,10 @@ class AdaptSpec:
     decide: str = _f("predict", _choice("predict", "trial"),
                      "predict: move to the layout an online cost model predicts best, when it pays; trial: try "
                      "the next candidate and keep it if it helped")
+    start: str = _f("probe", _choice("probe", "memory"),
+                    "the layout auto starts on. probe: on a run over nodes deciding by prediction, the workers "
+                    "measure their device and the link before the build, and the run starts on the layout "
+                    "predicted fastest among those that fit; memory: the least sharded layout that fits")
     schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K, shard_size: G, "
                                        "dp_shard: B}, ...]")
 
