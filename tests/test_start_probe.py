@@ -56,9 +56,9 @@ def test_a_time_that_does_not_grow_with_the_size_gives_a_bound_below_the_link():
     assert link["bound"] and link["bandwidth"] == pytest.approx(1.5 * 2**20 / 0.01)
 
 
-def online() -> OnlineModel:
+def online(shape: ModelShape = TESTBED_GPT) -> OnlineModel:
     c = AdaptConfig()
-    return OnlineModel(TESTBED_GPT, 32, [2, 2], predict_error=c.predict_error, unseen_error=c.unseen_error)
+    return OnlineModel(shape, 32, [2, 2], predict_error=c.predict_error, unseen_error=c.unseen_error)
 
 
 @pytest.mark.parametrize("bandwidth,want", [(7.5e6, PIPE), (1.5e9, DATA)])
@@ -112,3 +112,23 @@ def test_the_probe_times_doubling_all_reduces_until_one_is_slow_enough(tmp_path)
     # a world of one has no ring: the simulated link's bytes / rate is what each size costs
     slope = fitted_link([{**result, "world": 2}])["bandwidth"]
     assert slope == pytest.approx(5e6, rel=0.1)
+
+
+def test_a_layout_that_wins_only_at_the_matmuls_rate_does_not_move_the_start():
+    """The two-node testbed at 1 Gbit/s as its probe read it (a matmul at 44.5 GFLOP/s, the link at
+    118 MB/s and 406 us): at the matmul's rate the pipeline's prediction, its unseen error added,
+    is under data's, but the GPT's steps reach far less than a matmul's rate, and at 2 and 4 times
+    less data is faster (measured there: data 1.07-1.2x the pipeline). The start stays on data."""
+    from gearshift.orchestrator.job import load_job
+    from gearshift.orchestrator.policy.job_shape import shape_of_job
+
+    from test_train_equivalence import ROOT
+
+    bench = shape_of_job(load_job(ROOT / "examples/gpt.yaml", ["cluster.num_workers=4"]))  # bench/adaptive.py's
+    results = [{"flops": 4.45e10, "allreduce": timings(1.18e8, 4.06e-4, top=8 * 2**20), "world": 4}]
+    alone, _ = choose(online(bench), CANDIDATES, DATA, results, scales=(1.0,))
+    assert alone == PIPE
+    chosen, evidence = choose(online(bench), CANDIDATES, DATA, results)
+    assert chosen == DATA and evidence["by"] == "memory" and evidence["compute_scales"] == [1.0, 2.0, 4.0]
+    slowest = {Layout.from_dict(p["layout"]): p for p in evidence["step_predictions_slowest"]}
+    assert slowest[PIPE]["step_s"] * 1.25 > slowest[DATA]["step_s"]
