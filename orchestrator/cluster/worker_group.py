@@ -80,6 +80,7 @@ class RayWorkerGroup:
             for info, memory in zip(ranks.infos, memories, strict=True):
                 info["device_memory"] = memory
             self.start_layout = self.choose_layout(ranks.infos)
+            STARTUP.mark("start_layout")  # strategy auto: the memory model, and over nodes the probe
         builds = self.call("build", self.placement.layout(ranks.infos, self.start_layout).to_dict())
         STARTUP.mark("build")
         for rank, (info, backend, built) in enumerate(zip(ranks.infos, backends, builds, strict=True)):

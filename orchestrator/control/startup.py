@@ -2,15 +2,15 @@
 
 Each stage is marked when it ends, in seconds since the command's process started (so Python's
 own start and the imports count too): the job checked, Ray up, the workers placed, their
-processes up (Python, Ray and torch imported), the process group joined, the model built, the
-first step done. The controller reports them once, as the `startup` event and a terminal line.
+processes up (Python, Ray and torch imported), the process group joined, strategy auto's start
+chosen (the workers' probe, where it chooses by prediction), the model built, the first step done. The controller reports them once, as the `startup` event and a terminal line.
 """
 
 from __future__ import annotations
 
 import time
 
-_ORDER = ("imports", "job", "ray", "placement", "workers", "rendezvous", "build", "first_step")
+_ORDER = ("imports", "job", "ray", "placement", "workers", "rendezvous", "start_layout", "build", "first_step")
 
 
 def _process_start() -> float:
