@@ -82,10 +82,11 @@ def records(run_dir: pathlib.Path) -> list[dict]:
     return out
 
 
-def row(where: str, layout: str, recs: list[dict], pred: costmodel.Prediction, calibration: bool) -> dict:
+def row(where: str, layout: str, recs: list[dict], pred: costmodel.Prediction, fitted: bool) -> dict:
+    """`fitted`: the row was used to fit the hardware (its error says nothing of the model)."""
     rs = calibration.steady(recs)
     measured = calibration.measured_step(recs)
-    r = {"where": where, "layout": layout, "calibration": calibration,
+    r = {"where": where, "layout": layout, "calibration": fitted,
          "measured_ms": measured * 1e3,
          "measured_compute_ms": calibration._median([calibration.slowest_compute(x) for x in rs]) * 1e3,
          "measured_wait_ms": calibration._median([calibration.transfer_wait(x) for x in rs]) * 1e3,

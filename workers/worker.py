@@ -102,7 +102,7 @@ class TrainWorker:
         cfg = self.config
         net = SimulatedNetwork.for_rank(cfg.comm_delay_ms, cfg.sim_nodes, cfg.sim_link, Layout("data", self.world, 1), self.rank)
         with ACTIVITY.phase_of("probe"):
-            return probe.probe(net)
+            return probe.probe(net, device=self.device)
 
     def request_stop(self, chunk: int) -> None:
         """The controller wants training chunk `chunk` to end early (a decision to carry out): the
