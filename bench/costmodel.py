@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gearshift.orchestrator.commands import cli  # noqa: E402
-from gearshift.orchestrator.policy import calibration, costmodel  # noqa: E402
+from gearshift.orchestrator.policy import calibration, costmodel, job_shape  # noqa: E402
 from gearshift.orchestrator.job import load_job  # noqa: E402
 
 JOB = ROOT / "examples" / "gpt.yaml"
