@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 install-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(STAMP)
-	@echo "installing the test extras (pytest, transformers, mlflow, tensorboard, onnx, onnxruntime, Ray Serve, moto, s3fs) once"
+	@echo "installing the test extras (pytest, pyflakes, transformers, mlflow, tensorboard, onnx, onnxruntime, Ray Serve, moto, s3fs) once"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
 	touch $(TEST_STAMP)
 
