@@ -27,6 +27,9 @@ def applies(job, node_sizes: list[int]) -> bool:
     return job.adapt.start == "probe" and job.adapt.decide == "predict" and len(node_sizes) >= 2
 
 
+BACK_TO_BACK = 6  # the probe's last timings: the largest size and its half, 3 times each, alternating
+
+
 def fitted_link(results: list[dict]) -> dict:
     """The link a world-wide all-reduce crossed, from the ranks' probes (each holds the same
     timings: the slowest rank's): {"bandwidth", "latency", "bound"}. The bandwidth is the ring's
@@ -36,8 +39,9 @@ def fitted_link(results: list[dict]) -> dict:
     ring = 2 * (world - 1) / world
     small = times[0][1]
     top = max(s for s, _ in times)
-    big = median(t for s, t in times[-6:] if s == top)
-    half = median(t for s, t in times[-6:] if s < top)
+    last = times[-BACK_TO_BACK:]
+    big = median(t for s, t in last if s == top)
+    half = median(t for s, t in last if s < top)
     slope = (big - half) / (top - top / 2)
     bound = slope <= 0 or big <= small
     bandwidth = ring * top / big if bound else ring / slope
@@ -68,7 +72,6 @@ def choose(model: OnlineModel, fitting: list[Layout], default: Layout, results: 
                 "compute_scales": list(scales),
                 "step_predictions": rounds[0][1],
                 "step_predictions_slowest": rounds[-1][1]}
-    model.hw = replace(model.hw, flops=flops)
     return chosen, evidence
 
 
