@@ -55,8 +55,9 @@ STEP = {
     "peak_mem_bytes": (OPT_NUM, "peak memory of the rank that used most (device memory on GPU, "
                                  "process peak RSS on CPU); null if unknown"),
     "ranks": (dict, "per-rank lists indexed by rank: step_time, data_time, compute_time, comm_wait, "
-                    "comm_wait_frac, samples_per_s (the timing lists are null when telemetry is off); under a "
-                    "pipeline also bubble and link_wait, seconds"),
+                    "comm_wait_frac, samples_per_s (the rank's samples over its step time; the timing lists are "
+                    "null when telemetry is off), share (the rank's samples of the step: its data-parallel "
+                    "replica's); under a pipeline also bubble and link_wait, seconds"),
 }
 STEP_RANK_LISTS = ("step_time", "data_time", "compute_time", "comm_wait", "comm_wait_frac", "samples_per_s")
 
@@ -119,7 +120,12 @@ EVENTS = {
     "decision": "an automatic decision with its evidence (`step` = `seen_step`: the step whose record brought it, "
                 "`applied_step`: the step boundary it was carried out at, null when it was not; `decision`: switch, revert, keep (a switch "
                 "that helped), hold (over the threshold or after a change of the link, no move predicted to "
-                "pay), straggler or input_bound; `to` for switch/revert; `evidence`: window means, threshold, "
+                "pay), straggler or input_bound, rebalance (adapt.stragglers: `shares` from the applied step on, one count "
+                "per data-parallel replica; `evidence`: the slow `replica`, its first `rank`, `node` and `device`, "
+                "`speed_ratio`, `since_step`, every replica's `speeds` (samples per second of compute) and "
+                "`compute_s`, `shares_before`, `shares_after`, `measured_step_s`, `predicted_step_s`, "
+                "`predicted_gain`, `noise`), rebalanced (a window after it: `measured_step_s` against "
+                "`predicted_step_s`); `to` for switch/revert; `evidence`: window means, threshold, "
                 "`reason` (comm_wait, link_changed, review), every candidate's `predictions`, the gain over "
                 "`steps_left` against `switch_cost_s`, the fitted `model`; after a move, throughput "
                 "before/after with `noise_samples_per_s`, `steps_before`, `steps_judged`, and `predicted_step_s` "

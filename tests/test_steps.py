@@ -39,7 +39,7 @@ def test_a_layout_without_its_own_step_gets_plain_or_accumulated():
 
 
 def test_an_unknown_variant_is_named_with_the_ones_there_are():
-    with pytest.raises(ValueError, match=r"step_variant is 'zigzag': the step variants are \['accumulated', 'pipelined', 'plain'\]"):
+    with pytest.raises(ValueError, match=r"step_variant is 'zigzag': the step variants are \['accumulated', 'pipelined', 'plain', 'uneven'\]"):
         steps.choose(_Layout(None, "zigzag"), 1)
 
 

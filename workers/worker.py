@@ -55,6 +55,7 @@ class TrainWorker:
         self.telemetry: WorkerTelemetry | None = None
         self.micro_batch = config.micro_batch_size  # samples computed at once; halved after an OOM (None: the share)
         self.accumulation = 1  # micro-batches a step (set_micro_batch)
+        self.shares: tuple[int, ...] | None = None  # each replica's samples of a step (None: even; set_shares)
         self.member = Member(self)  # the group part (first: it sets the process's priority)
         self.runner = StepRunner(self)  # the step part
         self.loop = StepLoop(self)
@@ -153,6 +154,12 @@ class TrainWorker:
     def set_micro_batch(self, micro_batch: int | None) -> int:
         """This rank's share of a step `micro_batch` samples at a time (None: all); the accumulation."""
         return self.runner.set_micro_batch(micro_batch)
+
+    def set_shares(self, shares: list[int] | None) -> dict:
+        """Each data-parallel replica's samples of a step, from the next step on (None: even): a
+        straggler's rebalance (workers/step/shares.py). Every rank gets the same list at the same
+        step boundary; a new layout or group starts even again."""
+        return self.runner.set_shares(shares)
 
     def set_lr(self, lr: float) -> None:
         """The schedule from here on, at base rate `lr` (fault.on_nan rollback lowers it)."""

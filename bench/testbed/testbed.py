@@ -9,6 +9,10 @@ shaped veth (the slow link between nodes). The gearshift driver runs in the head
         (arguments after -- go to `gearshift run`)
     sudo python bench/testbed/testbed.py run JOB.yaml --scenario 1000mbit:20,50mbit:40,1000mbit:20
     sudo python bench/testbed/testbed.py run JOB.yaml --scenario 1gbit@0,50mbit@100,1gbit@300 -- --run-dir runs/x
+    sudo python bench/testbed/testbed.py run JOB.yaml --own-cores --slow-node 0.5 -- ...
+        (node 1, the worker node, at half its cores' time from the start: a slow node)
+    sudo python bench/testbed/testbed.py run JOB.yaml --own-cores --slow-node 0.5@60,1.0@140 -- --run-dir runs/x
+        (node 1 at half from training step 60, back to full from step 140; --slow-node-index K: node K)
     sudo python bench/testbed/testbed.py check      # what would be left behind (namespaces, veths, Ray)
     sudo python bench/testbed/testbed.py clean      # take down what a testbed killed with SIGKILL left
 
@@ -241,37 +245,65 @@ class Testbed:
     # ------------------------------------------------------------------ run
 
     def run_driver(self, argv: list[str], scenario: list[Phase] | None = None,
-                   timeout_s: float = 3600, capture: bool = False) -> subprocess.CompletedProcess:
+                   timeout_s: float = 3600, capture: bool = False, slow_node: list[SharePhase] | None = None,
+                   slow_node_index: int = 1) -> subprocess.CompletedProcess:
         """Run `python -m gearshift ARGV --address HEAD` in the head's namespace. With a
         scenario the link's rate follows it while the driver runs: phases timed in seconds from
         the driver's start, or starting at a training step, read from the run's telemetry.jsonl
-        (ARGV must then give --run-dir). `self.changes` lists (rate, seconds, step) as applied."""
+        (ARGV must then give --run-dir). `self.changes` lists (rate, seconds, step) as applied.
+        With `slow_node` (own_cores only) node `slow_node_index` runs at each phase's share of its
+        cores' time from the phase's step on (a phase from step 0 before the driver starts);
+        `self.share_changes` lists (share, seconds, step) as applied, seconds counted from
+        `self.started_at` (wall clock, the driver's start), and the node is back at its full share
+        when this returns, however the run ended. A change follows the step the telemetry has
+        reached, which trails the workers by a few steps: to find the step it landed at, compare
+        started_at + seconds with the step records' `ended_at`."""
         cmd = self._in(self.ns[0], sys.executable, "-m", "gearshift", *argv, "--address", self.address)
-        stop = threading.Event()
-        changer = None
+        self.started_at, start = time.time(), time.monotonic()
+        run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else None
         self.changes: list[tuple[str, float, int | None]] = []
+        self.share_changes: list[tuple[float, float, int | None]] = []
+        if scenario and any(p.from_step is not None for p in scenario) and run_dir is None:
+            raise ValueError("a scenario with RATE@STEP phases needs --run-dir in the driver's arguments")
+        if slow_node:
+            self._check_slow_node(slow_node, slow_node_index, run_dir)
+        stop = threading.Event()
+        followers = []
         if scenario:
-            run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else None
-            if any(p.from_step is not None for p in scenario) and run_dir is None:
-                raise ValueError("a scenario with RATE@STEP phases needs --run-dir in the driver's arguments")
-            changer = threading.Thread(target=self._follow, args=(scenario, stop, run_dir), daemon=True)
-            changer.start()
+            followers.append(threading.Thread(target=self._follow, args=(scenario, stop, run_dir), daemon=True))
+        if slow_node:
+            followers.append(threading.Thread(target=self._follow_share, daemon=True,
+                                              args=(slow_node, slow_node_index, stop, run_dir, start)))
         try:
+            for phase in (p for p in slow_node or [] if p.from_step == 0):  # from the start: before any worker
+                self._apply_share(slow_node_index, phase, 0.0, None)
+            for follower in followers:
+                follower.start()
             return subprocess.run(cmd, env=self.env(), cwd=ROOT, timeout=timeout_s, text=True,
                                   capture_output=capture)
         finally:
             stop.set()
-            if changer is not None:
-                changer.join(timeout=10)
+            for follower in followers:
+                if follower.ident is not None:  # started
+                    follower.join(timeout=10)
+            if slow_node:
+                self._lift_shares()
+
+    def _check_slow_node(self, phases: list[SharePhase], node: int, run_dir: str | None) -> None:
+        if self.cores is None:
+            raise TestbedError("a slow node (a node held to a share of its cores' time) needs the testbed made "
+                               "with own_cores=True (--own-cores)")
+        if not 0 <= node < len(self.ns):
+            raise ValueError(f"the slow node's index is 0..{len(self.ns) - 1}, not {node}")
+        if any(p.from_step > 0 for p in phases) and run_dir is None:
+            raise ValueError("a slow node with SHARE@STEP phases needs --run-dir in the driver's arguments")
 
     def _follow(self, scenario: list[Phase], stop: threading.Event, run_dir: str | None) -> None:
         start = time.monotonic()
         steps = _StepReader(pathlib.Path(run_dir) / "telemetry.jsonl") if run_dir else None
         for i, phase in enumerate(scenario):
-            if phase.from_step is not None and i:  # wait for the run to reach the phase's step
-                while steps.latest() < phase.from_step:
-                    if stop.wait(0.1):
-                        return
+            if phase.from_step is not None and i and not _reach(steps, phase.from_step, stop):
+                return
             self.set_rate(phase.rate)
             step = steps.latest() if steps else None
             self.changes.append((phase.rate, round(time.monotonic() - start, 2), step))
@@ -279,12 +311,40 @@ class Testbed:
             if phase.seconds is not None and stop.wait(phase.seconds):
                 return
 
+    def _follow_share(self, phases: list[SharePhase], node: int, stop: threading.Event, run_dir: str | None,
+                      start: float) -> None:
+        """The slow node's share through the run: each phase from its step on (read from the run's
+        telemetry); a first phase from step 0 was applied before the driver started."""
+        steps = _StepReader(pathlib.Path(run_dir) / "telemetry.jsonl") if run_dir else None
+        for phase in phases:
+            if phase.from_step == 0:
+                continue
+            if not _reach(steps, phase.from_step, stop):
+                return
+            self._apply_share(node, phase, round(time.monotonic() - start, 2), steps.latest())
+
+    def _apply_share(self, node: int, phase: SharePhase, seconds: float, step: int | None) -> None:
+        self.set_node_share(node, phase.share)
+        self.share_changes.append((phase.share, seconds, step))
+        print(f"testbed: node {node} at {phase.share:g} of its cores' time ({phase}; now step {step})",
+              file=sys.stderr, flush=True)
+
+    def _lift_shares(self) -> None:
+        """Every node back at its full share (the quota lifted): nothing stays throttled."""
+        if self.cores is None:
+            return
+        for node, share in enumerate(self.cores.shares):
+            if share != 1:
+                with contextlib.suppress(OSError):
+                    self.cores.set_share(node, 1.0)
+
     # ------------------------------------------------------------------ down
 
     def down(self) -> None:
         """Stop every process in the namespaces by pid (TERM, then KILL), delete the namespaces."""
         if not self._up:
             return
+        self._lift_shares()  # a throttled node's processes stop sooner at full speed
         for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
             pids = [p for ns in self.ns for p in _ns_pids(ns)]
             for pid in pids:
@@ -395,6 +455,48 @@ def parse_scenario(text: str) -> list[Phase]:
     return phases
 
 
+def _reach(steps: _StepReader, step: int, stop: threading.Event) -> bool:
+    """Wait for the run to reach training step STEP; False when told to stop first."""
+    while steps.latest() < step:
+        if stop.wait(0.1):
+            return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class SharePhase:
+    """A node at `share` (0 < share <= 1) of its cores' time from training step `from_step` on
+    (0: from before the driver starts) until the next phase."""
+    share: float
+    from_step: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.share:g}@{self.from_step}"
+
+
+def parse_slow_node(text: str) -> list[SharePhase]:
+    """'0.5' (from the start) or '0.5@60,1.0@140' (from that training step on): SHARE in (0, 1],
+    the steps not decreasing; a bare SHARE is step 0, so only the first part may be one."""
+    phases = []
+    for part in text.split(","):
+        share, sep, value = part.partition("@")
+        try:
+            phase = SharePhase(float(share), int(value) if sep else 0)
+        except ValueError:
+            phase = None
+        if phase is None or (sep and not value) or phase.from_step < 0 or (phases and not sep):
+            raise SystemExit(f"--slow-node {text!r}: each part is SHARE@STEP (e.g. 0.5@60), or the first one a "
+                             f"bare SHARE (from the start), not {part!r}")
+        if not 0 < phase.share <= 1:
+            raise SystemExit(f"--slow-node {text!r}: a share of the node's cores' time is in (0, 1] (1: full "
+                             f"speed), not {share}")
+        phases.append(phase)
+    starts = [p.from_step for p in phases]
+    if starts != sorted(starts):
+        raise SystemExit(f"--slow-node {text!r}: the steps must not decrease")
+    return phases
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -407,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--cpus", type=float, nargs=2, default=(1, 1), metavar=("HEAD", "WORKER"))
     run.add_argument("--own-cores", action="store_true",
                      help="each node on cores of its own (cgroup cpuset), as real nodes have their own devices")
+    run.add_argument("--slow-node", metavar="SHARE[@STEP],...",
+                     help="a slow node (needs --own-cores): SHARE (0 < SHARE <= 1) of its cores' time from the start, "
+                          "or SHARE@STEP,... from that training step on (needs --run-dir), e.g. 0.5@60,1.0@140")
+    run.add_argument("--slow-node-index", type=int, default=1, metavar="K",
+                     help="which node is slow: 0 the head's, 1 the worker node's (default)")
     sub.add_parser("check", help="list namespaces and processes a testbed left behind (exit 1 if any)")
     sub.add_parser("clean", help="stop and delete whatever a killed testbed left behind")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -425,14 +532,31 @@ def main(argv: list[str] | None = None) -> int:
     if scenario and scenario[0].from_step is not None and "--run-dir" not in extra:
         raise SystemExit(f"--scenario {args.scenario!r} changes the link at steps, which the testbed reads from "
                          "the run's telemetry: give the run dir after --, e.g. -- --run-dir runs/mine")
+    slow_node = _slow_node_args(args, extra)
     try:
         with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms, own_cores=args.own_cores) as tb:
-            print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}",
-                  file=sys.stderr, flush=True)
-            return tb.run_driver(["run", args.job, *extra], scenario).returncode
+            print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}"
+                  + (f"; {tb.cores.describe()}" if tb.cores else ""), file=sys.stderr, flush=True)
+            return tb.run_driver(["run", args.job, *extra], scenario, slow_node=slow_node,
+                                 slow_node_index=args.slow_node_index).returncode
     except TestbedError as e:  # already taken down; the message names the step and what it printed
         print(e, file=sys.stderr)
         return 1
+
+
+def _slow_node_args(args: argparse.Namespace, extra: list[str]) -> list[SharePhase] | None:
+    """--slow-node's phases, checked against the other arguments before anything is brought up."""
+    if not args.slow_node:
+        return None
+    phases = parse_slow_node(args.slow_node)
+    if not args.own_cores:
+        raise SystemExit(f"--slow-node {args.slow_node!r} holds a node to a share of its own cores: add --own-cores")
+    if args.slow_node_index not in (0, 1):
+        raise SystemExit(f"--slow-node-index: 0 (the head's node) or 1 (the worker node), not {args.slow_node_index}")
+    if any(p.from_step > 0 for p in phases) and "--run-dir" not in extra:
+        raise SystemExit(f"--slow-node {args.slow_node!r} changes the node's share at steps, which the testbed reads "
+                         "from the run's telemetry: give the run dir after --, e.g. -- --run-dir runs/mine")
+    return phases
 
 
 if __name__ == "__main__":

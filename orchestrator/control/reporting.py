@@ -38,7 +38,11 @@ class StepMerger:
         self.world = world
         self.global_batch = global_batch
         self.context = dict(context)
-        self.local_batch = global_batch / context.get("dp", world)
+        # each rank's samples of a step: its replica's share (context["shares"]: a straggler's
+        # rebalance, one count per replica; else even); a tensor-parallel group's ranks share one
+        dp, tp = context.get("dp", world), context.get("tp", 1)
+        replica = context.get("shares") or [global_batch / dp] * dp
+        self.rank_share = [replica[(r % (dp * tp)) // tp] for r in range(world)]
         self.tokens_per_sample = tokens_per_sample
         self.peak_mem: dict[int, int] = {}
         self._pending: dict[int, dict[int, tuple]] = {}
@@ -76,8 +80,8 @@ class StepMerger:
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         return {
             "type": "step", "time": time.time(), "step": step, **self.context, "ended_at": ends[0],
-            # every rank holds an equal share of the global batch, so the mean of the ranks'
-            # mean losses is the loss over the whole global batch
+            # every rank's loss is its share's mean weighted by its share of the global batch (even:
+            # by one), so the mean of the ranks' losses is the loss over the whole global batch
             "loss": mean(losses), "lr": lrs[0],  # every rank steps with the same learning rate
             "step_time_max": times[slowest], "step_time_mean": mean(times), "slowest_rank": slowest,
             "data_time_mean": mean(data) if timed else None, "data_time_max": max(data) if timed else None,
@@ -92,7 +96,8 @@ class StepMerger:
             "ranks": {"step_time": times, "data_time": data if timed else None,
                       "compute_time": [t - w - d for t, w, d in zip(times, waits, data)] if timed else None,
                       "comm_wait": waits if timed else None, "comm_wait_frac": fracs,
-                      "samples_per_s": [self.local_batch / t if t > 0 else 0.0 for t in times],
+                      "samples_per_s": [n / t if t > 0 else 0.0 for n, t in zip(self.rank_share, times)],
+                      "share": self.rank_share[:len(times)],
                       **({"bubble": [b for b, _ in pipe], "link_wait": [l for _, l in pipe]}
                          if timed and all(x is not None for x in pipe) else {})},
         }

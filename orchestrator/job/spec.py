@@ -222,6 +222,11 @@ class AdaptSpec:
                     "the layout auto starts on. probe: on a run over nodes deciding by prediction, the workers "
                     "measure their device and the link before the build, and the run starts on the layout "
                     "predicted fastest among those that fit; memory: the least sharded layout that fits")
+    stragglers: str = _f("rebalance", _choice("rebalance", "report", "off"),
+                         "a data-parallel replica computing slower than the others, under any layout with "
+                         "replicas but a pipeline. rebalance: each replica takes a share of the global batch in "
+                         "proportion to its measured speed (the update stays exact); report: say so in a "
+                         "decision record, change nothing; off: not watched")
     schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K, shard_size: G, "
                                        "dp_shard: B}, ...]")
 

@@ -56,8 +56,9 @@ class Builder:
         w, cfg = self.w, self.w.config
         w.layout = layout
         w.runner.close_loader()  # its slice of the batch belonged to the old layout's dp
+        w.shares = None  # a new layout starts on even shares (the controller's rebalancer starts over)
         # a switch that changes dp keeps the micro-batch: the accumulation count changes instead
-        w.runner.set_micro_batch(w.micro_batch)
+        w.runner.set_micro_batch(w.runner.micro_setting)
         torch.manual_seed(cfg.seed)
         model, returned_plan, record = self._model(layout, move_from, rewrap)
         plan = None
@@ -202,7 +203,7 @@ class Builder:
             w.parallel, w.optimizer = old
             w.layout, w.scaler, w.clock = before
             self.attach_route()
-            w.runner.set_micro_batch(w.micro_batch)
+            w.runner.set_micro_batch(w.runner.micro_setting)
             oom.give_back(w.device)
             return {"seconds": time.perf_counter() - start, "layout": w.layout.to_dict(), "step": w.step,
                     "failed": {"kind": "oom", "rank": w.rank, "step": w.step, "during": "switch",

@@ -11,6 +11,8 @@ import random
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from gearshift.workers.step.shares import bounds
+
 
 class SyntheticDigits(Dataset):
     """MNIST-shaped (1x28x28 inputs, 10 classes) and learnable: each class is a smooth pattern
@@ -125,9 +127,10 @@ class GlobalBatches:
             pos += take
         return torch.cat(parts).tolist()
 
-    def shard(self, step: int, rank: int, world: int) -> list[int]:
-        per = self.batch // world
-        return self.indices(step)[rank * per : (rank + 1) * per]
+    def shard(self, step: int, rank: int, world: int, shares: tuple[int, ...] | None = None) -> list[int]:
+        """Replica `rank`'s slice of step `step`: an even one, or its count of `shares` (shares.py)."""
+        lo, hi = bounds(self.batch, rank, world, shares)
+        return self.indices(step)[lo:hi]
 
 
 def load_batch(dataset, indices: list[int]):

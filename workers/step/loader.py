@@ -37,8 +37,10 @@ class StepBatches(Dataset):
     """Item s: this rank's (inputs, targets) of global step s. The step's seed is set first, so
     a dataset's random augmentation draws the same numbers in any process."""
 
-    def __init__(self, dataset, batches: GlobalBatches, dp_rank: int, dp: int, seed: int):
+    def __init__(self, dataset, batches: GlobalBatches, dp_rank: int, dp: int, seed: int,
+                 shares: tuple[int, ...] | None = None):
         self.dataset, self.batches, self.dp_rank, self.dp, self.seed = dataset, batches, dp_rank, dp, seed
+        self.shares = shares
 
     def __len__(self) -> int:  # steps go on for as long as the run asks
         return 2**62
@@ -47,7 +49,7 @@ class StepBatches(Dataset):
         # one stream per data-parallel replica, as the step loop seeds it (torch.manual_seed
         # costs ~70 us a call on CPU: the generator is seeded directly)
         torch.default_generator.manual_seed(step_seed(self.seed, step, self.dp_rank))
-        return load_batch(self.dataset, self.batches.shard(step, self.dp_rank, self.dp))
+        return load_batch(self.dataset, self.batches.shard(step, self.dp_rank, self.dp, self.shares))
 
 
 class _From(Sampler):
@@ -95,14 +97,16 @@ def open_data(cfg, field: str):
     return components.build_dataset(spec, dict(cfg.model), cfg.search_paths)
 
 
-def open_loader(cfg, dataset, batches: GlobalBatches, step: int, dp_rank: int, dp: int, device: torch.device):
+def open_loader(cfg, dataset, batches: GlobalBatches, step: int, dp_rank: int, dp: int, device: torch.device,
+                shares: tuple[int, ...] | None = None):
     """This rank's batches from `step` on, `prefetch` steps ahead: from the feeder for a streamed
-    dataset, else read here or by loader processes."""
+    dataset, else read here or by loader processes; an even slice of each step, or its count of
+    `shares` (workers/step/shares.py)."""
     if isinstance(dataset, streaming.StreamedData):
-        return dataset.loader(step, dp_rank, dp, cfg.loader["prefetch"])
+        return dataset.loader(step, dp_rank, dp, cfg.loader["prefetch"], shares)
     if cfg.loader["workers"]:  # loader processes unpickle the user's dataset: its module must import
         sys.path[:0] = [p for p in cfg.search_paths if p not in sys.path]
-    steps = StepBatches(dataset, batches, dp_rank, dp, cfg.seed)
+    steps = StepBatches(dataset, batches, dp_rank, dp, cfg.seed, shares)
     return StepLoader(steps, step, cfg.loader["workers"], cfg.loader["prefetch"],
                       pin_memory(cfg.loader.get("pin_memory", "auto"), device))
 

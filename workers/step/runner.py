@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from gearshift.workers.step import precision, steps
+from gearshift.workers.step import precision, shares, steps
 from gearshift.workers.step.evaluation import held_out_loss
 from gearshift.workers.step.grad_check import GradCheck
 from gearshift.workers.step.loader import StepLoader, open_loader, seed_generators, step_seed
@@ -34,6 +34,7 @@ class StepRunner:
         self.grad_check: GradCheck | None = None  # train.grad_check
         self.probe: ModuleMemory | None = None  # rank 0's memory by module, on its first update
         self.updating = False  # inside the optimizer's step: an OOM there leaves the update half applied
+        self.micro_setting: int | None = worker.micro_batch  # the micro-batch asked for (set_micro_batch)
 
     def built(self) -> None:
         """The checks that look at the model, once it is first built."""
@@ -42,12 +43,32 @@ class StepRunner:
         self.probe = ModuleMemory() if w.rank == 0 and not cfg.compile else None
 
     def set_micro_batch(self, micro_batch: int | None) -> int:
-        """This rank's share of a step `micro_batch` samples at a time (None: all); the accumulation."""
+        """This rank's share of a step `micro_batch` samples at a time (None: all); the accumulation.
+        Under uneven shares every rank takes as many micro-batches, enough for the largest share."""
         w = self.w
+        self.micro_setting = micro_batch  # as asked: a larger uneven share is still cut by it
+        if w.shares is not None:
+            w.micro_batch = micro_batch
+            w.accumulation = shares.micro_batches(w.shares, micro_batch)
+            return w.accumulation
         share = w.config.global_batch_size // w.layout.dp
         w.micro_batch = micro_batch if micro_batch and micro_batch < share else None
         w.accumulation = share // w.micro_batch if w.micro_batch else 1
         return w.accumulation
+
+    def set_shares(self, counts: list[int] | None) -> dict:
+        """Each data-parallel replica's samples of a step from the next step on (None: even), the
+        micro-batch kept: {"shares", "accumulation"}. Every rank is given the same list at the same
+        step boundary; its loader is opened again at its new slice."""
+        w = self.w
+        checked = shares.check(counts, w.layout.dp, w.config.global_batch_size)
+        if checked is not None and w.parallel.step_variant is not None:
+            raise shares.SharesError(f"shares {list(checked)}: the {w.layout.strategy} layout takes even shares only")
+        if checked is not None:
+            shares.micro_batches(checked, self.micro_setting)  # refused before anything changes
+        w.shares = checked
+        self.close_loader()
+        return {"shares": list(checked) if checked else None, "accumulation": self.set_micro_batch(self.micro_setting)}
 
     def seed(self, step: int) -> None:
         # one stream per data-parallel replica: a tensor-parallel group draws the same masks and augmentations
@@ -72,7 +93,7 @@ class StepRunner:
         if self.loader is None or self.loader.next_step != step:
             self.close_loader()
             self.loader = open_loader(w.config, w.dataset, w.batches, step, w.layout.dp_rank(w.rank), w.layout.dp,
-                                      w.device)
+                                      w.device, w.shares)
         return self.loader.next()
 
     def close_loader(self) -> None:
@@ -91,13 +112,13 @@ class StepRunner:
         self.seed(step)  # dropout draws the same whichever process loaded the batch
         w.optimizer.zero_grad(set_to_none=True)
         with self.probe.watching(w.parallel.model) if self.probe else contextlib.nullcontext():
-            loss = steps.choose(w.parallel, w.accumulation)(self, x, y)
+            loss = steps.choose(w.parallel, w.accumulation, uneven=w.shares is not None)(self, x, y)
         if clock:
             clock.after_backward()
         w.parallel.after_backward()
         if self.grad_check and self.grad_check.due(step):  # per-parameter norms, before clipping
             self.grad_check.check(step, w.parallel.model, loss, w.lr_at(step + 1), w.scaler,
-                                  w.batches.shard(step, w.layout.dp_rank(w.rank), w.layout.dp))
+                                  w.batches.shard(step, w.layout.dp_rank(w.rank), w.layout.dp, w.shares))
         lr, found, skipped = self._update(step, x, loss)
         return loss, data_span, lr, (None if skipped else found)
 

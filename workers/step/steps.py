@@ -34,6 +34,24 @@ def accumulated(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def uneven(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """An uneven share (a straggler's rebalance, workers/step/shares.py) in the step's
+    micro-batches, as many on every rank (a sharded layout's collectives pair up), of nearly equal
+    sizes. Each micro-batch's mean loss is weighted by its samples x dp / the global batch, so the
+    replicas' average of the gradients is the global batch's mean; the loss returned is weighted
+    alike, so the mean over the ranks is the global batch's loss."""
+    w = runner.w
+    n = w.accumulation
+    per_sample = w.layout.dp / w.config.global_batch_size
+    total = torch.zeros((), device=w.device)
+    for i, (xm, ym) in enumerate(zip(x.tensor_split(n), y.tensor_split(n))):
+        with w.parallel.no_sync() if i < n - 1 else contextlib.nullcontext():
+            loss = runner.forward_loss(xm, ym) * (len(xm) * per_sample)
+            w.scaler.scale(loss).backward()
+        total += loss.detach().float()
+    return total
+
+
 def pipelined(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The share through the pipeline's stages (strategies/pipeline/parallel.py), in the layout's
     micro-batches, once per accumulation micro-batch: each micro-batch's loss is scaled by one
@@ -55,14 +73,15 @@ def pipelined(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss / scaler.get_scale() if scaler is not None else loss
 
 
-STEPS: dict[str, Callable] = {"plain": plain, "accumulated": accumulated, "pipelined": pipelined}
+STEPS: dict[str, Callable] = {"plain": plain, "accumulated": accumulated, "uneven": uneven, "pipelined": pipelined}
 
 
-def choose(parallel, accumulation: int) -> Callable:
-    """The variant for `parallel` (its own, if its layout names one) at `accumulation` micro-batches."""
+def choose(parallel, accumulation: int, uneven: bool = False) -> Callable:
+    """The variant for `parallel` (its own, if its layout names one) at `accumulation` micro-batches,
+    `uneven` where the replicas' shares differ (set_shares refuses them to a layout with its own)."""
     own = getattr(parallel, "step_variant", None)
     if own is None:
-        return accumulated if accumulation > 1 else plain
+        return STEPS["uneven"] if uneven else accumulated if accumulation > 1 else plain
     if own not in STEPS:
         raise ValueError(f"{type(parallel).__name__}.step_variant is {own!r}: the step variants are {sorted(STEPS)}")
     return STEPS[own]

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from gearshift.workers.build.components import ComponentError, _call, _on_path, resolve
+from gearshift.workers.step.shares import bounds
 
 READERS = ("parquet", "json", "csv", "images")
 TAKE_TIMEOUT_S = 600.0  # a step's rows not ready after this long: the feeder reports why
@@ -466,10 +467,10 @@ class StreamedData:
     def __len__(self) -> int:
         return int(self.info["rows"])
 
-    def loader(self, start: int, dp_rank: int, dp: int, prefetch: int) -> StreamedLoader:
-        per = self.batch // dp
-        return StreamedLoader(self.feeder, start, dp_rank * per, (dp_rank + 1) * per, prefetch,
-                              self.info.get("row_bytes", 0))
+    def loader(self, start: int, dp_rank: int, dp: int, prefetch: int,
+               shares: tuple[int, ...] | None = None) -> StreamedLoader:
+        lo, hi = bounds(self.batch, dp_rank, dp, shares)
+        return StreamedLoader(self.feeder, start, lo, hi, prefetch, self.info.get("row_bytes", 0))
 
     def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Eval: rows `indices` (contiguous, inside one global batch) of the one pass."""

@@ -1,0 +1,211 @@
+"""Stragglers (adapt.stragglers): a data-parallel replica that computes slower than the others,
+found from the step records, and the global batch's shares moved to match the speeds.
+
+Every rank already reports its compute time (the step less its comm wait and data time). Over a
+window of steps, replica j's compute time is the median of its slowest rank's (a tensor-parallel
+group computes together), and its speed its samples over that time. The shares that would make
+every replica compute as long are the speeds' proportions in whole samples (`proportional`); the
+rebalance is decided where the step they predict beats the one measured by more than
+`min_gain` and the window's noise (the spread of the compute times), so an even run's jitter moves
+nothing, and a straggler that recovers gets its samples back the same way. Pure: no Ray, no
+torch.distributed; the controller carries a `Rebalance` out with `TrainWorker.set_shares` where
+the workers stop for it (workers/step/shares.py keeps the update exact).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+from typing import ClassVar
+
+from gearshift.orchestrator.policy.decisions import Report
+from gearshift.workers.step.shares import SharesError, even, micro_batches
+
+WINDOW = 10     # steps of compute times a decision is taken over
+SETTLE = 2      # steps left out after new shares (the loaders open again at their new slices)
+MIN_GAIN = 0.05  # least predicted cut of the step's compute time that moves the shares
+MODES = ("rebalance", "report", "off")
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    shares: tuple[int, ...]
+    evidence: dict
+    name: ClassVar[str] = "rebalance"
+
+    def to_dict(self) -> dict:
+        return {"decision": self.name, "shares": list(self.shares), "evidence": self.evidence}
+
+
+@dataclass
+class Replicas:
+    """Which ranks compute replica j's share, and where they run (for the record)."""
+    dp: int
+    ranks: list[list[int]]  # per replica, its ranks (a tensor-parallel group)
+    where: list[dict] = field(default_factory=list)  # per rank: {"node": ..., "device": ...}
+
+    @classmethod
+    def of(cls, layout, infos: list[dict] | None = None) -> Replicas:
+        ranks = [[r for r in range(layout.dp * layout.tp) if layout.dp_rank(r) == j] for j in range(layout.dp)]
+        where = [{"node": i.get("node_ip") or i.get("node_id"), "device": i.get("device")} for i in (infos or [])]
+        return cls(layout.dp, ranks, where)
+
+    def place(self, j: int) -> dict:
+        first = self.ranks[j][0]
+        return {"rank": first, **(self.where[first] if first < len(self.where) else {})}
+
+
+def proportional(speeds: list[float], batch: int, micro_batch: int | None) -> tuple[int, ...]:
+    """Whole samples in proportion to `speeds`, adding up to `batch` (largest remainders), each
+    at least what the step's micro-batches need (shares.micro_batches)."""
+    floor = 1
+    while True:
+        total = sum(speeds)
+        exact = [batch * s / total for s in speeds]
+        counts = [max(floor, int(e)) for e in exact]
+        while sum(counts) > batch:  # the floors took samples: from the largest
+            counts[max(range(len(counts)), key=counts.__getitem__)] -= 1
+        order = sorted(range(len(counts)), key=lambda j: exact[j] - int(exact[j]), reverse=True)
+        for j in order[:batch - sum(counts)]:
+            counts[j] += 1
+        try:
+            micro_batches(counts, micro_batch)
+            return tuple(counts)
+        except SharesError:
+            floor += 1
+            if floor * len(speeds) > batch:
+                return even(len(speeds), batch)
+
+
+def balanced(fits: list[tuple[float, float]], batch: int, micro_batch: int | None) -> tuple[int, ...]:
+    """Whole samples that make every replica's compute time alike, each replica's time fitted as
+    `fixed + per_sample x n` (two windows at different shares give the line; a step's update and
+    per-layer costs are the fixed part, which proportional shares would not see)."""
+    inv = sum(1 / c for _, c in fits)
+    level = (batch + sum(a / c for a, c in fits)) / inv  # the time every replica reaches
+    wanted = [max(0.0, (level - a) / c) for a, c in fits]
+    return proportional(wanted, batch, micro_batch)
+
+
+class Rebalancer:
+    """observe(record) -> Rebalance | Report | None, one step record at a time."""
+
+    def __init__(self, mode: str, layout, batch: int, micro_batch: int | None, infos: list[dict] | None = None,
+                 window: int = WINDOW, min_gain: float = MIN_GAIN, cooldown: int = 40):
+        if mode not in MODES:
+            raise ValueError(f"adapt.stragglers = {mode!r}: one of {', '.join(MODES)}")
+        self.mode, self.batch, self.micro = mode, batch, micro_batch
+        self.window, self.min_gain, self.cooldown = window, min_gain, cooldown
+        self.replicas = Replicas.of(layout, infos)
+        self.shares = even(layout.dp, batch)
+        self.steps: deque = deque(maxlen=window)
+        self.skip = 0
+        self.slow_since: dict[int, int] = {}  # replica -> first step of its run of slowest steps
+        self.said: dict[int, int] = {}  # report mode: replica -> step last reported
+        self.check: dict | None = None  # the last rebalance, to measure once a window has run on it
+        self.before: list[float] | None = None  # per replica, the compute time measured on the shares before
+        self.shares_before: tuple[int, ...] | None = None
+
+    def start_over(self, layout, micro_batch: int | None, infos: list[dict] | None = None) -> None:
+        """A new layout, world or micro-batch: even shares (the workers' own reset), a new window."""
+        self.__init__(self.mode, layout, self.batch, micro_batch, infos, self.window, self.min_gain, self.cooldown)
+
+    def applied(self, decision: Rebalance, step: int) -> None:
+        """The workers took `decision`'s shares from step boundary `step` on."""
+        self.before, self.shares_before = list(decision.evidence["compute_s"]), self.shares
+        self.shares = decision.shares
+        self.steps.clear()
+        self.skip = SETTLE
+        self.check = {"step": step, **{k: decision.evidence[k] for k in ("predicted_step_s", "measured_step_s")}}
+
+    def observe(self, record: dict) -> Rebalance | Report | None:
+        compute = (record.get("ranks") or {}).get("compute_time")
+        if not compute or len(compute) < self.replicas.dp * 1 or record.get("partial"):
+            return None
+        if self.skip:
+            self.skip -= 1
+            return None
+        per = [max(compute[r] for r in ranks) for ranks in self.replicas.ranks]
+        self._note_slowest(per, record["step"])
+        self.steps.append((per, record["step_time_max"]))
+        if len(self.steps) < self.window:
+            return None
+        checked = self._checked(record["step"])
+        if checked is not None:
+            return checked
+        return self._decide(record["step"])
+
+    def _note_slowest(self, per: list[float], step: int) -> None:
+        slowest = max(range(len(per)), key=per.__getitem__)
+        others = median([c for j, c in enumerate(per) if j != slowest]) if len(per) > 1 else per[0]
+        if per[slowest] > (1 + self.min_gain) * others:
+            self.slow_since.setdefault(slowest, step)
+        for j in [j for j in self.slow_since if j != slowest or per[slowest] <= (1 + self.min_gain) * others]:
+            del self.slow_since[j]
+
+    def _fits(self, times: list[float]) -> list[tuple[float, float]]:
+        """Per replica (fixed s, s per sample): the line through its two last windows where its
+        share changed between them and the line is sound; else through the origin (no fixed part)."""
+        fits = []
+        for j, (n, t) in enumerate(zip(self.shares, times)):
+            fit = (0.0, t / n)
+            if self.before is not None and self.shares_before[j] != n:
+                n0, t0 = self.shares_before[j], self.before[j]
+                c = (t - t0) / (n - n0)
+                if c > 0 and 0 <= t - c * n < t:
+                    fit = (t - c * n, c)
+            fits.append(fit)
+        return fits
+
+    def _checked(self, step: int) -> Report | None:
+        """Once a full window has run on new shares: the step measured against the one predicted."""
+        if self.check is None:
+            return None
+        measured = median(t for _, t in self.steps)
+        check, self.check = self.check, None
+        error = measured / check["predicted_step_s"] - 1 if check["predicted_step_s"] > 0 else 0.0
+        return Report("rebalanced", {"applied_step": check["step"], "measured_step_s_before": check["measured_step_s"],
+                                     "predicted_step_s": check["predicted_step_s"], "measured_step_s": measured,
+                                     "prediction_error": error, "shares": list(self.shares)})
+
+    def _decide(self, step: int) -> Rebalance | Report | None:
+        cols = list(zip(*(per for per, _ in self.steps)))
+        times = [median(c) for c in cols]
+        if min(times) <= 0:
+            return None
+        noise = max((_quantile(c, 0.75) - _quantile(c, 0.25)) / median(c) for c in cols)
+        speeds = [n / t for n, t in zip(self.shares, times)]
+        fits = self._fits(times)
+        self.before = None  # a line only through two windows in a row: the speeds may change later
+        after = balanced(fits, self.batch, self.micro)
+        predicted_compute = max(a + c * n for n, (a, c) in zip(after, fits))
+        gain = 1 - predicted_compute / max(times)
+        # each half of the window must show the gain on its own: a slow replica stays slow, while
+        # jitter that lifts one replica's median in a window seldom does in both of its halves
+        half = len(self.steps) // 2
+        halves = [[median(c[:half]) for c in cols], [median(c[half:]) for c in cols]]
+        least = min(1 - max(t / n * m for t, n, m in zip(h, self.shares, after)) / max(h) for h in halves)
+        if after == self.shares or min(gain, least) <= max(self.min_gain, noise):
+            return None
+        step_s = median(t for _, t in self.steps)
+        slow = min(range(len(speeds)), key=speeds.__getitem__)
+        evidence = {"reason": "straggler", **self.replicas.place(slow), "replica": slow,
+                    "speed_ratio": max(speeds) / speeds[slow], "since_step": self.slow_since.get(slow, step),
+                    "speeds": speeds, "compute_s": times, "shares_before": list(self.shares), "shares_after": list(after),
+                    "noise": noise, "min_gain": self.min_gain, "predicted_gain": gain,
+                    "measured_step_s": step_s, "predicted_step_s": step_s - (max(times) - predicted_compute)}
+        self.steps.clear()
+        if self.mode == "report":
+            if step - self.said.get(slow, -self.cooldown) < self.cooldown:
+                return None
+            self.said[slow] = step
+            return Report("straggler", evidence)
+        return Rebalance(after, evidence)
+
+
+def _quantile(xs, q: float) -> float:
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)

@@ -1,0 +1,121 @@
+"""Uneven shares of the global batch (a straggler's rebalance, workers/step/shares.py): the slices
+cover every sample of a step once, in order; the weighted step leaves the global batch's mean
+gradient; and four gloo workers (no Ray) trained under data, fsdp, hsdp and hybrid with uneven,
+changing shares and micro-batches end where plain single-process PyTorch does."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+
+import pytest
+import torch
+
+from gearshift.workers.step import shares, steps
+from gearshift.workers.step.data import GlobalBatches
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_shares_cut_every_step_into_its_samples_once_in_order():
+    order = GlobalBatches(50, 16, seed=3)
+    for step in (0, 2, 3):  # step 3 straddles the end of a pass
+        for counts in ((7, 5, 2, 2), (1, 1, 1, 13), None):
+            parts = [order.shard(step, r, 4, counts) for r in range(4)]
+            assert sum(parts, []) == order.indices(step)
+            assert [len(p) for p in parts] == list(counts or (4, 4, 4, 4))
+
+
+@pytest.mark.parametrize("counts, dp, message", [
+    ((8, 8, 0), 3, "at least 1"),
+    ((8, 8), 3, "one count per data-parallel replica, 3 of them"),
+    ((9, 8), 2, "add up to 17, not the global batch 16"),
+    ((8.0, 8), 2, "whole number"),
+])
+def test_bad_shares_are_refused_with_what_is_wrong(counts, dp, message):
+    with pytest.raises(shares.SharesError, match=message):
+        shares.check(counts, dp, 16)
+
+
+def test_even_shares_are_even_and_micro_batches_match_on_every_rank():
+    assert shares.check((4, 4, 4, 4), 4, 16) is None
+    assert shares.micro_batches((7, 5, 2, 2), 4) == 2  # the largest share's: every rank takes as many
+    assert shares.micro_batches((7, 5, 2, 2), None) == 1
+    with pytest.raises(shares.SharesError, match="each share needs at least 4 samples"):
+        shares.micro_batches((13, 1, 1, 1), 4)
+
+
+class _Layout:
+    def __init__(self, model):
+        self.module = self.model = model
+        self.step_variant = None
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_weighted_replicas_average_to_the_global_batch_gradient(micro):
+    """What DDP computes from the uneven variant (the mean over replicas of their gradients)
+    equals one process's gradient over the whole batch."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 5), torch.randn(16, 3)
+    ref = torch.nn.Linear(5, 3)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    counts, grads, losses = (9, 4, 3), [], []
+    for r in range(3):
+        model = torch.nn.Linear(5, 3)
+        model.load_state_dict(ref.state_dict())
+        w = types.SimpleNamespace(parallel=_Layout(model), scaler=torch.amp.GradScaler("cpu", enabled=False),
+                                  accumulation=micro, device=torch.device("cpu"),
+                                  layout=types.SimpleNamespace(dp=3), config=types.SimpleNamespace(global_batch_size=16))
+        runner = types.SimpleNamespace(w=w, forward_loss=lambda a, b, m=model: torch.nn.functional.mse_loss(m(a), b))
+        lo, hi = shares.bounds(16, r, 3, counts)
+        losses.append(steps.choose(w.parallel, micro, uneven=True)(runner, x[lo:hi], y[lo:hi]))
+        grads.append([p.grad for p in model.parameters()])
+    assert torch.allclose(sum(losses) / 3, torch.nn.functional.mse_loss(ref(x), y).detach(), atol=1e-6)
+    for i, p in enumerate(ref.parameters()):
+        assert torch.allclose(sum(g[i] for g in grads) / 3, p.grad, atol=1e-6)
+
+
+def _set_shares(worker, counts):
+    return worker.set_shares(counts)
+
+
+def _reshard(worker, layout):
+    return worker.reshard(layout)
+
+
+def test_four_workers_on_uneven_shares_end_where_one_process_does():
+    """data(4) on 7/5/2/2, fsdp(4) on 2/3/4/7 in micro-batches of 4, hsdp(2 shards x 2) on 5/5/3/3,
+    hybrid (dp 2, tp 2) on 11/5: every layout in turn on the same live workers, then the state and
+    every step's loss against plain PyTorch on the same global batches (SGD, clipping)."""
+    from bench.local_group import LocalGroup
+    from gearshift.orchestrator.job import job_from_dict
+    from gearshift.strategies.layout import Layout
+    from tests.test_train_equivalence import reference
+
+    job = job_from_dict({"model": "mlp", "train": {"steps": 12, "global_batch_size": 16, "grad_clip": 0.5},
+                         "optimizer": {"name": "sgd", "lr": 0.2, "momentum": 0.9},
+                         "cluster": {"num_workers": 4}, "parallel": {"strategy": "data"},
+                         "telemetry": {"ray_metrics": False}}, base_dir=ROOT)
+    want, want_losses = reference(job)
+    plan = [(Layout("data", 4, 1), [7, 5, 2, 2], None),
+            (Layout("fsdp", 4, 1, shard=4), [2, 3, 4, 7], 4),
+            (Layout("hsdp", 4, 1, shard=2), [5, 5, 3, 3], None),
+            (Layout("hybrid", 2, 2), [11, 5], None)]
+    losses = []
+    with LocalGroup(job.to_dict(), 4, search_paths=[ROOT], cpus=0.5) as group:
+        for i, (layout, counts, micro) in enumerate(plan):
+            if i:
+                group.apply(_reshard, layout.to_dict())
+            group.call("set_micro_batch", micro)
+            assert group.apply(_set_shares, counts)[0] == {"shares": counts, "accumulation": 2 if micro else 1}
+            reports = group.call("train", 3 * (i + 1), 0, 1000.0)
+            per_rank = [[v for r in rank for v in r["losses"]] for rank in reports]
+            losses += [sum(col) / 4 for col in zip(*per_rank)]
+        got = group.call("state")[0]["model"]
+    assert max(abs(a - b) for a, b in zip(losses, want_losses)) < 1e-5, (losses, want_losses)
+    for name, value in want.items():
+        assert torch.allclose(got[name], value, atol=1e-5), name
