@@ -29,14 +29,20 @@ taken from the static data run of the same setting and repeat: rank r's speed is
 step (global batch / dp) over the median, across steady steps, of its compute time (the step
 records' `ranks.compute_time`: step time minus comm wait minus data time); steady means past the
 first 10 steps of the run and past the first 3 after each change of the node's share. In the
-scenario the ideal is taken per phase (each phase's steps at that phase's summed speed).
+scenario the ideal is taken per phase (each phase's steps at that phase's summed speed), the
+phases as they landed in that run: the testbed changes the share when the telemetry shows the
+step, a few steps behind the workers, so a phase starts at the first step that ended after the
+change (the step records' `ended_at`). That ideal leaves out communication altogether; the
+`ideal_with_comm` adds to each step the comm and data time of a rank that waited on no other
+(per step the smallest step time minus compute time over the ranks, median over steady steps):
+every rank computing or communicating, none waiting for another.
 
 `--repeats N` runs every (setting, variant) N times, interleaved (repeat 1 of every variant of a
 setting, then repeat 2, ...); ratios are taken within a repeat and summarized as median, min and
 max. `--dry-run` prints every run's `gearshift` arguments and slow node without running anything.
 
     sudo .venv/bin/python bench/straggler.py                   # slow (300 steps), quiet (300), scenario (200)
-    sudo .venv/bin/python bench/straggler.py --quick           # 150, 150, 140 steps: ~7 min a repeat
+    sudo .venv/bin/python bench/straggler.py --quick           # 150, 150, 140 steps: ~8 min a repeat
     sudo .venv/bin/python bench/straggler.py --quick --repeats 3
     .venv/bin/python bench/straggler.py --quick --dry-run      # the runs it would make (no root needed)
 
@@ -45,7 +51,9 @@ data+rebalance / static data >= 0.98; scenario: auto ahead of every static layou
 
 The last line of output is one JSON object. Per setting (`slow`, `quiet`, `scenario`):
 `auto_vs_static_data_<setting>`, `auto_vs_static_hsdp_<setting>`, `rebalance_vs_static_data_<setting>`
-(data+rebalance / static data) and `auto_vs_ideal_<setting>`, each {median, min, max, per_repeat};
+(data+rebalance / static data), `auto_vs_ideal_<setting>` and `auto_vs_ideal_with_comm_<setting>`
+(with `rebalance_vs_...` and `static_data_vs_...` beside them), each {median, min, max, per_repeat};
+`samples_per_s_<setting>`: per variant, the same summary of samples/s;
 `rebalances_<setting>`: per variant, the rebalance decisions of each repeat's run;
 `peak_mem_bytes_<setting>`: per variant, the largest `peak_mem_bytes` of its runs' step records
 (where they carry it); `auto_ahead_scenario`: per repeat, whether auto beat every static layout;
@@ -147,10 +155,11 @@ def read_run(run_dir: pathlib.Path, steps: int) -> dict:
     step_records = [r for r in records if r["type"] == "step"]
     end = max(r["time"] for r in step_records)
     decisions = [r for r in records if r["type"] == "event" and r.get("event") == "decision"]
+    # what the policy did (not its keeps and holds): switches, reverts, rebalances with their shares
     moves = [{"decision": r["decision"], "seen_step": r.get("seen_step", r.get("step")),
               "applied_step": r.get("applied_step"), "to": (r.get("to") or {}).get("strategy"),
-              "reason": (r.get("evidence") or {}).get("reason")}
-             for r in decisions if r.get("decision") not in (None, "keep")]
+              "shares": r.get("shares"), "speed_ratio": (r.get("evidence") or {}).get("speed_ratio")}
+             for r in decisions if r.get("decision") not in (None, "keep", "hold")]
     peaks = [r["peak_mem_bytes"] for r in step_records if isinstance(r.get("peak_mem_bytes"), (int, float))]
     return {"seconds": end - start, "samples_per_s": steps * BATCH / (end - start),
             "rebalances": sum(1 for r in records if r.get("decision") == "rebalance"),
@@ -217,7 +226,8 @@ def run_one(tb: Testbed, setting: Setting, variant: str, rep: int, root: pathlib
 
 
 def show(setting: Setting, variant: str, rep: int, r: dict) -> None:
-    moves = " ".join(f"{m['decision']}@{m['seen_step']}" + (f"->{m['to']}" if m["to"] else "") for m in r["moves"])
+    moves = " ".join(f"{m['decision']}@{m['seen_step']}" + (f"->{m['to']}" if m["to"] else "")
+                     + (f"->{m['shares']}" if m["shares"] else "") for m in r["moves"])
     ideal = (f"  ideal {r['ideal_samples_per_s']:.1f} (with comm {r['ideal_with_comm_samples_per_s']:.1f})"
              if r.get("ideal_samples_per_s") else "")
     share = (f"  node 1 at {' '.join(r['share_changes'])} (seen at those steps; landed from steps "
@@ -326,7 +336,7 @@ def verdicts(results: dict, figures: dict, repeats: int) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="shorter runs (150, 150, 140 steps): ~7 minutes a repeat")
+    ap.add_argument("--quick", action="store_true", help="shorter runs (150, 150, 140 steps): ~8 minutes a repeat")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every (setting, variant), interleaved")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"a subset of {','.join(SETTINGS)}")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")

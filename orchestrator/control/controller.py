@@ -60,6 +60,7 @@ from gearshift.orchestrator.control.recovery import Recovery
 from gearshift.orchestrator.control.reporting import Reporter
 from gearshift.orchestrator.control.rollback import NanRollback
 from gearshift.orchestrator.control.states import State
+from gearshift.orchestrator.control.stragglers import Stragglers
 from gearshift.orchestrator.control.states.finishing import FinishingState
 from gearshift.orchestrator.control.states.placing import PlacingState, device_memory, node_sizes
 from gearshift.orchestrator.control.states.recovering import RecoveringState
@@ -123,6 +124,7 @@ class Controller:
         self.boundary: Boundary | None = None  # the boundary SWITCHING carries out
         self.start_choice: dict | None = None  # strategy auto: where it started, and every layout's prediction
         self.decided: tuple[Decision, int] | None = None  # the chunk's switch or revert, and the step it was seen
+        self.stragglers = Stragglers(self)  # adapt.stragglers: the replicas' shares of the global batch
         self.dropped: list[dict] = []  # the chunk's step that ranks dropped (out of memory here or on a peer)
         self.states = {s.name: s for s in (PlacingState(self), StartingState(self), TrainingState(self),
                                            SwitchingState(self), RecoveringState(self), FinishingState(self))}
@@ -195,10 +197,12 @@ class Controller:
             self.memory.in_switch(failed, old, target, self.micro)
             if self.policy is not None:
                 self.policy.exclude(target)
+            self.stragglers.start_over()  # every rank was laid out again, on even shares
             self.enter(State.TRAINING, from_step=step, steps_target=self.job.train.steps)
             return
         seconds = max(r["seconds"] for r in results)
         self.layout = target
+        self.stragglers.start_over()
         if bucket is not None:
             self.tuning.bucket = bucket
         record = {"step": step, "from": old.to_dict(), "to": target.to_dict(), "seconds": seconds, "reason": reason}
@@ -208,8 +212,10 @@ class Controller:
         self.enter(State.TRAINING, from_step=step, steps_target=self.job.train.steps)
 
     def note_layout(self, step: int) -> None:
-        """The layout history gets an entry: the bucket in force changed at `step`."""
+        """The layout history gets an entry: the bucket in force changed at `step` (the workers were
+        laid out again, on even shares)."""
         self.history.append(self.history_entry(step, self.layout))
+        self.stragglers.start_over()
 
     def history_entry(self, step: int, layout: Layout) -> dict:
         return {"step": step, **layout.to_dict(), "bucket_cap_mb": self.tuning.bucket}
@@ -222,6 +228,7 @@ class Controller:
         self.node_sizes = node_sizes(self.job, infos)
         self.history.append(self.history_entry(self.step, layout))
         self.summary["world_size"] = layout.world
+        self.stragglers.start_over()
         if self.policy is not None:  # the candidates of the new world
             self.policy = self.make_policy()
 

@@ -210,10 +210,21 @@ def describe(decision) -> str:
         return head + ": " + predicted_text(ev, target)
     if name in ("grow", "no_grow"):
         return f"{name} -> {layout_text(ev['to'])}: " + grow_text(ev)
+    if name in ("rebalance", "straggler") and "shares_after" in ev:
+        return f"{name}: " + shares_text(ev, moved=name == "rebalance")
     if ev.get("predicted_step_s") is not None and ev.get("measured_step_s") is not None:
         parts = [f"measured {ev['measured_step_s'] * 1e3:.4g} ms a step, predicted {ev['predicted_step_s'] * 1e3:.4g}"
                  f" ({ev['prediction_error']:+.0%})"] + parts
     return head + (f" ({', '.join(parts[:6])})" if parts else "")
+
+
+def shares_text(ev: dict, moved: bool) -> str:
+    """adapt.stragglers in a line: who is slow, by how much, and the shares (moved, or only said)."""
+    where = f"rank {ev['rank']}" + (f" on {ev['node']}" if ev.get("node") else "")
+    return (f"replica {ev['replica']} ({where}) computes {ev['speed_ratio']:.2f}x slower than the fastest since step "
+            f"{ev['since_step']}; shares {ev['shares_before']} -> {ev['shares_after']}"
+            f"{'' if moved else ' would'} predicted to cut the step {ev['measured_step_s'] * 1e3:.4g} -> "
+            f"{ev['predicted_step_s'] * 1e3:.4g} ms (noise {ev['noise']:.0%})")
 
 
 def grow_text(ev: dict) -> str:

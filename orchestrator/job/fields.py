@@ -147,6 +147,12 @@ def _bool(v, path):
     return v
 
 
+@_schema({"enum": ["rebalance", "report", "off", False]})
+def _stragglers(v, path):
+    """adapt.stragglers; YAML reads a bare `off` as false, which means off."""
+    return "off" if v is False else _choice("rebalance", "report", "off")(v, path)
+
+
 @_schema({"anyOf": [{"type": "boolean"}, {"type": "string", "enum": ["auto"]}]})
 def _bool_or_auto(v, path):
     if not isinstance(v, bool) and v != "auto":

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.orchestrator.job import credentials, secrets
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_check, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _min_workers, _name, _nullable, _on_node_loss, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_check, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _min_workers, _name, _nullable, _on_node_loss, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _stragglers, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ class AdaptSpec:
                     "the layout auto starts on. probe: on a run over nodes deciding by prediction, the workers "
                     "measure their device and the link before the build, and the run starts on the layout "
                     "predicted fastest among those that fit; memory: the least sharded layout that fits")
-    stragglers: str = _f("rebalance", _choice("rebalance", "report", "off"),
+    stragglers: str = _f("rebalance", _stragglers,
                          "a data-parallel replica computing slower than the others, under any layout with "
                          "replicas but a pipeline. rebalance: each replica takes a share of the global batch in "
                          "proportion to its measured speed (the update stays exact); report: say so in a "

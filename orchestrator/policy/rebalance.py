@@ -48,7 +48,9 @@ class Replicas:
     @classmethod
     def of(cls, layout, infos: list[dict] | None = None) -> Replicas:
         ranks = [[r for r in range(layout.dp * layout.tp) if layout.dp_rank(r) == j] for j in range(layout.dp)]
-        where = [{"node": i.get("node_ip") or i.get("node_id"), "device": i.get("device")} for i in (infos or [])]
+        where = [{"node": i.get("node_ip") or i.get("node_id"), "host": i.get("hostname"),
+                  "device": i.get("device") or (f"gpu {','.join(map(str, i['gpu_ids']))}" if i.get("gpu_ids") else "cpu")}
+                 for i in (infos or [])]
         return cls(layout.dp, ranks, where)
 
     def place(self, j: int) -> dict:

@@ -31,6 +31,7 @@ class DroppedStep:
             ctl.switch(action.setting.layout, ctl.step, "oom")
         ctl.micro = action.setting.micro_batch
         ctl.group.call("set_micro_batch", ctl.micro)
+        ctl.stragglers.start_over()  # the new group's workers are on even shares
         if ctl.policy is not None:
             ctl.policy.switched(ctl.layout, ctl.step)
             ctl.policy.exclude(*ctl.memory.layouts_not_fitting)

@@ -47,7 +47,9 @@ class TrainingState:
         ctl.schedule = [e for e in job.adapt.schedule if e["step"] > start_step]
         auto = job.parallel.strategy == "auto" and job.adapt.enabled and ctl.tuning.grid is None
         ctl.policy = ctl.make_policy() if auto else None
-        self.stoppable = ctl.policy is not None and callable(getattr(ctl.group, "stop_early", None))
+        ctl.stragglers.start_over()
+        deciding = ctl.policy is not None or ctl.stragglers.watching
+        self.stoppable = deciding and callable(getattr(ctl.group, "stop_early", None))
         ctl.step = start_step
         ctl.tuning.begin(start_step)
 
@@ -81,6 +83,7 @@ class TrainingState:
         if boundary.to is not None:
             ctl.boundary = boundary
             return State.SWITCHING
+        ctl.stragglers.carry_out(until)
         ctl.tune_after(boundary)
         return State.TRAINING
 
@@ -134,7 +137,8 @@ class TrainingState:
         ctl = self.ctl
         job, report = ctl.job, ctl.report
         merger = StepMerger(job.cluster.num_workers, job.train.global_batch_size,
-                            {**ctl.layout.to_dict(), "bucket_cap_mb": ctl.tuning.bucket}, ctl.tokens_per_sample)
+                            {**ctl.layout.to_dict(), "bucket_cap_mb": ctl.tuning.bucket, **ctl.stragglers.context()},
+                            ctl.tokens_per_sample)
         pending, kept, reached = None, False, ctl.step
         stoppable = self.stoppable and not ctl.tuning.active
         ctl.checkpoints.new_chunk()
@@ -166,6 +170,8 @@ class TrainingState:
                     elif decision.name != "keep" or decision.evidence:  # a kept switch is news too
                         report.decided(decision, record["step"], record["step"])
                         kept = kept or decision.name == "keep"
+                if pending is None and ctl.stragglers.observe(record) and stoppable and record["step"] < until:
+                    ctl.group.stop_early()  # the new shares are taken where the workers stop
             if "profile" in batch:  # train.profile's window ended on this rank
                 report.profiled(rank, batch["profile"])
             ctl.checkpoints.add(batch, job.cluster.num_workers)
