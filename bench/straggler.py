@@ -116,6 +116,8 @@ def settings_of(args: argparse.Namespace) -> list[Setting]:
     scenario = args.scenario or ("1.0@0,0.5@40,1.0@100" if args.quick else "1.0@0,0.5@60,1.0@140")
     if not all("@" in part for part in scenario.split(",")):
         raise SystemExit(f"--scenario {scenario!r}: give every phase by step (SHARE@STEP,...)")
+    if not 0 < args.share <= 1:
+        raise SystemExit(f"--share {args.share:g}: the slow node's share of its core is in (0, 1]")
     out = {"slow": Setting("slow", steps, f"{args.share:g}"), "quiet": Setting("quiet", steps, None),
            "scenario": Setting("scenario", scenario_steps, scenario)}
     chosen = [s.strip() for s in args.settings.split(",")]
@@ -230,8 +232,9 @@ def show(setting: Setting, variant: str, rep: int, r: dict) -> None:
                      + (f"->{m['shares']}" if m["shares"] else "") for m in r["moves"])
     ideal = (f"  ideal {r['ideal_samples_per_s']:.1f} (with comm {r['ideal_with_comm_samples_per_s']:.1f})"
              if r.get("ideal_samples_per_s") else "")
-    share = (f"  node 1 at {' '.join(r['share_changes'])} (seen at those steps; landed from steps "
-             f"{','.join(map(str, r['phase_starts']))})" if r["share_changes"] else "")
+    share = f"  node 1 at {' '.join(r['share_changes'])}" if r["share_changes"] else ""
+    if len(r["phase_starts"]) > 1:  # the steps the telemetry showed at each change, then where it landed
+        share += f" (landed from steps {','.join(map(str, r['phase_starts']))})"
     print(f"  {setting.name:<10}#{rep + 1:<3}{variant:<16}{r['seconds']:>8.1f} s{r['samples_per_s']:>9.1f} samples/s"
           f"  rebalances {r['rebalances']}{ideal}{share}  {moves}", flush=True)
 

@@ -119,3 +119,36 @@ def test_four_workers_on_uneven_shares_end_where_one_process_does():
     assert max(abs(a - b) for a, b in zip(losses, want_losses)) < 1e-5, (losses, want_losses)
     for name, value in want.items():
         assert torch.allclose(got[name], value, atol=1e-5), name
+
+
+@pytest.mark.ray
+def test_a_simulated_straggler_is_rebalanced_live_and_back_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
+    """4 Ray workers under data; rank 3 computes 4x as long (inject.slow). The run moves samples off
+    it within two steps of the record that showed it and ends where plain single-process PyTorch
+    ends on the same global batches. (A recovery's give-back is tested on records, in
+    tests/test_rebalance.py: four workers on two cores leave too little compute per sample here.)"""
+    import json
+
+    from gearshift.monitoring.telemetry import read
+    from gearshift.orchestrator.job import load_job
+    from tests.test_train_equivalence import MLP, max_diff, reference, run_gearshift
+
+    job_file, overrides = MLP
+    overrides = overrides + ["train.steps=60", "train.global_batch_size=128", "cluster.num_workers=4", "parallel.strategy=data",
+                             "parallel.bucket_cap_mb=25", "optimizer.name=sgd", "optimizer.lr=0.05",
+                             "inject.slow={ranks: [3], factor: 4}"]
+    want, want_losses = reference(load_job(job_file, overrides))
+    summary = run_gearshift(job_file, overrides, tmp_path / "run")
+    assert summary["status"] == "done"
+    records = read(tmp_path / "run" / "telemetry.jsonl")
+    moves = [r for r in records if r.get("event") == "decision" and r["decision"] == "rebalance"]
+    assert moves, [r for r in records if r.get("event") == "decision"]
+    first = moves[0]
+    assert first["evidence"]["replica"] == 3 and first["seen_step"] <= 20
+    assert all(m["shares"][3] < 24 and m["applied_step"] - m["seen_step"] <= 2 for m in moves), json.dumps(moves)[:2000]
+    steps = {r["step"]: r for r in records if r["type"] == "step"}
+    assert steps[first["applied_step"] + 1]["shares"] == first["shares"]
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, want) <= 1e-5
+    worst = max(abs(steps[i + 1]["loss"] - ref) for i, ref in enumerate(want_losses))
+    assert worst <= 1e-5, worst

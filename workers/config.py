@@ -44,6 +44,7 @@ class WorkerConfig:
     comm_delay_ms: float = 0.0  # the simulated network (workers/group/simnet.py)
     sim_nodes: int = 1
     sim_link: Mapping[str, float] | None = None
+    sim_slow: Mapping[str, object] | None = None  # inject.slow: ranks computing `factor` times as long
     search_paths: tuple[str, ...] = field(default=(".",))
     micro_batch_size: int | None = None  # None: a rank's whole share of the global batch at once
     lr: float = 1e-3
@@ -88,6 +89,7 @@ class WorkerConfig:
             gpu=job["cluster"]["gpus_per_worker"] > 0, telemetry=tel["enabled"],
             sample_period_s=tel["sample_period_s"], ray_metrics=tel["ray_metrics"], on_nan=job["fault"]["on_nan"],
             comm_delay_ms=inject["comm_delay_ms"], sim_nodes=inject["nodes"], sim_link=inject.get("link"),
+            sim_slow=inject.get("slow"),
             search_paths=tuple(search_paths), micro_batch_size=train.get("micro_batch_size"),
             lr=job["optimizer"]["lr"], total_steps=train["steps"],
             schedule=job["optimizer"].get("schedule") or dict(_CONSTANT),

@@ -21,6 +21,13 @@ def check_job(job: Job) -> None:
     _check_reduce_dtype(job)
     _check_sizes(job)
     _check_elastic(job)
+    _check_slow(job)
+
+
+def _check_slow(job: Job) -> None:
+    slow, n = job.inject.slow, job.cluster.num_workers
+    if slow and max(slow["ranks"]) >= n:
+        raise JobError("inject.slow.ranks", slow["ranks"], f"must name workers of the run: ranks 0 to {n - 1}")
 
 
 def _check_elastic(job: Job) -> None:

@@ -515,6 +515,32 @@ def _link(v, path):
             "latency_ms": _float(0.0, 60000.0)(v.get("latency_ms", 0.0), f"{path}.latency_ms")}
 
 
+@_schema(_nullable({"type": "object", "required": ["ranks", "factor"], "additionalProperties": False,
+                    "properties": {"ranks": {"type": "array", "items": _number("integer", 0), "minItems": 1},
+                                   "factor": _number("number", 1.0),
+                                   "from_step": {**_number("integer", 0), "default": 0},
+                                   "to_step": {**_nullable(_number("integer", 1)), "default": None}}}))
+def _slow(v, path):
+    """inject.slow: {ranks: [R, ...], factor: F, from_step: A, to_step: B}: those ranks compute F times
+    as long over steps [A, B) (B null: to the end)."""
+    if v is None:
+        return None
+    keys = {"ranks", "factor", "from_step", "to_step"}
+    if not isinstance(v, dict) or set(v) - keys or not {"ranks", "factor"} <= set(v):
+        raise JobError(path, v, "must be {ranks: [R, ...], factor: F, from_step: A, to_step: B} (the steps "
+                                "optional) or null")
+    ranks = v["ranks"]
+    if not isinstance(ranks, list) or not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
+                                                       for r in ranks):
+        raise JobError(f"{path}.ranks", ranks, "must be a non-empty list of worker ranks (integers >= 0)")
+    first = _int(0)(v.get("from_step", 0), f"{path}.from_step")
+    last = v.get("to_step")
+    if last is not None and _int(1)(last, f"{path}.to_step") <= first:
+        raise JobError(f"{path}.to_step", last, f"must be after from_step ({first}), or null")
+    return {"ranks": sorted(set(ranks)), "factor": _float(1.0)(v["factor"], f"{path}.factor"),
+            "from_step": first, "to_step": last}
+
+
 @_schema(_number("integer", -1))
 def _max_failures(v, path):
     if isinstance(v, bool) or not isinstance(v, int) or v < -1:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.orchestrator.job import credentials, secrets
-from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_check, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _min_workers, _name, _nullable, _on_node_loss, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _str_or_none, _strategy, _stragglers, _tp_plan, _tp_size
+from gearshift.orchestrator.job.fields import JobError, _READERS, _betas, _bool, _bool_or_auto, _bucket, _checkpointing, _bucket_values, _builtin, _choice, _columns, _compile, _entrypoint, _env, _eval_batches, _f, _float, _fsdp_units, _grad_check, _grad_clip, _host, _int, _link, _lr_schedule, _mapping, _max_failures, _micro_batch, _min_workers, _name, _nullable, _on_node_loss, _num_gpus, _port, _precision, _pretrained, _profile, _reader, _schedule, _schema, _section, _slow, _str_or_none, _strategy, _stragglers, _tp_plan, _tp_size
 
 
 @dataclass(frozen=True)
@@ -295,6 +295,9 @@ class InjectSpec:
     comm_delay_ms: float = _f(0.0, _float(0.0, 60000.0), "extra latency added to every timed collective")
     nodes: int = _f(1, _int(1, 4096), "group the workers into this many simulated nodes (consecutive ranks)")
     link: dict | None = _f(None, _link, "a simulated slow link between simulated nodes: {mb_per_s, latency_ms}")
+    slow: dict | None = _f(None, _slow, "simulated stragglers: {ranks: [R, ...], factor: F, from_step: A, to_step: B}: "
+                           "those workers compute F times as long (a sleep after each step's forward and backward, "
+                           "in proportion to their time) over steps [A, B), B null: to the end")
     unshared_storage: bool = _f(False, _bool, "the workers act as if their nodes did not share the driver's file "
                                               "system: they reach the run's checkpoints through the driver's file "
                                               "server")

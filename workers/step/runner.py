@@ -10,6 +10,7 @@ reported, whether an update is under way."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -20,6 +21,7 @@ from gearshift.workers.step.loader import StepLoader, open_loader, seed_generato
 from gearshift.workers.step.module_memory import ModuleMemory
 from gearshift.workers.step.nonfinite import first_non_finite_module, non_finite_step
 from gearshift.workers.step.pending import skips_on_device
+from gearshift.workers.step.slow import SlowRank
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,6 +37,7 @@ class StepRunner:
         self.probe: ModuleMemory | None = None  # rank 0's memory by module, on its first update
         self.updating = False  # inside the optimizer's step: an OOM there leaves the update half applied
         self.micro_setting: int | None = worker.micro_batch  # the micro-batch asked for (set_micro_batch)
+        self.slow = SlowRank(cfg.sim_slow) if cfg.sim_slow else None  # inject.slow: a simulated straggler
 
     def built(self) -> None:
         """The checks that look at the model, once it is first built."""
@@ -111,8 +114,13 @@ class StepRunner:
         data_span = (data_start, clock.mark()) if clock else None
         self.seed(step)  # dropout draws the same whichever process loaded the batch
         w.optimizer.zero_grad(set_to_none=True)
+        if self.slow is not None:  # inject.slow: before the gradients exist, so it counts as compute
+            self.slow.before_compute(w.rank, step, len(x))
+        started = time.perf_counter()
         with self.probe.watching(w.parallel.model) if self.probe else contextlib.nullcontext():
             loss = steps.choose(w.parallel, w.accumulation, uneven=w.shares is not None)(self, x, y)
+        if self.slow is not None:
+            self.slow.computed(time.perf_counter() - started, len(x))
         if clock:
             clock.after_backward()
         w.parallel.after_backward()

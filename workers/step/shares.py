@@ -54,3 +54,4 @@ def micro_batches(shares: Sequence[int], micro_batch: int | None) -> int:
         raise SharesError(f"shares {list(shares)}: the largest takes {k} micro-batches of at most {micro_batch}, "
                           f"so each share needs at least {k} samples")
     return k
+
