@@ -31,6 +31,10 @@ RANK_GAUGES = {
     "gearshift_data_time_seconds": ("time loading the batch in this rank's last step", ("rank",)),
     "gearshift_comm_wait_seconds": ("time blocked on collectives in this rank's last step", ("rank",)),
     "gearshift_comm_wait_fraction": ("comm wait / step time of this rank's last step", ("rank",)),
+    "gearshift_rank_share_samples": ("this rank's samples of the global batch (its data-parallel replica's share; "
+                                     "adapt.stragglers moves them to match the speeds)", ("rank",)),
+    "gearshift_rank_speed_samples_per_second": ("this rank's samples over its compute time in its last step",
+                                                ("rank",)),
     "gearshift_device_utilization_percent": ("GPU utilisation (nvml) or worker CPU % (psutil)", ("rank", "source")),
     "gearshift_device_memory_used_bytes": ("GPU memory used (nvml) or worker resident memory (psutil)",
                                            ("rank", "source")),
@@ -46,7 +50,8 @@ COUNTERS = {
                           ("from_checkpoint",)),
 }
 _RANK_FIELDS = {"step_time": "gearshift_step_time_seconds", "data_time": "gearshift_data_time_seconds",
-                "comm_wait": "gearshift_comm_wait_seconds", "comm_wait_frac": "gearshift_comm_wait_fraction"}
+                "comm_wait": "gearshift_comm_wait_seconds", "comm_wait_frac": "gearshift_comm_wait_fraction",
+                "share": "gearshift_rank_share_samples", "speed": "gearshift_rank_speed_samples_per_second"}
 _SAMPLE_FIELDS = {"util_pct": "gearshift_device_utilization_percent",
                   "mem_used_bytes": "gearshift_device_memory_used_bytes",
                   "mem_total_bytes": "gearshift_device_memory_total_bytes", "power_w": "gearshift_device_power_watts"}

@@ -53,7 +53,8 @@ def make_report(run_dir, out_dir=None) -> Report:
     try:
         out.mkdir(parents=True, exist_ok=True)
         paths = [p for p in (_plot_throughput(steps, marks, out), _plot_comm_wait(steps, marks, out),
-                             _plot_utilisation(records, marks, out), _plot_loss(steps, marks, out, _evals(records))) if p]
+                             _plot_utilisation(records, marks, out), _plot_speeds(steps, marks, out),
+                             _plot_loss(steps, marks, out, _evals(records))) if p]
         text = format_summary(summary)
         (out / "report.txt").write_text(text + "\n", encoding="utf-8")
     except OSError as err:
@@ -444,6 +445,30 @@ def _plot_comm_wait(steps, marks, out):
                label=f"default adaptive threshold ({THRESHOLD_PCT:g} %)")
     ax.set_ylim(0, max(THRESHOLD_PCT * 1.5, np.nanmax(mx) * 1.05 if not np.all(np.isnan(mx)) else 0))
     return _finish(fig, ax, marks, out / "comm_wait.png")
+
+
+def _plot_speeds(steps, marks, out):
+    """Each rank's compute speed (its samples over its compute time) and, where the shares moved
+    (adapt.stragglers), its share of the batch on a second scale. None before any rank's speed."""
+    rows = [r for r in steps if isinstance((r.get("ranks") or {}).get("speed"), list)]
+    if not rows:
+        return None
+    world = max(len(r["ranks"]["speed"]) for r in rows)
+    x = np.array([r["step"] for r in rows], float)
+    fig, ax = _figure("Compute speed per rank (samples over its compute time)", "samples/s of compute")
+    for rank in range(world):
+        y = [r["ranks"]["speed"][rank] if rank < len(r["ranks"]["speed"]) else None for r in rows]
+        _series(ax, x, np.array([np.nan if v is None else v for v in y], float), f"rank {rank}", f"C{rank % 10}")
+    ax.set_ylim(bottom=0)
+    twin = None
+    if any(r.get("shares") for r in rows):  # the shares moved: each rank's samples, dashed
+        twin = ax.twinx()
+        twin.set_ylabel("samples of the batch (dashed)")
+        for rank in range(world):
+            y = [r["ranks"]["share"][rank] if rank < len(r["ranks"].get("share") or []) else np.nan for r in rows]
+            twin.plot(x, np.array(y, float), ls="--", lw=1, color=f"C{rank % 10}")
+        twin.set_ylim(bottom=0)
+    return _finish(fig, ax, marks, out / "speeds.png", twin)
 
 
 def _plot_utilisation(records, marks, out):

@@ -57,7 +57,8 @@ STEP = {
     "ranks": (dict, "per-rank lists indexed by rank: step_time, data_time, compute_time, comm_wait, "
                     "comm_wait_frac, samples_per_s (the rank's samples over its step time; the timing lists are "
                     "null when telemetry is off), share (the rank's samples of the step: its data-parallel "
-                    "replica's); under a pipeline also bubble and link_wait, seconds"),
+                    "replica's), speed (its samples over its compute time: what tells a straggler; null when telemetry "
+                    "is off); under a pipeline also bubble and link_wait, seconds"),
 }
 STEP_RANK_LISTS = ("step_time", "data_time", "compute_time", "comm_wait", "comm_wait_frac", "samples_per_s")
 

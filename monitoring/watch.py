@@ -114,12 +114,12 @@ class WatchState:
     def rank_means(self) -> dict[str, list[float]]:
         """Per-rank lists (as in a step's `ranks`), each entry the mean over the recent steps."""
         out: dict[str, list[float]] = {}
-        for name in ("step_time", "comm_wait_frac", "samples_per_s"):
+        for name in ("step_time", "comm_wait_frac", "samples_per_s", "share", "speed"):
             rows = [r["ranks"][name] for r in self.recent
                     if isinstance(r.get("ranks"), dict) and isinstance(r["ranks"].get(name), list)]
             world = len(rows[-1]) if rows else 0
-            rows = [row for row in rows if len(row) == world]  # a leg with another world size
-            out[name] = [statistics.fmean(row[i] for row in rows) for i in range(world)]
+            rows = [row for row in rows if len(row) == world and None not in row]  # a leg with another world size
+            out[name] = [statistics.fmean(row[i] for row in rows) for i in range(world)] if rows else []
         # a pipeline's wait split: each rank's share of its step idle in the bubble and on the link
         split = [r["ranks"] for r in self.recent if isinstance(r.get("ranks"), dict)
                  and isinstance(r["ranks"].get("bubble"), list) and len(r["ranks"]["bubble"]) == len(out["step_time"])]
@@ -127,6 +127,15 @@ class WatchState:
             out[name] = [statistics.fmean(row[name][i] / row["step_time"][i] if row["step_time"][i] > 0 else 0.0
                                           for row in split) for i in range(len(out["step_time"]))] if split else []
         return out
+
+
+def _share_note(means: dict, r: int) -> list[str]:
+    """A rank whose compute is slower than the fastest's by a tenth or more: by how much, and its
+    share of the batch (adapt.stragglers moves the shares to match the speeds)."""
+    speed, share = means.get("speed") or [], means.get("share") or []
+    if r >= len(speed) or not speed[r] or max(speed) < 1.1 * speed[r]:
+        return []
+    return [f"{max(speed) / speed[r]:.2f}x slower" + (f", share {share[r]:.0f}" if r < len(share) else "")]
 
 
 def _num(value: Any, fmt: str, missing: str = "-") -> str:
@@ -280,6 +289,7 @@ def _workers(state: WatchState, max_rows: int | None) -> Table | Text:
         source = {"nvml": "GPU", "psutil": "CPU"}.get(s.get("source"), s.get("source") or "")
         util = f"{_num(s.get('util_pct'), '.0f')}% {source}" if s else "-"
         notes = (["slowest"] if r == slowest else []) + (["comm-bound"] if r in high else [])
+        notes += _share_note(means, r)
         if r < len(means["bubble"]):  # pipeline: where the stage's wait went
             notes.append(f"bubble {means['bubble'][r]:.0%} link {means['link_wait'][r]:.0%}")
         table.add_row(

@@ -653,3 +653,7 @@ def test_a_slow_rank_gets_a_smaller_share_within_two_steps_of_the_record_that_sh
     [checked] = [d for d in decided if d["decision"] == "rebalanced"]  # a window later: measured as predicted
     assert abs(checked["evidence"]["prediction_error"]) < 0.02
     assert steps[40]["step_time_max"] < 0.8 * steps[5]["step_time_max"]
+    # each rank's speed in the records, and the report plots them with the shares
+    assert steps[5]["ranks"]["speed"] == pytest.approx([64 / 0.008, 64 / 0.015])
+    from gearshift.monitoring.report import make_report
+    assert "speeds.png" in [p.name for p in make_report(run.path).paths]

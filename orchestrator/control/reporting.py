@@ -98,6 +98,9 @@ class StepMerger:
                       "comm_wait": waits if timed else None, "comm_wait_frac": fracs,
                       "samples_per_s": [n / t if t > 0 else 0.0 for n, t in zip(self.rank_share, times)],
                       "share": self.rank_share[:len(times)],
+                      # samples a second of the rank's own compute: what tells a straggler (adapt.stragglers)
+                      "speed": [n / (t - w - d) if t - w - d > 0 else None
+                                for n, t, w, d in zip(self.rank_share, times, waits, data)] if timed else None,
                       **({"bubble": [b for b, _ in pipe], "link_wait": [l for _, l in pipe]}
                          if timed and all(x is not None for x in pipe) else {})},
         }
