@@ -345,6 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
     ap.add_argument("--steps", type=int, default=None, help="steps of the slow and quiet settings")
     ap.add_argument("--share", type=float, default=0.5, help="the slow node's share of its core (slow setting)")
+    ap.add_argument("--batch", type=int, default=BATCH, help=f"the global batch (default {BATCH}: a step that "
+                    "computes 8 samples a rank, a third of it waiting on the link at 1 Gbit/s)")
     ap.add_argument("--scenario", default=None, help="the scenario's slow node, SHARE@STEP,... "
                                                      "(default 1.0@0,0.5@60,1.0@140; --quick 1.0@0,0.5@40,1.0@100)")
     ap.add_argument("--scenario-steps", type=int, default=None, help="steps of the scenario (default 200; --quick 140)")
@@ -360,7 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global BATCH
     args = parse_args(argv)
+    BATCH = args.batch
     settings, variants = settings_of(args), variants_of(args.variants)
     field = not args.no_stragglers_field
     if args.dry_run:

@@ -46,6 +46,31 @@ def test_even_shares_are_even_and_micro_batches_match_on_every_rank():
         shares.micro_batches((13, 1, 1, 1), 4)
 
 
+def test_loader_processes_and_a_streamed_feeder_read_a_replica_its_uneven_slice():
+    from gearshift.workers.step.data import SyntheticDigits, load_batch
+    from gearshift.workers.step.loader import StepBatches, StepLoader
+    from gearshift.workers.step.streaming import StreamedData
+
+    data, order = SyntheticDigits(size=64), GlobalBatches(64, 16, seed=1)
+    counts = (7, 5, 2, 2)
+    loader = StepLoader(StepBatches(data, order, 1, 4, seed=0, shares=counts), start=3, workers=1, prefetch=2,
+                        pin_memory=False)
+    try:
+        for step in (3, 4):
+            x, y = loader.next()
+            want_x, want_y = load_batch(data, order.shard(step, 1, 4, counts))
+            assert len(x) == 5 and torch.equal(x, want_x) and torch.equal(y, want_y)
+    finally:
+        loader.close()
+
+    asked = []  # a feeder as the streamed loader calls it: take.remote(step, lo, hi)
+    feeder = types.SimpleNamespace(take=types.SimpleNamespace(remote=lambda *a: asked.append(a)))
+    streamed = StreamedData.__new__(StreamedData)
+    streamed.batch, streamed.feeder, streamed.info = 16, feeder, {"rows": 64}
+    streamed.loader(10, 2, 4, prefetch=1, shares=counts)
+    assert asked == [(10, 12, 14), (11, 12, 14)]  # replica 2's rows of each global batch: 7 + 5 on
+
+
 class _Layout:
     def __init__(self, model):
         self.module = self.model = model

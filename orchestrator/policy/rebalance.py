@@ -14,6 +14,7 @@ the workers stop for it (workers/step/shares.py keeps the update exact).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
@@ -176,7 +177,10 @@ class Rebalancer:
         times = [median(c) for c in cols]
         if min(times) <= 0:
             return None
-        noise = max((_quantile(c, 0.75) - _quantile(c, 0.25)) / median(c) for c in cols)
+        # twice the noise of a half-window's median: a replica's spread (interquartile range over
+        # median) over the square root of the half-window's steps, the largest over the replicas
+        spread = max((_quantile(c, 0.75) - _quantile(c, 0.25)) / median(c) for c in cols)
+        noise = 2 * spread / math.sqrt(len(cols[0]) / 2)
         speeds = [n / t for n, t in zip(self.shares, times)]
         fits = self._fits(times)
         self.before = None  # a line only through two windows in a row: the speeds may change later
