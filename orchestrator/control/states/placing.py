@@ -30,8 +30,8 @@ class PlacingState:
         return State.STARTING
 
     def starting_layout(self, infos: list[dict]) -> Layout:
-        """strategy auto: the least-sharded layout (the one needing the most memory among those
-        that fit) the memory model predicts fits the workers' devices (free memory, each worker's
+        """strategy auto: the least-sharded layout (the first in the candidates' order: data, hsdp,
+        fsdp, larger tp) the memory model predicts fits the workers' devices (free memory, each worker's
         share of its host's on CPU), given the workers' `device_memory` before the model is built.
         On a run over nodes deciding by prediction, the layout the cost model predicts fastest
         among those that fit, from the workers' probe of their devices and the link
@@ -56,7 +56,9 @@ class PlacingState:
                                             for lay, ok, need in table]}
         if not fitting:
             raise GearshiftError(nothing_fits(table, device))
-        chosen = max(fitting, key=lambda row: row[2])[0]  # first of equals: the candidates' order
+        # the candidates' order, not the most bytes that fit: a larger tp's replica computes more
+        # samples, so its activations may need more than data's whole replica does
+        chosen = fitting[0][0]
         if probing:
             chosen = self.by_prediction(shape, nodes, [row[0] for row in fitting], chosen)
         ctl.start_choice["layout"] = chosen.to_dict()
