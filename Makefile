@@ -1,7 +1,8 @@
 # Two commands for a new user:   make run   (train a real job on an embedded local Ray)
 #                                 make test  (the quick tier of the tests; make test-all: all of them)
-# Each sets up .venv on first use. TORCH_VERSION picks the PyTorch build pip installs first;
-# gearshift itself only asks for torch>=2.4.
+# Each sets up .venv on first use. TORCH_VERSION picks the PyTorch build installed first;
+# gearshift itself only asks for torch>=2.4. tools/install.py installs through uv (pip's own
+# settings handed over), or through pip where uv cannot be had.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,8 +19,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e .
+	$(BIN)/python tools/install.py "torch==$(TORCH_VERSION)"
+	$(BIN)/python tools/install.py -e .
 	touch $(STAMP)
 
 # what the tests need besides: pytest, transformers, mlflow, onnx, Ray Serve, moto (once)
@@ -27,7 +28,7 @@ install-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	@echo "installing the test extras (pytest, pyflakes, transformers, mlflow, tensorboard, onnx, onnxruntime, Ray Serve, moto, s3fs) once"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(BIN)/python tools/install.py -e ".[test]"
 	touch $(TEST_STAMP)
 
 run: install

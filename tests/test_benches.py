@@ -26,8 +26,27 @@ def test_every_bench_reads_clean_under_pyflakes():
     from pyflakes import api, reporter
 
     out, err = io.StringIO(), io.StringIO()
-    found = sum(api.checkPath(str(p), reporter.Reporter(out, err)) for p in BENCHES)
+    found = sum(api.checkPath(str(p), reporter.Reporter(out, err)) for p in [*BENCHES, *ROOT.glob("tools/*.py")])
     assert BENCHES and found == 0, out.getvalue() + err.getvalue()
+
+
+def test_the_installer_hands_pip_settings_to_uv(monkeypatch):
+    """tools/install.py: what pip would read (here its environment variables) reaches uv, lists
+    as uv reads them; a setting of uv's own is left as it is."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("install", ROOT / "tools" / "install.py")
+    install = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(install)
+    monkeypatch.setenv("PIP_FIND_LINKS", "/a/wheels /b/wheels")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///x/simple  file:///y/simple")
+    monkeypatch.setenv("PIP_CONSTRAINT", "/c.txt")
+    monkeypatch.setenv("UV_INDEX_URL", "https://mine.example/simple")
+    monkeypatch.setenv("PIP_INDEX_URL", "https://theirs.example/simple")
+    env = install.uv_env()
+    assert env["UV_FIND_LINKS"] == "/a/wheels,/b/wheels" and env["UV_CONSTRAINT"] == "/c.txt"
+    assert env["UV_EXTRA_INDEX_URL"] == "file:///x/simple file:///y/simple"
+    assert env["UV_INDEX_URL"] == "https://mine.example/simple" and env["UV_INDEX_STRATEGY"] == "unsafe-best-match"
 
 
 def test_the_helpers_listed_are_the_benches_without_a_command_line():
