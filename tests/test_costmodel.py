@@ -331,3 +331,29 @@ def test_plan_lists_only_layouts_the_model_can_split_into():
     assert model.tp_divides == 4
     tps = {p.tp for p in costmodel.plan(model, hardware.PRESETS["a100-ib200"], 1024)}
     assert tps == {1, 2, 4}
+
+
+def test_simulate_prices_a_slow_node_and_the_run_rebalances_around_it(capsys):
+    """examples/scenario-slow-node.yaml: one node of 8 A100s at half speed over steps 1000-2499
+    under a 1.3B GPT. Static layouts wait for it; the simulated run's rebalancer (the controller's
+    rule on the cost model's records) moves samples off it, gives them back once it recovers, and
+    ends within 2 % of an oracle whose shares follow the speeds exactly."""
+    code = cli.main(["simulate", str(ROOT / "examples" / "gpt.yaml"), "--cluster", "a100-ib200", "--scenario",
+                     str(ROOT / "examples" / "scenario-slow-node.yaml"), "--global-batch", "1024", "--nodes", "4",
+                     "--json", "--set",
+                     "model.kwargs={vocab_size: 50304, block_size: 2048, n_layer: 24, n_head: 16, n_embd: 2048}"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    moves = [d for d in result["decisions"] if d["decision"] == "rebalance"]
+    assert len(moves) == 2 and 1000 < moves[0]["step"] <= 1015 and 2500 < moves[1]["step"] <= 2515, moves
+    assert moves[0]["shares"][8] < moves[0]["shares"][0] and len(set(moves[1]["shares"])) == 1  # even again
+    assert result["auto_vs_data"] > 1.2 and result["auto_vs_oracle"] >= 0.98, result
+    assert result["slow"] == [{"step": 1000, "ranks": list(range(8, 16)), "speed": 0.5},
+                              {"step": 2500, "ranks": list(range(8, 16)), "speed": 1.0}]
+
+
+def test_a_bad_slow_event_is_refused_with_what_is_allowed():
+    from gearshift.orchestrator.policy.simulate import Scenario
+
+    with pytest.raises(ValueError, match=r"slow\[0\]: .*speed a share of full speed in \(0, 1\]"):
+        Scenario.from_dict({"steps": 10, "slow": [{"step": 1, "ranks": [0], "speed": 2}]})

@@ -224,8 +224,10 @@ def describe(decision) -> str:
 def shares_text(ev: dict, moved: bool) -> str:
     """adapt.stragglers in a line: who is slow, by how much, and the shares (moved, or only said)."""
     where = f"rank {ev['rank']}" + (f" on {ev['node']}" if ev.get("node") else "")
-    return (f"replica {ev['replica']} ({where}) computes {ev['speed_ratio']:.2f}x slower than the fastest since step "
-            f"{ev['since_step']}; shares {ev['shares_before']} -> {ev['shares_after']}"
+    said = (f"replica {ev['replica']} ({where}) computes {ev['speed_ratio']:.2f}x slower than the fastest since step "
+            f"{ev['since_step']}" if ev.get("reason") != "recovered" else
+            f"the replicas compute about as fast again (fastest / slowest {ev['speed_ratio']:.2f})")
+    return (f"{said}; shares {ev['shares_before']} -> {ev['shares_after']}"
             f"{'' if moved else ' would'} predicted to cut the step {ev['measured_step_s'] * 1e3:.4g} -> "
             f"{ev['predicted_step_s'] * 1e3:.4g} ms (noise {ev['noise']:.0%})")
 

@@ -196,7 +196,9 @@ class Rebalancer:
             return None
         step_s = median(t for _, t in self.steps)
         slow = min(range(len(speeds)), key=speeds.__getitem__)
-        evidence = {"reason": "straggler", **self.replicas.place(slow), "replica": slow,
+        # shares that move back towards even once the slow replica is as fast as the others again
+        reason = "straggler" if max(speeds) / speeds[slow] > 1 + self.min_gain else "recovered"
+        evidence = {"reason": reason, **self.replicas.place(slow), "replica": slow,
                     "speed_ratio": max(speeds) / speeds[slow], "since_step": self.slow_since.get(slow, step),
                     "speeds": speeds, "compute_s": times, "shares_before": list(self.shares), "shares_after": list(after),
                     "noise": noise, "min_gain": self.min_gain, "predicted_gain": gain,
