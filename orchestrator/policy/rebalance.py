@@ -102,13 +102,14 @@ class Rebalancer:
         self.window, self.min_gain, self.cooldown = window, min_gain, cooldown
         self.replicas = Replicas.of(layout, infos)
         self.shares = even(layout.dp, batch)
-        self.steps: deque = deque(maxlen=window)
+        self.steps: deque = deque(maxlen=3 * window)  # since the last move, up to three windows
         self.skip = 0
         self.slow_since: dict[int, int] = {}  # replica -> first step of its run of slowest steps
         self.said: dict[int, int] = {}  # report mode: replica -> step last reported
         self.check: dict | None = None  # the last rebalance, to measure once a window has run on it
         self.before: list[float] | None = None  # per replica, the compute time measured on the shares before
         self.shares_before: tuple[int, ...] | None = None
+        self.moved_at = 0  # the step the last move took effect
 
     def start_over(self, layout, micro_batch: int | None, infos: list[dict] | None = None) -> None:
         """A new layout, world or micro-batch: even shares (the workers' own reset), a new window."""
@@ -117,6 +118,7 @@ class Rebalancer:
     def applied(self, decision: Rebalance, step: int) -> None:
         """The workers took `decision`'s shares from step boundary `step` on."""
         self.before, self.shares_before = list(decision.evidence["compute_s"]), self.shares
+        self.moved_at = step
         self.shares = decision.shares
         self.steps.clear()
         self.skip = SETTLE
@@ -147,19 +149,22 @@ class Rebalancer:
         for j in [j for j in self.slow_since if j != slowest or per[slowest] <= (1 + self.min_gain) * others]:
             del self.slow_since[j]
 
-    def _fits(self, times: list[float]) -> list[tuple[float, float]]:
-        """Per replica (fixed s, s per sample): the line through its two last windows where its
-        share changed between them and the line is sound; else through the origin (no fixed part)."""
-        fits = []
-        for j, (n, t) in enumerate(zip(self.shares, times)):
-            fit = (0.0, t / n)
-            if self.before is not None and self.shares_before[j] != n:
-                n0, t0 = self.shares_before[j], self.before[j]
-                c = (t - t0) / (n - n0)
-                if c > 0 and 0 <= t - c * n < t:
-                    fit = (t - c * n, c)
-            fits.append(fit)
-        return fits
+    def _fits(self, times: list[float], step: int | None) -> list[tuple[float, float]]:
+        """Per replica (fixed s, s per sample): the line through the window before the last move
+        and the steps since, for three windows after the move (`step` None: a speed changed
+        since), where every replica's share changed and every line is sound (a fixed part of at
+        most its time, a time a sample above zero: a speed that changed between the two windows
+        makes one unsound); else through the origin, no fixed part, for all of them alike."""
+        origin = [(0.0, t / n) for n, t in zip(self.shares, times)]
+        if self.before is None or step is None or step - self.moved_at > 3 * self.window:
+            return origin
+        lines = []
+        for n, t, n0, t0 in zip(self.shares, times, self.shares_before, self.before):
+            c = (t - t0) / (n - n0) if n != n0 else 0.0
+            if c <= 0 or not 0 <= t - c * n < t:
+                return origin
+            lines.append((t - c * n, c))
+        return lines
 
     def _checked(self, step: int) -> Report | None:
         """Once a full window has run on new shares: the step measured against the one predicted."""
@@ -173,7 +178,28 @@ class Rebalancer:
                                      "prediction_error": error, "shares": list(self.shares)})
 
     def _decide(self, step: int) -> Rebalance | Report | None:
-        cols = list(zip(*(per for per, _ in self.steps)))
+        """The last `window` steps first (a new straggler shows at once); then every step since the
+        last move, up to three windows (a small refinement shows once the noise of the medians is
+        small enough)."""
+        looks = [list(self.steps)[-self.window:]] + ([list(self.steps)] if len(self.steps) > self.window else [])
+        for steps in looks:
+            found = self._proposal(steps, step)
+            if found is not None:
+                break
+        else:
+            return None
+        after, evidence = found
+        self.steps.clear()
+        if self.mode == "report":
+            slow = evidence["replica"]
+            if step - self.said.get(slow, -self.cooldown) < self.cooldown:
+                return None
+            self.said[slow] = step
+            return Report("straggler", evidence)
+        return Rebalance(after, evidence)
+
+    def _proposal(self, steps: list, step: int) -> tuple[tuple[int, ...], dict] | None:
+        cols = list(zip(*(per for per, _ in steps)))
         times = [median(c) for c in cols]
         if min(times) <= 0:
             return None
@@ -182,34 +208,30 @@ class Rebalancer:
         spread = max((_quantile(c, 0.75) - _quantile(c, 0.25)) / median(c) for c in cols)
         noise = 2 * spread / math.sqrt(len(cols[0]) / 2)
         speeds = [n / t for n, t in zip(self.shares, times)]
-        fits = self._fits(times)
-        self.before = None  # a line only through two windows in a row: the speeds may change later
+        half = len(steps) // 2
+        halves = [[median(c[:half]) for c in cols], [median(c[half:]) for c in cols]]
+        # a line through the window before the last move only while the speeds hold: where the
+        # halves of this one differ past the noise, a speed changed (a recovery) since
+        steady = all(abs(a - b) <= noise * max(a, b) for a, b in zip(*halves))
+        fits = self._fits(times, step if steady else None)
         after = balanced(fits, self.batch, self.micro)
         predicted_compute = max(a + c * n for n, (a, c) in zip(after, fits))
         gain = 1 - predicted_compute / max(times)
         # each half of the window must show the gain on its own: a slow replica stays slow, while
         # jitter that lifts one replica's median in a window seldom does in both of its halves
-        half = len(self.steps) // 2
-        halves = [[median(c[:half]) for c in cols], [median(c[half:]) for c in cols]]
         least = min(1 - max(t / n * m for t, n, m in zip(h, self.shares, after)) / max(h) for h in halves)
         if after == self.shares or min(gain, least) <= max(self.min_gain, noise):
             return None
-        step_s = median(t for _, t in self.steps)
+        step_s = median(t for _, t in steps)
         slow = min(range(len(speeds)), key=speeds.__getitem__)
         # shares that move back towards even once the slow replica is as fast as the others again
         reason = "straggler" if max(speeds) / speeds[slow] > 1 + self.min_gain else "recovered"
-        evidence = {"reason": reason, **self.replicas.place(slow), "replica": slow,
-                    "speed_ratio": max(speeds) / speeds[slow], "since_step": self.slow_since.get(slow, step),
-                    "speeds": speeds, "compute_s": times, "shares_before": list(self.shares), "shares_after": list(after),
-                    "noise": noise, "min_gain": self.min_gain, "predicted_gain": gain,
-                    "measured_step_s": step_s, "predicted_step_s": step_s - (max(times) - predicted_compute)}
-        self.steps.clear()
-        if self.mode == "report":
-            if step - self.said.get(slow, -self.cooldown) < self.cooldown:
-                return None
-            self.said[slow] = step
-            return Report("straggler", evidence)
-        return Rebalance(after, evidence)
+        return after, {"reason": reason, **self.replicas.place(slow), "replica": slow,
+                       "speed_ratio": max(speeds) / speeds[slow], "since_step": self.slow_since.get(slow, step),
+                       "speeds": speeds, "compute_s": times, "shares_before": list(self.shares),
+                       "shares_after": list(after), "noise": noise, "min_gain": self.min_gain, "predicted_gain": gain,
+                       "window_steps": len(steps), "measured_step_s": step_s,
+                       "predicted_step_s": step_s - (max(times) - predicted_compute)}
 
 
 def _quantile(xs, q: float) -> float:
