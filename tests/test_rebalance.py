@@ -63,10 +63,11 @@ def test_a_straggler_that_recovers_gets_its_samples_back():
     assert reb.shares == (12, 12, 12, 12)
 
 
-def test_jitter_alone_moves_nothing():
-    for seed in range(5):
+@pytest.mark.parametrize("jitter", [0.15, 0.3, 0.5])
+def test_jitter_alone_moves_nothing(jitter):
+    for seed in range(7):
         reb = Rebalancer("rebalance", Layout("data", 4, 1), 48, None, INFOS)
-        assert run(reb, lambda s: [2.0] * 4, 300, jitter=0.15, seed=seed) == []
+        assert run(reb, lambda s: [2.0] * 4, 300, jitter=jitter, seed=seed) == []
 
 
 def test_a_tensor_parallel_group_computes_as_its_slowest_rank():
