@@ -103,6 +103,7 @@ class Rebalancer:
         self.replicas = Replicas.of(layout, infos)
         self.shares = even(layout.dp, batch)
         self.steps: deque = deque(maxlen=3 * window)  # since the last move, up to three windows
+        self.uneven: deque = deque(maxlen=window)  # per step: a replica computed past min_gain longer than another
         self.skip = 0
         self.slow_since: dict[int, int] = {}  # replica -> first step of its run of slowest steps
         self.said: dict[int, int] = {}  # report mode: replica -> step last reported
@@ -134,11 +135,17 @@ class Rebalancer:
         per = [max(compute[r] for r in ranks) for ranks in self.replicas.ranks]
         self._note_slowest(per, record["step"])
         self.steps.append((per, record["step_time_max"]))
+        self.uneven.append(max(per) > (1 + self.min_gain) * min(per))
         if len(self.steps) < self.window:
             return None
         checked = self._checked(record["step"])
         if checked is not None:
             return checked
+        # replicas that computed about as long in most of the last window's steps leave nothing
+        # to gain (shares that match the speeds do that): no look at the medians, which over
+        # many replicas costs more than a step's record
+        if 2 * sum(list(self.uneven)[-self.window:]) < self.window:
+            return None
         return self._decide(record["step"])
 
     def _note_slowest(self, per: list[float], step: int) -> None:

@@ -126,7 +126,14 @@ class Pricing:
         return self.cache[key]
 
     def step(self, layout: Layout, factor: float, speeds: tuple[float, ...], shares=None):
-        """(step seconds, each rank's compute seconds, the prediction at even speed)."""
+        """(step seconds, each rank's compute seconds, the prediction at even speed); the same
+        speeds and shares come back step after step, so each is worked out once."""
+        key = ("step", layout, factor, speeds, shares)
+        if key not in self.cache:
+            self.cache[key] = self._step(layout, factor, speeds, shares)
+        return self.cache[key]
+
+    def _step(self, layout: Layout, factor: float, speeds: tuple[float, ...], shares):
         pred = self.predict(layout, factor)
         compute = pred.step_s - pred.exposed_wait_s
         if layout.pp > 1 or min(speeds) == 1.0 and shares is None:
@@ -135,16 +142,23 @@ class Pricing:
         even = self.batch / layout.dp
         per_rank = [compute * (shares[layout.dp_rank(r)] if shares else even) / even / speeds[r]
                     for r in range(layout.world)]
-        replica = [max(per_rank[r] for r in range(layout.world) if layout.dp_rank(r) == j) for j in range(layout.dp)]
-        return max(replica) + pred.exposed_wait_s, per_rank, pred
+        return max(per_rank) + pred.exposed_wait_s, per_rank, pred
 
     def balanced(self, layout: Layout, factor: float, speeds: tuple[float, ...]) -> float:
         """The step with shares exactly in proportion to the replicas' speeds (the oracle's)."""
-        pred = self.predict(layout, factor)
-        if layout.pp > 1:
-            return self.step(layout, factor, speeds)[0]
-        replica = [min(speeds[r] for r in range(layout.world) if layout.dp_rank(r) == j) for j in range(layout.dp)]
-        return (pred.step_s - pred.exposed_wait_s) * layout.dp / sum(replica) + pred.exposed_wait_s
+        key = ("balanced", layout, factor, speeds)
+        if key not in self.cache:
+            pred = self.predict(layout, factor)
+            if layout.pp > 1 or min(speeds) == 1.0:
+                self.cache[key] = self.step(layout, factor, speeds)[0]
+            else:
+                replica = [1.0] * layout.dp  # each replica at its slowest rank's speed
+                for r in range(layout.world):
+                    j = layout.dp_rank(r)
+                    replica[j] = min(replica[j], speeds[r])
+                compute = pred.step_s - pred.exposed_wait_s
+                self.cache[key] = compute * layout.dp / sum(replica) + pred.exposed_wait_s
+        return self.cache[key]
 
 
 def record(step: int, layout: Layout, pred: costmodel.Prediction, global_batch: int,
