@@ -4,12 +4,15 @@ found from the step records, and the global batch's shares moved to match the sp
 Every rank already reports its compute time (the step less its comm wait and data time). Over a
 window of steps, replica j's compute time is the median of its slowest rank's (a tensor-parallel
 group computes together), and its speed its samples over that time. The shares that would make
-every replica compute as long are the speeds' proportions in whole samples (`proportional`); the
-rebalance is decided where the step they predict beats the one measured by more than
-`min_gain` and the window's noise (the spread of the compute times), so an even run's jitter moves
-nothing, and a straggler that recovers gets its samples back the same way. Pure: no Ray, no
-torch.distributed; the controller carries a `Rebalance` out with `TrainWorker.set_shares` where
-the workers stop for it (workers/step/shares.py keeps the update exact).
+every replica compute as long come from a line per replica (`fixed + per_sample x n`, through
+the windows before and after the last move) or, with no sound line, from the speeds' proportions,
+in whole samples (`balanced`, `proportional`). A rebalance is decided where the predicted cut of
+the step's compute beats `min_gain` and the noise of the window's medians, in the whole window
+and in each of its halves, so an even run's jitter moves nothing, and a straggler that recovers
+gets its samples back by the same rule. Pure: no Ray, no torch.distributed; the controller
+carries a `Rebalance` out with `TrainWorker.set_shares` where the workers stop for it
+(workers/step/shares.py keeps the update exact), and `gearshift simulate` runs the same rule on
+the cost model's records.
 """
 
 from __future__ import annotations
@@ -44,15 +47,18 @@ class Replicas:
     """Which ranks compute replica j's share, and where they run (for the record)."""
     dp: int
     ranks: list[list[int]]  # per replica, its ranks (a tensor-parallel group)
+    world: int = 0
     where: list[dict] = field(default_factory=list)  # per rank: {"node": ..., "device": ...}
 
     @classmethod
     def of(cls, layout, infos: list[dict] | None = None) -> Replicas:
-        ranks = [[r for r in range(layout.dp * layout.tp) if layout.dp_rank(r) == j] for j in range(layout.dp)]
+        ranks: list[list[int]] = [[] for _ in range(layout.dp)]
+        for r in range(layout.dp * layout.tp):
+            ranks[layout.dp_rank(r)].append(r)
         where = [{"node": i.get("node_ip") or i.get("node_id"), "host": i.get("hostname"),
                   "device": i.get("device") or (f"gpu {','.join(map(str, i['gpu_ids']))}" if i.get("gpu_ids") else "cpu")}
                  for i in (infos or [])]
-        return cls(layout.dp, ranks, where)
+        return cls(layout.dp, ranks, layout.dp * layout.tp, where)
 
     def place(self, j: int) -> dict:
         first = self.ranks[j][0]
@@ -112,10 +118,6 @@ class Rebalancer:
         self.shares_before: tuple[int, ...] | None = None
         self.moved_at = 0  # the step the last move took effect
 
-    def start_over(self, layout, micro_batch: int | None, infos: list[dict] | None = None) -> None:
-        """A new layout, world or micro-batch: even shares (the workers' own reset), a new window."""
-        self.__init__(self.mode, layout, self.batch, micro_batch, infos, self.window, self.min_gain, self.cooldown)
-
     def applied(self, decision: Rebalance, step: int) -> None:
         """The workers took `decision`'s shares from step boundary `step` on."""
         self.before, self.shares_before = list(decision.evidence["compute_s"]), self.shares
@@ -127,7 +129,7 @@ class Rebalancer:
 
     def observe(self, record: dict) -> Rebalance | Report | None:
         compute = (record.get("ranks") or {}).get("compute_time")
-        if not compute or len(compute) < self.replicas.dp * 1 or record.get("partial"):
+        if not compute or len(compute) < self.replicas.world or record.get("partial"):
             return None
         if self.skip:
             self.skip -= 1
