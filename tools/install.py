@@ -38,6 +38,9 @@ def uv_env() -> dict:
             env[uv_var] = " ".join(value.split()) if uv_var != "UV_FIND_LINKS" else ",".join(value.split())
     env.setdefault("UV_INDEX_STRATEGY", "unsafe-best-match")  # pip's rule: the best version over every index
     env.setdefault("UV_LINK_MODE", "copy")  # the cache may lie on another file system than the environment
+    # bytecode compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set, a process
+    # could not write it and every one (each Ray worker) would compile torch's sources again
+    env.setdefault("UV_COMPILE_BYTECODE", "1")
     return env
 
 

@@ -106,7 +106,7 @@ class StepLoop:
         w, runner = self.w, self.w.runner
         report = pending.report(w.rank)
         for bad in pending.skipped_on_device(report["losses"]):  # read with the losses: no sync of its own
-            runner.non_finite.append(non_finite_step(bad, torch.tensor(report["losses"][bad - pending.first]),
+            runner.non_finite.append(non_finite_step(bad, torch.tensor(report["losses"][bad - pending.first - 1]),
                                                      None, None, stop=w.config.on_nan == "stop", on_device=True))
         if runner.non_finite:
             report["non_finite"], runner.non_finite = runner.non_finite, []
