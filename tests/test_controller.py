@@ -36,6 +36,8 @@ class FakeGroup:
         self.reshards: list = []
         self.shares = None  # set_shares: each rank's samples (rank 1 computes each at half rank 0's speed)
         self.share_calls: list = []
+        self.world = 2
+        self.slow = 0.015  # rank 1's compute time a step on an even share (rank 0's: 8 ms)
 
     def start(self):
         return [{"rank": r, "node_ip": "127.0.0.1", "pid": 1, "backend": "gloo", "parameters": 2} for r in range(2)]
@@ -86,7 +88,7 @@ class FakeGroup:
             self.w += 1
             self.step = step + 1
             stopping = stoppable and self.stop_at is not None and self.step >= self.stop_at
-            for rank in (0, 1):
+            for rank in range(self.world):
                 pending[rank].append(step)
                 ckpt = every and self.step % every == 0 and self.step < last_step
                 if len(pending[rank]) == chunk[rank] or self.step == until or ckpt or stopping or stoppable:
@@ -100,9 +102,9 @@ class FakeGroup:
     def report(self, rank, steps, ckpt):
         n = len(steps)
         even = self.job.train.global_batch_size / 2
-        share = self.shares[rank] if self.shares else even
+        share = self.shares[rank] if self.shares else 2 * even / self.world
         # compute (the step less data and comm wait) 8 ms at rank 0 and 15 ms at rank 1 on even shares
-        compute = share / even * (0.008 if rank == 0 else 0.015)
+        compute = share / even * (0.008 if rank == 0 else self.slow)
         report = {"rank": rank, "first_step": steps[0],
                   "losses": [10.0 - s - rank for s in steps],
                   "step_times": [compute + 0.001 + 0.001 * (1 + 3 * rank)] * n,
@@ -657,3 +659,73 @@ def test_a_slow_rank_gets_a_smaller_share_within_two_steps_of_the_record_that_sh
     assert steps[5]["ranks"]["speed"] == pytest.approx([64 / 0.008, 64 / 0.015])
     from gearshift.monitoring.report import make_report
     assert "speeds.png" in [p.name for p in make_report(run.path).paths]
+
+
+class DroppingGroup(FakeGroup):
+    """Rank 1 computes 4x slower than rank 0 until step 100; let go, its slot is placed again at once
+    (a worker there is joinable whenever the run is on one)."""
+
+    def __init__(self, job, **kw):
+        super().__init__(job, **kw)
+        self.slow, self.moves = 0.032, []
+
+    def train(self, until, every, last_step=None, stoppable=False):
+        for rank, report in super().train(until, every, last_step, stoppable):
+            if self.step >= 100:
+                self.slow = 0.008
+            yield rank, report
+
+    def shrink(self, keep, layout, behind=()):
+        self.moves.append(("shrink", self.step, keep, layout))
+        self.world, self.shares = len(keep), None
+        return [{"seconds": 0.01, "join_s": 0.005, "step": self.step}] * self.world
+
+    def joinable(self):
+        return int(self.world == 1)
+
+    def joining(self, count):
+        return [{"rank": 1, "node_ip": "127.0.0.2", "node_id": "n2", "pid": 2, "backend": "gloo"}] * count
+
+    def grow(self, count, layout):
+        self.moves.append(("grow", self.step, count, layout))
+        self.world, self.shares = 2, None
+        self.infos = self.start()
+        return [{"seconds": 0.02, "join_s": 0.005, "step": self.step}] * 2
+
+
+def test_drop_lets_a_very_slow_rank_go_in_memory_and_takes_it_back_after_a_hold_out(tmp_path):
+    """Under adapt.stragglers drop, rank 1 at 4x rank 0's compute is let go where the workers stop
+    (within two steps of the record), held out 50 steps, taken back by the elastic growth, let go
+    again while still slow (held out twice as long), and kept once it computes as fast."""
+    job = load_job(ROOT / "examples/mlp.yaml", ["train.steps=200", "adapt.stragglers=drop", "cluster.min_workers=1",
+                                                 "checkpoint.every=0"])
+    run = RunDir.create(job, str(tmp_path / "run"))
+    groups = []
+
+    def factory(j):
+        groups.append(DroppingGroup(j, run=run))
+        return groups[-1]
+
+    summary = Controller(job, run, factory).run()
+    assert summary["status"] == "done" and len(groups) == 1
+    group, records = groups[0], read(run.telemetry)
+    drops = [r for r in records if r.get("event") == "decision" and r["decision"] == "drop"]
+    moves = group.moves
+    assert [m[0] for m in moves] == ["shrink", "grow", "shrink", "grow"], moves
+    first, second = drops
+    assert first["seen_step"] == 10 and first["applied_step"] - first["seen_step"] <= 2
+    assert first["ranks"] == [1] and first["evidence"]["rule"] == "ratio" and first["evidence"]["speed_ratio"] > 3
+    assert moves[0] == ("shrink", first["applied_step"], [0], {"strategy": "data", "dp": 1, "tp": 1})
+    # held out 5 windows, then 10
+    assert first["evidence"]["held_out_steps"] == 50 and second["evidence"]["held_out_steps"] == 100
+    assert moves[1][1] == first["applied_step"] + 50 and moves[1][3] == {"strategy": "data", "dp": 2, "tp": 1}
+    assert moves[2][1] == second["applied_step"] and moves[3][1] == second["applied_step"] + 100
+    resizes = [r for r in records if r.get("event") == "resize"]
+    assert [r["world_size"] for r in resizes] == [[2, 1], [1, 2], [2, 1], [1, 2]]
+    assert resizes[0]["let_go"] == [1] and resizes[0]["reason"] == "straggler"
+    # back for good: no drop or rebalance after the slow rank recovered (step 100)
+    assert not [r for r in records if r.get("event") == "decision" and r["decision"] in ("drop", "rebalance")
+                and r["seen_step"] > moves[3][1]]
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 201))
+    assert torch.load(run.final, weights_only=True)["w"].tolist() == [200.0, 200.0]

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from gearshift.orchestrator.policy.decisions import Report
-from gearshift.orchestrator.policy.rebalance import Rebalance, Rebalancer, proportional
+from gearshift.orchestrator.policy.rebalance import Drop, DropRule, Rebalance, Rebalancer, proportional
 from gearshift.strategies.layout import Layout
 
 INFOS = [{"node_ip": "10.0.0.1", "device": "cpu"}] * 2 + [{"node_ip": "10.0.0.2", "device": "cpu"}] * 2
@@ -93,5 +93,79 @@ def test_whole_samples_add_up_and_leave_each_share_its_micro_batches():
 
 
 def test_an_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="adapt.stragglers = 'drop': one of rebalance, report, off"):
-        Rebalancer("drop", Layout("data", 2, 1), 8, None)
+    with pytest.raises(ValueError, match="adapt.stragglers = 'fast': one of rebalance, drop, report, off"):
+        Rebalancer("fast", Layout("data", 2, 1), 8, None)
+
+
+def dropper(ratio=3.0, refuse=None):
+    """A Rebalancer under `drop` whose run allows every drop but `refuse` (ranks -> why not)."""
+    asked = []
+
+    def allowed(ranks):
+        asked.append(ranks)
+        return refuse(ranks) if refuse else None
+
+    reb = Rebalancer("drop", Layout("data", 4, 1), 48, None, INFOS, drop=DropRule(ratio, allowed))
+    return reb, asked
+
+
+def test_drop_lets_go_of_a_replica_past_the_drop_ratio_even_once_its_share_is_balanced():
+    reb, asked = dropper()
+    decisions = run(reb, lambda s: [2.0, 2.0, 2.0, 0.5], 40)
+    step, drop = next((s, d) for s, d in decisions if isinstance(d, Drop))
+    assert drop.replicas == (3,) and drop.ranks == (3,) and asked[-1] == [3]
+    assert step <= 12 and not any(isinstance(d, Rebalance) for _, d in decisions)  # the first window shows it
+    # on shares that already even out the compute times (15/15/15/3), the speeds still say it
+    balanced_run, _ = dropper()
+    balanced_run.shares = (15, 15, 15, 3)
+    decisions = run(balanced_run, lambda s: [2.0, 2.0, 2.0, 0.5], 40)
+    assert isinstance(decisions[0][1], Drop) and decisions[0][0] <= 12, decisions
+    ev = drop.evidence
+    assert ev["rule"] == "ratio" and ev["speed_ratio"] > 3.0 and ev["drop_ratio"] == 3.0
+    assert ev["node"] == "10.0.0.2" and ev["rank"] == 3 and ev["since_step"] <= 10
+    # the others alone at their even shares of 48, 16 samples each, priced through the origin (no
+    # move yet gave a line): 16 x their 8 ms for 12 samples, and the step's 3 ms beside compute
+    assert ev["predicted_step_s"] == pytest.approx(0.003 + 16 * 0.008 / 12, rel=0.05)
+    # the ratio rule drops it though shares in proportion would price about the same (the record
+    # shows both): a device this much slower is seldom steady
+    assert ev["predicted_step_s_rebalanced"] == pytest.approx(ev["predicted_step_s"], rel=0.05)
+
+
+def test_drop_rebalances_a_replica_under_the_ratio_and_says_why_one_was_not_dropped():
+    reb, _ = dropper()
+    decisions = run(reb, lambda s: [2.0, 2.0, 2.0, 1.0], 40)
+    assert not any(isinstance(d, Drop) for _, d in decisions)
+    assert [d for _, d in decisions if isinstance(d, Rebalance)][0].shares[3] < 12
+    reb, asked = dropper(refuse=lambda ranks: "cluster.min_workers = 4")
+    decisions = run(reb, lambda s: [2.0, 2.0, 2.0, 0.5], 40)
+    moves = [d for _, d in decisions if isinstance(d, Rebalance)]
+    assert moves and not any(isinstance(d, Drop) for _, d in decisions) and asked
+    assert moves[0].evidence["not_dropped"] == "replica(s) [3] (ratio): cluster.min_workers = 4"
+
+
+def test_drop_lets_go_of_a_replica_whose_fixed_cost_alone_holds_the_step_back():
+    """Replica 3 pays 40 ms a step whatever its share (a throttled update): no share makes it as
+    fast as the others, though its time a sample is theirs; the others alone are faster. Found
+    once a move has given the lines (two windows at different shares)."""
+    reb, _ = dropper(ratio=100.0)
+    rng, out = random.Random(1), []
+    for step in range(1, 80):
+        rec = record(step, reb.shares, [2.0] * 4, jitter=0.02, rng=rng)
+        rec["ranks"]["compute_time"][3] += 0.040
+        got = reb.observe(rec)
+        if isinstance(got, Rebalance):
+            reb.applied(got, step)
+        if isinstance(got, (Rebalance, Drop)):
+            out.append(got)
+        if isinstance(got, Drop):
+            break
+    assert isinstance(out[-1], Drop) and out[-1].replicas == (3,) and out[-1].evidence["rule"] == "holds", out
+    ev = out[-1].evidence
+    assert ev["predicted_step_s"] < 0.9 * ev["predicted_step_s_rebalanced"]
+
+
+def test_drop_moves_nothing_on_an_even_run():
+    for seed in range(5):
+        reb, _ = dropper()
+        decisions = run(reb, lambda s: [2.0] * 4, 200, jitter=0.3, seed=seed)
+        assert not [d for _, d in decisions if isinstance(d, (Drop, Rebalance))], decisions

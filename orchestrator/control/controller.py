@@ -222,8 +222,11 @@ class Controller:
 
     def on_world(self, layout: Layout, infos: list[dict]) -> None:
         """Elastic: the run goes on as `layout` on the workers of `infos`, from self.step."""
-        self.job = dataclasses.replace(self.job, cluster=dataclasses.replace(self.job.cluster,
-                                                                             num_workers=layout.world))
+        # the mode resolved on the run's own world stays: on the smaller one it would read as
+        # shrink where min_workers is reached, and growth back to that world would stop
+        job = self.job
+        self.job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, num_workers=layout.world),
+                                       fault=dataclasses.replace(job.fault, on_node_loss=job.on_node_loss))
         self.infos, self.layout = infos, layout
         self.node_sizes = node_sizes(self.job, infos)
         self.history.append(self.history_entry(self.step, layout))

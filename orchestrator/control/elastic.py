@@ -238,6 +238,15 @@ class Elastic:
                          "phases": _phases(seconds, results)}
         self.report.say(f"{new.world - old.world} worker(s) joined: going on as {new} (no restart)")
 
+    def let_go(self, old: Layout, new: Layout, ranks: list[int], seconds: float, started: float,
+               results: list[dict] = ()) -> None:
+        """adapt.stragglers drop: ranks let go, the others on the smaller world in memory; `resize`
+        at its first step."""
+        self._pending = {"from": old.to_dict(), "to": new.to_dict(), "world_size": [old.world, new.world],
+                         "let_go": ranks, "reason": "straggler", "from_checkpoint": False, "steps_redone": 0,
+                         "regroup_seconds": seconds, "detected": started, "phases": _phases(seconds, results)}
+        self.report.say(f"rank(s) {ranks} let go as stragglers: going on as {new} (no restart)")
+
     def fell_back(self, why: str, restored_step: int, failed_at: int, old: Layout, world: int,
                   detected: float) -> None:
         """No shrink in memory: the restart from a checkpoint carries the `resize` record."""
@@ -257,9 +266,9 @@ class Elastic:
         r["seconds"] = (record.get("ended_at") or time.time()) - r.pop("detected")
         self.resizes.append({"step": record["step"], **r})
         self.report.event("resize", step=record["step"], **r)
-        if r.get("joined"):
+        if r.get("joined") or r.get("let_go"):
             self.report.say(f"step {record['step']}: training on {layout.world} worker(s), {r['seconds']:.1f} s after "
-                            "the new ones were taken in")
+                            + ("the new ones were taken in" if r.get("joined") else "the straggler was let go"))
         else:
             self.report.say(f"step {record['step']}: training again on {layout.world} worker(s) {r['seconds']:.1f} s "
                             f"after the loss ({'from the checkpoint' if r['from_checkpoint'] else 'in memory'})")

@@ -215,6 +215,8 @@ def describe(decision) -> str:
         return f"{name} -> {layout_text(ev['to'])}: " + grow_text(ev)
     if name in ("rebalance", "straggler") and "shares_after" in ev:
         return f"{name}: " + shares_text(ev, moved=name == "rebalance")
+    if name == "drop":
+        return "drop: " + drop_text(decision.to_dict().get("ranks"), ev)
     if ev.get("predicted_step_s") is not None and ev.get("measured_step_s") is not None:
         parts = [f"measured {ev['measured_step_s'] * 1e3:.4g} ms a step, predicted {ev['predicted_step_s'] * 1e3:.4g}"
                  f" ({ev['prediction_error']:+.0%})"] + parts
@@ -230,6 +232,20 @@ def shares_text(ev: dict, moved: bool) -> str:
     return (f"{said}; shares {ev['shares_before']} -> {ev['shares_after']}"
             f"{'' if moved else ' would'} predicted to cut the step {ev['measured_step_s'] * 1e3:.4g} -> "
             f"{ev['predicted_step_s'] * 1e3:.4g} ms (noise {ev['noise']:.0%})")
+
+
+def drop_text(ranks, ev: dict) -> str:
+    """adapt.stragglers drop in a line: who goes, why, and what the step is predicted to be."""
+    where = f"rank(s) {ranks}" + (f" on {ev['node']}" if ev.get("node") else "")
+    why = (f"{ev['speed_ratio']:.2f}x slower than the fastest (adapt.straggler_drop_ratio {ev['drop_ratio']:g})"
+           if ev.get("rule") == "ratio" else
+           f"{ev['speed_ratio']:.2f}x slower, and no share of the batch makes it fast enough")
+    out = (f"{where} {why} since step {ev.get('since_step')}: let go; the step predicted "
+           f"{ev['measured_step_s'] * 1e3:.4g} -> {ev['predicted_step_s'] * 1e3:.4g} ms "
+           f"(rebalanced instead: {ev['predicted_step_s_rebalanced'] * 1e3:.4g} ms)")
+    if ev.get("held_out_steps"):
+        out += f"; held out {ev['held_out_steps']} steps, then taken back to be judged again"
+    return out + (f" - not carried out: {ev['not_dropped']}" if ev.get("not_dropped") else "")
 
 
 def grow_text(ev: dict) -> str:

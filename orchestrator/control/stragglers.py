@@ -3,12 +3,26 @@
 (within two steps of the record that showed it, as a switch is), by `TrainWorker.set_shares` on
 every rank at the same step boundary. A rebalance waits while a bucket-tuning round or a switch's
 trial runs (their timings must not see the shares move), and every new layout, world or
-micro-batch starts over on even shares: the workers' own reset (workers/build/builder.py)."""
+micro-batch starts over on even shares: the workers' own reset (workers/build/builder.py).
+
+Under `drop` a replica the rebalancer lets go leaves through the elastic shrink (the survivors
+renumbered on a new process group, in memory, as after a lost worker; the global batch
+unchanged), where only the layout allows it: the state held elsewhere, the survivors' world
+dividing the batch, cluster.min_workers kept. Its slot is held out of the run's growth for
+HOLD_OUT windows, twice as long each time a device is let go again; then the elastic growth takes
+a worker there back, and the rebalancer judges it again on its speed."""
 
 from __future__ import annotations
 
+import time
+
+from gearshift.orchestrator.control.elastic import pieces_lost, shrunk
+from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.policy.decisions import Report
-from gearshift.orchestrator.policy.rebalance import Rebalance, Rebalancer
+from gearshift.orchestrator.policy.rebalance import WINDOW, Drop, DropRule, Rebalance, Rebalancer
+
+HOLD_OUT = 5     # windows a device let go waits before the run's growth may take it back
+HOLD_OUT_MAX = 16  # the hold-out doubles for each further drop, up to this many times
 
 
 class Stragglers:
@@ -17,14 +31,17 @@ class Stragglers:
         self.rebalancer: Rebalancer | None = None
         self.pending: tuple[Rebalance, int] | None = None  # the chunk's rebalance and the step it was seen
         self.shares: tuple[int, ...] | None = None  # the shares in force (None: even)
+        self.held_until = 0  # drop: no worker is taken in before this step (a device let go is held out)
+        self.drops = 0  # drop: the devices let go in this run
 
     def start_over(self) -> None:
         """Even shares on the layout in force (the workers are there already, or were just built)."""
         ctl = self.ctl
         mode, lay = ctl.job.adapt.stragglers, ctl.layout
         watched = mode != "off" and lay.dp > 1 and lay.pp == 1 and ctl.job.telemetry.enabled
+        drop = DropRule(ctl.job.adapt.straggler_drop_ratio, self.may_drop) if mode == "drop" else None
         self.rebalancer = Rebalancer(mode, lay, ctl.job.train.global_batch_size, ctl.micro, ctl.infos,
-                                     cooldown=ctl.job.adapt.cooldown) if watched else None
+                                     cooldown=ctl.job.adapt.cooldown, drop=drop) if watched else None
         if self.pending is not None:
             self._report(*self.pending, applied=None)
         self.pending, self.shares = None, None
@@ -45,7 +62,7 @@ class Stragglers:
         got = self.rebalancer.observe(record)
         if isinstance(got, Report):
             ctl.report.decided(got, record["step"], record["step"])
-        elif isinstance(got, Rebalance):
+        elif isinstance(got, (Rebalance, Drop)):
             self.pending = (got, record["step"])
             return True
         return False
@@ -57,10 +74,54 @@ class Stragglers:
             return
         decision, seen = self.pending
         self.pending = None
+        if isinstance(decision, Drop):
+            self._let_go(decision, seen, step)
+            return
         self.ctl.group.call("set_shares", list(decision.shares))
         self.rebalancer.applied(decision, step)
         self.shares = decision.shares
         self._report(decision, seen, applied=step)
+
+    def may_drop(self, ranks: list[int]) -> str | None:
+        """None where `ranks` can be let go in memory now; else why not."""
+        ctl = self.ctl
+        lay, job = ctl.layout, ctl.job
+        if job.on_node_loss != "elastic" or not callable(getattr(ctl.group, "shrink", None)):
+            return f"fault.on_node_loss is {job.on_node_loss}, not elastic"
+        if pieces_lost(lay, ranks):
+            return f"{lay} holds pieces of the state only on rank(s) {ranks}"
+        survivors = [r for r in range(lay.world) if r not in ranks]
+        if len(survivors) < job.min_workers:
+            return f"cluster.min_workers is {job.min_workers}: {len(survivors)} worker(s) would be left"
+        found = shrunk(job, lay, survivors, ctl.micro)
+        if found is None or len(found[1]) < len(survivors):
+            return (f"the global batch ({job.train.global_batch_size}) does not divide evenly over the "
+                    f"{len(survivors)} worker(s) left")
+        return None
+
+    def _let_go(self, decision: Drop, seen: int, step: int) -> None:
+        """At chunk end `step`: the dropped ranks leave, the others go on in memory on a new group."""
+        ctl = self.ctl
+        why = self.may_drop(list(decision.ranks))
+        if why is not None:  # not expected: the world is the one the rule judged
+            decision.evidence["not_dropped"] = why
+            self._report(decision, seen, applied=None)
+            return
+        old = ctl.layout
+        target, keep = shrunk(ctl.job, old, [r for r in range(old.world) if r not in decision.ranks], ctl.micro)
+        self.drops += 1
+        hold = HOLD_OUT * WINDOW * min(HOLD_OUT_MAX, 2 ** (self.drops - 1))
+        self.held_until = step + hold
+        decision.evidence.update(to=target.to_dict(), held_out_steps=hold, held_until=self.held_until)
+        start = time.time()
+        try:
+            results = ctl.group.shrink(keep, target.to_dict(), [])
+        except WorkerFailed as err:  # the state was moving between worlds: the checkpoint has it whole
+            err.growing = f"rank(s) {list(decision.ranks)} were let go as stragglers"
+            raise
+        self._report(decision, seen, applied=step)
+        ctl.on_world(target, [dict(ctl.infos[r], rank=i) for i, r in enumerate(keep)])
+        ctl.elastic.let_go(old, target, list(decision.ranks), time.time() - start, start, results)
 
     def _report(self, decision: Rebalance, seen: int, applied: int | None) -> None:
         self.ctl.report.decided(decision, seen, applied)

@@ -22,6 +22,14 @@ def check_job(job: Job) -> None:
     _check_sizes(job)
     _check_elastic(job)
     _check_slow(job)
+    _check_drop(job)
+
+
+def _check_drop(job: Job) -> None:
+    if job.adapt.stragglers == "drop" and job.on_node_loss != "elastic":
+        raise JobError("adapt.stragglers", "drop", f"lets a slow replica go in memory, which needs fault.on_node_loss "
+                       f"elastic (this run's is {job.on_node_loss})",
+                       f"Set cluster.min_workers below num_workers ({job.cluster.num_workers}), or use rebalance.")
 
 
 def _check_slow(job: Job) -> None:

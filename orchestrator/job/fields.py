@@ -147,10 +147,10 @@ def _bool(v, path):
     return v
 
 
-@_schema({"enum": ["rebalance", "report", "off", False]})
+@_schema({"enum": ["rebalance", "drop", "report", "off", False]})
 def _stragglers(v, path):
     """adapt.stragglers; YAML reads a bare `off` as false, which means off."""
-    return "off" if v is False else _choice("rebalance", "report", "off")(v, path)
+    return "off" if v is False else _choice("rebalance", "drop", "report", "off")(v, path)
 
 
 @_schema({"anyOf": [{"type": "boolean"}, {"type": "string", "enum": ["auto"]}]})

@@ -225,8 +225,13 @@ class AdaptSpec:
     stragglers: str = _f("rebalance", _stragglers,
                          "a data-parallel replica computing slower than the others, under any layout with "
                          "replicas but a pipeline. rebalance: each replica takes a share of the global batch in "
-                         "proportion to its measured speed (the update stays exact); report: say so in a "
+                         "proportion to its measured speed (the update stays exact); drop: as rebalance, and a "
+                         "replica past straggler_drop_ratio, or one no share makes fast enough, is let go in memory "
+                         "(needs fault.on_node_loss elastic) and taken back after a hold-out; report: say so in a "
                          "decision record, change nothing; off: not watched")
+    straggler_drop_ratio: float = _f(3.0, _float(1.0, None, lo_open=True),
+                                     "adapt.stragglers drop: a replica this many times slower than the fastest "
+                                     "is let go whatever its share would be")
     schedule: list = _f([], _schedule, "forced switches: [{step: N, strategy: S, tp_size: K, shard_size: G, "
                                        "dp_shard: B}, ...]")
 

@@ -13,6 +13,13 @@ gets its samples back by the same rule. Pure: no Ray, no torch.distributed; the 
 carries a `Rebalance` out with `TrainWorker.set_shares` where the workers stop for it
 (workers/step/shares.py keeps the update exact), and `gearshift simulate` runs the same rule on
 the cost model's records.
+
+Under `drop` a replica that no share can make fast enough is let go instead (`DropRule`): one
+slower than `adapt.straggler_drop_ratio` times the fastest in the window and in each of its
+halves, or one whose fixed part of the step (the update, per-layer costs a share does not shrink)
+holds the step back so that the others alone are predicted faster by past the noise. The
+controller carries a `Drop` out through the elastic shrink (orchestrator/control/stragglers.py)
+and takes the device back after a hold-out.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from gearshift.orchestrator.policy.decisions import Report
 from gearshift.workers.step.shares import SharesError, even, micro_batches
@@ -29,7 +36,8 @@ from gearshift.workers.step.shares import SharesError, even, micro_batches
 WINDOW = 10     # steps of compute times a decision is taken over
 SETTLE = 2      # steps left out after new shares (the loaders open again at their new slices)
 MIN_GAIN = 0.05  # least predicted cut of the step's compute time that moves the shares
-MODES = ("rebalance", "report", "off")
+MODES = ("rebalance", "drop", "report", "off")
+DROP_RATIO = 3.0  # adapt.straggler_drop_ratio's default
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,19 @@ class Rebalance:
 
     def to_dict(self) -> dict:
         return {"decision": self.name, "shares": list(self.shares), "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Let the replicas `replicas` (ranks `ranks`) go: the others train on."""
+    replicas: tuple[int, ...]
+    ranks: tuple[int, ...]
+    evidence: dict
+    name: ClassVar[str] = "drop"
+
+    def to_dict(self) -> dict:
+        return {"decision": self.name, "ranks": list(self.ranks), "replicas": list(self.replicas),
+                "evidence": self.evidence}
 
 
 @dataclass
@@ -101,10 +122,11 @@ class Rebalancer:
     """observe(record) -> Rebalance | Report | None, one step record at a time."""
 
     def __init__(self, mode: str, layout, batch: int, micro_batch: int | None, infos: list[dict] | None = None,
-                 window: int = WINDOW, min_gain: float = MIN_GAIN, cooldown: int = 40):
+                 window: int = WINDOW, min_gain: float = MIN_GAIN, cooldown: int = 40, drop: DropRule | None = None):
         if mode not in MODES:
             raise ValueError(f"adapt.stragglers = {mode!r}: one of {', '.join(MODES)}")
         self.mode, self.batch, self.micro = mode, batch, micro_batch
+        self.drop = drop if mode == "drop" else None
         self.window, self.min_gain, self.cooldown = window, min_gain, cooldown
         self.replicas = Replicas.of(layout, infos)
         self.shares = even(layout.dp, batch)
@@ -137,7 +159,9 @@ class Rebalancer:
         per = [max(compute[r] for r in ranks) for ranks in self.replicas.ranks]
         self._note_slowest(per, record["step"])
         self.steps.append((per, record["step_time_max"]))
-        self.uneven.append(max(per) > (1 + self.min_gain) * min(per))
+        # under drop, speeds far apart count too: shares may already even out the compute times
+        self.uneven.append(max(per) > (1 + self.min_gain) * min(per) or self.drop is not None and max(
+            n / t for n, t in zip(self.shares, per)) >= self.drop.ratio * min(n / t for n, t in zip(self.shares, per)))
         if len(self.steps) < self.window:
             return None
         checked = self._checked(record["step"])
@@ -186,18 +210,31 @@ class Rebalancer:
                                      "predicted_step_s": check["predicted_step_s"], "measured_step_s": measured,
                                      "prediction_error": error, "shares": list(self.shares)})
 
-    def _decide(self, step: int) -> Rebalance | Report | None:
+    def _decide(self, step: int) -> Rebalance | Drop | Report | None:
         """The last `window` steps first (a new straggler shows at once); then every step since the
         last move, up to three windows (a small refinement shows once the noise of the medians is
-        small enough)."""
+        small enough). Under `drop`, a replica to let go comes before new shares."""
         looks = [list(self.steps)[-self.window:]] + ([list(self.steps)] if len(self.steps) > self.window else [])
+        not_dropped = None
         for steps in looks:
-            found = self._proposal(steps, step)
+            look = self._look(steps, step)
+            if look is None:
+                continue
+            if self.drop is not None:
+                gone, said = self.drop.choose(look, self.replicas, self.batch, self.micro)
+                if gone is not None:
+                    self.steps.clear()
+                    said["since_step"] = self.slow_since.get(gone[0], step)
+                    return Drop(gone, tuple(said["ranks"]), said)
+                not_dropped = not_dropped or said.get("not_dropped")
+            found = self._proposal(look)
             if found is not None:
                 break
         else:
             return None
         after, evidence = found
+        if not_dropped:
+            evidence["not_dropped"] = not_dropped
         self.steps.clear()
         if self.mode == "report":
             slow = evidence["replica"]
@@ -207,7 +244,9 @@ class Rebalancer:
             return Report("straggler", evidence)
         return Rebalance(after, evidence)
 
-    def _proposal(self, steps: list, step: int) -> tuple[tuple[int, ...], dict] | None:
+    def _look(self, steps: list, step: int) -> dict | None:
+        """What a window of steps says: each replica's median compute time, speed and line, the
+        noise of the medians, and the shares that would even the replicas out."""
         cols = list(zip(*(per for per, _ in steps)))
         times = [median(c) for c in cols]
         if min(times) <= 0:
@@ -216,7 +255,6 @@ class Rebalancer:
         # median) over the square root of the half-window's steps, the largest over the replicas
         spread = max((_quantile(c, 0.75) - _quantile(c, 0.25)) / median(c) for c in cols)
         noise = 2 * spread / math.sqrt(len(cols[0]) / 2)
-        speeds = [n / t for n, t in zip(self.shares, times)]
         half = len(steps) // 2
         halves = [[median(c[:half]) for c in cols], [median(c[half:]) for c in cols]]
         # a line through the window before the last move only while the speeds hold: where the
@@ -224,23 +262,77 @@ class Rebalancer:
         steady = all(abs(a - b) <= noise * max(a, b) for a, b in zip(*halves))
         fits = self._fits(times, step if steady else None)
         after = balanced(fits, self.batch, self.micro)
-        predicted_compute = max(a + c * n for n, (a, c) in zip(after, fits))
-        gain = 1 - predicted_compute / max(times)
+        return {"step": step, "times": times, "noise": noise, "halves": halves, "fits": fits, "after": after,
+                "speeds": [n / t for n, t in zip(self.shares, times)], "shares": self.shares,
+                "predicted_compute": max(a + c * n for n, (a, c) in zip(after, fits)),
+                "step_s": median(t for _, t in steps), "window_steps": len(steps)}
+
+    def _proposal(self, look: dict) -> tuple[tuple[int, ...], dict] | None:
+        times, halves, after, speeds = look["times"], look["halves"], look["after"], look["speeds"]
+        gain = 1 - look["predicted_compute"] / max(times)
         # each half of the window must show the gain on its own: a slow replica stays slow, while
         # jitter that lifts one replica's median in a window seldom does in both of its halves
         least = min(1 - max(t / n * m for t, n, m in zip(h, self.shares, after)) / max(h) for h in halves)
-        if after == self.shares or min(gain, least) <= max(self.min_gain, noise):
+        if after == self.shares or min(gain, least) <= max(self.min_gain, look["noise"]):
             return None
-        step_s = median(t for _, t in steps)
         slow = min(range(len(speeds)), key=speeds.__getitem__)
         # shares that move back towards even once the slow replica is as fast as the others again
         reason = "straggler" if max(speeds) / speeds[slow] > 1 + self.min_gain else "recovered"
         return after, {"reason": reason, **self.replicas.place(slow), "replica": slow,
-                       "speed_ratio": max(speeds) / speeds[slow], "since_step": self.slow_since.get(slow, step),
+                       "speed_ratio": max(speeds) / speeds[slow], "since_step": self.slow_since.get(slow, look["step"]),
                        "speeds": speeds, "compute_s": times, "shares_before": list(self.shares),
-                       "shares_after": list(after), "noise": noise, "min_gain": self.min_gain, "predicted_gain": gain,
-                       "window_steps": len(steps), "measured_step_s": step_s,
-                       "predicted_step_s": step_s - (max(times) - predicted_compute)}
+                       "shares_after": list(after), "noise": look["noise"], "min_gain": self.min_gain,
+                       "predicted_gain": gain, "window_steps": look["window_steps"],
+                       "measured_step_s": look["step_s"],
+                       "predicted_step_s": look["step_s"] - (max(times) - look["predicted_compute"])}
+
+
+class DropRule:
+    """adapt.stragglers drop: which replicas to let go, if any. A replica past `ratio` times
+    slower than the fastest (in the window and in each of its halves) goes; so do the slowest
+    replicas whose going is predicted to cut the step's compute past the noise against the best
+    shares for all (their fixed part of the step holds it back whatever their share). `allowed`
+    (ranks -> None, or why they may not go) is the run's own limit: the elastic shrink's."""
+
+    def __init__(self, ratio: float, allowed: Callable[[list[int]], str | None], min_gain: float = MIN_GAIN):
+        self.ratio, self.allowed, self.min_gain = ratio, allowed, min_gain
+
+    def choose(self, look: dict, replicas: Replicas, batch: int, micro: int | None) -> tuple[tuple[int, ...] | None, dict]:
+        """(the replicas to let go, or None; the evidence: why not, where some would have gone)."""
+        speeds, fits = look["speeds"], look["fits"]
+        ratio_of = [max(speeds) / s for s in speeds]
+        in_halves = [[n / t for n, t in zip(look["shares"], h)] for h in look["halves"]]
+        order = sorted(range(len(speeds)), key=speeds.__getitem__)  # the slowest first
+        over = tuple(j for j in order if ratio_of[j] >= self.ratio
+                     and all(max(hs) / hs[j] >= self.ratio for hs in in_halves))
+        candidates = ([("ratio", over)] if over and len(over) < len(speeds) else []) + \
+            [("holds", tuple(order[:k])) for k in range(1, len(order))]
+        refused = None
+        for rule, gone in candidates:
+            rest = [fits[j] for j in range(len(speeds)) if j not in gone]
+            shares = balanced(rest, batch, micro)
+            without = max(a + c * n for n, (a, c) in zip(shares, rest))
+            if rule == "holds" and without > look["predicted_compute"] * (1 - max(self.min_gain, look["noise"])):
+                continue
+            ranks = sorted(r for j in gone for r in replicas.ranks[j])
+            evidence = self._evidence(look, replicas, rule, gone, ranks, without)
+            why = self.allowed(ranks)
+            if why is None:
+                return gone, evidence
+            refused = refused or f"replica(s) {list(gone)} ({rule}): {why}"
+        return None, ({"not_dropped": refused} if refused else {})
+
+    def _evidence(self, look: dict, replicas: Replicas, rule: str, gone: tuple, ranks: list[int],
+                  without: float) -> dict:
+        speeds, step_s, longest = look["speeds"], look["step_s"], max(look["times"])
+        slow = gone[0]
+        return {"reason": "straggler", "rule": rule, **replicas.place(slow), "replica": slow, "ranks": ranks,
+                "where": [replicas.place(j) for j in gone], "speed_ratio": max(speeds) / speeds[slow],
+                "drop_ratio": self.ratio, "speeds": speeds, "compute_s": look["times"],
+                "shares_before": list(look["shares"]), "noise": look["noise"], "window_steps": look["window_steps"],
+                "measured_step_s": step_s,
+                "predicted_step_s": step_s - (longest - without),
+                "predicted_step_s_rebalanced": step_s - (longest - look["predicted_compute"])}
 
 
 def _quantile(xs, q: float) -> float:

@@ -98,14 +98,17 @@ class TrainingState:
             until = min(until, ctl.policy.next_decision(step))
         if self._may_grow():  # new workers are taken in where a chunk ends
             until = min(until, step + GROW_EVERY)
+        elif ctl.stragglers.held_until > step:  # a device let go may be taken back from there
+            until = min(until, ctl.stragglers.held_until)
         return until
 
     def _may_grow(self) -> bool:
         ctl = self.ctl
         n = ctl.job.cluster.num_workers  # a tuning round's trials are timed on one world: not during one
         # a pipeline's stages are not moved onto new workers in memory (strategies/pipeline/switch.py)
+        # a device let go as a straggler is held out a while (orchestrator/control/stragglers.py)
         return (ctl.job.on_node_loss == "elastic" and n < ctl.max_workers and hasattr(ctl.group, "joinable")
-                and not ctl.tuning.active and ctl.layout.pp == 1)
+                and not ctl.tuning.active and ctl.layout.pp == 1 and ctl.step >= ctl.stragglers.held_until)
 
     def _grow(self) -> None:
         """Elastic: workers placed since (a node joined, a lost worker's place came back) join
