@@ -359,3 +359,31 @@ def test_under_strategy_auto_a_grow_is_a_decision_priced_by_the_cost_model(ray_c
 
 def describe_line(decision: dict) -> str:
     return describe(Report(decision["decision"], decision["evidence"]))
+
+
+@pytest.mark.ray
+def test_a_very_slow_worker_is_let_go_in_memory_taken_back_later_and_the_run_equals_plain_pytorch(
+        ray_cluster, tmp_path, monkeypatch):
+    """adapt.stragglers drop: rank 3 computes 6x as long (inject.slow, to step 40). It is let go
+    through the elastic shrink within two steps of the record that showed it, held out 50 steps,
+    then a worker in its place joins by the elastic growth (no longer slow: kept), and the run ends
+    where plain PyTorch does on the same global batches."""
+    await_joiners(monkeypatch)
+    overrides = MLP[1] + SLOW + SGD + ["train.steps=90", "parallel.strategy=data", "inject.comm_delay_ms=0",
+                                      "adapt.stragglers=drop", "inject.slow={ranks: [3], factor: 6, to_step: 40}",
+                                      "fault.collective_timeout_s=20"]
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 90, summary.get("error")
+    [drop] = [d for d in events(tmp_path / "run", "decision") if d["decision"] == "drop"]
+    assert drop["ranks"] == [3] and drop["applied_step"] - drop["seen_step"] <= 2 and drop["seen_step"] <= 25
+    assert drop["evidence"]["speed_ratio"] >= 3 and drop["evidence"]["held_out_steps"] == 50
+    shrink, grow = events(tmp_path / "run", "resize")
+    assert shrink["world_size"] == [4, 3] and shrink["let_go"] == [3] and shrink["from_checkpoint"] is False
+    assert grow["world_size"] == [3, 4] and grow["joined"] == 1 and grow["step"] > drop["applied_step"] + 50
+    assert summary["world_size"] == 4 and not events(tmp_path / "run", "restored")
+    job = load_job(MLP[0], overrides)
+    ref = sharded_reference(job, replicas_of(tmp_path / "run", job.layout.dp))
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert max_diff(final, ref) <= 1e-5
+    print(f"let go at step {drop['applied_step']} ({drop['evidence']['speed_ratio']:.1f}x slower), "
+          f"taken back at step {grow['step']} ({grow['regroup_seconds']:.2f} s to regroup)")
