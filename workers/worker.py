@@ -56,6 +56,7 @@ class TrainWorker:
         self.micro_batch = config.micro_batch_size  # samples computed at once; halved after an OOM (None: the share)
         self.accumulation = 1  # micro-batches a step (set_micro_batch)
         self.shares: tuple[int, ...] | None = None  # each replica's samples of a step (None: even; set_shares)
+        self.pp_split: tuple[str, ...] | None = None  # a pipeline's cut from a stage rebalance (recut), else the job's
         self.member = Member(self)  # the group part (first: it sets the process's priority)
         self.runner = StepRunner(self)  # the step part
         self.loop = StepLoop(self)
@@ -177,6 +178,20 @@ class TrainWorker:
         functions of the step). All ranks call it at the same step boundary; where the new layout
         cannot be allocated, the old one stays in force and the result says so ("failed")."""
         return self.builder.reshard(layout, bucket_cap_mb)
+
+    def pipeline_cut(self) -> dict | None:
+        """Under a pipeline: its blocks, their weights and where each stage begins (None: no
+        pipeline). What a stage rebalance plans a new cut from (orchestrator/policy/stages.py)."""
+        cut = getattr(self.parallel, "cut", None)
+        return cut.weighed() if cut is not None and self.layout.pp > 1 else None
+
+    def recut(self, split: list[str]) -> dict:
+        """A stage rebalance: the same pipeline cut again with `split` (the first block of every
+        stage after the first), the state moved between the stages as in a switch (all ranks at
+        the same step boundary). Any later switch takes the job's own cut again."""
+        out = self.builder.reshard(self.layout.to_dict(), None, split)
+        cut = getattr(self.parallel, "cut", None)
+        return {**out, **({"cut": cut.describe()} if cut is not None else {})}
 
     # ---------------------------------------------------------------- state
 

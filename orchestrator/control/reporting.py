@@ -217,6 +217,8 @@ def describe(decision) -> str:
         return f"{name}: " + shares_text(ev, moved=name == "rebalance")
     if name == "drop":
         return "drop: " + drop_text(decision.to_dict().get("ranks"), ev)
+    if "blocks_per_stage_after" in ev:  # a pipeline's slow stage: recut, or said (report)
+        return f"{name}: " + recut_text(ev, moved=name == "recut")
     if ev.get("predicted_step_s") is not None and ev.get("measured_step_s") is not None:
         parts = [f"measured {ev['measured_step_s'] * 1e3:.4g} ms a step, predicted {ev['predicted_step_s'] * 1e3:.4g}"
                  f" ({ev['prediction_error']:+.0%})"] + parts
@@ -232,6 +234,17 @@ def shares_text(ev: dict, moved: bool) -> str:
     return (f"{said}; shares {ev['shares_before']} -> {ev['shares_after']}"
             f"{'' if moved else ' would'} predicted to cut the step {ev['measured_step_s'] * 1e3:.4g} -> "
             f"{ev['predicted_step_s'] * 1e3:.4g} ms (noise {ev['noise']:.0%})")
+
+
+def recut_text(ev: dict, moved: bool) -> str:
+    """A pipeline's stage rebalance in a line: the slow position, and the blocks a stage."""
+    where = f"rank {ev['rank']}" + (f" on {ev['node']}" if ev.get("node") else "")
+    said = (f"pipeline position {ev['position']} ({where}) computes {ev['speed_ratio']:.2f}x slower a parameter "
+            f"than the fastest" if ev["reason"] == "straggler" else "the stages' speeds changed")
+    return (f"{said}; blocks a stage {ev['blocks_per_stage_before']} -> {ev['blocks_per_stage_after']}"
+            f"{'' if moved else ' would'} predicted to cut the step {ev['measured_step_s'] * 1e3:.4g} -> "
+            f"{ev['predicted_step_s'] * 1e3:.4g} ms (noise {ev['noise']:.0%})"
+            + (f" - not carried out: {ev['not_carried_out']}" if ev.get("not_carried_out") else ""))
 
 
 def drop_text(ranks, ev: dict) -> str:

@@ -10,7 +10,11 @@ renumbered on a new process group, in memory, as after a lost worker; the global
 unchanged), where only the layout allows it: the state held elsewhere, the survivors' world
 dividing the batch, cluster.min_workers kept. Its slot is held out of the run's growth for
 HOLD_OUT windows, twice as long each time a device is let go again; then the elastic growth takes
-a worker there back, and the rebalancer judges it again on its speed."""
+a worker there back, and the rebalancer judges it again on its speed.
+
+Under a pipeline the stages are watched instead (orchestrator/policy/stages.py): a slow stage's
+blocks move to the faster ones by `TrainWorker.recut` (the same pipeline cut again, the state
+moved between the stages as in a switch), where the workers stop for it."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from gearshift.orchestrator.control.elastic import pieces_lost, shrunk
 from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.policy.decisions import Report
 from gearshift.orchestrator.policy.rebalance import WINDOW, Drop, DropRule, Rebalance, Rebalancer
+from gearshift.orchestrator.policy.stages import Recut, StageBalancer
 
 HOLD_OUT = 5     # windows a device let go waits before the run's growth may take it back
 HOLD_OUT_MAX = 16  # the hold-out doubles for each further drop, up to this many times
@@ -31,6 +36,7 @@ class Stragglers:
         self.rebalancer: Rebalancer | None = None
         self.pending: tuple[Rebalance, int] | None = None  # the chunk's rebalance and the step it was seen
         self.shares: tuple[int, ...] | None = None  # the shares in force (None: even)
+        self.stage_blocks: list[int] | None = None  # a pipeline's blocks a stage after a recut (None: the job's cut)
         self.held_until = 0  # drop: no worker is taken in before this step (a device let go is held out)
         self.drops = 0  # drop: the devices let go in this run
 
@@ -38,13 +44,20 @@ class Stragglers:
         """Even shares on the layout in force (the workers are there already, or were just built)."""
         ctl = self.ctl
         mode, lay = ctl.job.adapt.stragglers, ctl.layout
-        watched = mode != "off" and lay.dp > 1 and lay.pp == 1 and ctl.job.telemetry.enabled
-        drop = DropRule(ctl.job.adapt.straggler_drop_ratio, self.may_drop) if mode == "drop" else None
-        self.rebalancer = Rebalancer(mode, lay, ctl.job.train.global_batch_size, ctl.micro, ctl.infos,
-                                     cooldown=ctl.job.adapt.cooldown, drop=drop) if watched else None
+        on = mode != "off" and ctl.job.telemetry.enabled
+        if on and lay.pp > 1:  # a pipeline's stages: their cut follows the speeds (a drop is not made)
+            cut = ctl.group.call("pipeline_cut")[0]
+            self.rebalancer = StageBalancer("report" if mode == "report" else "rebalance", lay, cut, ctl.infos,
+                                            cooldown=ctl.job.adapt.cooldown) if cut else None
+        elif on and lay.dp > 1:
+            drop = DropRule(ctl.job.adapt.straggler_drop_ratio, self.may_drop) if mode == "drop" else None
+            self.rebalancer = Rebalancer(mode, lay, ctl.job.train.global_batch_size, ctl.micro, ctl.infos,
+                                         cooldown=ctl.job.adapt.cooldown, drop=drop)
+        else:
+            self.rebalancer = None
         if self.pending is not None:
             self._report(*self.pending, applied=None)
-        self.pending, self.shares = None, None
+        self.pending, self.shares, self.stage_blocks = None, None, None
 
     @property
     def watching(self) -> bool:
@@ -52,7 +65,8 @@ class Stragglers:
 
     def context(self) -> dict:
         """What the step records of the chunk about to run are stamped with."""
-        return {"shares": list(self.shares)} if self.shares else {}
+        return {**({"shares": list(self.shares)} if self.shares else {}),
+                **({"stage_blocks": self.stage_blocks} if self.stage_blocks else {})}
 
     def observe(self, record: dict) -> bool:
         """Feed one step record; True where a rebalance is now waiting for the chunk to end."""
@@ -62,7 +76,7 @@ class Stragglers:
         got = self.rebalancer.observe(record)
         if isinstance(got, Report):
             ctl.report.decided(got, record["step"], record["step"])
-        elif isinstance(got, (Rebalance, Drop)):
+        elif isinstance(got, (Rebalance, Drop, Recut)):
             self.pending = (got, record["step"])
             return True
         return False
@@ -76,6 +90,9 @@ class Stragglers:
         self.pending = None
         if isinstance(decision, Drop):
             self._let_go(decision, seen, step)
+            return
+        if isinstance(decision, Recut):
+            self._recut(decision, seen, step)
             return
         self.ctl.group.call("set_shares", list(decision.shares))
         self.rebalancer.applied(decision, step)
@@ -122,6 +139,19 @@ class Stragglers:
         self._report(decision, seen, applied=step)
         ctl.on_world(target, [dict(ctl.infos[r], rank=i) for i, r in enumerate(keep)])
         ctl.elastic.let_go(old, target, list(decision.ranks), time.time() - start, start, results)
+
+    def _recut(self, decision: Recut, seen: int, step: int) -> None:
+        """At chunk end `step`: every rank cuts the pipeline again at the decision's blocks."""
+        results = self.ctl.group.call("recut", list(decision.split))
+        failed = next((r["failed"] for r in results if r.get("failed")), None)
+        decision.evidence["seconds"] = max(r.get("seconds", 0.0) for r in results)
+        if failed is not None:  # the new stages could not be allocated: the old cut is in force, whole
+            decision.evidence["not_carried_out"] = failed.get("message")
+            self._report(decision, seen, applied=None)
+            return
+        self.rebalancer.applied(decision, step)
+        self.stage_blocks = decision.evidence["blocks_per_stage_after"]
+        self._report(decision, seen, applied=step)
 
     def _report(self, decision: Rebalance, seen: int, applied: int | None) -> None:
         self.ctl.report.decided(decision, seen, applied)

@@ -253,7 +253,7 @@ class Rebalancer:
             return None
         # twice the noise of a half-window's median: a replica's spread (interquartile range over
         # median) over the square root of the half-window's steps, the largest over the replicas
-        spread = max((_quantile(c, 0.75) - _quantile(c, 0.25)) / median(c) for c in cols)
+        spread = max((quantile(c, 0.75) - quantile(c, 0.25)) / median(c) for c in cols)
         noise = 2 * spread / math.sqrt(len(cols[0]) / 2)
         half = len(steps) // 2
         halves = [[median(c[:half]) for c in cols], [median(c[half:]) for c in cols]]
@@ -335,7 +335,7 @@ class DropRule:
                 "predicted_step_s_rebalanced": step_s - (longest - look["predicted_compute"])}
 
 
-def _quantile(xs, q: float) -> float:
+def quantile(xs, q: float) -> float:
     s = sorted(xs)
     pos = q * (len(s) - 1)
     lo = int(pos)

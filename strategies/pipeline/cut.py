@@ -58,6 +58,8 @@ class Cut:
 
     stages: tuple[tuple[str, ...], ...]
     how: str  # "balanced" or "pp_split"
+    weights: tuple[int, ...] = ()  # each block's parameters, in model order
+    rest: int = 0  # the parameters before the first block and after the last
 
     @property
     def blocks(self) -> list[str]:
@@ -75,6 +77,14 @@ class Cut:
     def describe(self) -> dict:
         return {"how": self.how, "stages": [[s[0], s[-1]] if len(s) > 1 else [s[0]] for s in self.stages],
                 "blocks_per_stage": [len(s) for s in self.stages]}
+
+    def weighed(self) -> dict:
+        """What a new cut of the same blocks is planned from (orchestrator/policy/stages.py): the
+        blocks, their weights, the weight outside them, and each stage's first block index."""
+        starts = [0]
+        for stage in self.stages[:-1]:
+            starts.append(starts[-1] + len(stage))
+        return {"blocks": list(self.blocks), "weights": list(self.weights), "rest": self.rest, "starts": starts}
 
 
 def find_blocks(model: nn.Module, patterns: tuple[str, ...] = ()) -> list[str]:
@@ -224,10 +234,12 @@ def param_counts(model: nn.Module, blocks: list[str]) -> tuple[list[int], int, i
     return per_block, rest, len(blocks)
 
 
-def balanced(weights: list[int], pp: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
-    """The first block index of each stage (pp entries, starting with 0) that makes the heaviest
-    stage lightest: blocks of `weights`, the first stage carrying `first_extra` more and the
-    last `last_extra` more (linear partition, by dynamic programming)."""
+def balanced(weights: list[float], pp: int, first_extra: float = 0, last_extra: float = 0,
+             speeds: list[float] | None = None) -> list[int]:
+    """The first block index of each stage (pp entries, starting with 0) that makes the slowest
+    stage fastest: blocks of `weights`, the first stage carrying `first_extra` more and the
+    last `last_extra` more, stage k working at `speeds[k]` (weight a second; default all alike)
+    (linear partition, by dynamic programming)."""
     n = len(weights)
     prefix = [0]
     for w in weights:
@@ -241,6 +253,7 @@ def balanced(weights: list[int], pp: int, first_extra: int = 0, last_extra: int 
         for i in range(k, n - (pp - k) + 1):
             for j in range(k - 1, i):
                 load = prefix[i] - prefix[j] + (first_extra if j == 0 else 0) + (last_extra if i == n else 0)
+                load = load / speeds[k - 1] if speeds else load
                 worst = max(best[k - 1][j], load)
                 if worst < best[k][i]:
                     best[k][i], cut[k][i] = worst, j
@@ -273,11 +286,11 @@ def choose(model: nn.Module, blocks: list[str], pp: int, split: tuple[str, ...] 
             raise CutError(f"parallel.pp_split: {list(split)} must name blocks in model order, after the first, "
                            "each stage at least one block")
         how = "pp_split"
-    else:
-        per_block, rest, _ = param_counts(model, blocks)
+    per_block, rest, _ = param_counts(model, blocks)
+    if not split:
         # what runs before the first block goes with the first stage, after the last with the last:
         # the split below evens the blocks out around them (half of the rest to each end)
         starts = balanced(per_block, n, rest // 2, rest - rest // 2)
         how = "balanced"
     ends = starts[1:] + [len(blocks)]
-    return Cut(tuple(tuple(blocks[a:b]) for a, b in zip(starts, ends)), how)
+    return Cut(tuple(tuple(blocks[a:b]) for a, b in zip(starts, ends)), how, tuple(per_block), rest)

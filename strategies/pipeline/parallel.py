@@ -121,7 +121,8 @@ class PipelineParallel(Parallel):
         comm route: timed as comm wait, delayed by the simulated link, and split into the time
         idle before the data came (the bubble) and the link's (its simulated delay; on a real
         link no clock shared between nodes tells the transfer apart, so it counts as bubble).
-        Sends are not timed: a stage that sends goes on computing."""
+        A send's wait is timed too (as bubble): gloo's send of a message returns only once the peer
+        takes it, so a stage whose next stage is slow waits there, not in compute.""" 
         route = self.comm
         if route is None:
             yield
@@ -139,8 +140,12 @@ class PipelineParallel(Parallel):
 
         def waited(works):
             nbytes = receiving.pop(id(works), 0)
-            if not nbytes:
-                return wait(works)
+            if not nbytes:  # sends only: the peer's readiness, no bytes of the link's own
+                started = time.perf_counter()
+                with route.idle():
+                    out = wait(works)
+                route.pipe(time.perf_counter() - started, 0.0)
+                return out
             started = time.perf_counter()
             with route.blocked(nbytes, "pp"):
                 wait(works)

@@ -104,7 +104,9 @@ class Builder:
         pipe = dict(cfg.pipeline)
         share = w.micro_batch or cfg.global_batch_size // layout.dp
         return {"pp_microbatches": microbatches(share, layout.pp, pipe.get("microbatches")),
-                "pp_schedule": pipe.get("schedule", "1f1b"), "pp_split": tuple(pipe.get("split", ())),
+                "pp_schedule": pipe.get("schedule", "1f1b"),
+                # a stage rebalance's cut (recut) in force, else the job's
+                "pp_split": w.pp_split if w.pp_split else tuple(pipe.get("split", ())),
                 "example": lambda: load_batch(w.dataset, [0])[0]}
 
     def _model(self, layout: Layout, move_from: tuple | None, rewrap: tuple | None):
@@ -180,11 +182,13 @@ class Builder:
         net = SimulatedNetwork.for_rank(cfg.comm_delay_ms, cfg.sim_nodes, cfg.sim_link, w.layout, w.rank)
         w.parallel.attach(CommRoute(w.clock, net) if w.clock or net else None)
 
-    def reshard(self, layout: dict, bucket_cap_mb: float | None = None) -> dict:
+    def reshard(self, layout: dict, bucket_cap_mb: float | None = None, split: list[str] | None = None) -> dict:
         """A switch (see TrainWorker.reshard): the state moved onto `layout` tensor by tensor, or,
-        where the new layout cannot be allocated, the old one in force again, whole."""
+        where the new layout cannot be allocated, the old one in force again, whole. `split`: a
+        pipeline's cut (the first block of every stage after the first), else the job's."""
         w = self.w
         start = time.perf_counter()
+        split_before, w.pp_split = w.pp_split, tuple(split) if split else None
         w.io.writes.settle()  # the state moves: nothing may still be reading it
         if bucket_cap_mb is not None:
             w.bucket_cap_mb = float(bucket_cap_mb)
@@ -202,6 +206,7 @@ class Builder:
         except SwitchAborted as err:  # nothing moved: the old layout is whole, and in force again
             w.parallel, w.optimizer = old
             w.layout, w.scaler, w.clock = before
+            w.pp_split = split_before
             self.attach_route()
             w.runner.set_micro_batch(w.runner.micro_setting)
             oom.give_back(w.device)

@@ -30,6 +30,13 @@ class CommRoute:
                 yield
 
     @contextlib.contextmanager
+    def idle(self):
+        """Around a wait that carries no bytes of its own (a pipeline's send waiting for its
+        peer to take it): comm wait, with no simulated link delay."""
+        with self.clock.blocked() if self.clock is not None else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
     def delayed(self, nbytes: int, dim: str):
         if self.clock is not None:
             self.clock.calls += 1

@@ -116,11 +116,12 @@ class StepRunner:
         w.optimizer.zero_grad(set_to_none=True)
         if self.slow is not None:  # inject.slow: before the gradients exist, so it counts as compute
             self.slow.before_compute(w.rank, step, len(x))
-        started = time.perf_counter()
+        started, waited = time.perf_counter(), clock.wait if clock and not clock.cuda else 0.0
         with self.probe.watching(w.parallel.model) if self.probe else contextlib.nullcontext():
             loss = steps.choose(w.parallel, w.accumulation, uneven=w.shares is not None)(self, x, y)
-        if self.slow is not None:
-            self.slow.computed(time.perf_counter() - started, len(x))
+        if self.slow is not None:  # its own compute: less what it waited on peers inside the step (a pipeline's)
+            waited = (clock.wait if clock and not clock.cuda else 0.0) - waited
+            self.slow.computed(time.perf_counter() - started - waited, len(x))
         if clock:
             clock.after_backward()
         w.parallel.after_backward()

@@ -1,0 +1,139 @@
+"""Stragglers under a pipeline (adapt.stragglers): a stage that computes slower than the others
+holds every micro-batch back, so its blocks are moved to the faster stages at the next boundary
+(Malleus's move), the same state moved between the stages as in a switch.
+
+Every rank reports its compute time (its step less its comm wait, which under a pipeline holds
+its bubble and its link wait, and its data time). Over a window of steps, position p's time is
+the median of its slowest rank's (the pipeline's replicas and tensor-parallel ranks of a stage
+compute together). Its speed is the weight its stages hold (their blocks' parameters, the code
+before the first block and after the last counted half each to the first and the last stage, as
+the balanced cut counts them) over that time. The new cut is the one whose slowest stage is
+fastest at those speeds (strategies/pipeline/cut.py `balanced`), taken where the predicted cut of
+the slowest position's time beats `min_gain` and the noise of the medians, in the window and in
+each of its halves. The speeds are per parameter: a stage whose blocks compute more per parameter
+reads as slower and gets fewer blocks, which is the same move. Pure: the controller carries a
+`Recut` out with `TrainWorker.recut` where the workers stop for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+from typing import ClassVar
+
+from gearshift.orchestrator.policy.decisions import Report
+from gearshift.orchestrator.policy.rebalance import MIN_GAIN, SETTLE, WINDOW, quantile
+from gearshift.strategies.pipeline.cut import balanced
+
+
+@dataclass(frozen=True)
+class Recut:
+    """The pipeline cut again at `split` (the first block of every stage after the first)."""
+    split: tuple[str, ...]
+    starts: tuple[int, ...]
+    evidence: dict
+    name: ClassVar[str] = "recut"
+
+    def to_dict(self) -> dict:
+        return {"decision": self.name, "split": list(self.split), "evidence": self.evidence}
+
+
+class StageBalancer:
+    """observe(step record) -> Recut | Report | None, one record at a time. `cut`: what
+    TrainWorker.pipeline_cut says (blocks, weights, rest, starts)."""
+
+    def __init__(self, mode: str, layout, cut: dict, infos: list[dict] | None = None, window: int = WINDOW,
+                 min_gain: float = MIN_GAIN, cooldown: int = 40):
+        self.mode, self.window, self.min_gain, self.cooldown = mode, window, min_gain, cooldown
+        self.pp = layout.pp
+        self.ranks = [[r for r in range(layout.world) if layout.stage_of(r) == p] for p in range(self.pp)]
+        self.where = [{"rank": rs[0], "node": (infos or [{}] * layout.world)[rs[0]].get("node_ip")}
+                      for rs in self.ranks]
+        self.blocks, self.weights, self.rest = list(cut["blocks"]), list(cut["weights"]), cut["rest"]
+        self.starts = tuple(cut["starts"])
+        self.steps: deque = deque(maxlen=window)
+        self.skip = 0
+        self.said = -cooldown
+        self.check: dict | None = None
+
+    def loads(self, starts) -> list[float]:
+        """Each position's weight under the cut `starts` (a position runs stages p, p + pp, ...)."""
+        ends = list(starts[1:]) + [len(self.blocks)]
+        per_stage = [sum(self.weights[a:b]) for a, b in zip(starts, ends)]
+        per_stage[0] += self.rest // 2
+        per_stage[-1] += self.rest - self.rest // 2
+        out = [0.0] * self.pp
+        for k, w in enumerate(per_stage):
+            out[k % self.pp] += w
+        return out
+
+    def applied(self, decision: Recut, step: int) -> None:
+        self.starts = decision.starts
+        self.steps.clear()
+        self.skip = SETTLE
+        self.check = {"step": step, "predicted_step_s": decision.evidence["predicted_step_s"],
+                      "measured_step_s": decision.evidence["measured_step_s"]}
+
+    def observe(self, record: dict) -> Recut | Report | None:
+        compute = (record.get("ranks") or {}).get("compute_time")
+        if not compute or len(compute) < sum(map(len, self.ranks)) or record.get("partial"):
+            return None
+        if self.skip:
+            self.skip -= 1
+            return None
+        self.steps.append(([max(compute[r] for r in rs) for rs in self.ranks], record["step_time_max"]))
+        if len(self.steps) < self.window:
+            return None
+        steps, self.steps = list(self.steps), deque(maxlen=self.window)
+        if self.check is not None:
+            check, self.check = self.check, None
+            measured = median(t for _, t in steps)
+            return Report("recut_checked", {"applied_step": check["step"],
+                                            "measured_step_s_before": check["measured_step_s"],
+                                            "predicted_step_s": check["predicted_step_s"], "measured_step_s": measured,
+                                            "prediction_error": measured / check["predicted_step_s"] - 1,
+                                            "blocks_per_stage": _sizes(self.starts, len(self.blocks))})
+        return self._decide(steps, record["step"])
+
+    def _decide(self, steps: list, step: int) -> Recut | Report | None:
+        cols = list(zip(*(per for per, _ in steps)))
+        times = [median(c) for c in cols]
+        if min(times) <= 0:
+            return None
+        spread = max((quantile(c, 0.75) - quantile(c, 0.25)) / median(c) for c in cols)
+        noise = 2 * spread / math.sqrt(len(steps) / 2)
+        loads = self.loads(self.starts)
+        speeds = [w / t for w, t in zip(loads, times)]
+        n = len(self.starts)
+        starts = tuple(balanced(self.weights, n, self.rest // 2, self.rest - self.rest // 2,
+                                speeds=[speeds[k % self.pp] for k in range(n)]))
+        if starts == self.starts:
+            return None
+        after = [w / v for w, v in zip(self.loads(starts), speeds)]
+        half = len(steps) // 2
+        gains = [1 - max(w / (lw / t) for w, lw, t in zip(self.loads(starts), loads, h)) / max(h)
+                 for h in ([median(c[:half]) for c in cols], [median(c[half:]) for c in cols])]
+        gain = 1 - max(after) / max(times)
+        if min(gain, *gains) <= max(self.min_gain, noise):
+            return None
+        step_s = median(t for _, t in steps)
+        slow = min(range(self.pp), key=speeds.__getitem__)
+        # a pipeline's step runs at its slowest position's pace: the step scales with it
+        evidence = {"reason": "straggler" if max(speeds) / speeds[slow] > 1 + self.min_gain + noise else "balance",
+                    **self.where[slow], "position": slow, "speed_ratio": max(speeds) / speeds[slow],
+                    "speeds": speeds, "compute_s": times, "blocks_per_stage_before": _sizes(self.starts, len(self.blocks)),
+                    "blocks_per_stage_after": _sizes(starts, len(self.blocks)), "predicted_gain": gain, "noise": noise,
+                    "measured_step_s": step_s, "predicted_step_s": step_s * max(after) / max(times),
+                    "window_steps": len(steps)}
+        if self.mode == "report":
+            if step - self.said < self.cooldown:
+                return None
+            self.said = step
+            return Report("straggler", evidence)
+        return Recut(tuple(self.blocks[i] for i in starts[1:]), starts, evidence)
+
+
+def _sizes(starts, n: int) -> list[int]:
+    return [b - a for a, b in zip(starts, list(starts[1:]) + [n])]

@@ -1,0 +1,85 @@
+"""A slow pipeline stage (orchestrator/policy/stages.py) on synthetic step records: its blocks move
+to the faster stage where the cost says so, the step as predicted, an even pipeline moves
+nothing; and the cut at unequal speeds (strategies/pipeline/cut.py). Pure logic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gearshift.orchestrator.policy.decisions import Report
+from gearshift.orchestrator.policy.stages import Recut, StageBalancer
+from gearshift.strategies.layout import Layout
+from gearshift.strategies.pipeline.cut import balanced
+
+BLOCKS = [f"layers.{i}" for i in range(8)]
+CUT = {"blocks": BLOCKS, "weights": [100] * 8, "rest": 0, "starts": [0, 4]}
+
+
+def test_a_cut_at_unequal_speeds_gives_the_slow_stage_fewer_blocks():
+    assert balanced([1] * 8, 2) == [0, 4]
+    assert balanced([1] * 8, 2, speeds=[1.0, 0.5]) == [0, 5]  # 5 / 1 against 3 / 0.5: the slowest 6, not 8
+    assert balanced([1] * 9, 3, speeds=[1.0, 1.0, 0.25]) == [0, 4, 8]
+    assert balanced([1] * 8, 2, 4, 0, speeds=[1.0, 1.0]) == [0, 2]  # a heavy first stage's extra counts
+
+
+def record(step, starts, speeds, rng, jitter=0.05, ranks_per_stage=1):
+    """Each position computes its blocks (100 weight each) at its speed (weight/ms), a fixed 0.1 ms
+    beside (a micro-batch's own overhead), plus jitter."""
+    n = len(BLOCKS)
+    sizes = [b - a for a, b in zip(starts, list(starts[1:]) + [n])]
+    compute = []
+    for size, speed in zip(sizes, speeds):
+        t = (0.0001 + size * 100 / speed / 1000) * (1 + rng.uniform(-jitter, jitter))
+        compute += [t] * ranks_per_stage
+    return {"step": step, "step_time_max": 1.4 * max(compute), "ranks": {"compute_time": compute}}
+
+
+def feed(bal, speeds_at, steps, jitter=0.05, seed=0, ranks_per_stage=1):
+    rng, out = random.Random(seed), []
+    for step in range(1, steps + 1):
+        got = bal.observe(record(step, bal.starts, speeds_at(step), rng, jitter, ranks_per_stage))
+        if got is not None:
+            out.append((step, got))
+            if isinstance(got, Recut):
+                bal.applied(got, step)
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_stage_at_half_speed_hands_blocks_to_the_other_and_the_step_follows(dp):
+    layout = Layout("pipeline", dp, 1, pp=2)
+    infos = [{"node_ip": "10.0.0.1"}] * dp + [{"node_ip": "10.0.0.2"}] * dp
+    bal = StageBalancer("rebalance", layout, CUT, infos)
+    out = feed(bal, lambda s: [400.0, 200.0], 60, ranks_per_stage=dp)
+    recuts = [d for _, d in out if isinstance(d, Recut)]
+    assert len(recuts) == 1 and out[0][0] == 10, out
+    r = recuts[0]
+    assert r.split == ("layers.5",) and r.starts == (0, 5)  # 5 blocks at 400 against 3 at 200
+    ev = r.evidence
+    assert ev["reason"] == "straggler" and ev["position"] == 1 and ev["node"] == "10.0.0.2" and ev["rank"] == dp
+    assert ev["blocks_per_stage_before"] == [4, 4] and ev["blocks_per_stage_after"] == [5, 3]
+    assert ev["speed_ratio"] == pytest.approx(2.1 / 1.1, rel=0.1)  # 2.1 ms against 1.1, the fixed part in each
+    [check] = [d for _, d in out if isinstance(d, Report) and d.kind == "recut_checked"]
+    # the slowest stage 2.1 ms -> 1.6 (3 blocks at half speed, and the fixed part), as predicted
+    assert abs(check.evidence["prediction_error"]) < 0.1, check.evidence
+    assert check.evidence["measured_step_s"] < 0.8 * ev["measured_step_s"]
+
+
+def test_an_even_pipeline_moves_nothing_and_report_mode_only_says():
+    for seed in range(5):
+        bal = StageBalancer("rebalance", Layout("pipeline", 1, 1, pp=2), CUT)
+        assert not feed(bal, lambda s: [300.0, 300.0], 200, jitter=0.3, seed=seed)
+    bal = StageBalancer("report", Layout("pipeline", 1, 1, pp=2), CUT, cooldown=40)
+    out = feed(bal, lambda s: [400.0, 200.0], 60)
+    assert [s for s, _ in out] == [10, 50] and all(d.kind == "straggler" for _, d in out)
+    assert bal.starts == (0, 4)
+
+
+def test_a_recovered_stage_gets_its_blocks_back():
+    bal = StageBalancer("rebalance", Layout("pipeline", 1, 1, pp=2), CUT)
+    out = feed(bal, lambda s: [400.0, 200.0] if s < 40 else [400.0, 400.0], 100)
+    recuts = [(s, d) for s, d in out if isinstance(d, Recut)]
+    assert [d.starts for _, d in recuts] == [(0, 5), (0, 4)], out
+    assert recuts[1][1].evidence["reason"] == "balance"
