@@ -223,9 +223,9 @@ class AdaptSpec:
                     "measure their device and the link before the build, and the run starts on the layout "
                     "predicted fastest among those that fit; memory: the least sharded layout that fits")
     stragglers: str = _f("rebalance", _stragglers,
-                         "a data-parallel replica computing slower than the others, under any layout with "
-                         "replicas but a pipeline. rebalance: each replica takes a share of the global batch in "
-                         "proportion to its measured speed (the update stays exact); drop: as rebalance, and a "
+                         "a data-parallel replica (or a pipeline stage) computing slower than the others. "
+                         "rebalance: each replica takes a share of the global batch in proportion to its measured "
+                         "speed (the update stays exact), a slow stage's blocks move to the others; drop: as rebalance, and a "
                          "replica past straggler_drop_ratio, or one no share makes fast enough, is let go in memory "
                          "(needs fault.on_node_loss elastic) and taken back after a hold-out; report: say so in a "
                          "decision record, change nothing; off: not watched")
