@@ -135,6 +135,24 @@ def test_elastic_needs_room_below_num_workers_and_min_workers_at_most_num_worker
     assert load_job(MLP[0], MLP[1] + ["cluster.min_workers=1", "fault.on_node_loss=wait"]).on_node_loss == "wait"
 
 
+@pytest.mark.parametrize("overrides,field,said", [
+    (["adapt.stragglers=drop"], "adapt.stragglers", "needs fault.on_node_loss elastic (this run's is shrink)"),
+    (["adapt.stragglers=drop", "cluster.min_workers=1", "fault.on_node_loss=wait"], "adapt.stragglers",
+     "this run's is wait"),
+    (["adapt.straggler_drop_ratio=1"], "adapt.straggler_drop_ratio", "must be a number > 1.0"),
+    (["adapt.straggler_drop_ratio=fast"], "adapt.straggler_drop_ratio", "must be a number"),
+    (["adapt.stragglers=sometimes"], "adapt.stragglers", "drop"),
+    (["inject.slow={ranks: [2], factor: 2}"], "inject.slow.ranks", "ranks 0 to 1"),
+])
+def test_the_straggler_fields_refuse_bad_values_in_a_line(overrides, field, said):
+    with pytest.raises(JobError) as e:
+        load_job(MLP[0], MLP[1] + overrides)
+    assert e.value.field == field and said in str(e.value) and "\n" not in str(e.value), str(e.value)
+    job = load_job(MLP[0], MLP[1] + ["adapt.stragglers=drop", "cluster.min_workers=1",
+                                     "adapt.straggler_drop_ratio=2.5"])
+    assert (job.adapt.stragglers, job.adapt.straggler_drop_ratio) == ("drop", 2.5)
+
+
 # ----------------------------------------------------------------------------- on Ray, for real
 
 SLOW = ["train.steps=30", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2",
