@@ -139,6 +139,7 @@ class Stragglers:
         self._report(decision, seen, applied=step)
         ctl.on_world(target, [dict(ctl.infos[r], rank=i) for i, r in enumerate(keep)])
         ctl.elastic.let_go(old, target, list(decision.ranks), time.time() - start, start, results)
+        ctl.group.joinable()  # a worker starts in the slot now (it never waits): warm when the hold-out ends
 
     def _recut(self, decision: Recut, seen: int, step: int) -> None:
         """At chunk end `step`: every rank cuts the pipeline again at the decision's blocks."""
