@@ -729,3 +729,16 @@ def test_drop_lets_a_very_slow_rank_go_in_memory_and_takes_it_back_after_a_hold_
     steps = [r for r in records if r["type"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 201))
     assert torch.load(run.final, weights_only=True)["w"].tolist() == [200.0, 200.0]
+
+
+def test_the_policys_straggler_report_is_left_to_the_straggler_watcher():
+    """strategy auto's rule 3 (a rank computing long while the others wait: no switch) says a
+    straggler too; where adapt.stragglers watches the layout, its own record says it once."""
+    from gearshift.orchestrator.control.stragglers import Stragglers
+    from gearshift.orchestrator.policy.decisions import Report
+
+    watcher = Stragglers(ctl=None)
+    said = Report("straggler", {"rank": 1, "compute_ratio": 2.0})
+    assert not watcher.says(said)  # not watched (off, or no replicas): the policy's record stands
+    watcher.rebalancer = object()
+    assert watcher.says(said) and not watcher.says(Report("input_bound", {}))

@@ -63,6 +63,12 @@ class Stragglers:
     def watching(self) -> bool:
         return self.rebalancer is not None
 
+    def says(self, decision) -> bool:
+        """Whether the policy's own straggler report (a rank computing long while the others wait,
+        which holds its switches back) is this watcher's to say: it is watched here, and a
+        `rebalance`, `drop`, `recut` or `straggler` record says it with the shares or blocks."""
+        return self.rebalancer is not None and isinstance(decision, Report) and decision.kind == "straggler"
+
     def context(self) -> dict:
         """What the step records of the chunk about to run are stamped with."""
         return {**({"shares": list(self.shares)} if self.shares else {}),

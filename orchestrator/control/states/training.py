@@ -170,6 +170,8 @@ class TrainingState:
                         pending, ctl.decided = decision, (decision, record["step"])
                         if stoppable and record["step"] < until:
                             ctl.group.stop_early()  # carried out where the workers stop
+                    elif ctl.stragglers.says(decision):  # a straggler the rebalancer watches: its record says it
+                        pass
                     elif decision.name != "keep" or decision.evidence:  # a kept switch is news too
                         report.decided(decision, record["step"], record["step"])
                         kept = kept or decision.name == "keep"
