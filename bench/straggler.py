@@ -12,6 +12,8 @@ The built-in GPT (the adaptive bench's job) trains the same steps under each var
     hsdp             static hsdp (sharded inside a node, replicated across), adapt.stragglers=off
     data+rebalance   static data, adapt.stragglers=rebalance: the batch shared out by the ranks' speeds
     auto             parallel.strategy=auto, adapt.stragglers=rebalance
+    pipeline         (not by default) a pipeline of a stage a node, 8 GPT blocks, adapt.stragglers=off
+    pipeline+recut   (not by default) the same with adapt.stragglers=rebalance: a slow stage's blocks move
 
 in three settings:
 
@@ -51,7 +53,7 @@ data+rebalance / static data >= 0.98; scenario: auto ahead of every static layou
 
 The last line of output is one JSON object. Per setting (`slow`, `quiet`, `scenario`):
 `auto_vs_static_data_<setting>`, `auto_vs_static_hsdp_<setting>`, `rebalance_vs_static_data_<setting>`
-(data+rebalance / static data), `auto_vs_ideal_<setting>` and `auto_vs_ideal_with_comm_<setting>`
+(data+rebalance / static data), `recut_vs_static_pipeline_<setting>` (where the pipeline variants ran), `auto_vs_ideal_<setting>` and `auto_vs_ideal_with_comm_<setting>`
 (with `rebalance_vs_...` and `static_data_vs_...` beside them), each {median, min, max, per_repeat};
 `samples_per_s_<setting>`: per variant, the same summary of samples/s;
 `rebalances_<setting>`: per variant, the rebalance decisions of each repeat's run;
@@ -80,13 +82,18 @@ from testbed import SharePhase, Testbed, TestbedError, parse_slow_node  # noqa: 
 
 BATCH = 32
 RATE = "1gbit"
+DEEP = "model.kwargs={vocab_size: 128, block_size: 64, n_layer: 8, n_head: 4, n_embd: 128}"
 # `off` quoted: --set values are parsed as YAML, where a bare off is the boolean false
 VARIANTS = {
     "data": ["parallel.strategy=data", "adapt.stragglers='off'"],
     "hsdp": ["parallel.strategy=hsdp", "adapt.stragglers='off'"],
     "data+rebalance": ["parallel.strategy=data", "adapt.stragglers=rebalance"],
     "auto": ["parallel.strategy=auto", "adapt.stragglers=rebalance"],
+    # a pipeline of a stage a node (ranks 0-1, 2-3): a deeper GPT, so that blocks can move between them
+    "pipeline": ["parallel.strategy=pipeline", "parallel.pp_size=2", "adapt.stragglers='off'", DEEP],
+    "pipeline+recut": ["parallel.strategy=pipeline", "parallel.pp_size=2", "adapt.stragglers=rebalance", DEEP],
 }
+DEFAULT_VARIANTS = ("data", "hsdp", "data+rebalance", "auto")
 STATIC = ("data", "hsdp")
 # runs of a few hundred steps: the policy judges windows of 10 steps (as bench/adaptive.py's auto);
 # every variant gets the same, so strategy and adapt.stragglers are all that differ
@@ -164,7 +171,7 @@ def read_run(run_dir: pathlib.Path, steps: int) -> dict:
              for r in decisions if r.get("decision") not in (None, "keep", "hold")]
     peaks = [r["peak_mem_bytes"] for r in step_records if isinstance(r.get("peak_mem_bytes"), (int, float))]
     return {"seconds": end - start, "samples_per_s": steps * BATCH / (end - start),
-            "rebalances": sum(1 for r in records if r.get("decision") == "rebalance"),
+            "rebalances": sum(1 for r in records if r.get("decision") in ("rebalance", "recut", "drop")),
             "switches": [f"{r['step']}:{r['to']['strategy']}" for r in records if r.get("event") == "switch"],
             "moves": moves, "peak_mem_bytes": max(peaks) if peaks else None,
             "ends": {r["step"]: r.get("ended_at") for r in step_records},
@@ -264,7 +271,8 @@ def ratios(runs: dict[str, list[dict]], repeats: int) -> dict[str, list[float]]:
     sps = {v: [r["samples_per_s"] for r in rs] for v, rs in runs.items()}
     out = {}
     for key, top, bottom in (("auto_vs_static_data", "auto", "data"), ("auto_vs_static_hsdp", "auto", "hsdp"),
-                             ("rebalance_vs_static_data", "data+rebalance", "data")):
+                             ("rebalance_vs_static_data", "data+rebalance", "data"),
+                             ("recut_vs_static_pipeline", "pipeline+recut", "pipeline")):
         if top in sps and bottom in sps:
             out[key] = [sps[top][i] / sps[bottom][i] for i in range(repeats)]
     for kind in ("ideal", "ideal_with_comm"):
@@ -282,7 +290,7 @@ def summarize(results: dict[str, dict[str, list[dict]]], repeats: int) -> dict:
     """The table for people and the figures for the JSON line."""
     figures: dict = {}
     names = ("auto_vs_static_data", "auto_vs_static_hsdp", "rebalance_vs_static_data", "auto_vs_ideal",
-             "auto_vs_ideal_with_comm")
+             "auto_vs_ideal_with_comm", "recut_vs_static_pipeline")
     print(f"\nsamples/s, median [min..max] over {repeats} repeat(s)")
     variants = list(next(iter(results.values())))
     print(f"{'setting':<10}" + "".join(f"{v:>24}" for v in variants))
@@ -342,7 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="shorter runs (150, 150, 140 steps): ~8 minutes a repeat")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every (setting, variant), interleaved")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"a subset of {','.join(SETTINGS)}")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {','.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"a subset of {','.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
     ap.add_argument("--steps", type=int, default=None, help="steps of the slow and quiet settings")
     ap.add_argument("--share", type=float, default=0.5, help="the slow node's share of its core (slow setting)")
     ap.add_argument("--batch", type=int, default=BATCH, help=f"the global batch (default {BATCH}: a step that "
