@@ -57,10 +57,12 @@ static layout that ceiling lies on this machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -85,18 +87,24 @@ BATCH = 32
 PP, MICROBATCHES = 2, 4  # static pipeline: 2 replicas of 16 samples, the default micro-batches (<= 2 x pp, dividing 16)
 
 
+def driver_argv(layout: str, steps: int, run_dir: pathlib.Path, extra: list[str] = ()) -> list[str]:
+    """`gearshift` arguments of one run (the testbed adds --address)."""
+    argv = ["run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(run_dir),
+            "--set", f"train.steps={steps}", "--set", f"train.global_batch_size={BATCH}",
+            "--set", "cluster.num_workers=4", "--set", "cluster.cpus_per_worker=0.5",
+            "--set", "checkpoint.every=0", "--set", "cluster.placement=pack"]
+    for item in [*LAYOUTS[layout], *extra]:
+        argv += ["--set", item]
+    return argv
+
+
 def run_one(tb: Testbed, layout: str, steps: int, tmp: pathlib.Path, scenario=None, rate: str | None = None,
             extra: list[str] = (), measure_steps: int | None = None) -> dict:
     """One run; with `measure_steps` < steps only that many are trained and the time to `steps`
     is extrapolated from their rate (tensor parallelism over a slow link takes seconds a step)."""
     run_dir = tmp / f"{layout}-{len(list(tmp.iterdir()))}"
     trained = min(steps, measure_steps or steps)
-    argv = ["run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(run_dir),
-            "--set", f"train.steps={trained}", "--set", f"train.global_batch_size={BATCH}",
-            "--set", "cluster.num_workers=4", "--set", "cluster.cpus_per_worker=0.5",
-            "--set", "checkpoint.every=0", "--set", "cluster.placement=pack"]
-    for item in [*LAYOUTS[layout], *extra]:
-        argv += ["--set", item]
+    argv = driver_argv(layout, trained, run_dir, extra)
     if rate is not None:
         tb.set_rate(rate)
     done = tb.run_driver(argv, scenario, capture=True)
@@ -186,7 +194,27 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def main() -> None:
+AUTO_EXTRA = ["adapt.window=10", "adapt.cooldown=20"]  # runs of a few hundred steps: windows of 10 (default 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a bench run measures: fixed settings (rate, steps), the scenario, repeats."""
+    fixed: list[tuple[str, int]]
+    scenario_text: str
+    scenario: list
+    scenario_steps: int
+    tensor_steps: int
+    repeats: int
+    own_cores: bool
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """(first, last) step of each phase of the scenario."""
+        ends = [q.from_step for q in self.scenario[1:]] + [self.scenario_steps]
+        return [(p.from_step + 1, min(end, self.scenario_steps)) for p, end in zip(self.scenario, ends)]
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="a shorter fast and slow setting and a shorter scenario: about 10 minutes a repeat")
@@ -201,9 +229,15 @@ def main() -> None:
                          "as real nodes have their own devices: a rank's idle time is not lent to the other node)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every (setting, layout), interleaved across layouts (static tensor: once per rate)")
+    ap.add_argument("--dry-run", action="store_true", help="print every run's gearshift arguments and check each "
+                    "layout's job as `gearshift run` would; run nothing (no root needed)")
     args = ap.parse_args()
     if args.repeats < 1:
         raise SystemExit("--repeats: at least 1")
+    return args
+
+
+def plan_of(args: argparse.Namespace) -> Plan:
     fixed = parse_rates(args.steps_per_rate or ("1gbit:300,40mbit:100" if args.quick else "1gbit:600,40mbit:200"))
     scenario_steps = args.scenario_steps or (200 if args.quick else 300)
     # slow in the middle; fast steps ~1.5x the slow ones, where data's loss over the slow stretch
@@ -213,74 +247,124 @@ def main() -> None:
     scenario = parse_scenario(scenario_text)
     if scenario[0].from_step is None:
         raise SystemExit(f"--scenario {scenario_text!r}: give the phases by step (RATE@STEP,...)")
-    tensor_steps = args.tensor_steps or (4 if args.quick else 12)
-    # runs of a few hundred steps: the policy judges windows of 10 steps (the default is 20)
-    auto_extra = ["adapt.window=10", "adapt.cooldown=20"]
-    repeats = args.repeats
-    # setting -> layout -> one result per repeat (static tensor: one, reused by every repeat)
-    results: dict[str, dict[str, list[dict]]] = {}
-    tensor_step_s: dict[str, float] = {}  # rate -> seconds per step of static tensor
+    return Plan(fixed, scenario_text, scenario, scenario_steps, args.tensor_steps or (4 if args.quick else 12),
+                args.repeats, not args.shared_cores)
+
+
+def dry_run(plan: Plan) -> None:
+    """Every run's `gearshift` arguments, in the order the bench makes them; each layout's job
+    checked as `gearshift run` checks it. Nothing is brought up."""
+    from testbed import check_driver_args
+
+    tb = Testbed(rate=plan.fixed[0][0], own_cores=plan.own_cores, dry_run=True)
+    root = pathlib.Path(tempfile.gettempdir()) / "gs-adaptive-XXXX"
+    runs = []
+    for rate, steps in plan.fixed:
+        for rep in range(plan.repeats):
+            runs += [(f"fixed_{rate} #{rep + 1} {layout}", rate, layout, plan.tensor_steps if layout == "tensor" else steps)
+                     for layout in LAYOUTS if layout != "tensor" or not rep]  # static tensor: once per rate
+    runs += [(f"tensor at {p.rate}", p.rate, "tensor", plan.tensor_steps) for p in plan.scenario
+             if p.rate not in dict(plan.fixed)]
+    runs += [(f"scenario #{rep + 1} {layout} (the link: {plan.scenario_text})", None, layout, plan.scenario_steps)
+             for rep in range(plan.repeats) for layout in LAYOUTS if layout != "tensor"]
+    print(f"testbed: 2 nodes ({'own cores' if plan.own_cores else 'shared cores'}), the link first at "
+          f"{plan.fixed[0][0]}; each run: {shlex.join(tb.driver_command(['ARGS']))}", flush=True)
+    for i, (name, rate, layout, steps) in enumerate(runs):
+        argv = driver_argv(layout, steps, root / f"{layout}-{i}", AUTO_EXTRA if layout == "auto" else [])
+        print(f"{name}{f' (link {rate})' if rate else ''}: {shlex.join(argv)}")
+    for layout in LAYOUTS:  # a setting the job checks refuse fails here, not an hour into a run as root
+        argv = driver_argv(layout, 5, root / "check", AUTO_EXTRA if layout == "auto" else [])
+        print(f"{layout}: the job checked as `gearshift run` checks it, starts as {check_driver_args(argv)}")
+    print(f"{len(runs)} runs")
+
+
+def main() -> None:
+    args = parse_args()
+    plan = plan_of(args)
+    if args.dry_run:
+        return dry_run(plan)
     print(f"GPT (examples/gpt.yaml), 4 workers on 2 nodes (network namespaces), batch {BATCH}, on "
-          f"{platform.machine()} with {os.cpu_count()} cores; fixed {fixed}; scenario {scenario_text} "
-          f"over {scenario_steps} steps; {repeats} repeat(s), interleaved", flush=True)
+          f"{platform.machine()} with {os.cpu_count()} cores; fixed {plan.fixed}; scenario {plan.scenario_text} "
+          f"over {plan.scenario_steps} steps; {plan.repeats} repeat(s), interleaved", flush=True)
+    results, tensor_step_s = measure(plan)
+    report(plan, results, tensor_step_s)
 
-    def show(name: str, layout: str, r: dict, steps: int, rep: int) -> None:
-        note = "" if r["steps_trained"] == steps else f"  (extrapolated from {r['steps_trained']} steps)" \
-            if r["steps_trained"] else "  (each phase's steps x its step time at that rate)"
-        reverts = f"  reverts at {r['reverts']}" if r.get("reverts") else ""
-        if r.get("start_layout_s"):
-            reverts += f"  (start chosen in {r['start_layout_s']:.2f} s before training)"
-        print(f"  {name:<16}#{rep + 1:<3}{layout:<8}{r['seconds']:>8.1f} s{r['samples_per_s']:>9.1f} samples/s  "
-              f"{' '.join(r['switches'])}{reverts}{note}", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="gs-adaptive-") as tmp, Testbed(rate=fixed[0][0], own_cores=not args.shared_cores) as tb:
+def show(name: str, layout: str, r: dict, steps: int, rep: int) -> None:
+    note = "" if r["steps_trained"] == steps else f"  (extrapolated from {r['steps_trained']} steps)" \
+        if r["steps_trained"] else "  (each phase's steps x its step time at that rate)"
+    reverts = f"  reverts at {r['reverts']}" if r.get("reverts") else ""
+    if r.get("start_layout_s"):
+        reverts += f"  (start chosen in {r['start_layout_s']:.2f} s before training)"
+    print(f"  {name:<16}#{rep + 1:<3}{layout:<8}{r['seconds']:>8.1f} s{r['samples_per_s']:>9.1f} samples/s  "
+          f"{' '.join(r['switches'])}{reverts}{note}", flush=True)
+
+
+def measure(plan: Plan) -> tuple[dict[str, dict[str, list[dict]]], dict[str, float]]:
+    """Every run on the testbed: setting -> layout -> one result per repeat (static tensor: one,
+    reused by every repeat); and static tensor's seconds a step per rate."""
+    results: dict[str, dict[str, list[dict]]] = {}
+    tensor_step_s: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="gs-adaptive-") as tmp, \
+            Testbed(rate=plan.fixed[0][0], own_cores=plan.own_cores) as tb:
         print(f"cores: {tb.cores.describe() if tb.cores else 'shared by both nodes'}", flush=True)
         tmp = pathlib.Path(tmp)
-        for rate, steps in fixed:
+        for rate, steps in plan.fixed:
             name = f"fixed_{rate}"
             results[name] = {layout: [] for layout in LAYOUTS}
-            for rep in range(repeats):
+            for rep in range(plan.repeats):
                 for layout in LAYOUTS:
                     if layout == "tensor" and rep:
                         continue  # measured once per rate
-                    r = run_one(tb, layout, steps, tmp, None, rate, auto_extra if layout == "auto" else [],
-                                tensor_steps if layout == "tensor" else None)
+                    r = run_one(tb, layout, steps, tmp, None, rate, AUTO_EXTRA if layout == "auto" else [],
+                                plan.tensor_steps if layout == "tensor" else None)
                     if layout == "tensor":
                         tensor_step_s[rate] = r["seconds"] / steps
                     results[name][layout].append(r)
                     show(name, layout, r, steps, rep)
-        for phase in scenario:  # static tensor at each of the scenario's rates
-            if phase.rate not in tensor_step_s:
-                r = run_one(tb, "tensor", tensor_steps, tmp, None, phase.rate)
-                tensor_step_s[phase.rate] = r["seconds"] / tensor_steps
-                print(f"  tensor at {phase.rate}: {tensor_step_s[phase.rate]:.3f} s/step", flush=True)
-        results["scenario"] = {layout: [] for layout in LAYOUTS}
-        bounds = [p.from_step for p in scenario[1:]] + [scenario_steps]
-        seconds = sum(tensor_step_s[p.rate] * (min(end, scenario_steps) - min(p.from_step, scenario_steps))
-                      for p, end in zip(scenario, bounds))
-        results["scenario"]["tensor"].append(
-            {"seconds": seconds, "samples_per_s": scenario_steps * BATCH / seconds, "switches": [], "reverts": [],
-             "steps_trained": 0, "link_changes": []})
-        show("scenario", "tensor", results["scenario"]["tensor"][0], scenario_steps, 0)
-        for rep in range(repeats):
-            for layout in LAYOUTS:
-                if layout == "tensor":
-                    continue
-                r = run_one(tb, layout, scenario_steps, tmp, scenario, None,
-                            auto_extra if layout == "auto" else [])
-                r["link_changes"] = [f"{rate}@{step}" for rate, _, step in tb.changes]
-                results["scenario"][layout].append(r)
-                show("scenario", layout, r, scenario_steps, rep)
-                print(f"{'':<30}link changed: {' '.join(r['link_changes'])}", flush=True)
+        results["scenario"] = scenario_runs(plan, tb, tmp, tensor_step_s)
+    return results, tensor_step_s
 
-    figures: dict = {}
-    summary: dict[str, dict] = {}
-    steps_of = {f"fixed_{rate}": steps for rate, steps in fixed} | {"scenario": scenario_steps}
 
-    def sps(per_layout: dict, layout: str, rep: int) -> float:
-        runs = per_layout[layout]
-        return runs[min(rep, len(runs) - 1)]["samples_per_s"]  # static tensor: its one measurement
+def scenario_runs(plan: Plan, tb: Testbed, tmp: pathlib.Path, tensor_step_s: dict[str, float]) -> dict:
+    for phase in plan.scenario:  # static tensor at each of the scenario's rates
+        if phase.rate not in tensor_step_s:
+            r = run_one(tb, "tensor", plan.tensor_steps, tmp, None, phase.rate)
+            tensor_step_s[phase.rate] = r["seconds"] / plan.tensor_steps
+            print(f"  tensor at {phase.rate}: {tensor_step_s[phase.rate]:.3f} s/step", flush=True)
+    out: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+    bounds = [p.from_step for p in plan.scenario[1:]] + [plan.scenario_steps]
+    seconds = sum(tensor_step_s[p.rate] * (min(end, plan.scenario_steps) - min(p.from_step, plan.scenario_steps))
+                  for p, end in zip(plan.scenario, bounds))
+    out["tensor"].append({"seconds": seconds, "samples_per_s": plan.scenario_steps * BATCH / seconds, "switches": [],
+                          "reverts": [], "steps_trained": 0, "link_changes": []})
+    show("scenario", "tensor", out["tensor"][0], plan.scenario_steps, 0)
+    for rep in range(plan.repeats):
+        for layout in LAYOUTS:
+            if layout == "tensor":
+                continue
+            r = run_one(tb, layout, plan.scenario_steps, tmp, plan.scenario, None,
+                        AUTO_EXTRA if layout == "auto" else [])
+            r["link_changes"] = [f"{rate}@{step}" for rate, _, step in tb.changes]
+            out[layout].append(r)
+            show("scenario", layout, r, plan.scenario_steps, rep)
+            print(f"{'':<30}link changed: {' '.join(r['link_changes'])}", flush=True)
+    return out
 
+
+def sps(per_layout: dict, layout: str, rep: int) -> float:
+    runs = per_layout[layout]
+    return runs[min(rep, len(runs) - 1)]["samples_per_s"]  # static tensor: its one measurement
+
+
+def cell(s: dict, fmt: str, repeats: int) -> str:
+    return f"{s['median']:{fmt}} [{s['min']:{fmt}}..{s['max']:{fmt}}]" if repeats > 1 else f"{s['median']:{fmt}}"
+
+
+def setting_figures(plan: Plan, results: dict, figures: dict) -> dict[str, dict]:
+    """Per setting: the table's row printed, its figures into `figures`; the summary per setting."""
+    repeats, summary = plan.repeats, {}
+    steps_of = {f"fixed_{rate}": steps for rate, steps in plan.fixed} | {"scenario": plan.scenario_steps}
     print(f"\nsamples/s, median [min..max] over {repeats} repeat(s); ratios taken within a repeat")
     print(f"{'setting':<16}{'steps':>6}" + "".join(f"{k:>24}" for k in LAYOUTS)
           + f"{'auto/best':>22}{'auto/data':>22}{'reverts':>9}")
@@ -307,22 +391,23 @@ def main() -> None:
         figures[f"reverted_switches_{name}"] = max(reverts)
         figures[f"reverted_switches_per_repeat_{name}"] = reverts
         figures[f"auto_switches_{name}"] = [r["switches"] for r in per_layout["auto"]]
-
-        def cell(s: dict, fmt: str) -> str:
-            return (f"{s['median']:{fmt}} [{s['min']:{fmt}}..{s['max']:{fmt}}]" if repeats > 1
-                    else f"{s['median']:{fmt}}")
-        print(f"{name:<16}{steps_of[name]:>6}" + "".join(f"{cell(summary[name][k], '.1f'):>24}" for k in LAYOUTS)
-              + f"{cell(spread(vs_best), '.3f'):>22}{cell(spread(vs_data), '.3f'):>22}{max(reverts):>9}")
+        print(f"{name:<16}{steps_of[name]:>6}"
+              + "".join(f"{cell(summary[name][k], '.1f', repeats):>24}" for k in LAYOUTS)
+              + f"{cell(spread(vs_best), '.3f', repeats):>22}{cell(spread(vs_data), '.3f', repeats):>22}"
+              f"{max(reverts):>9}")
     print("(static tensor: measured once per rate from a few steps, extrapolated; reverts: the most in one auto run)")
+    return summary
 
-    # the ceiling of adaptivity: each phase of the scenario on that phase's best static layout, as
-    # measured in the same repeat (static tensor: its step time at the phase's rate), switching for free
-    bounds = [(p.from_step + 1, min(end, scenario_steps)) for p, end in
-              zip(scenario, [q.from_step for q in scenario[1:]] + [scenario_steps])]
+
+def oracle_figures(plan: Plan, results: dict, tensor_step_s: dict[str, float], figures: dict) -> None:
+    """The ceiling of adaptivity: each phase of the scenario on that phase's best static layout, as
+    measured in the same repeat (static tensor: its step time at the phase's rate), switching for free."""
+    bounds = plan.bounds()
     oracle, vs_oracle = [], []
-    for i in range(repeats):
+    for i in range(plan.repeats):
         per_phase = {k: phase_seconds(results["scenario"][k][i], bounds) for k in STATIC if k != "tensor"}
-        per_phase["tensor"] = [tensor_step_s[p.rate] * (last - first + 1) for p, (first, last) in zip(scenario, bounds)]
+        per_phase["tensor"] = [tensor_step_s[p.rate] * (last - first + 1)
+                               for p, (first, last) in zip(plan.scenario, bounds)]
         if any(v is None for v in per_phase.values()):
             continue
         best = [min(per_phase, key=lambda k: per_phase[k][j]) for j in range(len(bounds))]
@@ -330,21 +415,28 @@ def main() -> None:
         oracle.append({"seconds": seconds, "phases": [f"{first}-{last}:{k}" for (first, last), k in zip(bounds, best)],
                        "per_phase_s": per_phase})
         vs_oracle.append(seconds / results["scenario"]["auto"][i]["seconds"])
-    if vs_oracle:
-        s = spread(vs_oracle)
-        figures.update(auto_vs_oracle_scenario=s["median"], auto_vs_oracle_scenario_min=s["min"],
-                       auto_vs_oracle_scenario_max=s["max"], auto_vs_oracle_scenario_per_repeat=vs_oracle,
-                       oracle_scenario=oracle,
-                       oracle_vs_best_static_scenario=statistics.median(
-                           min(runs[min(i, len(runs) - 1)]["seconds"] for k, runs in results["scenario"].items()
-                               if k in STATIC) / o["seconds"] for i, o in enumerate(oracle)))
-        print(f"scenario: auto / oracle {s['median']:.3f} [{s['min']:.3f}..{s['max']:.3f}] (the oracle runs each phase "
-              f"on its best static layout and switches for free: {oracle[0]['phases']}); the oracle is "
-              f"{figures['oracle_vs_best_static_scenario']:.3f}x the best static layout")
-        figures["phase_leads_scenario"] = phase_leads(oracle, bounds)
-        for (first, last), lead in zip(bounds, figures["phase_leads_scenario"]):
-            print(f"  steps {first}-{last}: best {lead['best']} in every repeat? {lead['same_every_repeat']}; "
-                  f"its lead over the runner-up {lead['runner_up']}: {lead['lead']:.3f}x (median over repeats)")
+    if not vs_oracle:
+        return
+    s = spread(vs_oracle)
+    figures.update(auto_vs_oracle_scenario=s["median"], auto_vs_oracle_scenario_min=s["min"],
+                   auto_vs_oracle_scenario_max=s["max"], auto_vs_oracle_scenario_per_repeat=vs_oracle,
+                   oracle_scenario=oracle,
+                   oracle_vs_best_static_scenario=statistics.median(
+                       min(runs[min(i, len(runs) - 1)]["seconds"] for k, runs in results["scenario"].items()
+                           if k in STATIC) / o["seconds"] for i, o in enumerate(oracle)))
+    print(f"scenario: auto / oracle {s['median']:.3f} [{s['min']:.3f}..{s['max']:.3f}] (the oracle runs each phase "
+          f"on its best static layout and switches for free: {oracle[0]['phases']}); the oracle is "
+          f"{figures['oracle_vs_best_static_scenario']:.3f}x the best static layout")
+    figures["phase_leads_scenario"] = phase_leads(oracle, bounds)
+    for (first, last), lead in zip(bounds, figures["phase_leads_scenario"]):
+        print(f"  steps {first}-{last}: best {lead['best']} in every repeat? {lead['same_every_repeat']}; "
+              f"its lead over the runner-up {lead['runner_up']}: {lead['lead']:.3f}x (median over repeats)")
+
+
+def report(plan: Plan, results: dict, tensor_step_s: dict[str, float]) -> None:
+    figures: dict = {}
+    summary = setting_figures(plan, results, figures)
+    oracle_figures(plan, results, tensor_step_s, figures)
     figures["pipeline_bubble"] = bubble_figures(results)
     for name, b in figures["pipeline_bubble"].items():
         print(f"{name}: static pipeline's bubble {b['measured']:.3f} of the step (median over repeats and steps); "
@@ -362,8 +454,9 @@ def main() -> None:
                                  if k not in ("decision", "to", "seen_step", "applied_step"))
                 print(f"      {m['decision']} -> {m['to']} seen at step {m['seen_step']}, carried out at "
                       f"{m['applied_step']}: {figs}")
-    print(json.dumps({"bench": "adaptive", "steps": steps_of, "batch": BATCH, "scenario": scenario_text,
-                      "repeats": repeats, "tensor_step_s": tensor_step_s, "summary": summary,
+    steps_of = {f"fixed_{rate}": steps for rate, steps in plan.fixed} | {"scenario": plan.scenario_steps}
+    print(json.dumps({"bench": "adaptive", "steps": steps_of, "batch": BATCH, "scenario": plan.scenario_text,
+                      "repeats": plan.repeats, "tensor_step_s": tensor_step_s, "summary": summary,
                       "results": {name: {k: [{f: v for f, v in r.items() if f not in ("step_ends", "start")} for r in runs]
                                          for k, runs in per.items()} for name, per in results.items()},
                       **figures}))

@@ -5,6 +5,7 @@ driver and the workers, as CPU time over a window of steps.
     python bench/attribute.py                       # examples/gpt.yaml, 2 workers, 300 steps
     python bench/attribute.py --set telemetry.enabled=false --label "telemetry off"
     python bench/attribute.py --from 0 --to 1 --steps 40   # from the command to the first step
+    python bench/attribute.py --smoke                       # 16 steps, steps 4..12: that it runs (CI)
 
 The job runs as a user would start it (a subprocess, its own embedded Ray). Once its telemetry
 shows step `--from`, every process in its tree is read (psutil: user + system CPU time, and per
@@ -118,7 +119,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--set", action="append", default=[], help="a job override, as for gearshift run")
     ap.add_argument("--label", default="default")
+    ap.add_argument("--smoke", action="store_true", help="16 steps, the window steps 4..12: that the bench runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.start, args.end = 16, 4, 12
     with tempfile.TemporaryDirectory(prefix="gs-attribute-") as tmp:
         run_dir = pathlib.Path(tmp) / "run"
         cmd = [sys.executable, "-m", "gearshift", "run", str(JOB), "--run-dir", str(run_dir),

@@ -28,6 +28,7 @@ load's growth is its peak while reading: after it a rank holds its quarter (anon
 
     python bench/build_time.py            # 3 sizes, 2 repeats (about 8 min on 2 cores)
     python bench/build_time.py --quick    # the 170M GPT only, 1 repeat
+    python bench/build_time.py --smoke    # 2 layers at width 64 (0.1M parameters), 1 repeat: that it runs (CI)
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ SIZES = {"1x": 12, "2x": 24, "4x": 48}  # n_layer
 VARIANTS = ("exact", "per_shard", "pretrained")
 
 
-def _spec(n_layer: int) -> dict:
-    return {"name": "gpt", "kwargs": {"vocab_size": 16384, "block_size": 64, "n_layer": n_layer, "n_head": 16,
-                                      "n_embd": 1024}}
+def _spec(n_layer: int, smoke: bool = False) -> dict:
+    kwargs = {"vocab_size": 16384, "block_size": 64, "n_layer": n_layer, "n_head": 16, "n_embd": 1024}
+    if smoke:  # width 64 and a vocabulary of 256: every step of the bench, in seconds
+        kwargs.update(vocab_size=256, n_head=2, n_embd=64)
+    return {"name": "gpt", "kwargs": kwargs}
 
 
 def timed_build(worker, spec: dict, layout: dict) -> dict:
@@ -108,9 +111,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--sizes", default=None, help="comma-separated, of " + ", ".join(SIZES))
+    parser.add_argument("--smoke", action="store_true", help="a GPT of 2 layers at width 64, 1 repeat: that the "
+                        "bench runs")
     args = parser.parse_args()
     sizes = {k: SIZES[k] for k in (args.sizes.split(",") if args.sizes else ["1x"] if args.quick else SIZES)}
-    repeats = args.repeats or (1 if args.quick else 2)
+    if args.smoke:
+        sizes = {"smoke": 2}
+    repeats = args.repeats or (1 if args.quick or args.smoke else 2)
     from bench.local_group import LocalGroup
     from bench.memory import MALLOC_ENV, make_job
 
@@ -125,11 +132,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, LocalGroup(job, WORKERS, [str(ROOT)], cpus=0.5,
                                                           timeout_s=1800.0) as group:
         for size, n_layer in sizes.items():
-            folder = _pretrained_folder(_spec(n_layer), pathlib.Path(tmp) / size)
+            folder = _pretrained_folder(_spec(n_layer, args.smoke), pathlib.Path(tmp) / size)
             runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
             for r in range(repeats):
                 for variant in VARIANTS:  # interleaved
-                    spec = {**_spec(n_layer), "init": "exact" if variant == "exact" else "per_shard"}
+                    spec = {**_spec(n_layer, args.smoke), "init": "exact" if variant == "exact" else "per_shard"}
                     if variant == "pretrained":
                         spec["pretrained"] = {"path": folder, "prefix": "", "hash": "header"}
                     ranks = group.apply(timed_build, spec, layout)

@@ -16,6 +16,7 @@ of the last checkpoint by rank 0, or by the driver where rank 0 does not see the
 
     python bench/driver_io.py            # the 170M GPT, 8 steps, a checkpoint every 2; 2 repeats
     python bench/driver_io.py --quick    # a 25M GPT, 4 steps; 1 repeat (about 3 min on 2 cores)
+    python bench/driver_io.py --smoke    # final none, a 0.1M GPT, 2 steps, a checkpoint each: that it runs (CI)
 
 Measured (full mode, 1 repeat, 2-core CPU machine, 2026-12-04): over 8474 MiB of checkpoints (4
 of them), from the first step to the end the driver read 0.2 MiB and wrote 0.1 MiB with final
@@ -122,17 +123,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--smoke", action="store_true", help="final none only, a 0.1M-parameter GPT, 2 steps, 1 "
+                        "repeat: that the bench runs")
     args = parser.parse_args()
-    if args.quick:
+    if args.smoke:
+        model, steps, every, repeats = ({"vocab_size": 256, "block_size": 16, "n_layer": 1, "n_head": 2,
+                                         "n_embd": 64}, 2, 1, args.repeats or 1)
+    elif args.quick:
         model, steps, every, repeats = ({"vocab_size": 8192, "block_size": 64, "n_layer": 4, "n_head": 8,
                                          "n_embd": 512}, 4, 2, args.repeats or 1)
     else:
         model, steps, every, repeats = ({"vocab_size": 16384, "block_size": 64, "n_layer": 12, "n_head": 16,
                                          "n_embd": 1024}, 8, 2, args.repeats or 2)
-    runs: dict[str, list[dict]] = {"none": [], "auto": []}
+    runs: dict[str, list[dict]] = {"none": []} if args.smoke else {"none": [], "auto": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
-            for final in ("none", "auto"):  # alternating: the machine drifts
+            for final in runs:  # alternating: the machine drifts
                 got = one_run(model, steps, every, final, pathlib.Path(tmp) / f"{final}-{r}")
                 runs[final].append(got)
                 print(f"final {final:4s} repeat {r}: from the first step to the end the driver read "

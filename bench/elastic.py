@@ -33,7 +33,8 @@ Figures per run, from the run's own records:
   node's `ray start` to that first step; the phases of the regroup.
 
     python bench/elastic.py            # 3 repeats
-    python bench/elastic.py --quick    # 1 repeat, fewer steps: a smoke check
+    python bench/elastic.py --quick    # 1 repeat, fewer steps
+    python bench/elastic.py --smoke    # data, elastic, 40 steps, the node lost after step 6: that it runs (CI)
 
 The last line is one JSON object: `shrink_s_over_step_s_<layout>` (elastic back_s over the steady
 step), `in_memory_over_restart_s_<layout>` (elastic back_s over restart back_s),
@@ -156,13 +157,17 @@ def figures(run_dir: pathlib.Path) -> dict:
     last step every rank finished (the one before the failed step), not from the removal."""
     recs = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
     removed = json.loads((run_dir / "chaos.json").read_text())["removed"]
-    at = next(i for i, r in enumerate(recs) if r.get("event") == "failure")
+    at = next((i for i, r in enumerate(recs) if r.get("event") == "failure"), None)
+    back = None if at is None else next((r for r in recs[at:] if r["type"] == "step"
+                                         and r["step"] >= recs[at]["step"]), None)
+    if back is None:
+        raise SystemExit(f"{run_dir.name}: the run ended before the node's loss was seen, or before the step it "
+                         "failed trained again: give it more steps after the loss")
     failure = recs[at]
     failed = failure["step"]
     steps_before = [r for r in recs[:at] if r["type"] == "step" and not r.get("partial")]
     last = max(steps_before, key=lambda r: r["step"])
     lost_at = last["ended_at"] if last["step"] == failed - 1 else removed
-    back = next(r for r in recs[at:] if r["type"] == "step" and r["step"] >= failed)
     first = next(r for r in recs[at:] if r["type"] == "step")
     resize = next((r for r in recs if r.get("event") == "resize"), None)
     recovered = next((r for r in recs if r.get("event") == "recovered"), None)
@@ -193,14 +198,20 @@ def med(xs: list[float]) -> tuple[float, float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one repeat, fewer steps")
+    ap.add_argument("--smoke", action="store_true", help="one run: data, elastic, 40 steps, the node lost after "
+                    "step 6: that the bench runs")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--layouts", default="data,hybrid")
     ap.add_argument("--paths", default="elastic,restart,grow", help="which variants (default: all)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="job overrides for every run, e.g. model.kwargs='{n_layer: 4, n_embd: 256}'")
     args = ap.parse_args()
-    repeats = args.repeats or (1 if args.quick else 3)
-    steps, lose_at, every = (30, 14, 10) if args.quick else (40, 18, 10)
+    repeats = args.repeats or (1 if args.quick or args.smoke else 3)
+    # the node goes once the run's telemetry shows step lose_at, a few steps behind the workers: the
+    # steps after it leave room for that and for the loss to be seen
+    steps, lose_at, every = (40, 6, 5) if args.smoke else (30, 14, 10) if args.quick else (40, 18, 10)
+    if args.smoke:
+        args.layouts, args.paths = "data", "elastic"
     layouts = [x for x in args.layouts.split(",") if x]
     print(f"GPT (examples/gpt.yaml{', ' + ' '.join(args.overrides) if args.overrides else ''}) on a Ray cluster of "
           f"2-CPU nodes: 4 workers on two nodes, the second removed after step {lose_at} (elastic, restart); 2 "
@@ -215,21 +226,32 @@ def main() -> None:
                 for path in order:
                     f = one_run(work, layout, path, steps, lose_at, every, args.overrides)
                     runs.setdefault(f"{layout}/{path}", []).append(f)
-                    if path == "grow":
-                        print(f"  repeat {rep + 1} {layout:6s} grow     step {f['step_s']:.3f} s  stood still "
-                              f"{f['grow_s']:5.2f} s (regroup {f['regroup_s']:.2f} s: {_phases(f['phases'])}; before it "
-                              f"{f['peak_rss_before'] / 2**20:.0f} MiB)  training on "
-                              f"{f['world'][1]} {f['ready_s']:5.1f} s after the node's start", flush=True)
-                        continue
-                    print(f"  repeat {rep + 1} {layout:6s} {path:7s}  step {f['step_s']:.3f} s  first step after "
-                          f"{f['first_step_s']:5.2f} s  back at the failed step after {f['back_s']:5.2f} s  "
-                          f"{f['steps_redone']} redone  world {f['world']}  in memory {f['in_memory']}"
-                          + (f" ({f['why_not_in_memory']})" if f["why_not_in_memory"] else "")
-                          + (f"  seen after {f['detected_after_s']:.2f} s, then {_phases(f['phases'])} "
-                             f"(before the loss {f['peak_rss_before'] / 2**20:.0f} MiB)" if f["in_memory"] else ""),
-                          flush=True)
+                    show(rep, layout, path, f)
     out = {"bench": "elastic", "repeats": repeats, "lose_at": lose_at, "checkpoint_every": every,
            "overrides": args.overrides, "runs": runs}
+    summarize(runs, layouts, out)
+    print(json.dumps(out))
+
+
+def show(rep: int, layout: str, path: str, f: dict) -> None:
+    """One run's line."""
+    if path == "grow":
+        print(f"  repeat {rep + 1} {layout:6s} grow     step {f['step_s']:.3f} s  stood still "
+              f"{f['grow_s']:5.2f} s (regroup {f['regroup_s']:.2f} s: {_phases(f['phases'])}; before it "
+              f"{f['peak_rss_before'] / 2**20:.0f} MiB)  training on "
+              f"{f['world'][1]} {f['ready_s']:5.1f} s after the node's start", flush=True)
+        return
+    print(f"  repeat {rep + 1} {layout:6s} {path:7s}  step {f['step_s']:.3f} s  first step after "
+          f"{f['first_step_s']:5.2f} s  back at the failed step after {f['back_s']:5.2f} s  "
+          f"{f['steps_redone']} redone  world {f['world']}  in memory {f['in_memory']}"
+          + (f" ({f['why_not_in_memory']})" if f["why_not_in_memory"] else "")
+          + (f"  seen after {f['detected_after_s']:.2f} s, then {_phases(f['phases'])} "
+             f"(before the loss {f['peak_rss_before'] / 2**20:.0f} MiB)" if f["in_memory"] else ""),
+          flush=True)
+
+
+def summarize(runs: dict[str, list[dict]], layouts: list[str], out: dict) -> None:
+    """The table over repeats, and the ratios per layout into `out`."""
     print(f"\n{'':16s}{'back_s':>24s}{'first_step_s':>24s}{'step_s':>10s}  redone")
     for key, rs in runs.items():
         if key.endswith("/grow"):
@@ -257,7 +279,6 @@ def main() -> None:
             out[f"in_memory_over_restart_s_{layout}_spread"] = [lo, hi]
             print(f"in_memory_over_restart_s_{layout:6s}   {out[f'in_memory_over_restart_s_{layout}']:.3f}  "
                   f"[{lo:.3f}..{hi:.3f}]")
-    print(json.dumps(out))
 
 
 if __name__ == "__main__":

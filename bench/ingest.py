@@ -59,7 +59,8 @@ On a machine shared with other work, read `other_cpu_s` before the samples/s rat
 
     python bench/ingest.py              # ~1.5 GB, 3 repeats (each pass ~1-3 min per path)
     python bench/ingest.py --quick      # ~300 MB, 1 repeat
-    python bench/ingest.py --mb 20      # a smoke run
+    python bench/ingest.py --mb 20      # a short run
+    python bench/ingest.py --smoke      # 15 steps of 64 rows of 32 features, 1 repeat: that it runs (CI)
 
 The last line of output is one JSON object with every figure.
 """
@@ -430,7 +431,14 @@ def fmt(v, spec: str, missing: str = "-") -> str:
     return missing if v is None else format(v, spec)
 
 
-def main() -> None:
+def smoke_sized(args) -> None:
+    """--smoke: the smallest pass the figures allow (the warm-up's steps and 5 more), rows, model and
+    row groups small enough that each run is its start-up and little else."""
+    args.repeats, args.batch, args.features, args.hidden, args.layers = 1, 64, 32, 32, 1
+    args.rows, args.row_group = args.batch * (WARMUP + 5), 64
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="~300 MB, 1 repeat")
     ap.add_argument("--repeats", type=int, default=None, help="pairs of runs (default 3, --quick 1)")
@@ -443,7 +451,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024, help="global batch")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     ap.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)  # keep the temp dir (debugging)
+    ap.add_argument("--smoke", action="store_true", help="15 steps of 64 rows of 32 features, an MLP 32-32-10, 1 "
+                    "repeat: that the bench runs")
     args = ap.parse_args()
+    if args.smoke:
+        smoke_sized(args)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     q = args.quick
     repeats = args.repeats or (1 if q else 3)
     mb = args.mb or (300.0 if q else 1500.0)
@@ -494,7 +511,14 @@ def main() -> None:
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    report(runs, ratios, result)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"took {result['seconds']:.0f} s")
+    print(json.dumps(result))
 
+
+def report(runs: dict[str, list[dict]], ratios: list[float], result: dict) -> None:
+    """The table of medians per path, where the memory and the CPU went; the figures into `result`."""
     print(f"\n{'path':<6}{'samples/s':>11}{'data share':>12}{'RSS growth MiB':>16}{'/dataset':>10}"
           f"{'anon/dataset':>14}{'loaded/ds':>11}{'in training/ds':>16}{'since build/ds':>16}{'build MiB':>11}"
           f"{'feeder MiB':>12}{'RD tasks MiB':>14}   (medians)")
@@ -545,9 +569,7 @@ def main() -> None:
         "data_share_ray": med(runs["ray"], "data_share"), "data_share_map": med(runs["map"], "data_share"),
         "goal_growth_met": growth is not None and growth <= 0.10,
         "goal_ratio_met": ratio is not None and ratio >= 0.90,
-        "runs": runs, "seconds": round(time.perf_counter() - t0, 1)})
-    print(f"took {result['seconds']:.0f} s")
-    print(json.dumps(result))
+        "runs": runs})
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ pair of neighbouring blocks (or groups), then the median over pairs, with their 
 
     python bench/loop.py            # 4 pairs per comparison, data and tensor compile
     python bench/loop.py --quick    # 1 compile pair (data layout only), 2 pairs of short blocks
-                                    # otherwise: a smoke check (about 2.5 min on 2 cores)
+                                    # otherwise (about 2.5 min on 2 cores)
+    python bench/loop.py --smoke    # the loader and accumulation comparisons, 1 pair of 5-step blocks
+                                    # each: that it runs (CI; the first, cold compile alone takes 20-80 s)
 
 The last line of output is one JSON object with every figure; a comparison that failed has null
 figures and a `*_error` key with the error's first line.
@@ -234,98 +236,114 @@ def compare_accumulation(pairs: int, steps: int, warm: int, batch: int, mem_repe
     return out
 
 
+# steps a block, per mode: compile, loader, accumulation, accumulation's memory blocks
+STEPS = {"full": (30, 30, 30, 10), "quick": (12, 15, 12, 6), "smoke": (5, 5, 5, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one compile pair (data layout only), fewer steps")
+    ap.add_argument("--smoke", action="store_true", help="the loader and accumulation comparisons (not compile, "
+                    "whose cold compile takes 20-80 s), one pair of 5-step blocks each: that the bench runs")
     ap.add_argument("--pairs", type=int, default=None, help="pairs (or repeats) per comparison")
     ap.add_argument("--only", action="append", choices=["compile", "loader", "accum"])
     args = ap.parse_args()
-    q = args.quick
-    pairs = args.pairs or (1 if q else 4)
-    only = set(args.only or ["compile", "loader", "accum"])
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    pairs = args.pairs or (4 if mode == "full" else 1)
+    only = set(args.only or (["loader", "accum"] if args.smoke else ["compile", "loader", "accum"]))
     t0 = time.perf_counter()
     own_cache = "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # the worker processes inherit it
     if own_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gearshift-bench-loop-inductor-")
     try:
-        run(q, pairs, only, t0)
+        run(mode, pairs, only, t0)
     finally:
         if own_cache:
             shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
-def run(q: bool, pairs: int, only: set, t0: float) -> None:
-    loader_pairs = accum_pairs = 2 if q else pairs
+def run(mode: str, pairs: int, only: set, t0: float) -> None:
+    q = mode != "full"
+    loader_pairs = accum_pairs = {"full": pairs, "quick": 2, "smoke": 1}[mode]
     mem_repeats = 1 if q else 2
-    print(f"training-loop features side by side, {WORKERS} gloo workers{' (--quick)' if q else ''}, on "
+    compile_steps, loader_steps, accum_steps, mem_steps = STEPS[mode]
+    print(f"training-loop features side by side, {WORKERS} gloo workers{f' (--{mode})' if q else ''}, on "
           f"{platform.machine()} with {os.cpu_count()} cores; block pairs: compile {pairs}, loader {loader_pairs}, "
           f"accumulation {accum_pairs} (+ {mem_repeats} fresh group(s) per variant for memory)", flush=True)
-    result: dict = {"bench": "loop", "quick": q, "pairs_compile": pairs, "pairs_loader": loader_pairs,
+    result: dict = {"bench": "loop", "quick": q, "mode": mode, "pairs_compile": pairs, "pairs_loader": loader_pairs,
                     "pairs_accum": accum_pairs, "memory_groups_per_variant": mem_repeats,
                     "machine": platform.machine(), "cpus": os.cpu_count()}
-
     if "compile" in only:
-        print("\n1. torch.compile vs eager, GPT 2x128 block 64, global batch 16 (rates leave out 3 warm-up steps)")
-        print(f"{'layout':<8}{'eager smp/s':>13}{'compiled smp/s':>16}{'comp/eager':>12}{'range':>15}"
-              f"{'compile s (1st)':>17}{'later':>8}", flush=True)
-        for layout in (["data"] if q else ["data", "tensor"]):
-            r = compare_compile(layout, pairs, 12 if q else 30, 3, 16)
-            result[f"compile_{layout}"] = r
-            result[f"compile_over_eager_{layout}"] = r.get("compiled_over_eager")
-            if "error" in r:
-                result[f"compile_over_eager_{layout}_error"] = r["error"]
-                continue
-            later = r["compile_s_later"]
-            print(f"{layout:<8}{r['samples_per_s_eager']:>13.1f}{r['samples_per_s_compiled']:>16.1f}"
-                  f"{r['compiled_over_eager']:>12.3f}{r['compiled_over_eager_spread'][0]:>8.3f}-"
-                  f"{r['compiled_over_eager_spread'][1]:.3f}{r['compile_s_first']:>17.1f}"
-                  f"{'-' if later is None else f'{later:.1f}':>8}", flush=True)
-
+        show_compile(result, ["data"] if q else ["data", "tensor"], pairs, compile_steps)
     if "loader" in only:
-        print("\n2. loader processes 0 vs 2, input-bound MLP job (2 ms per sample, global batch 32; samples/s from "
-              "summed step times, data share = data_times / step_times)")
-        r = compare_loader(loader_pairs, 15 if q else 30, 3, 32, 2.0)
-        result["loader"] = r
-        for key in ("loader2_over_loader0", "data_share_loader0", "data_share_loader2"):
-            result[key] = r.get(key)
-        if "error" in r:
-            result["loader2_over_loader0_error"] = r["error"]
-        else:
-            print(f"{'loader':<8}{'samples/s':>11}{'range':>17}{'data share':>12}{'range':>15}")
-            for w in (0, 2):
-                s, d = r[f"samples_per_s_loader{w}_spread"], r[f"data_share_loader{w}_spread"]
-                print(f"{w:<8}{r[f'samples_per_s_loader{w}']:>11.1f}{s[0]:>9.1f}-{s[1]:<7.1f}"
-                      f"{r[f'data_share_loader{w}']:>12.3f}{d[0]:>8.3f}-{d[1]:.3f}")
-            sp = r["loader2_over_loader0_spread"]
-            print(f"loader2/loader0 samples/s = {r['loader2_over_loader0']:.2f} ({sp[0]:.2f}-{sp[1]:.2f})", flush=True)
-
+        show_loader(result, loader_pairs, loader_steps)
     if "accum" in only:
-        print("\n3. gradient accumulation 1 vs 4 micro-batches, GPT data layout, global batch 64: samples/s in "
-              "alternating blocks of one group; peak memory from each variant in its own fresh processes (on CPU "
-              "the peak is the process's peak RSS, which only grows; 'growth' is the rise over the peak after "
-              "the build)")
-        r = compare_accumulation(accum_pairs, 12 if q else 30, 3, 64, mem_repeats, 6 if q else 10)
-        result["accum"] = r
-        for key in ("accum4_over_accum1_samples_per_s", "accum4_over_accum1_peak_mem",
-                    "accum4_over_accum1_peak_mem_growth"):
-            result[key] = r.get(key)
-        if "error" in r:
-            result["accum4_over_accum1_error"] = r["error"]
-        else:
-            mib = 2**20
-            print(f"{'accum':<7}{'samples/s':>11}{'range':>17}{'peak RSS MiB':>14}{'growth in training MiB':>24}")
-            for n in (1, 4):
-                s = r[f"samples_per_s_accum{n}_spread"]
-                print(f"{n:<7}{r[f'samples_per_s_accum{n}']:>11.1f}{s[0]:>9.1f}-{s[1]:<7.1f}"
-                      f"{r[f'peak_mem_bytes_accum{n}'] / mib:>14.1f}{r[f'peak_growth_bytes_accum{n}'] / mib:>24.1f}")
-            g = r["accum4_over_accum1_peak_mem_growth"]
-            print(f"accum4/accum1: samples/s {r['accum4_over_accum1_samples_per_s']:.3f}, peak RSS "
-                  f"{r['accum4_over_accum1_peak_mem']:.3f}, peak growth {'n/a' if g is None else f'{g:.3f}'}",
-                  flush=True)
-
+        show_accumulation(result, accum_pairs, accum_steps, mem_repeats, mem_steps)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"\ntook {result['seconds']:.0f} s")
     print(json.dumps(result))
+
+
+def show_compile(result: dict, layouts: list[str], pairs: int, steps: int) -> None:
+    print("\n1. torch.compile vs eager, GPT 2x128 block 64, global batch 16 (rates leave out 3 warm-up steps)")
+    print(f"{'layout':<8}{'eager smp/s':>13}{'compiled smp/s':>16}{'comp/eager':>12}{'range':>15}"
+          f"{'compile s (1st)':>17}{'later':>8}", flush=True)
+    for layout in layouts:
+        r = compare_compile(layout, pairs, steps, 3, 16)
+        result[f"compile_{layout}"] = r
+        result[f"compile_over_eager_{layout}"] = r.get("compiled_over_eager")
+        if "error" in r:
+            result[f"compile_over_eager_{layout}_error"] = r["error"]
+            continue
+        later = r["compile_s_later"]
+        print(f"{layout:<8}{r['samples_per_s_eager']:>13.1f}{r['samples_per_s_compiled']:>16.1f}"
+              f"{r['compiled_over_eager']:>12.3f}{r['compiled_over_eager_spread'][0]:>8.3f}-"
+              f"{r['compiled_over_eager_spread'][1]:.3f}{r['compile_s_first']:>17.1f}"
+              f"{'-' if later is None else f'{later:.1f}':>8}", flush=True)
+
+
+def show_loader(result: dict, pairs: int, steps: int) -> None:
+    print("\n2. loader processes 0 vs 2, input-bound MLP job (2 ms per sample, global batch 32; samples/s from "
+          "summed step times, data share = data_times / step_times)")
+    r = compare_loader(pairs, steps, 3, 32, 2.0)
+    result["loader"] = r
+    for key in ("loader2_over_loader0", "data_share_loader0", "data_share_loader2"):
+        result[key] = r.get(key)
+    if "error" in r:
+        result["loader2_over_loader0_error"] = r["error"]
+        return
+    print(f"{'loader':<8}{'samples/s':>11}{'range':>17}{'data share':>12}{'range':>15}")
+    for w in (0, 2):
+        s, d = r[f"samples_per_s_loader{w}_spread"], r[f"data_share_loader{w}_spread"]
+        print(f"{w:<8}{r[f'samples_per_s_loader{w}']:>11.1f}{s[0]:>9.1f}-{s[1]:<7.1f}"
+              f"{r[f'data_share_loader{w}']:>12.3f}{d[0]:>8.3f}-{d[1]:.3f}")
+    sp = r["loader2_over_loader0_spread"]
+    print(f"loader2/loader0 samples/s = {r['loader2_over_loader0']:.2f} ({sp[0]:.2f}-{sp[1]:.2f})", flush=True)
+
+
+def show_accumulation(result: dict, pairs: int, steps: int, mem_repeats: int, mem_steps: int) -> None:
+    print("\n3. gradient accumulation 1 vs 4 micro-batches, GPT data layout, global batch 64: samples/s in "
+          "alternating blocks of one group; peak memory from each variant in its own fresh processes (on CPU "
+          "the peak is the process's peak RSS, which only grows; 'growth' is the rise over the peak after "
+          "the build)")
+    r = compare_accumulation(pairs, steps, 3, 64, mem_repeats, mem_steps)
+    result["accum"] = r
+    for key in ("accum4_over_accum1_samples_per_s", "accum4_over_accum1_peak_mem",
+                "accum4_over_accum1_peak_mem_growth"):
+        result[key] = r.get(key)
+    if "error" in r:
+        result["accum4_over_accum1_error"] = r["error"]
+        return
+    mib = 2**20
+    print(f"{'accum':<7}{'samples/s':>11}{'range':>17}{'peak RSS MiB':>14}{'growth in training MiB':>24}")
+    for n in (1, 4):
+        s = r[f"samples_per_s_accum{n}_spread"]
+        print(f"{n:<7}{r[f'samples_per_s_accum{n}']:>11.1f}{s[0]:>9.1f}-{s[1]:<7.1f}"
+              f"{r[f'peak_mem_bytes_accum{n}'] / mib:>14.1f}{r[f'peak_growth_bytes_accum{n}'] / mib:>24.1f}")
+    g = r["accum4_over_accum1_peak_mem_growth"]
+    print(f"accum4/accum1: samples/s {r['accum4_over_accum1_samples_per_s']:.3f}, peak RSS "
+          f"{r['accum4_over_accum1_peak_mem']:.3f}, peak growth {'n/a' if g is None else f'{g:.3f}'}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ rounding and whatever else the process touches (gloo's buffers, the data loader)
 
     python bench/memory.py            # every ordered pair, 3 checkpoint repeats per format and size
     python bench/memory.py --quick    # data<->fsdp, fsdp<->hybrid; 2 repeats (about 8 min on 2 cores)
+    python bench/memory.py --smoke    # parts 1-3 and 5, data<->fsdp, a 0.1M-parameter GPT: that it runs (CI)
 
 The last line of output is one JSON object with every figure (bytes are bytes, times seconds);
 a part that failed has null figures and a `*_error` key with the error's first line.
@@ -718,9 +719,18 @@ def cost_model_part(steady: dict) -> dict:
     return out
 
 
+def smoke_sized(args) -> None:
+    """--smoke: parts 1-3 and 5 (steady states, switches, the cost model, evaluation) in their
+    smallest form; the others each start processes of their own (`gearshift run`, fresh groups)."""
+    args.quick, args.steps, args.layouts = True, args.steps or 1, "data,fsdp"
+    args.model = args.model or json.dumps({"vocab_size": 256, "block_size": 16, "n_layer": 1, "n_head": 2,
+                                           "n_embd": 64})
+    args.skip = ",".join(filter(None, [args.skip, "finish", "build", "ckpt"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a shorter cycle and fewer repeats: a smoke check")
+    ap.add_argument("--quick", action="store_true", help="a shorter cycle and fewer repeats")
     ap.add_argument("--steps", type=int, default=None, help="steady steps per layout visit")
     ap.add_argument("--warm", type=int, default=1, help="warm-up steps after each switch (not in the steady peak)")
     ap.add_argument("--repeats", type=int, default=None, help="checkpoint save/load repeats per format and size")
@@ -730,7 +740,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="JSON: GPT kwargs to override (a smaller model for a try-out)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, finish, build, ckpt")
     ap.add_argument("--build-repeats", type=int, default=None, help="first builds per variant (meta, whole)")
+    ap.add_argument("--smoke", action="store_true", help="the quick cycle over data and fsdp only, 1 steady step a "
+                    "visit, a GPT of 0.1M parameters, no build, finish or checkpoint parts: that the bench runs")
     args = ap.parse_args()
+    if args.smoke:
+        smoke_sized(args)
     args.steps = args.steps or (2 if args.quick else 3)
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.build_repeats = args.build_repeats or (1 if args.quick else 2)
@@ -751,6 +765,15 @@ def main() -> None:
     started = time.perf_counter()
     figures: dict = {"bench": "memory", "quick": args.quick, "workers": WORKERS, "model": GPT["kwargs"],
                      "malloc_env": MALLOC_ENV}
+    switches = run_parts(args, skip, log, figures)
+    figures["seconds"] = time.perf_counter() - started
+    show(figures, switches, log)
+    print(json.dumps(figures))
+
+
+def run_parts(args, skip: set, log, figures: dict) -> list[dict]:
+    """Every part not skipped, each one's figures into `figures` (a part that fails: its first
+    line as `<part>_error`); the switches of the memory part."""
     mem: dict = {}
     if "memory" not in skip:
         try:
@@ -800,8 +823,11 @@ def main() -> None:
             figures[f"dcp_over_full_{k}_{world}_spread"] = c and c[f"dcp_over_full_{k}_spread"]
         figures[f"ckpt_bytes_{world}"] = c and {"full": c["bytes_full"], "dcp": c["bytes_dcp"]}
     figures["ckpt_layout"] = args.ckpt_layout
-    figures["seconds"] = time.perf_counter() - started
+    return switches
 
+
+def show(figures: dict, switches: list[dict], log) -> None:
+    """The tables: state per layout, switches, checkpoints, then each figure against its goal."""
     log("")
     log(f"{'layout':<14}{'state GiB':>10}{'min-max':>14}{'predicted':>11}{'rel err':>9}   (per rank, steady)")
     for name in LAYOUTS:
@@ -847,7 +873,6 @@ def main() -> None:
         log(f"{key:<44}{'-' if v is None else f'{v:.3f}':>10}  {goal}")
     log(f"({figures['seconds']:.0f} s in all; cycle {' > '.join(figures.get('cycle') or [])}; "
         f"reshard streams: {figures.get('reshard_streams')})")
-    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

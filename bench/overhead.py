@@ -21,6 +21,7 @@ the command's start (a subprocess, like a user's shell) to rank 0's end of each 
 
     python bench/overhead.py            # 3 repeats of 300 steps
     python bench/overhead.py --quick    # 1 repeat of 120 steps
+    python bench/overhead.py --smoke    # gearshift and torchrun, 1 repeat of 8 steps: that it runs (CI)
     python bench/overhead.py --skip raytrain,gearshift_joined --compare before=../old
 
 `--compare NAME=CHECKOUT` adds `gearshift@NAME`: the same run from another checkout of gearshift
@@ -241,9 +242,11 @@ SYSTEMS = {"gearshift": run_gearshift, "gearshift_joined": run_gearshift_joined,
            "raytrain": run_raytrain}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one repeat of 120 steps")
+    ap.add_argument("--smoke", action="store_true", help="gearshift and torchrun only, one repeat of 8 steps (3 of "
+                    "warm-up): that the bench runs (Ray Train needs the bench extra)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--batch", type=int, default=32)
@@ -254,14 +257,21 @@ def main() -> None:
     ap.add_argument("--as", dest="role", choices=["ddp", "raytrain"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--storage", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.role == "ddp":
         return as_ddp(args)
     if args.role == "raytrain":
         return as_raytrain(args)
-    repeats = args.repeats or (1 if args.quick else 3)
-    steps = args.steps or (120 if args.quick else 300)
-    systems = [s for s in SYSTEMS if s not in args.skip.split(",")]
+    repeats = args.repeats or (1 if args.quick or args.smoke else 3)
+    steps = args.steps or (8 if args.smoke else 120 if args.quick else 300)
+    if args.smoke:
+        args.warmup = min(args.warmup, 3)
+    skip = args.skip.split(",") + (["raytrain", "gearshift_joined"] if args.smoke else [])
+    systems = [s for s in SYSTEMS if s not in skip]
     for spec in args.compare:
         name, sep, folder = spec.partition("=")
         checkout = pathlib.Path(folder).resolve()
@@ -285,6 +295,19 @@ def main() -> None:
     med = {name: {k: statistics.median(x[k] for x in rs) for k in ("samples_per_s", "first_step_s", "wall_s",
                                                                    "peak_rss_driver", "peak_rss_worker") if k in rs[0]}
            for name, rs in runs.items()}
+    show_table(runs)
+    ratios = ratios_of(runs, med)
+    for k, v in ratios.items():
+        if not k.endswith(("_min", "_max", "_median_of_repeats")):
+            lo, hi = ratios.get(f"{k}_min"), ratios.get(f"{k}_max")
+            spread = f"  [{lo:.3f}..{hi:.3f} over repeats]" if lo is not None else ""
+            print(f"{k:<40}{v:.3f}{spread}")
+    print(json.dumps({"bench": "overhead", "world": WORLD, "batch": args.batch, "steps": steps, "repeats": repeats,
+                      "medians": med, "runs": runs, **ratios}))
+
+
+def show_table(runs: dict[str, list[dict]]) -> None:
+    """Per system: samples/s, first step and wall, then peak resident memory (medians [min..max])."""
     print(f"\n{'':<18}{'samples/s':>20}{'first step s':>22}{'wall s':>22}   (medians [min..max])")
     for name, rs in runs.items():
         cells = []
@@ -298,6 +321,10 @@ def main() -> None:
             cells = [f"{statistics.median(v) / 2**20:.0f} [{min(v) / 2**20:.0f}..{max(v) / 2**20:.0f}]"
                      for v in ([x[k] for x in rs] for k in ("peak_rss_driver", "peak_rss_worker"))]
             print(f"{name:<18}{cells[0]:>20}{cells[1]:>22}")
+
+
+def ratios_of(runs: dict[str, list[dict]], med: dict[str, dict]) -> dict:
+    """gearshift against each other system, per repeat (min, max, median of repeats) and of the medians."""
     ratios = {}
     # per-repeat ratios (the systems of one repeat ran back to back): their min..max is the spread
     def per_repeat(a: str, b: str, key: str, invert: bool = False) -> list[float]:
@@ -334,13 +361,7 @@ def main() -> None:
         ratios["ratio_gearshift_vs_raytrain"] = g["samples_per_s"] / med["raytrain"]["samples_per_s"]
         ratios["first_step_raytrain_over_gearshift"] = med["raytrain"]["first_step_s"] / g["first_step_s"]
         ratios["wall_raytrain_over_gearshift"] = med["raytrain"]["wall_s"] / g["wall_s"]
-    for k, v in ratios.items():
-        if not k.endswith(("_min", "_max", "_median_of_repeats")):
-            lo, hi = ratios.get(f"{k}_min"), ratios.get(f"{k}_max")
-            spread = f"  [{lo:.3f}..{hi:.3f} over repeats]" if lo is not None else ""
-            print(f"{k:<40}{v:.3f}{spread}")
-    print(json.dumps({"bench": "overhead", "world": WORLD, "batch": args.batch, "steps": steps, "repeats": repeats,
-                      "medians": med, "runs": runs, **ratios}))
+    return ratios
 
 
 if __name__ == "__main__":

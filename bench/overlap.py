@@ -22,6 +22,7 @@ go out once backward is done, as DDP's would).
 
     sudo python bench/overlap.py                 # 40mbit, 3 repeats of 40 steps each way
     sudo python bench/overlap.py --quick         # 3 repeats of 20 steps: about 8 minutes
+    python bench/overlap.py --quick --dry-run    # the runs it would make, their jobs checked (no root needed)
 
 The last line of output is one JSON object: `hybrid_step_after_over_before` (median over
 repeats of after's median step time / before's, in the same repeat; `_min`, `_max` its spread),
@@ -36,6 +37,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -49,9 +51,8 @@ from testbed import Testbed  # noqa: E402
 VARIANTS = {"before": ["parallel.dp_overlap=false"], "after": ["parallel.dp_overlap=true"]}
 
 
-def run_one(tb: Testbed, variant: str, steps: int, warmup: int, batch: int, tmp: pathlib.Path,
-            extra: list[str]) -> dict:
-    run_dir = tmp / f"{variant}-{len(list(tmp.iterdir()))}"
+def driver_argv(variant: str, steps: int, batch: int, run_dir: pathlib.Path, extra: list[str]) -> list[str]:
+    """`gearshift` arguments of one run (the testbed adds --address)."""
     argv = ["run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(run_dir),
             "--set", f"train.steps={steps}", "--set", f"train.global_batch_size={batch}",
             "--set", "cluster.num_workers=4", "--set", "cluster.cpus_per_worker=0.5",
@@ -59,7 +60,30 @@ def run_one(tb: Testbed, variant: str, steps: int, warmup: int, batch: int, tmp:
             "--set", "parallel.strategy=hybrid", "--set", "parallel.tp_size=2"]
     for item in [*VARIANTS[variant], *extra]:
         argv += ["--set", item]
-    done = tb.run_driver(argv, capture=True)
+    return argv
+
+
+def dry_run(args, steps: int, extra: list[str]) -> None:
+    """Every run's `gearshift` arguments, in the bench's order, each variant's job checked as
+    `gearshift run` checks it; nothing is brought up."""
+    from testbed import check_driver_args
+
+    tb = Testbed(rate=args.rate, dry_run=True)
+    root = pathlib.Path(tempfile.gettempdir()) / "gs-overlap-XXXX"
+    print(f"testbed: 2 nodes joined at {args.rate}; each run: {shlex.join(tb.driver_command(['ARGS']))}")
+    for rep in range(args.repeats):
+        for variant in (list(VARIANTS) if rep % 2 == 0 else list(reversed(VARIANTS))):
+            argv = driver_argv(variant, steps, args.batch, root / f"{variant}-{rep}", extra)
+            print(f"repeat {rep + 1} {variant}: {shlex.join(argv)}")
+    for variant in VARIANTS:
+        argv = driver_argv(variant, steps, args.batch, root / "check", extra)
+        print(f"{variant}: the job checked as `gearshift run` checks it, starts as {check_driver_args(argv)}")
+
+
+def run_one(tb: Testbed, variant: str, steps: int, warmup: int, batch: int, tmp: pathlib.Path,
+            extra: list[str]) -> dict:
+    run_dir = tmp / f"{variant}-{len(list(tmp.iterdir()))}"
+    done = tb.run_driver(driver_argv(variant, steps, batch, run_dir, extra), capture=True)
     if done.returncode != 0:
         raise SystemExit(f"{variant} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
@@ -88,12 +112,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="global batch (sequences of 64 tokens)")
     ap.add_argument("--bucket-mb", type=float, default=0.25, help="parallel.bucket_cap_mb for both variants")
     ap.add_argument("--set", action="append", default=[], dest="extra", help="more job overrides, KEY=VALUE")
+    ap.add_argument("--dry-run", action="store_true", help="print every run's gearshift arguments and check each "
+                    "variant's job as `gearshift run` would; run nothing (no root needed)")
     args = ap.parse_args()
     if args.repeats < 1:
         raise SystemExit("--repeats: at least 1")
     steps = args.steps or (20 if args.quick else 40)
     if steps <= args.warmup:
         raise SystemExit(f"--steps {steps} must be more than --warmup {args.warmup}")
+    extra = [f"parallel.bucket_cap_mb={args.bucket_mb}", *args.extra]
+    if args.dry_run:
+        return dry_run(args, steps, extra)
     print(f"hybrid(2 x 2) GPT (examples/gpt.yaml), 2 nodes (network namespaces) joined at {args.rate}, batch "
           f"{args.batch}, {steps} steps a run ({args.warmup} warm-up), {args.repeats} repeat(s) interleaved, on "
           f"{platform.machine()} with {os.cpu_count()} cores", flush=True)
@@ -102,8 +131,7 @@ def main() -> None:
         for rep in range(args.repeats):
             order = list(VARIANTS) if rep % 2 == 0 else list(reversed(VARIANTS))
             for variant in order:
-                r = run_one(tb, variant, steps, args.warmup, args.batch, pathlib.Path(tmp),
-                            [f"parallel.bucket_cap_mb={args.bucket_mb}", *args.extra])
+                r = run_one(tb, variant, steps, args.warmup, args.batch, pathlib.Path(tmp), extra)
                 runs[variant].append(r)
                 frac = f"{r['hidden_frac']:.2f}" if r["hidden_frac"] is not None else "-"
                 print(f"  repeat {rep + 1} {variant:6s}: step {r['step_s'] * 1e3:7.1f} ms, comm wait "

@@ -14,6 +14,8 @@ ru_maxrss: it only grows) just before each switch and just after it, so that wha
 beyond the layouts' own shows as the rise across it.
 
     python bench/pipeline_memory.py            # ~9 minutes
+    python bench/pipeline_memory.py --smoke    # data switched into the pipeline and back, a 0.1M-parameter
+                                               # GPT: that it runs (CI)
 
 The last line is one JSON object.
 """
@@ -33,6 +35,8 @@ from bench.overhead import timed  # noqa: E402
 
 MiB = 2**20
 MODEL = "model.kwargs={vocab_size: 128, block_size: 64, n_layer: 8, n_head: 8, n_embd: 512}"
+SMOKE_MODEL = "model.kwargs={vocab_size: 128, block_size: 16, n_layer: 2, n_head: 2, n_embd: 64}"
+SMOKE_RUNS = ["data>pipeline>data"]  # data, the pipeline and both switches in one run
 BASE = ["train.steps=30", "train.global_batch_size=8", "checkpoint.every=0", "cluster.num_workers=2",
         "optimizer.name=adam", "optimizer.weight_decay=0.0", MODEL]
 RUNS = {
@@ -57,10 +61,10 @@ RUNS = {
 }
 
 
-def one(name: str, overrides: list[str], tmp: pathlib.Path) -> dict:
+def one(name: str, overrides: list[str], tmp: pathlib.Path, smoke: bool = False) -> dict:
     run_dir = tmp / name.replace(">", "-")
     cmd = [sys.executable, "-m", "gearshift", "run", str(ROOT / "examples/gpt.yaml"), "--run-dir", str(run_dir)]
-    for item in BASE + overrides:
+    for item in BASE + ([SMOKE_MODEL] if smoke else []) + overrides:
         cmd += ["--set", item]
     peaks: dict = {}
     timed(cmd, peaks=peaks)
@@ -74,15 +78,17 @@ def one(name: str, overrides: list[str], tmp: pathlib.Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="comma-separated names of RUNS to run (default: all)")
+    ap.add_argument("--smoke", action="store_true", help=f"only {', '.join(SMOKE_RUNS)}, of a GPT of 0.1M "
+                    "parameters: that the bench runs")
     args = ap.parse_args()
-    names = args.only.split(",") if args.only else list(RUNS)
+    names = args.only.split(",") if args.only else SMOKE_RUNS if args.smoke else list(RUNS)
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         raise SystemExit(f"--only: unknown run(s) {unknown}; the runs are {list(RUNS)}")
     out = {}
     with tempfile.TemporaryDirectory(prefix="gs-ppmem-") as tmp:
         for name, overrides in ((n, RUNS[n]) for n in names):
-            out[name] = one(name, overrides, pathlib.Path(tmp))
+            out[name] = one(name, overrides, pathlib.Path(tmp), args.smoke)
             r = out[name]
             print(f"{name:<20} driver {r['driver_peak_mib']:7.0f} MiB   largest worker {r['worker_peak_mib']:7.0f} MiB   "
                   "worker high-water at step " + ", ".join(f"{s}: {v:.0f}" for s, v in

@@ -20,6 +20,7 @@ one-row requests; latency is from send to answer.
 
     python bench/serve.py            # 2 repeats
     python bench/serve.py --quick    # 1 repeat, fewer requests (within 10 minutes)
+    python bench/serve.py --smoke    # onnx, batched, of an MLP 784-64-10, at 1 and 4 clients: that it runs (CI)
 
 The last line is one JSON object: per variant and client count the medians over repeats of
 requests/s, p50 and p99 (ms), with [min, max]; and the ratios `batched_over_unbatched_rps_64`,
@@ -151,10 +152,19 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=6144)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--clients", default="1,8,64")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which of " + ", ".join(VARIANTS))
+    ap.add_argument("--smoke", action="store_true", help="onnx-batched only, an MLP 784-64-10, 1 and 4 clients, "
+                    "20 requests at one: that the bench runs (each variant is a server of its own, ~20 s)")
     args = ap.parse_args()
-    repeats = args.repeats or (1 if args.quick else 2)
+    if args.smoke:
+        args.hidden, args.layers, args.clients, args.variants = 64, 1, "1,4", "onnx-batched"
+    unknown = [name for name in args.variants.split(",") if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; the variants are {', '.join(VARIANTS)}")
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
+    repeats = args.repeats or (1 if args.quick or args.smoke else 2)
     counts = [int(c) for c in args.clients.split(",")]
-    base = 40 if args.quick else 120  # requests at one client; more clients send more
+    base = 20 if args.smoke else 40 if args.quick else 120  # requests at one client; more clients send more
     with tempfile.TemporaryDirectory(prefix="gearshift-bench-serve-") as tmp:
         folder = pathlib.Path(tmp)
         build(folder, args.hidden, args.layers)
@@ -163,7 +173,7 @@ def main() -> None:
         runs: dict = {}
         rss: dict = {}
         for rep in range(repeats):
-            for name, (file, max_batch) in VARIANTS.items():
+            for name, (file, max_batch) in variants.items():
                 proc, port = start(folder, file, max_batch)
                 try:
                     for c in counts:
@@ -182,12 +192,11 @@ def main() -> None:
                                     for c, rs in by_c.items()}
     top = str(max(counts))
 
-    def ratio(a, b):
-        return spread([x["rps"] / y["rps"] for x, y in zip(runs[a][top], runs[b][top])])
-
-    result[f"batched_over_unbatched_rps_{top}"] = ratio("onnx-batched", "onnx-unbatched")
-    result[f"onnx_over_torch_rps_{top}"] = ratio("onnx-batched", "torch-batched")
-    result[f"int8_over_fp32_rps_{top}"] = ratio("onnx-int8-batched", "onnx-batched")
+    for key, a, b in (("batched_over_unbatched", "onnx-batched", "onnx-unbatched"),
+                      ("onnx_over_torch", "onnx-batched", "torch-batched"),
+                      ("int8_over_fp32", "onnx-int8-batched", "onnx-batched")):
+        if a in runs and b in runs:  # both variants measured
+            result[f"{key}_rps_{top}"] = spread([x["rps"] / y["rps"] for x, y in zip(runs[a][top], runs[b][top])])
     print(json.dumps(result))
 
 

@@ -10,6 +10,7 @@ up the total.
 
     python bench/served.py            # GPT n_layer 8 (about 80M parameters), 3 repeats
     python bench/served.py --quick    # n_layer 2, 2 repeats
+    python bench/served.py --smoke    # a GPT of 0.1M parameters, 1 repeat: that it runs (CI)
 
 Prints a table, then, as its last line, one JSON object: `served_over_direct_save` and
 `served_over_direct_load` (medians of the per-repeat ratios, with their spread), and
@@ -83,7 +84,7 @@ class _Peaks:
 class Rank:
     """A one-rank group holding the GPT and its Adam state."""
 
-    def __init__(self, n_layer: int):
+    def __init__(self, model: dict):
         import socket
 
         import torch
@@ -96,9 +97,9 @@ class Rank:
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         torch.manual_seed(0)
-        self.model = models.gpt(vocab_size=16384, block_size=64, n_layer=n_layer, n_head=12, n_embd=768)
+        self.model = models.gpt(**model)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        x = torch.randint(0, 16384, (2, 64))
+        x = torch.randint(0, model["vocab_size"], (2, model["block_size"]))
         self.model(x).float().mean().backward()
         self.opt.step()
         self.peaks = _Peaks()
@@ -139,14 +140,37 @@ def _server_class():
     return MeasuredServer
 
 
+def figures_of(rows: dict[str, list], server_growth: list[dict], nbytes: int) -> dict:
+    """served / direct per repeat (median and spread), the medians of each, the rank's and the
+    server's largest growth, and the server's over the checkpoint's bytes."""
+    ratio = {op: [s["s"] / d["s"] for s, d in zip(rows[op + "_served"], rows[op + "_direct"])]
+             for op in ("save", "load")}
+    figures = {}
+    for op in ("save", "load"):
+        figures[f"served_over_direct_{op}"] = statistics.median(ratio[op])
+        figures[f"served_over_direct_{op}_spread"] = [min(ratio[op]), max(ratio[op])]
+        for how in ("direct", "served"):
+            figures[f"{op}_s_{how}"] = statistics.median(r["s"] for r in rows[f"{op}_{how}"])
+            for part, key in (("rss", "VmRSS"), ("own", "RssAnon"), ("store", "RssShmem")):
+                figures[f"{op}_rank_growth_{part}_bytes_{how}"] = max(r["growth"][key] for r in rows[f"{op}_{how}"])
+    for part, key in (("rss", "VmRSS"), ("own", "RssAnon"), ("store", "RssShmem")):
+        figures[f"server_growth_{part}_bytes"] = max(g[key] for g in server_growth)
+    figures["server_growth_over_checkpoint_bytes"] = figures["server_growth_rss_bytes"] / nbytes
+    figures["server_own_growth_over_checkpoint_bytes"] = figures["server_growth_own_bytes"] / nbytes
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller model, 2 repeats")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--n-layer", type=int, default=None)
+    ap.add_argument("--smoke", action="store_true", help="a GPT of 0.1M parameters, 1 repeat: that the bench runs")
     args = ap.parse_args()
-    repeats = args.repeats or (2 if args.quick else 3)
-    n_layer = args.n_layer or (2 if args.quick else 8)
+    repeats = args.repeats or (1 if args.smoke else 2 if args.quick else 3)
+    model = ({"vocab_size": 256, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 64} if args.smoke else
+             {"vocab_size": 16384, "block_size": 64, "n_layer": args.n_layer or (2 if args.quick else 8), "n_head": 12,
+              "n_embd": 768})
 
     import ray
 
@@ -158,7 +182,7 @@ def main() -> None:
         name = "gearshift-files-bench"
         server = ray.remote(_server_class()).options(name=name, num_cpus=0, max_concurrency=fileserver.IN_FLIGHT).remote(str(work))
         ray.get(server.mark.remote(name), timeout=120)
-        rank = ray.remote(Rank).options(num_cpus=1).remote(n_layer)
+        rank = ray.remote(Rank).options(num_cpus=1).remote(model)
         params = ray.get(rank.parameters.remote(), timeout=600)
         print(f"bench/served.py on {platform.machine()} with {os.cpu_count()} cores; GPT {params:,} parameters, "
               f"Adam; {repeats} repeats, direct and served alternating")
@@ -182,21 +206,8 @@ def main() -> None:
                       f"load {loaded['s']:6.2f} s ({mib(loaded['growth'])})"
                       + (f"  server ({mib(server_growth[-1])})" if how == "served" else ""))
                 shutil.rmtree(folder, ignore_errors=True)
-        ratio = {op: [s["s"] / d["s"] for s, d in zip(rows[op + "_served"], rows[op + "_direct"])]
-                 for op in ("save", "load")}
         figures = {"bench": "served", "quick": args.quick, "parameters": params, "checkpoint_bytes": nbytes,
-                   "repeats": repeats}
-        for op in ("save", "load"):
-            figures[f"served_over_direct_{op}"] = statistics.median(ratio[op])
-            figures[f"served_over_direct_{op}_spread"] = [min(ratio[op]), max(ratio[op])]
-            for how in ("direct", "served"):
-                figures[f"{op}_s_{how}"] = statistics.median(r["s"] for r in rows[f"{op}_{how}"])
-                for part, key in (("rss", "VmRSS"), ("own", "RssAnon"), ("store", "RssShmem")):
-                    figures[f"{op}_rank_growth_{part}_bytes_{how}"] = max(r["growth"][key] for r in rows[f"{op}_{how}"])
-        for part, key in (("rss", "VmRSS"), ("own", "RssAnon"), ("store", "RssShmem")):
-            figures[f"server_growth_{part}_bytes"] = max(g[key] for g in server_growth)
-        figures["server_growth_over_checkpoint_bytes"] = figures["server_growth_rss_bytes"] / nbytes
-        figures["server_own_growth_over_checkpoint_bytes"] = figures["server_growth_own_bytes"] / nbytes
+                   "repeats": repeats, **figures_of(rows, server_growth, nbytes)}
         print(f"\ncheckpoint {nbytes / 2**20:.0f} MiB; served / direct: save {figures['served_over_direct_save']:.2f} "
               f"{figures['served_over_direct_save_spread']}, load {figures['served_over_direct_load']:.2f} "
               f"{figures['served_over_direct_load_spread']}; the server's peak growth "

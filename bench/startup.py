@@ -2,6 +2,7 @@
 
     python bench/startup.py               # 3 repeats
     python bench/startup.py --repeats 5
+    python bench/startup.py --smoke       # 1 repeat: that it runs (CI)
 
 Each run is `gearshift run examples/gpt.yaml` (2 workers, 5 steps) in a subprocess, with an
 embedded Ray; the stages come from the run's `startup` event (orchestrator/startup.py: seconds
@@ -52,7 +53,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variant", action="append", default=[], help="NAME:VAR=VALUE,VAR=VALUE")
+    ap.add_argument("--smoke", action="store_true", help="1 repeat: that the bench runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.repeats = 1
     for spec in args.variant:
         name, _, env = spec.partition(":")
         VARIANTS[name] = dict(kv.split("=", 1) for kv in env.split(",") if kv)

@@ -5,7 +5,8 @@ within each repeat so that machine noise hits them all alike, and reports median
 samples/s of a layout divided by samples/s of data parallelism at the same world size.
 
     python bench/strategies.py            # 3 repeats
-    python bench/strategies.py --quick    # 1 repeat, fewer steps: a smoke check
+    python bench/strategies.py --quick    # 1 repeat, fewer steps
+    python bench/strategies.py --smoke    # the MLP, data and tensor at world size 2, 6 steps: that it runs (CI)
 
 The last line of output is one JSON object with every figure.
 """
@@ -54,9 +55,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat and fewer steps")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--smoke", action="store_true", help="the MLP under data and tensor at world size 2 only, 6 "
+                    "steps each, 1 repeat: that the bench runs")
     args = ap.parse_args()
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick or args.smoke else 3)
     steps = {"mlp": 30 if args.quick else 80, "gpt": 20 if args.quick else 50}
+    models, layouts = MODELS, LAYOUTS
+    if args.smoke:
+        at_two = {k: v for k, v in LAYOUTS[2].items() if k in ("data", "tensor")}
+        steps, models, layouts = {"mlp": 6}, {"mlp": MODELS["mlp"]}, {2: at_two}
 
     import ray
 
@@ -65,11 +72,11 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for rep in range(repeats):
-                for model in MODELS:
-                    for world, layouts in LAYOUTS.items():
-                        names = list(layouts) if rep % 2 == 0 else list(layouts)[::-1]  # alternate the order
+                for model in models:
+                    for world, at_world in layouts.items():
+                        names = list(at_world) if rep % 2 == 0 else list(at_world)[::-1]  # alternate the order
                         for name in names:
-                            summary = run_once(model, world, layouts[name], steps[model], pathlib.Path(tmp))
+                            summary = run_once(model, world, at_world[name], steps[model], pathlib.Path(tmp))
                             samples.setdefault((model, world, name), []).append(summary)
     finally:
         ray.shutdown()

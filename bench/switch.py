@@ -7,7 +7,8 @@ step time is the yardstick); the switch time is the slowest rank's `reshard`: ga
 full model and Adam state, building the new layout, loading its shards.
 
     python bench/switch.py            # 3 cycles, GPT n_embd 128
-    python bench/switch.py --quick    # 1 cycle: a smoke check
+    python bench/switch.py --quick    # 1 cycle
+    python bench/switch.py --smoke    # 1 cycle of 2 steps before each switch: that it runs (CI)
     python bench/switch.py --n-embd 256 --n-layer 4
 
 The last line of output is one JSON object with every figure: `switch_over_step_A_to_B` is the
@@ -34,15 +35,17 @@ CYCLE = ["data", "hybrid", "tensor", "data", "tensor", "hybrid", "data"]  # all 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one cycle, fewer steps")
+    ap.add_argument("--smoke", action="store_true", help="one cycle, 2 steps before each switch: that it runs")
     ap.add_argument("--cycles", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="steps trained before each switch")
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--n-layer", type=int, default=2)
     args = ap.parse_args()
-    cycles = args.cycles or (1 if args.quick else 3)
-    steps = args.steps or (4 if args.quick else 8)
+    cycles = args.cycles or (1 if args.quick or args.smoke else 3)
+    steps = args.steps or (2 if args.smoke else 4 if args.quick else 8)
 
     from gearshift.orchestrator.job import job_from_dict
+    from gearshift.strategies.layout import Layout
     from bench.local_group import LocalGroup
 
     job = job_from_dict({"model": {"name": "gpt", "kwargs": {"n_embd": args.n_embd, "n_layer": args.n_layer,
@@ -65,7 +68,7 @@ def main() -> None:
                 times = [max(ts) for ts in zip(*[[t for r in rr for t in r["step_times"]] for rr in reports])]
                 step_s[here].append(statistics.median(times[1:]))  # the first step after a switch warms up
                 strategy, tp = LAYOUTS[there]
-                results = group.call("reshard", {"strategy": strategy, "tp": tp})
+                results = group.call("reshard", Layout.for_workers(strategy, 4, tp).to_dict())
                 switch_s.setdefault((here, there), []).append(max(r["seconds"] for r in results))
     figures = {}
     print(f"{'from':<8}{'to':<8}{'switch ms':>11}{'step ms':>10}{'switch/step':>13}")

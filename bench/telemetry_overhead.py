@@ -12,8 +12,9 @@ telemetry costs between steps (reports, the sampler thread). The ratio on/off is
 of neighbouring blocks, then the median over pairs.
 
     python bench/telemetry_overhead.py            # 16 pairs of 300-step blocks per case
-    python bench/telemetry_overhead.py --quick    # 4 pairs of 100 steps: a smoke check
+    python bench/telemetry_overhead.py --quick    # 4 pairs of 100 steps
     python bench/telemetry_overhead.py --quick --case mlp-data-x2   # one case (tracking runs on the first)
+    python bench/telemetry_overhead.py --smoke    # mlp-data-x2, 1 pair of 6-step blocks: that it runs (CI)
 
 Tracking on vs off (`tracking.mlflow` to a local sqlite database and `tracking.tensorboard`):
 trackers live in the controller, not in the workers, so what they can cost the step loop is the
@@ -227,7 +228,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per block")
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="run only these cases")
     ap.add_argument("--tracking-only", action="store_true", help="skip telemetry on/off; tracking on/off only")
+    ap.add_argument("--smoke", action="store_true", help="mlp-data-x2 only, 1 pair of 6-step blocks, then tracking "
+                    "the same way: that the bench runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.pairs, args.steps, args.case = args.pairs or 1, args.steps or 6, args.case or ["mlp-data-x2"]
     pairs = args.pairs or (4 if args.quick else 16)
     steps = args.steps or (100 if args.quick else 300)
     results = {}

@@ -13,6 +13,8 @@ shaped veth (the slow link between nodes). The gearshift driver runs in the head
         (node 1, the worker node, at half its cores' time from the start: a slow node)
     sudo python bench/testbed/testbed.py run JOB.yaml --own-cores --slow-node 0.5@60,1.0@140 -- --run-dir runs/x
         (node 1 at half from training step 60, back to full from step 140; --slow-node-index K: node K)
+    python bench/testbed/testbed.py run JOB.yaml --dry-run -- ...
+        (every command it would run, printed; nothing made, no root needed)
     sudo python bench/testbed/testbed.py check      # what would be left behind (namespaces, veths, Ray)
     sudo python bench/testbed/testbed.py clean      # take down what a testbed killed with SIGKILL left
 
@@ -111,11 +113,14 @@ class Testbed:
 
     def __init__(self, rate: str = "200mbit", cpus: tuple[float, float] = (1, 1), tag: str | None = None,
                  burst: str = "256kb", delay_ms: float = 0.0, start_timeout_s: float = 90,
-                 own_cores: bool = False):
-        if os.geteuid() != 0:
+                 own_cores: bool = False, dry_run: bool = False):
+        # dry_run: a testbed that only says what it would run (plan(), driver_command()); it
+        # needs no root and brings nothing up
+        self.dry_run = dry_run
+        if os.geteuid() != 0 and not dry_run:
             raise SystemExit("the testbed makes network namespaces and shapes links: run it as root")
         for tool in ("ip", "tc"):
-            if shutil.which(tool) is None:
+            if shutil.which(tool) is None and not dry_run:
                 raise SystemExit(f"the testbed needs `{tool}` (iproute2)")
         self.tag = tag or f"{os.getpid() % 100000}"
         self.ns = (f"{PREFIX}-{self.tag}-a", f"{PREFIX}-{self.tag}-b")
@@ -126,7 +131,8 @@ class Testbed:
         self.own_cores = own_cores  # each node on cores of its own (cores.py), as real nodes have their own devices
         self.cores: NodeCores | None = None
         self.start_timeout_s = start_timeout_s
-        self.temp = pathlib.Path(tempfile.mkdtemp(prefix="gs-testbed-"))
+        self.temp = (pathlib.Path(tempfile.gettempdir()) / "gs-testbed-XXXXXXXX" if dry_run
+                     else pathlib.Path(tempfile.mkdtemp(prefix="gs-testbed-")))
         self.token_path = self.temp / "auth_token"  # made in up(), given to every process as RAY_AUTH_TOKEN_PATH
         self.address = f"{self.ips[0]}:{RAY_PORT}"
         self._up = False
@@ -153,22 +159,37 @@ class Testbed:
                 signal.signal(signal.SIGTERM, self._previous)
 
     def up(self) -> None:
-        a, b = self.ns
+        if self.dry_run:
+            raise TestbedError("a dry-run testbed brings nothing up: it only lists what it would run (plan())")
         self._up = True  # from here on, down() has something to take down
-        for ns in self.ns:
-            sh("ip", "netns", "add", ns, step=f"making network namespace {ns}")
-            sh("ip", "-n", ns, "link", "set", "lo", "up", step=f"bringing up lo in {ns}")
-        # one veth pair, each end called gs0 inside its namespace (names are per namespace)
-        sh("ip", "link", "add", "gs0", "netns", a, "type", "veth", "peer", "name", "gs0", "netns", b,
-           step="making the veth pair between the namespaces")
-        for ns, ip in zip(self.ns, self.ips):
-            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "gs0", step=f"giving gs0 in {ns} address {ip}")
-            sh("ip", "-n", ns, "link", "set", "gs0", "up", step=f"bringing up gs0 in {ns}")
-            self._shape(ns, "add")
+        for step, argv in self._link_steps():
+            sh(*argv, step=step)
         if self.own_cores:
             self.cores = NodeCores(self.tag, nodes=len(self.ns))
         self._make_token()
         self._start_ray()
+
+    def _link_steps(self) -> list[tuple[str, list[str]]]:
+        """(step, argv) of each command that makes the two namespaces and the shaped link, in order."""
+        a, b = self.ns
+        steps = []
+        for ns in self.ns:
+            steps += [(f"making network namespace {ns}", ["ip", "netns", "add", ns]),
+                      (f"bringing up lo in {ns}", ["ip", "-n", ns, "link", "set", "lo", "up"])]
+        # one veth pair, each end called gs0 inside its namespace (names are per namespace)
+        steps.append(("making the veth pair between the namespaces",
+                      ["ip", "link", "add", "gs0", "netns", a, "type", "veth", "peer", "name", "gs0", "netns", b]))
+        for ns, ip in zip(self.ns, self.ips):
+            steps += [(f"giving gs0 in {ns} address {ip}", ["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "gs0"]),
+                      (f"bringing up gs0 in {ns}", ["ip", "-n", ns, "link", "set", "gs0", "up"]),
+                      *self._shape_steps(ns, "add")]
+        return steps
+
+    def plan(self, argv: list[str]) -> list[tuple[str, list[str]]]:
+        """(step, argv) of the commands that bring the testbed up and run `gearshift ARGV` on it, in
+        order (with own_cores, up() also makes each node's cgroups first and starts the node's
+        commands inside them; a testbed not yet up lists them unwrapped)."""
+        return [*self._link_steps(), *self._ray_steps(), ("running the driver", self.driver_command(argv))]
 
     def _make_token(self) -> None:
         """The cluster's auth token: random, like Ray's own (`ray get-auth-token --generate`, 32
@@ -178,15 +199,19 @@ class Testbed:
             f.write(secrets.token_hex(32))
 
     def _shape(self, ns: str, verb: str) -> None:
+        for step, argv in self._shape_steps(ns, verb):
+            sh(*argv, step=step)
+
+    def _shape_steps(self, ns: str, verb: str) -> list[tuple[str, list[str]]]:
         """tbf on the veth end: both directions of the link are shaped to the rate."""
         qdisc = ["tbf", "rate", self.rate, "burst", self.burst, "latency", "100ms"]
         step = f"shaping gs0 in {ns} to {self.rate}"
         if self.delay_ms:  # netem is missing on some kernels; add delay only where asked
-            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", "handle", "1:", "netem",
-               "delay", f"{self.delay_ms}ms", step=f"adding {self.delay_ms:g} ms delay (netem) to gs0 in {ns}")
-            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "parent", "1:", "handle", "2:", *qdisc, step=step)
-        else:
-            sh("tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", *qdisc, step=step)
+            return [(f"adding {self.delay_ms:g} ms delay (netem) to gs0 in {ns}",
+                     ["tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", "handle", "1:", "netem",
+                      "delay", f"{self.delay_ms}ms"]),
+                    (step, ["tc", "-n", ns, "qdisc", verb, "dev", "gs0", "parent", "1:", "handle", "2:", *qdisc])]
+        return [(step, ["tc", "-n", ns, "qdisc", verb, "dev", "gs0", "root", *qdisc])]
 
     def set_rate(self, rate: str) -> None:
         """Change the link's rate while a run trains (both ends)."""
@@ -217,15 +242,24 @@ class Testbed:
         self.cores.set_share(node, share)
 
     def _start_ray(self) -> None:
+        for step, argv in self._ray_steps():
+            sh(*argv, env=self.env(), timeout=self.start_timeout_s, step=step)
+        self._wait_for_nodes(2)
+
+    def _ray_steps(self) -> list[tuple[str, list[str]]]:
+        """(step, argv) of the head's `ray start`, then the worker node's."""
         ray = str(pathlib.Path(sys.executable).with_name("ray"))
         common = ["--disable-usage-stats", "--temp-dir", str(self.temp / "ray"), "--num-gpus", "0"]
-        sh(*self._node(0, ray, "start", "--head", "--node-ip-address", self.ips[0], "--port", str(RAY_PORT),
-                     "--num-cpus", str(self.cpus[0]), "--include-dashboard", "false", *common),
-           env=self.env(), timeout=self.start_timeout_s, step=f"starting the Ray head in {self.ns[0]}")
-        sh(*self._node(1, ray, "start", "--address", self.address, "--node-ip-address", self.ips[1],
-                     "--num-cpus", str(self.cpus[1]), *common),
-           env=self.env(), timeout=self.start_timeout_s, step=f"starting the Ray worker node in {self.ns[1]}")
-        self._wait_for_nodes(2)
+        return [(f"starting the Ray head in {self.ns[0]}",
+                 self._node(0, ray, "start", "--head", "--node-ip-address", self.ips[0], "--port", str(RAY_PORT),
+                            "--num-cpus", str(self.cpus[0]), "--include-dashboard", "false", *common)),
+                (f"starting the Ray worker node in {self.ns[1]}",
+                 self._node(1, ray, "start", "--address", self.address, "--node-ip-address", self.ips[1],
+                            "--num-cpus", str(self.cpus[1]), *common))]
+
+    def driver_command(self, argv: list[str]) -> list[str]:
+        """`python -m gearshift ARGV --address HEAD` in the head's namespace: what run_driver runs."""
+        return self._in(self.ns[0], sys.executable, "-m", "gearshift", *argv, "--address", self.address)
 
     def _wait_for_nodes(self, count: int) -> None:
         probe = ("import ray, time\n"
@@ -258,7 +292,7 @@ class Testbed:
         when this returns, however the run ended. A change follows the step the telemetry has
         reached, which trails the workers by a few steps: to find the step it landed at, compare
         started_at + seconds with the step records' `ended_at`."""
-        cmd = self._in(self.ns[0], sys.executable, "-m", "gearshift", *argv, "--address", self.address)
+        cmd = self.driver_command(argv)
         self.started_at, start = time.time(), time.monotonic()
         run_dir = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv else None
         self.changes: list[tuple[str, float, int | None]] = []
@@ -514,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                           "or SHARE@STEP,... from that training step on (needs --run-dir), e.g. 0.5@60,1.0@140")
     run.add_argument("--slow-node-index", type=int, default=1, metavar="K",
                      help="which node is slow: 0 the head's, 1 the worker node's (default)")
+    run.add_argument("--dry-run", action="store_true", help="print every command it would run; make nothing "
+                     "(no root needed)")
     sub.add_parser("check", help="list namespaces and processes a testbed left behind (exit 1 if any)")
     sub.add_parser("clean", help="stop and delete whatever a killed testbed left behind")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -533,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--scenario {args.scenario!r} changes the link at steps, which the testbed reads from "
                          "the run's telemetry: give the run dir after --, e.g. -- --run-dir runs/mine")
     slow_node = _slow_node_args(args, extra)
+    if args.dry_run:
+        return dry_run(args, extra, scenario, slow_node)
     try:
         with Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms, own_cores=args.own_cores) as tb:
             print(f"testbed: head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), link {args.rate}"
@@ -542,6 +580,35 @@ def main(argv: list[str] | None = None) -> int:
     except TestbedError as e:  # already taken down; the message names the step and what it printed
         print(e, file=sys.stderr)
         return 1
+
+
+def check_driver_args(argv: list[str]) -> str:
+    """The job `gearshift ARGV` would train (ARGV: run JOB [--set KEY=VALUE]...), through every check
+    `gearshift run` makes before it starts anything (gearshift.api.check): its first layout. For a
+    dry run, where nothing else would tell that a run's settings are no longer a valid job."""
+    from gearshift import api
+
+    overrides = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--set"]
+    return str(api.check(argv[1], overrides=overrides).layout)
+
+
+def dry_run(args: argparse.Namespace, extra: list[str], scenario: list[Phase] | None,
+            slow_node: list[SharePhase] | None) -> int:
+    """What `run` would do, command by command, with nothing made."""
+    tb = Testbed(args.rate, tuple(args.cpus), delay_ms=args.delay_ms, own_cores=args.own_cores, dry_run=True)
+    print(f"testbed (dry run, nothing made): head {tb.ips[0]} ({tb.ns[0]}), worker {tb.ips[1]} ({tb.ns[1]}), "
+          f"link {args.rate}")
+    if args.own_cores:
+        print("each node on cores of its own: up() makes a cpuset and a cpu cgroup per node (cores.py) and starts "
+              "the node's commands below inside them")
+    for step, argv in tb.plan(["run", args.job, *extra]):
+        print(f"{step}: {shlex.join(argv)}")
+    print(f"the job, checked as `gearshift run` checks it: starts as {check_driver_args(['run', args.job, *extra])}")
+    if scenario:
+        print("the link's rate, while the driver runs: " + ", ".join(map(str, scenario)))
+    if slow_node:
+        print(f"node {args.slow_node_index}'s share of its cores' time: " + ", ".join(map(str, slow_node)))
+    return 0
 
 
 def _slow_node_args(args: argparse.Namespace, extra: list[str]) -> list[SharePhase] | None:
