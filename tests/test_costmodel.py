@@ -357,3 +357,102 @@ def test_a_bad_slow_event_is_refused_with_what_is_allowed():
 
     with pytest.raises(ValueError, match=r"slow\[0\]: .*speed a share of full speed in \(0, 1\]"):
         Scenario.from_dict({"steps": 10, "slow": [{"step": 1, "ranks": [0], "speed": 2}]})
+
+
+def _plan_slow(argv: list[str], slow: list[str]) -> int:
+    """`gearshift plan ARGV --slow S ...`, the --slow values set on plan's parsed arguments."""
+    args = cli._parser().parse_args(["plan", *argv])
+    args.slow = slow
+    return cli._dispatch(args)
+
+
+def test_a_half_speed_node_by_hand():
+    """2 nodes x 2 devices at 1 TFLOP/s, a model of 0.1 TFLOP a sample, batch 32; links with 1 ms a
+    hop and no bandwidth limit to speak of. Data 4x1: 8 samples a rank = 0.8 s of compute, and the
+    one bucket's all-reduce (2 x 3 hops = 6 ms) left after backward: 0.806 s. With node 1 (ranks 2,
+    3) at half speed, even shares wait for its 1.6 s; rebalanced, the replicas' speeds 1, 1, 0.5,
+    0.5 give shares 11, 11, 5, 5 (32 x 1/3 = 10.67 and 5.33, the remainders to the fast ones):
+    the fast ranks compute 0.8 x 11/8 = 1.1 s, the slow 0.8 x 5/8 / 0.5 = 1.0 s."""
+    from gearshift.orchestrator.policy import pipeline_cost, speeds as uneven
+
+    hw = Hardware(nodes=2, per_node=2, flops=1e12, intra=Link(1e15, 1e-3), inter=Link(1e15, 1e-3))
+    m = ModelShape(params=1e3, flops_per_sample=1e11, blocks=2, block_params=400, boundary_bytes_per_sample=1.0)
+    slow = (1.0, 1.0, 0.5, 0.5)
+    data = predict(m, hw, 32, 4, 1)
+    assert data.step_s == pytest.approx(0.806)
+    q = uneven.price(data, 32, slow)
+    assert q.even.step_s == pytest.approx(1.606) and q.even.compute_s == pytest.approx(1.6)
+    assert q.shares == (11, 11, 5, 5) and q.rebalanced.step_s == pytest.approx(1.106)
+    assert q.run("rebalance") is q.rebalanced and q.run("off") is q.even and q.run("report") is q.even
+    assert q.even.samples_per_s == pytest.approx(32 / 1.606)
+    # a replica is as fast as its slowest rank: hybrid 2x2 with rank 3 slow has replicas at 1 and 0.5
+    hybrid = predict(m, hw, 32, 2, 2)
+    h = uneven.price(hybrid, 32, (1.0, 1.0, 1.0, 0.5))
+    assert h.shares == (21, 11) and h.even.compute_s == pytest.approx(2 * hybrid.compute_s)
+    assert h.rebalanced.compute_s == pytest.approx(hybrid.compute_s * 22 / 16)  # the slow: 11/16 / 0.5
+    # nothing to move: a single replica (tensor), replicas all as slow, a pipeline (its slowest stage holds it)
+    tensor = predict(m, hw, 32, 1, 4)
+    assert uneven.price(tensor, 32, slow).rebalanced is None
+    assert uneven.price(tensor, 32, slow).even.step_s == pytest.approx(tensor.step_s + tensor.compute_s)
+    assert uneven.price(data, 32, (0.5,) * 4).rebalanced is None
+    pipe = pipeline_cost.predict(m, hw, 32, 2, 2)
+    p = uneven.price(pipe, 32, slow)
+    assert p.rebalanced is None and p.even.step_s == pytest.approx(pipe.step_s + pipe.compute_s)
+    # simulate's oracle: shares exactly in proportion, 0.8 x 4 / 3 = 1.0667 s
+    assert uneven.balanced(data, uneven.layout_of(data), slow) == pytest.approx(0.8 * 4 / 3 + 0.006)
+
+
+def test_plan_prices_a_slow_node(tmp_path, capsys):
+    """`plan --slow 2-3@0.5` on 2 nodes x 2: the data layout's step against the same plan at full
+    speed, by the rules of the test above (batch 32: shares 11, 11, 5, 5); both figures in the
+    table and the JSON, and the pipeline held by its slowest stage."""
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("{nodes: 2, per_node: 2, tflops: 0.1, intra_gb_s: 1, inter_gb_s: 0.125}")
+    argv = [str(ROOT / "examples" / "gpt.yaml"), "--cluster", str(spec), "--global-batch", "32"]
+    assert _plan_slow([*argv, "--json"], []) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert full["speeds"] is None and "rebalanced" not in full["predictions"][0]
+    assert _plan_slow([*argv, "--json"], ["2-3@0.5"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["speeds"] == [1.0, 1.0, 0.5, 0.5] and doc["stragglers"] == "rebalance"
+
+    def row(d, dp, tp, pp=1):
+        return next(p for p in d["predictions"] if (p["dp"], p["tp"], p["pp"], p["shard"]) == (dp, tp, pp, 1)
+                    and (p["bucket_cap_mb"] in (25, None) or dp == 1))
+
+    was, now = row(full, 4, 1), row(doc, 4, 1)
+    assert now["step_s"] == pytest.approx(was["compute_s"] / 0.5 + was["exposed_wait_s"])
+    assert now["rebalanced"]["shares"] == [11, 11, 5, 5]
+    assert now["rebalanced"]["step_s"] == pytest.approx(was["compute_s"] * 11 / 8 + was["exposed_wait_s"])
+    assert now["rebalanced"]["step_s"] < now["step_s"]
+    assert row(doc, 1, 4)["rebalanced"] is None  # tensor: one replica
+    pipe_was, pipe_now = row(full, 2, 1, 2), row(doc, 2, 1, 2)
+    assert pipe_now["rebalanced"] is None
+    assert pipe_now["step_s"] == pytest.approx(pipe_was["step_s"] + pipe_was["compute_s"])
+    assert _plan_slow(argv, ["2-3@0.5"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("data 4x1"))  # at its best bucket size
+    shown = next(p for p in doc["predictions"] if (p["dp"], p["shard"]) == (4, 1)
+                 and f"{p['bucket_cap_mb']:g}" == line.split()[2])
+    assert line.split()[3:5] == [f"{shown['step_s'] * 1e3:.1f}", f"{shown['rebalanced']['step_s'] * 1e3:.1f}"], line
+    assert "even ms  rebalanced" in out and "ranks 2-3 at 0.5 of full speed" in out
+    assert "pipelines: the slowest stage holds the step" in out
+    # a job that does not rebalance is ranked on even shares
+    assert _plan_slow([*argv, "--set", "adapt.stragglers=off"], ["2-3@0.5"]) == 0
+    assert "ranked by the even-share step (this job's adapt.stragglers: off" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, says", [
+    ("4@0.5", "rank 4 is past the cluster's 4 devices"), ("2@1.5", "speed 1.5 is not a share of full speed"),
+    ("2@0", "speed 0 is not a share"), ("2-3", "not RANKS@SPEED"), ("x@0.5", "not RANKS@SPEED"),
+    ("3-2@0.5", "the range 3-2 runs backwards"), ("-1@0.5", "not RANKS@SPEED"),
+])
+def test_bad_slow_values_are_refused_in_one_line(tmp_path, capsys, value, says):
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text("{nodes: 2, per_node: 2, tflops: 0.1, intra_gb_s: 1, inter_gb_s: 0.125}")
+    assert _plan_slow([str(ROOT / "examples" / "gpt.yaml"), "--cluster", str(spec), "--global-batch", "32"],
+                      ["0@0.5", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"gearshift: --slow {value}: {says}"), err
+    assert "allowed: RANKS@SPEED, RANKS ranks of 0-3 as a rank, a range or a list" in err
+    assert "SPEED a share of full speed in (0, 1]" in err

@@ -126,6 +126,9 @@ def _add_planning_commands(sub) -> None:
     plan.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR",
                       help="take the device rate and link figures from a run of this model (its "
                            "telemetry.jsonl): a data run, then optionally a tensor run on one node; repeatable")
+    plan.add_argument("--slow", action="append", default=[], metavar="RANKS@SPEED",
+                      help="ranks computing at a share of full speed, e.g. 8-15@0.5 (ranks 8 to 15 at half speed); "
+                           "each layout priced on even shares and rebalanced to the speeds; repeatable")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     sim = sub.add_parser("simulate", help="the adaptive policy on simulated hardware over a scenario, against "

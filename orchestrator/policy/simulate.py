@@ -19,9 +19,10 @@ Scenario file (YAML):
       - {step: 2000, ranks: [8, 9, 10, 11, 12, 13, 14, 15], speed: 0.5}
       - {step: 2500, ranks: [8, 9, 10, 11, 12, 13, 14, 15], speed: 1.0}
 
-Unequal speeds (`slow`): a data-parallel replica computes its share at its slowest rank's speed and
-the step waits for the slowest replica; a pipeline's throughput is its slowest stage's, taken here
-as the whole step at the slowest rank's speed. The run under test also rebalances its replicas'
+Unequal speeds (`slow`, priced by speeds.py, as `gearshift plan --slow` prices them): a
+data-parallel replica computes its share at its slowest rank's speed and the step waits for the
+slowest replica; a pipeline's throughput is its slowest stage's, taken here as the whole step at
+the slowest rank's speed. The run under test also rebalances its replicas'
 shares as adapt.stragglers says (orchestrator/policy/rebalance.py, the controller's rule, on the
 simulated records); static layouts keep even shares, and the oracle takes at every step the best
 layout with shares exactly in proportion to the speeds.
@@ -34,6 +35,7 @@ import json
 
 from gearshift.orchestrator.policy import costmodel
 from gearshift.orchestrator.policy import job_shape
+from gearshift.orchestrator.policy import speeds as uneven
 from gearshift.orchestrator.errors import UsageError
 from gearshift.orchestrator.policy.online import OnlineModel
 from gearshift.orchestrator.policy.adaptive import AdaptConfig, Policy, Report, Revert, Switch, candidate_layouts
@@ -135,29 +137,13 @@ class Pricing:
 
     def _step(self, layout: Layout, factor: float, speeds: tuple[float, ...], shares):
         pred = self.predict(layout, factor)
-        compute = pred.step_s - pred.exposed_wait_s
-        if layout.pp > 1 or min(speeds) == 1.0 and shares is None:
-            slowest = min(speeds)
-            return pred.step_s + compute * (1 / slowest - 1), [compute / slowest] * layout.world, pred
-        even = self.batch / layout.dp
-        per_rank = [compute * (shares[layout.dp_rank(r)] if shares else even) / even / speeds[r]
-                    for r in range(layout.world)]
-        return max(per_rank) + pred.exposed_wait_s, per_rank, pred
+        return (*uneven.step(pred, layout, self.batch, speeds, shares), pred)
 
     def balanced(self, layout: Layout, factor: float, speeds: tuple[float, ...]) -> float:
         """The step with shares exactly in proportion to the replicas' speeds (the oracle's)."""
         key = ("balanced", layout, factor, speeds)
         if key not in self.cache:
-            pred = self.predict(layout, factor)
-            if layout.pp > 1 or min(speeds) == 1.0:
-                self.cache[key] = self.step(layout, factor, speeds)[0]
-            else:
-                replica = [1.0] * layout.dp  # each replica at its slowest rank's speed
-                for r in range(layout.world):
-                    j = layout.dp_rank(r)
-                    replica[j] = min(replica[j], speeds[r])
-                compute = pred.step_s - pred.exposed_wait_s
-                self.cache[key] = compute * layout.dp / sum(replica) + pred.exposed_wait_s
+            self.cache[key] = uneven.balanced(self.predict(layout, factor), layout, speeds)
         return self.cache[key]
 
 
@@ -300,19 +286,6 @@ def _said(decision) -> str | None:
     return text.split(": ", 1)[1] if ": " in text else None
 
 
-def _ranks(ranks: tuple[int, ...]) -> str:
-    """Ranks as ranges: 8-15, 20."""
-    out, run = [], [ranks[0]]
-    for r in ranks[1:]:
-        if r == run[-1] + 1:
-            run.append(r)
-        else:
-            out.append(run)
-            run = [r]
-    out.append(run)
-    return ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in out)
-
-
 def _name(layout: Layout) -> str:
     """As plan's table names a layout: hsdp with its group size, a hybrid with sharded state as hybrid:fsdp."""
     kind = layout.strategy
@@ -359,7 +332,7 @@ def cmd_simulate(args) -> int:
         return 0
     print(f"{scenario.steps} steps on {hw.nodes} x {hw.per_node} devices; inter-node link factors "
           f"{list(scenario.factors) or [(0, 1.0)]}"
-          + "".join(f"; from step {at}: ranks {_ranks(ranks)} at {speed:g} of full speed" for at, ranks, speed in scenario.slow))
+          + "".join(f"; from step {at}: ranks {uneven.ranks_text(ranks)} at {speed:g} of full speed" for at, ranks, speed in scenario.slow))
     for d in result["decisions"]:
         print(f"  step {d['step']}: {d['decision']}" + (f" -> {d['to']}" if "to" in d else "")
               + (f": {d['said']}" if d.get("said") else f" ({d['reason']})" if d.get("reason") else ""))
