@@ -276,7 +276,7 @@ def _speeds_lines(speeds: tuple[float, ...], mode: str, pipelines: bool) -> list
     else:
         lines.append(f"ranked by the even-share step (this job's adapt.stragglers: {mode}: its shares stay even)")
     if pipelines:
-        lines.append("pipelines: the slowest stage holds the step (a stage's layers do not move to follow its speed)")
+        lines.append("pipelines: the slowest stage holds the step, cut as for equal devices (a run moves a slow stage's blocks live; not priced here)")
     return lines
 
 
