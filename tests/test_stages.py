@@ -83,3 +83,25 @@ def test_a_recovered_stage_gets_its_blocks_back():
     recuts = [(s, d) for s, d in out if isinstance(d, Recut)]
     assert [d.starts for _, d in recuts] == [(0, 5), (0, 4)], out
     assert recuts[1][1].evidence["reason"] == "balance"
+
+
+def test_a_cut_measured_slower_lately_is_not_gone_back_to():
+    """A stage slowed by a share of its device (a CPU quota: below its share it runs at full speed)
+    looks fast once it has fewer blocks; priced per parameter it would get them back, and lose them
+    again a window later. The step measured on the old cut holds the move back."""
+    bal = StageBalancer("rebalance", Layout("pipeline", 1, 1, pp=2), CUT)
+
+    def quota(step):  # stage 1 at half speed while it holds 4 blocks, at full speed with fewer
+        return [400.0, 200.0 if bal.starts[1] <= 4 else 400.0]
+
+    out = feed(bal, quota, 120)
+    recuts = [d for _, d in out if isinstance(d, Recut)]
+    assert [d.starts for d in recuts] == [(0, 5)], out
+    forgets = StageBalancer("rebalance", Layout("pipeline", 1, 1, pp=2), CUT)
+    forgets._remember = lambda steps: setattr(forgets, "measured", {forgets.starts: 1.0})  # no memory of other cuts
+
+    def quota_forgotten(step):
+        return [400.0, 200.0 if forgets.starts[1] <= 4 else 400.0]
+
+    flips = [d.starts for _, d in feed(forgets, quota_forgotten, 120) if isinstance(d, Recut)]
+    assert len(flips) >= 3 and flips[:2] == [(0, 5), (0, 4)], flips  # what the memory prevents

@@ -13,6 +13,14 @@ the slowest position's time beats `min_gain` and the noise of the medians, in th
 each of its halves. The speeds are per parameter: a stage whose blocks compute more per parameter
 reads as slower and gets fewer blocks, which is the same move. Pure: the controller carries a
 `Recut` out with `TrainWorker.recut` where the workers stop for it.
+
+What was measured beats what is modelled: each cut the run was on keeps the step measured on it,
+and no move goes back to a cut whose step was no faster than the one in force now, while the
+positions' speeds on the cut in force stay what they were in its first window. A stage whose
+slowness is a share of its device (a noisy neighbour, a CPU quota) computes at full speed again
+once it has less work than its share: priced per parameter it would look fast and get its blocks
+back, and lose them again a window later. Once a speed moves past the noise on the cut in force
+(a device recovered, or slowed), what the other cuts measured is forgotten.
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ class StageBalancer:
         self.skip = 0
         self.said = -cooldown
         self.check: dict | None = None
+        self.measured: dict[tuple, float] = {}  # cut -> the median step measured on it
+        self.arrived: list[float] | None = None  # the speeds of the first window on the cut in force
 
     def loads(self, starts) -> list[float]:
         """Each position's weight under the cut `starts` (a position runs stages p, p + pp, ...)."""
@@ -71,6 +81,7 @@ class StageBalancer:
 
     def applied(self, decision: Recut, step: int) -> None:
         self.starts = decision.starts
+        self.arrived = None
         self.steps.clear()
         self.skip = SETTLE
         self.check = {"step": step, "predicted_step_s": decision.evidence["predicted_step_s"],
@@ -87,6 +98,7 @@ class StageBalancer:
         if len(self.steps) < self.window:
             return None
         steps, self.steps = list(self.steps), deque(maxlen=self.window)
+        self._remember(steps)
         if self.check is not None:
             check, self.check = self.check, None
             measured = median(t for _, t in steps)
@@ -96,6 +108,18 @@ class StageBalancer:
                                             "prediction_error": measured / check["predicted_step_s"] - 1,
                                             "blocks_per_stage": _sizes(self.starts, len(self.blocks))})
         return self._decide(steps, record["step"])
+
+    def _remember(self, steps: list) -> None:
+        """The window's step on the cut in force; what other cuts measured is forgotten once a
+        position's speed on this cut moved past the noise since its first window here."""
+        cols = list(zip(*(per for per, _ in steps)))
+        speeds = [w / median(c) if median(c) > 0 else 0.0 for w, c in zip(self.loads(self.starts), cols)]
+        spread = max((quantile(c, 0.75) - quantile(c, 0.25)) / median(c) for c in cols if median(c) > 0)
+        if self.arrived is None:
+            self.arrived = speeds
+        elif any(abs(v - a) > (self.min_gain + 2 * spread) * a for v, a in zip(speeds, self.arrived)):
+            self.measured, self.arrived = {}, speeds
+        self.measured[self.starts] = median(t for _, t in steps)
 
     def _decide(self, steps: list, step: int) -> Recut | Report | None:
         cols = list(zip(*(per for per, _ in steps)))
@@ -111,6 +135,10 @@ class StageBalancer:
                                 speeds=[speeds[k % self.pp] for k in range(n)]))
         if starts == self.starts:
             return None
+        before = self.measured.get(starts)
+        if before is not None and before >= self.measured[self.starts] * (1 - self.min_gain):
+            return None  # measured on that cut, and no faster: the model's speeds are not the devices'
+
         after = [w / v for w, v in zip(self.loads(starts), speeds)]
         half = len(steps) // 2
         gains = [1 - max(w / (lw / t) for w, lw, t in zip(self.loads(starts), loads, h)) / max(h)
