@@ -105,3 +105,15 @@ def test_a_cut_measured_slower_lately_is_not_gone_back_to():
 
     flips = [d.starts for _, d in feed(forgets, quota_forgotten, 120) if isinstance(d, Recut)]
     assert len(flips) >= 3 and flips[:2] == [(0, 5), (0, 4)], flips  # what the memory prevents
+
+
+def test_a_stage_measured_slow_with_some_work_is_not_given_more():
+    """The quota case on a cut never tried: stage 1 slow at 4 blocks, fast at 2; moving 5 blocks
+    onto it (it looks fast per parameter now) is priced at the speed it showed with 4."""
+    bal = StageBalancer("rebalance", Layout("pipeline", 1, 1, pp=2), CUT)
+
+    def quota(step):  # stage 1 slow at 4 blocks or more; stage 0 slower than stage 1 at 2 blocks
+        return [400.0, 200.0 if bal.starts[1] <= 4 else 800.0]
+
+    out = feed(bal, quota, 150)
+    assert [d.starts for _, d in out if isinstance(d, Recut)] == [(0, 5)], out

@@ -66,6 +66,7 @@ class StageBalancer:
         self.said = -cooldown
         self.check: dict | None = None
         self.measured: dict[tuple, float] = {}  # cut -> the median step measured on it
+        self.history: list[list[tuple[float, float]]] = [[] for _ in range(self.pp)]  # position -> (load, speed)
         self.arrived: list[float] | None = None  # the speeds of the first window on the cut in force
 
     def loads(self, starts) -> list[float]:
@@ -119,7 +120,17 @@ class StageBalancer:
             self.arrived = speeds
         elif any(abs(v - a) > (self.min_gain + 2 * spread) * a for v, a in zip(speeds, self.arrived)):
             self.measured, self.arrived = {}, speeds
+            self.history = [[] for _ in range(self.pp)]
         self.measured[self.starts] = median(t for _, t in steps)
+        for p, (load, v) in enumerate(zip(self.loads(self.starts), speeds)):
+            self.history[p].append((load, v))
+
+    def _cautious(self, loads: list[float], speeds: list[float]) -> list[float]:
+        """Per position, how many times its time at `loads` is taken to be what its speed now
+        gives: it computes no faster than it was measured to with as much work or less (a share
+        of a device runs at full speed below its share and at the share's pace above it)."""
+        return [speeds[p] / min([speeds[p]] + [v for seen, v in self.history[p] if seen <= load * (1 + 1e-9)])
+                for p, load in enumerate(loads)]
 
     def _decide(self, steps: list, step: int) -> Recut | Report | None:
         cols = list(zip(*(per for per, _ in steps)))
@@ -139,9 +150,10 @@ class StageBalancer:
         if before is not None and before >= self.measured[self.starts] * (1 - self.min_gain):
             return None  # measured on that cut, and no faster: the model's speeds are not the devices'
 
-        after = [w / v for w, v in zip(self.loads(starts), speeds)]
+        slower = self._cautious(self.loads(starts), speeds)
+        after = [w / v * f for w, v, f in zip(self.loads(starts), speeds, slower)]
         half = len(steps) // 2
-        gains = [1 - max(w / (lw / t) for w, lw, t in zip(self.loads(starts), loads, h)) / max(h)
+        gains = [1 - max(w / (lw / t) * f for w, lw, t, f in zip(self.loads(starts), loads, h, slower)) / max(h)
                  for h in ([median(c[:half]) for c in cols], [median(c[half:]) for c in cols])]
         gain = 1 - max(after) / max(times)
         if min(gain, *gains) <= max(self.min_gain, noise):
