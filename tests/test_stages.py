@@ -117,3 +117,16 @@ def test_a_stage_measured_slow_with_some_work_is_not_given_more():
 
     out = feed(bal, quota, 150)
     assert [d.starts for _, d in out if isinstance(d, Recut)] == [(0, 5)], out
+
+
+def test_the_whole_machine_slowing_a_little_does_not_undo_what_was_measured():
+    """The quota case again, with every stage a sixth slower from step 60 (the machine's own
+    drift): the speeds against each other hold, so the cut measured slower stays unvisited."""
+    bal = StageBalancer("rebalance", Layout("pipeline", 1, 1, pp=2), CUT)
+
+    def drifting(step):
+        f = 1.0 if step < 60 else 0.85
+        return [400.0 * f, (200.0 if bal.starts[1] <= 4 else 400.0) * f]
+
+    out = feed(bal, drifting, 150)
+    assert [d.starts for _, d in out if isinstance(d, Recut)] == [(0, 5)], out

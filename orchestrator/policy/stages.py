@@ -16,11 +16,12 @@ reads as slower and gets fewer blocks, which is the same move. Pure: the control
 
 What was measured beats what is modelled: each cut the run was on keeps the step measured on it,
 and no move goes back to a cut whose step was no faster than the one in force now, while the
-positions' speeds on the cut in force stay what they were in its first window. A stage whose
+positions' speeds (against the fastest's) on the cut in force stay within a quarter of what
+they were in its first window. A stage whose
 slowness is a share of its device (a noisy neighbour, a CPU quota) computes at full speed again
 once it has less work than its share: priced per parameter it would look fast and get its blocks
-back, and lose them again a window later. Once a speed moves past the noise on the cut in force
-(a device recovered, or slowed), what the other cuts measured is forgotten.
+back, and lose them again a window later. Once a speed moves further on the cut in force (a
+device recovered, or slowed), what the other cuts measured is forgotten.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class Recut:
 
     def to_dict(self) -> dict:
         return {"decision": self.name, "split": list(self.split), "evidence": self.evidence}
+
+
+RECOVERED = 0.25  # a position's speed against the fastest's, moved by this share: the devices changed
 
 
 class StageBalancer:
@@ -115,11 +119,12 @@ class StageBalancer:
         position's speed on this cut moved past the noise since its first window here."""
         cols = list(zip(*(per for per, _ in steps)))
         speeds = [w / median(c) if median(c) > 0 else 0.0 for w, c in zip(self.loads(self.starts), cols)]
-        spread = max((quantile(c, 0.75) - quantile(c, 0.25)) / median(c) for c in cols if median(c) > 0)
+        # the positions' speeds against the fastest's: a drift of the whole machine moves none
+        shares = [v / max(speeds) for v in speeds] if max(speeds) > 0 else speeds
         if self.arrived is None:
-            self.arrived = speeds
-        elif any(abs(v - a) > (self.min_gain + 2 * spread) * a for v, a in zip(speeds, self.arrived)):
-            self.measured, self.arrived = {}, speeds
+            self.arrived = shares
+        elif any(abs(v - a) > RECOVERED * a for v, a in zip(shares, self.arrived)):
+            self.measured, self.arrived = {}, shares
             self.history = [[] for _ in range(self.pp)]
         self.measured[self.starts] = median(t for _, t in steps)
         for p, (load, v) in enumerate(zip(self.loads(self.starts), speeds)):
