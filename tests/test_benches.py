@@ -244,6 +244,9 @@ def test_smoke_run(smoke, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
+# one at a time, nothing beside it (the `alone` part of CI): each starts a Ray of its own, and two
+# beside the Ray tier's tests timed out starting it and slowed a timed fault test past its bound
+@pytest.mark.alone
 @pytest.mark.parametrize("smoke", [s for s in SMOKES if s.ray], ids=lambda s: s.id)
 def test_smoke_run_on_ray(smoke, tmp_path):
     """The bench's smallest real form on a Ray of its own (embedded, or a cluster of two nodes on

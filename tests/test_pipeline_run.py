@@ -172,15 +172,19 @@ def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(ray_cluster, tm
 
 
 def test_a_slow_stage_hands_blocks_to_the_other_live_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
-    """Two stages of four 512-wide blocks; rank 1 (the second stage) computes 3x as long
+    """Two stages of four 512-wide blocks; rank 1 (the second stage) computes 4x as long
     (inject.slow). Within two steps of the window that showed it, the pipeline is cut again with
     fewer blocks on the slow stage, the state moved between the stages in memory, the step is
     shorter, and the run ends where plain PyTorch does on the same batches."""
     from gearshift.monitoring.telemetry import read
 
     overrides = MLP[1] + ["model.kwargs={in_features: 784, hidden: 512, out_features: 10, layers: 8}",
-                          "train.steps=36", "train.global_batch_size=64", "train.grad_clip=1.0",
-                          "cluster.num_workers=2", "inject.slow={ranks: [1], factor: 3}"] + PIPE
+                          "train.steps=48", "train.global_batch_size=64", "train.grad_clip=1.0",
+                          "cluster.num_workers=2", "inject.slow={ranks: [1], factor: 4}",
+                          # Adam turns float rounding into 1e-3 over 48 steps of this pipeline, recut or not
+                          # (8.7e-4 measured on a static 4/4 and 7/1 cut alike): SGD with momentum here
+                          "optimizer.name=sgd", "optimizer.momentum=0.9", "optimizer.lr=0.02",
+                          "optimizer.weight_decay=0"] + PIPE
     job = load_job(MLP[0], overrides)
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
     assert summary["status"] == "done", summary.get("error")
@@ -189,12 +193,14 @@ def test_a_slow_stage_hands_blocks_to_the_other_live_and_the_run_equals_plain_py
     assert recuts, [r for r in records if r.get("event") == "decision"]
     first = recuts[0]
     ev = first["evidence"]
+    # the first window shows it, or on a machine loaded by other tests (the noise of the medians
+    # past the gain) one of the next
     assert first["applied_step"] - first["seen_step"] <= 2 and ev["position"] == 1 and ev["reason"] == "straggler"
     assert ev["blocks_per_stage_after"][1] < ev["blocks_per_stage_before"][1]
     assert ev["blocks_per_stage_before"] == [4, 4] and first["split"][0].startswith("hidden.")
     steps = {r["step"]: r for r in records if r["type"] == "step"}
     assert steps[first["applied_step"] + 1]["stage_blocks"] == ev["blocks_per_stage_after"]
-    after = sorted(steps[s]["step_time_max"] for s in range(first["applied_step"] + 12, 37))
+    after = sorted(steps[s]["step_time_max"] for s in range(first["applied_step"] + 12, 49))
     # the slow stage's sleep follows its compute (a median of its last 9 steps): a dozen steps on
     assert after[len(after) // 2] < 0.9 * ev["measured_step_s"], (ev, after)
     ref, _ = reference(job)
