@@ -171,6 +171,7 @@ def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(ray_cluster, tm
     assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5
 
 
+@pytest.mark.timing  # it asserts on measured step times: run one at a time, nothing beside it
 def test_a_slow_stage_hands_blocks_to_the_other_live_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
     """Two stages of four 512-wide blocks; rank 1 (the second stage) computes 4x as long
     (inject.slow). Within two steps of the window that showed it, the pipeline is cut again with
