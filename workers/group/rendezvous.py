@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,14 @@ def free_port() -> int:
 
 
 _GROUP_SOCKETS: set[int] = set()  # the TCP connections this process's groups opened (leave() ends them)
+_TIMEOUT_S = [300.0]  # the collective timeout of the groups joined last (join sets it)
+# Groups left, held until their collectives have timed out: (until, groups), monotonic seconds.
+# A gloo group's destructor joins its worker threads, and a thread still in a collective whose
+# peer left waits out the collective timeout: with two ranks, a bucket's all-reduce queued behind
+# the one that failed blocked in its send (gloo's UnboundBuffer::waitSend) after both sides had
+# closed the pair. Freed where the last reference went (the step loop's end, once in three runs
+# here), that wait held the step loop's end for the whole timeout, and the controller with it.
+_LEFT: list[tuple[float, list]] = []
 
 
 def _tcp_sockets() -> set[int]:
@@ -69,6 +78,7 @@ def leave() -> None:
     mesh.forget()  # their meshes die with them, and a new group must not be handed one
     if not dist.is_initialized():
         return
+    _hold(list(dist.distributed_c10d._world.pg_map))
     if dist.get_backend() == "nccl":
         try:
             dist.distributed_c10d._abort_process_group()
@@ -85,6 +95,21 @@ def leave() -> None:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a group already broken is what we want anyway
         pass
+
+
+def _hold(groups: list) -> None:
+    """Keep `groups` (left now) until any collective still running on them has timed out, so that
+    no thread of this worker frees one while one of its threads waits in it; let go of the groups
+    held for longer than that (freeing one then is quick: its threads are idle)."""
+    now = time.monotonic()
+    _LEFT[:] = [(until, held) for until, held in _LEFT if until > now]
+    if groups:
+        _LEFT.append((now + _TIMEOUT_S[0] + 5.0, groups))
+
+
+def groups_held() -> int:
+    """How many groups left are held until their collectives have timed out (the tests read it)."""
+    return sum(len(held) for _, held in _LEFT)
 
 
 # What torch's NCCL process group does when a collective fails or times out: abort the
@@ -129,6 +154,8 @@ def join(rank: int, world: int, master_addr: str, master_port: int, timeout_s: f
     else:
         device, backend = torch.device("cpu"), "gloo"
     mesh.forget()  # a mesh of a group this process had before is not one of this group's
+    _TIMEOUT_S[0] = float(timeout_s)
+    _hold([])
     # device_id binds the group to this GPU: NCCL connects now, where a broken peer shows at
     # once, rather than at the first collective, and the meshes' sub-groups are split from it
     # (ncclCommSplit) instead of each going through a rendezvous of its own
