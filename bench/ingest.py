@@ -327,13 +327,9 @@ def stop_cli(proc: subprocess.Popen, watcher: Watcher) -> None:
             pass
 
 
-def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, dataset_bytes: int, args,
-            env: dict) -> dict:
-    job_file = tmp / f"{path}-{tag}.yaml"
-    loads_dir = tmp / f"loads-{path}-{tag}"
-    job_file.write_text(json.dumps(job_for(path, data_glob, steps, args, loads_dir), indent=1))  # JSON is YAML
-    run_dir = tmp / f"run-{path}-{tag}"
-    log = tmp / f"{path}-{tag}.log"
+def launch(job_file: pathlib.Path, run_dir: pathlib.Path, log: pathlib.Path, env: dict, timeout: float):
+    """Run the job in a gearshift process of its own, watched; (its exit code or None on a timeout,
+    the wall time, the host's CPU busy seconds meanwhile, the watcher)."""
     import psutil
 
     host0 = psutil.cpu_times()
@@ -344,7 +340,7 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
                                 stderr=subprocess.STDOUT)
         watcher = Watcher(proc.pid)
         try:
-            rc = proc.wait(timeout=args.timeout)
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
         finally:
@@ -352,9 +348,12 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
             host1 = psutil.cpu_times()
             watcher.stop()
             stop_cli(proc, watcher)
-    if rc != 0:
-        tail = log.read_text()[-3000:]
-        raise SystemExit(f"{path} run {'timed out' if rc is None else f'failed ({rc})'}; its output ends:\n{tail}")
+    busy = lambda c: c.user + c.nice + c.system + c.irq + c.softirq + getattr(c, "steal", 0.0)  # noqa: E731
+    return rc, start, wall, busy(host1) - busy(host0), watcher
+
+
+def step_figures(run_dir: pathlib.Path, start: float, wall: float) -> tuple[dict, list[dict]]:
+    """The run's figures from its summary and step records, and the step records."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines() if line.strip()]
     steps_r = sorted((r for r in records if r["type"] == "step"), key=lambda r: r["step"])
@@ -363,6 +362,17 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
     share = (sum(r["data_time_mean"] for r in timed) / sum(r["step_time_mean"] for r in timed)) if timed else None
     share_max = (sum(r["data_time_max"] for r in timed) / sum(r["step_time_max"] for r in timed)) if timed else None
     first_step_at = steps_r[0]["ended_at"] if steps_r else None
+    pass_s = (steps_r[-1]["ended_at"] - steps_r[0]["ended_at"]) if len(steps_r) > 1 else None
+    return {"steps": len(steps_r), "samples_per_s": summary.get("samples_per_s"),
+            "median_step_time_s": summary.get("median_step_time_s"), "data_share": share, "data_share_max": share_max,
+            "comm_wait_frac": summary.get("comm_wait_frac"), "first_loss": summary.get("first_loss"),
+            "final_loss": summary.get("final_loss"), "pass_s": pass_s, "wall_s": wall,
+            "first_step_after_s": first_step_at - start if first_step_at else None}, steps_r
+
+
+def memory_figures(path: str, watcher, loads_dir: pathlib.Path, first_step_at: float | None,
+                   dataset_bytes: int) -> dict:
+    """Each worker's memory growth against the dataset's size, and the peaks by role."""
     loads = {}
     for f in (loads_dir.glob("load-*.json") if loads_dir.is_dir() else []):
         rec = json.loads(f.read_text())
@@ -374,28 +384,18 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
         print(f"  warning: saw {len(workers)} TrainWorker processes, not {WORKERS}", flush=True)
     measured = [w for w in workers.values() if w["growth"] is not None]
     worst = max(measured, key=lambda w: w["growth"]) if len(measured) == len(workers) and workers else None
-    cpu, detail = watcher.cpu_role, watcher.cpu_detail
-    busy = lambda c: c.user + c.nice + c.system + c.irq + c.softirq + getattr(c, "steal", 0.0)  # noqa: E731
-    host_busy = busy(host1) - busy(host0)
+    per_dataset = lambda key: max(w[key] for w in measured) / dataset_bytes if worst else None  # noqa: E731
     peaks: dict[str, tuple] = {}
     for role, rss, anon, shm in watcher.peaks.values():
         if rss >= peaks.get(role, (0, 0, 0))[0]:
             peaks[role] = (rss, anon, shm)
     ray_data_sum = sum(v[1] for v in watcher.peaks.values() if v[0] == "ray_data")
-    pass_s = (steps_r[-1]["ended_at"] - steps_r[0]["ended_at"]) if len(steps_r) > 1 else None
-    out = {
-        "path": path, "steps": len(steps_r), "samples_per_s": summary.get("samples_per_s"),
-        "median_step_time_s": summary.get("median_step_time_s"), "data_share": share, "data_share_max": share_max,
-        "comm_wait_frac": summary.get("comm_wait_frac"), "first_loss": summary.get("first_loss"),
-        "final_loss": summary.get("final_loss"), "pass_s": pass_s, "wall_s": wall,
-        "first_step_after_s": first_step_at - start if first_step_at else None,
+    return {
         "growth_bytes": worst["growth"] if worst else None,
         "peak_rss_growth_over_dataset": worst["growth"] / dataset_bytes if worst else None,
-        "anon_growth_over_dataset": max(w["anon_growth"] for w in measured) / dataset_bytes if worst else None,
-        "growth_in_training_over_dataset": max(w["growth_in_training"] for w in measured) / dataset_bytes
-        if worst else None,
-        "loaded_before_training_over_dataset": max(w["loaded_before_training"] for w in measured) / dataset_bytes
-        if worst else None,
+        "anon_growth_over_dataset": per_dataset("anon_growth"),
+        "growth_in_training_over_dataset": per_dataset("growth_in_training"),
+        "loaded_before_training_over_dataset": per_dataset("loaded_before_training"),
         "growth_since_before_build_over_dataset": max(w["growth_since_before_build"] for w in workers.values())
         / dataset_bytes if workers else None,
         "build_overhead_bytes": max(w["build_overhead"] for w in measured) if worst else None,
@@ -405,15 +405,33 @@ def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, 
         "feeder_peak_shmem": peaks.get("feeder", (None, None, None))[2],
         "ray_data_task_peak_rss": peaks.get("ray_data", (None,))[0],
         "ray_data_task_peak_rss_sum": ray_data_sum or None,
+        "growth_by_quarter_mib": [[None if g is None else round(g / MIB, 1) for g in w.get("growth_by_quarter", [])]
+                                  for w in workers.values()],
+    }
+
+
+def run_one(path: str, tag: str, tmp: pathlib.Path, data_glob: str, steps: int, dataset_bytes: int, args,
+            env: dict) -> dict:
+    job_file = tmp / f"{path}-{tag}.yaml"
+    loads_dir = tmp / f"loads-{path}-{tag}"
+    job_file.write_text(json.dumps(job_for(path, data_glob, steps, args, loads_dir), indent=1))  # JSON is YAML
+    run_dir = tmp / f"run-{path}-{tag}"
+    log = tmp / f"{path}-{tag}.log"
+    rc, start, wall, host_busy, watcher = launch(job_file, run_dir, log, env, args.timeout)
+    if rc != 0:
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"{path} run {'timed out' if rc is None else f'failed ({rc})'}; its output ends:\n{tail}")
+    figures, steps_r = step_figures(run_dir, start, wall)
+    first_step_at = steps_r[0]["ended_at"] if steps_r else None
+    cpu, detail = watcher.cpu_role, watcher.cpu_detail
+    return {
+        "path": path, **figures, **memory_figures(path, watcher, loads_dir, first_step_at, dataset_bytes),
         "cpu_s": {k: round(v, 1) for k, v in sorted(cpu.items())},
         # the machine's busy CPU seconds during the run that this run's processes did not use:
         # other load on a shared machine (it slows either path; compare the two runs' figures)
         "host_busy_cpu_s": round(host_busy, 1), "other_cpu_s": round(host_busy - sum(cpu.values()), 1),
-        "growth_by_quarter_mib": [[None if g is None else round(g / MIB, 1) for g in w.get("growth_by_quarter", [])]
-                                  for w in workers.values()],
         "cpu_s_detail": {k: round(v, 1) for k, v in sorted(detail.items(), key=lambda kv: -kv[1])[:10]},
     }
-    return out
 
 
 # ----------------------------------------------------------------------------- main

@@ -586,6 +586,14 @@ def memory_part(args, log) -> dict:
             out["ckpt4"] = checkpoint_rounds(group, WORKERS, args.repeats, fg["step"], log)
     finally:
         group.close()
+    out.update(cycle_figures(names, gs, fg))
+    return out
+
+
+def cycle_figures(names: list[str], gs: dict, fg: dict) -> dict:
+    """The steady state per layout and the switches' peaks over it, from the two cycles (reshard
+    and full gather)."""
+    out: dict = {}
     visits = gs["visits"] + fg["visits"]
     steady = {}
     for name in names:
@@ -609,11 +617,40 @@ def memory_part(args, log) -> dict:
     return out
 
 
+def checkpoint_round(group, root: pathlib.Path, fmt: str, step: int) -> tuple[float, float, int, int]:
+    """One save and load in `fmt` under `root`: (save s, load s, bytes on disk, the largest rank's
+    peak growth while saving)."""
+    from gearshift.workers.state import checkpoint
+
+    root.mkdir(exist_ok=True)
+    got = group.apply(set_checkpoints, fmt, str(root))
+    assert set(got) == {fmt}, got
+    t0 = time.perf_counter()
+    got = group.call(grown, "ckpt_save", "checkpoint")
+    parts = [g[0] for g in got]
+    grew = max(g[1] for g in got)
+    if fmt == "full":  # rank 0 wrote state.pt as the ranks gathered it; committed here
+        part = parts[0]["checkpoint_file"]
+        path = checkpoint.commit(root, step, pathlib.Path(part["folder"]), part["files"], keep=1,
+                                 fmt=checkpoint.FORMAT)
+    else:
+        ps = [p["checkpoint_part"] for p in parts]
+        files = {n: d for p in ps for n, d in p["files"].items()}
+        path = checkpoint.commit(root, step, pathlib.Path(ps[0]["folder"]), files, keep=1)
+    t1 = time.perf_counter()
+    del parts
+    state = checkpoint.load(path, whole=False)  # a reference: each rank reads (full: maps) its part
+    group.call("load", state)
+    t2 = time.perf_counter()
+    del state
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    shutil.rmtree(path)
+    return t1 - t0, t2 - t1, size, grew
+
+
 def checkpoint_rounds(group, world: int, repeats: int, step: int, log) -> dict:
     """Save and load under each format, alternating (full, dcp), (dcp, full), ...; seconds as the
     driver sees them (a save ends when the checkpoint is committed, a load when every rank has its state)."""
-    from gearshift.workers.state import checkpoint
-
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-bench-memory-"))
     times: dict[str, list[float]] = {f"{k}_{f}": [] for k in ("save", "load") for f in ("full", "dcp")}
     sizes: dict[str, int] = {}
@@ -621,33 +658,11 @@ def checkpoint_rounds(group, world: int, repeats: int, step: int, log) -> dict:
     try:
         for r in range(repeats):
             for fmt in (("full", "dcp") if r % 2 == 0 else ("dcp", "full")):
-                root = tmp / fmt
-                root.mkdir(exist_ok=True)
-                got = group.apply(set_checkpoints, fmt, str(root))
-                assert set(got) == {fmt}, got
-                t0 = time.perf_counter()
-                got = group.call(grown, "ckpt_save", "checkpoint")
-                parts = [g[0] for g in got]
-                growth[fmt].append(max(g[1] for g in got))
-                if fmt == "full":  # rank 0 wrote state.pt as the ranks gathered it; committed here
-                    part = parts[0]["checkpoint_file"]
-                    path = checkpoint.commit(root, step, pathlib.Path(part["folder"]), part["files"], keep=1,
-                                             fmt=checkpoint.FORMAT)
-                else:
-                    ps = [p["checkpoint_part"] for p in parts]
-                    files = {n: d for p in ps for n, d in p["files"].items()}
-                    path = checkpoint.commit(root, step, pathlib.Path(ps[0]["folder"]), files, keep=1)
-                t1 = time.perf_counter()
-                del parts
-                state = checkpoint.load(path, whole=False)  # a reference: each rank reads (full: maps) its part
-                group.call("load", state)
-                t2 = time.perf_counter()
-                del state
-                sizes[fmt] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-                shutil.rmtree(path)
-                times[f"save_{fmt}"].append(t1 - t0)
-                times[f"load_{fmt}"].append(t2 - t1)
-                log(f"  ckpt {world} workers  {fmt:<5} save {t1 - t0:6.2f} s  load {t2 - t1:6.2f} s  "
+                save_s, load_s, sizes[fmt], grew = checkpoint_round(group, tmp / fmt, fmt, step)
+                growth[fmt].append(grew)
+                times[f"save_{fmt}"].append(save_s)
+                times[f"load_{fmt}"].append(load_s)
+                log(f"  ckpt {world} workers  {fmt:<5} save {save_s:6.2f} s  load {load_s:6.2f} s  "
                     f"({sizes[fmt] / 2**30:.2f} GiB on disk)")
         # once more in the full format as it was before it streamed: rank 0 gathers the whole state
         # and sends it to the driver (what it still does where it reaches no place to write)
