@@ -2,7 +2,7 @@
 an elastic regroup) holds the groups it left until their collectives have timed out. A gloo
 group's destructor waits for its threads, and one still in a collective whose peer left waits
 out the whole collective timeout: freed at the step loop's end, it held the controller there
-(tests/test_oom.py's move to fsdp hung in one run of three before)."""
+(tests/test_oom.py's move to fsdp hung in 5 of 20 runs before)."""
 
 from __future__ import annotations
 

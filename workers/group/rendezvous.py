@@ -34,8 +34,9 @@ _TIMEOUT_S = [300.0]  # the collective timeout of the groups joined last (join s
 # A gloo group's destructor joins its worker threads, and a thread still in a collective whose
 # peer left waits out the collective timeout: with two ranks, a bucket's all-reduce queued behind
 # the one that failed blocked in its send (gloo's UnboundBuffer::waitSend) after both sides had
-# closed the pair. Freed where the last reference went (the step loop's end, once in three runs
-# here), that wait held the step loop's end for the whole timeout, and the controller with it.
+# closed the pair. Freed where the last reference went (the step loop's end, in 5 of 20 runs of
+# an OOM test here), that wait held the step loop's end for the whole timeout, and the controller
+# with it.
 _LEFT: list[tuple[float, list]] = []
 
 
