@@ -17,11 +17,11 @@ reads as slower and gets fewer blocks, which is the same move. Pure: the control
 What was measured beats what is modelled: each cut the run was on keeps the step measured on it,
 and no move goes back to a cut whose step was no faster than the one in force now, while the
 positions' speeds (against the fastest's) on the cut in force stay within a quarter of what
-they were in its first window. A stage whose
-slowness is a share of its device (a noisy neighbour, a CPU quota) computes at full speed again
-once it has less work than its share: priced per parameter it would look fast and get its blocks
-back, and lose them again a window later. Once a speed moves further on the cut in force (a
-device recovered, or slowed), what the other cuts measured is forgotten.
+they were in its first window. A stage whose slowness is a share of its device (a noisy
+neighbour, a CPU quota) computes at full speed again once it has less work than its share:
+priced per parameter it would look fast and get its blocks back, and lose them again a window
+later. Once a speed moves further on the cut in force (a device recovered, or slowed), what the
+other cuts measured is forgotten.
 """
 
 from __future__ import annotations
