@@ -127,7 +127,9 @@ ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level=log
 try:
     ray.data.DataContext.get_current().enable_progress_bars = False
     b = ray.data.read_parquet(sys.argv[1]).take_batch(2, batch_format="numpy")
-    print(json.dumps({"x_dtype": str(b["x"].dtype), "x_shape": list(b["x"].shape), "y_dtype": str(b["y"].dtype)}))
+    got = {"x_dtype": str(b["x"].dtype), "x_shape": list(b["x"].shape), "y_dtype": str(b["y"].dtype)}
+    with open(sys.argv[2], "w") as f:
+        json.dump(got, f)
 finally:
     ray.shutdown()
 """
@@ -135,11 +137,15 @@ finally:
 
 def check_tensor_column(first_file: pathlib.Path, env: dict) -> dict:
     """Ray Data reads `x` back as a 2-D float32 ndarray (the tensor extension), not objects."""
-    done = subprocess.run([sys.executable, "-c", CHECK, str(first_file)], capture_output=True, text=True,
-                          timeout=180, env=env, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"reading the dataset back with Ray Data failed:\n{done.stderr[-3000:]}")
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    # the answer goes to a file: Ray may print its own lines to stdout, before ours or after it
+    answer = first_file.parent.parent / "check.json"
+    answer.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-c", CHECK, str(first_file), str(answer)], capture_output=True,
+                          text=True, timeout=180, env=env, cwd=ROOT)
+    if done.returncode != 0 or not answer.exists():
+        raise SystemExit(f"reading the dataset back with Ray Data failed (exit {done.returncode}):\n"
+                         f"{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+    got = json.loads(answer.read_text())
     if got["x_dtype"] != "float32" or len(got["x_shape"]) != 2 or got["y_dtype"] != "int64":
         raise SystemExit(f"Ray Data reads the columns back as {got}, not x: float32 (2, F), y: int64")
     return got
