@@ -207,7 +207,8 @@ def test_two_runs_in_one_process_each_with_its_own_embedded_ray(tmp_path):
         up_between = ray.is_initialized()
         b = gearshift.run({str(MLP)!r}, overrides={{**tiny, "train.steps": 3}}, run_dir={str(tmp_path / 'b')!r})
         import sys
-        print(json.dumps([a.steps, b.steps, a.final_loss, up_between, ray.is_initialized()]), file=sys.stderr)
+        print("result " + json.dumps([a.steps, b.steps, a.final_loss, up_between, ray.is_initialized()]),
+              file=sys.stderr)
         """)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
     env["PYTHONFAULTHANDLER"] = "1"  # a crash shows where it happened
@@ -215,7 +216,10 @@ def test_two_runs_in_one_process_each_with_its_own_embedded_ray(tmp_path):
                           timeout=240)
     assert proc.returncode in (0, -signal.SIGSEGV), proc.stderr[-3000:]
     assert proc.stdout == ""
-    steps_a, steps_b, loss_a, up_between, up_after = json.loads(proc.stderr.strip().splitlines()[-1])
+    # Ray may write its own lines to stderr after ours (at exit): find ours by its mark
+    result = [line for line in proc.stderr.splitlines() if line.startswith("result ")]
+    assert result, proc.stderr[-3000:]
+    steps_a, steps_b, loss_a, up_between, up_after = json.loads(result[-1][len("result "):])
     assert (steps_a, steps_b, up_between, up_after) == (4, 3, False, False)
     assert loss_a == json.loads((tmp_path / "a" / "summary.json").read_text())["final_loss"]
     if proc.returncode == -signal.SIGSEGV:
