@@ -39,10 +39,10 @@ class Options:
     # FSDP2's (param_dtype, reduce_dtype), "bf16" | "fp32": gathers and compute in the first, the
     # gradients reduced in the second, fp32 master weights; None: everything in fp32
     mixed_precision: tuple[str, str] | None = None
-    # pipeline: micro-batches a step's share flows through the stages in, the schedule, the
+    # pipeline: micro-batches a pass through the stages is cut into, the schedule, the
     # blocks each stage after the first begins at (empty: balanced), and a function giving one
     # sample of input (the model is traced on it once, to check where it can be cut)
-    pp_microbatches: int = 1
+    pp_microbatches: int | None = None  # as the job asks (None: its default rule), fitted to each pass's rows
     pp_schedule: str = "1f1b"
     pp_split: tuple[str, ...] = ()
     example: Callable | None = None
@@ -220,6 +220,20 @@ class Parallel:
     def detach(self) -> None:
         """Before the layout goes: stop routing collectives through this one's hooks."""
         self.attach(None)
+
+    @property
+    def regroups_in_place(self) -> bool:
+        """Whether the same ranks can go on with what each holds now on a new process group (after
+        a step dropped for an out-of-memory error): true where nothing held is bound to the old
+        group's mesh: whole replicas, and a pipeline's whole stages (`on_new_group`). A layout
+        whose pieces are DTensors on the old mesh is relaid out onto the new one instead."""
+        return not self.gathers_collectively
+
+    def on_new_group(self, options: Options) -> "Parallel | None":
+        """This layout over the tensors it holds, on the new default process group (the same ranks,
+        `options` the build's now); None where the layout is simply applied to `model` again (a
+        whole model: the caller does that)."""
+        return None
 
     def drop_step(self) -> None:
         """A step broke off mid-forward or mid-backward (a peer lost, out of memory) and its

@@ -69,6 +69,12 @@ class Layout:
         return SHARDED if self.shard == self.dp else GROUPED
 
     @property
+    def whole(self) -> bool:
+        """Whether every rank holds the whole model and optimizer state (a replica): no tensor
+        shards, no sharded data dimension, no pipeline cut."""
+        return self.pp == 1 and self.tp == 1 and self.shard == 1
+
+    @property
     def world(self) -> int:
         return self.pp * self.dp * self.tp
 
@@ -135,6 +141,14 @@ class Layout:
     def stage_of(self, rank: int) -> int:
         """The pipeline stage `rank` runs (0 where there is no pipeline)."""
         return rank // (self.dp * self.tp)
+
+    def seed_stream(self, rank: int) -> int:
+        """Which random stream `rank` draws from (dropout, augmentation in the step): one per data
+        replica and pipeline position, the same across a tensor-parallel group (its ranks compute
+        one activation, so they must draw one mask). Without a pipeline it is the replica's rank, as
+        it always was; a position after the first draws its own, so that the blocks after a cut
+        do not reuse the masks the first position's blocks drew."""
+        return self.stage_of(rank) * self.dp + self.dp_rank(rank)
 
     def tp_groups(self) -> list[list[int]]:
         return [list(range(g * self.tp, (g + 1) * self.tp)) for g in range(self.pp * self.dp)]

@@ -114,3 +114,36 @@ def test_on_oom_fail_stops_with_one_paragraph_naming_the_step_the_rank_and_the_m
     assert "train.on_oom is fail" in text and "\n" not in text.strip()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed"
+
+
+def pipeline_oom_job(tmp_path: pathlib.Path, max_rows: int, batch: int, micro: int) -> pathlib.Path:
+    shutil.copy(FIXTURES / "oom_model.py", tmp_path / "oom_model.py")
+    job = tmp_path / "pipe_oom.yaml"
+    job.write_text(
+        "name: pipe-oom\n"
+        f"model: {{entrypoint: 'oom_model:blocks', kwargs: {{max_rows: {max_rows}}}}}\n"
+        "data: {entrypoint: 'oom_model:points', kwargs: {size: 256}}\n"
+        "loss: {entrypoint: 'oom_model:mse'}\n"
+        "optimizer: {name: adam, lr: 0.01}\n"
+        f"train: {{steps: 4, global_batch_size: {batch}}}\n"
+        f"parallel: {{strategy: pipeline, pp_size: 2, pp_microbatches: {micro}, pp_schedule: 1f1b}}\n"
+        "cluster: {num_workers: 2, cpus_per_worker: 1}\n"
+        "checkpoint: {every: 0}\n")
+    return job
+
+
+def test_a_pipeline_that_runs_out_of_memory_keeps_its_stages_and_cuts_each_pass_evenly(ray_cluster, tmp_path):
+    """Six residual blocks cut 3 + 3 over 2 workers; a block runs out of memory on more than 1 row.
+    The share of 24 flows in 4 micro-batches of 6 rows: out of memory; then passes of 12 (4 x 3),
+    of 6 (4 does not divide it: 3 x 2) and of 3 (3 x 1), which fits. Each rank keeps the stage it
+    holds on the new group (no block re-cut: the model stays six blocks deep), and the run equals
+    plain PyTorch."""
+    job = pipeline_oom_job(tmp_path, max_rows=1, batch=24, micro=4)
+    summary = run_gearshift(job, [], tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 4
+    ooms = [(r["micro_batch"], r["action"]) for r in records(tmp_path / "run") if r.get("event") == "oom"
+            and r["rank"] == 0]
+    assert [m for m, _ in ooms] == [24, 12, 6] and {a for _, a in ooms} == {"accumulate"}, ooms
+    final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
+    assert sum(k.startswith("blocks.") and k.endswith(".lin.weight") for k in final) == 6
+    check_equal(job, [], tmp_path / "run", 1e-5)

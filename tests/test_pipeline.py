@@ -142,7 +142,7 @@ def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, c
         opt.zero_grad(set_to_none=True)
         total = None
         for xa, ya in zip(x.chunk(accumulation), y.chunk(accumulation)):
-            got = par.run(xa, ya, loss_fn, 1.0 / (micro * accumulation))
+            got = par.run(xa, ya, loss_fn, 1.0 / accumulation)  # the layout divides by its micro-batches
             total = got if total is None else (total + got if got is not None else total)
         loss = par.share_loss(total)  # this replica's share's loss, on each of its stages
         torch.distributed.all_reduce(loss)  # the mean over the replicas: the global batch's

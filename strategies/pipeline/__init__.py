@@ -12,6 +12,19 @@ def microbatches(share: int, pp: int, given: int | None = None) -> int:
     return max(m for m in range(1, 2 * pp + 1) if share % m == 0)
 
 
+def fitted(rows: int, pp: int, asked: int | None, schedule: str = "1f1b") -> int:
+    """The micro-batches `rows` samples (one pass through the stages) flow in: as `microbatches`
+    resolves them, and where the number asked does not divide `rows` (a share cut down after an
+    out-of-memory step), the largest below it that does and that an interleaved schedule's rounds
+    of pp divide, so that every micro-batch has the same rows and the step's mean stays exact."""
+    limit = min(asked if asked is not None else 2 * pp, rows)
+
+    def runs(m: int) -> bool:
+        return rows % m == 0 and (stages_per_rank(schedule) == 1 or m % max(1, m // pp) == 0)
+
+    return max(m for m in range(1, max(1, limit) + 1) if runs(m))
+
+
 def stages_per_rank(schedule: str) -> int:
     """The stages each position of the pipeline holds under `schedule`: 2 for an interleaved
     one (the model cut into pp x 2 stages), else 1."""

@@ -57,17 +57,33 @@ class PipelineParallel(Parallel):
     step_variant = "pipelined"
 
     def __init__(self, views: list[StageModule], info: StageInfo, cut: cuts.Cut, layout: Layout, options: Options,
-                 mesh, tie_groups: dict[tuple, object]):
+                 mesh, tie_stages: tuple):
         super().__init__(views[0], views[0].model, layout, options, mesh)
         self.views, self.info, self.cut = views, info, cut
         self.mine, self.stages = info.stages, len(cut.stages)  # this position's stages; all stages
         self.position = layout.stage_of(dist.get_rank())
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.sharded = layout.shard > 1  # the stage sharded over its replicas by FSDP2 (parallel.dp_shard)
-        self.grads = StageGrads(self, positions_holding(info.ties, layout.pp), tie_groups)
-        self.microbatches = options.pp_microbatches
+        self.tie_stages = tie_stages  # the stages holding each parameter of the whole model, where several do
+        self.grads = StageGrads(self, positions_holding(info.ties, layout.pp), tie_groups(tie_stages, layout))
         self._pipe = None
         self._loss = None
+
+    @property
+    def regroups_in_place(self) -> bool:
+        # whole stages are plain tensors: the stage modules go on as they are on a new group (sharded
+        # or tensor-parallel stages are DTensors on the old mesh: relaid out)
+        return not self.sharded and self.layout.tp == 1
+
+    def on_new_group(self, options: Options) -> "PipelineParallel":
+        """The same stages (the same modules and tensors, the cut unchanged) on the new default
+        process group: a new mesh and tie groups, schedules made afresh on the next step."""
+        from gearshift.strategies.mesh import device_mesh
+
+        if not self.regroups_in_place:
+            raise RuntimeError(f"{self.layout}: sharded stages are relaid out on a new group, not kept")
+        mesh = device_mesh(options.device.type, (self.layout.pp, self.layout.dp, self.layout.tp), ("pp", "dp", "tp"))
+        return PipelineParallel(self.views, self.info, self.cut, self.layout, options, mesh, self.tie_stages)
 
     # ------------------------------------------------------------ the step
 
@@ -78,6 +94,7 @@ class PipelineParallel(Parallel):
         out-of-memory step halved it) gets a new stage, and so does a step under autocast after
         one without (a precision phase's end: the activations crossing change dtype)."""
         key = (shape, torch.is_autocast_enabled(self.options.device.type))
+        micro = self.microbatches(shape[0])
         if self._pipe is not None and self._pipe[2] != key:
             self._pipe = None
         if self._pipe is None:
@@ -86,17 +103,27 @@ class PipelineParallel(Parallel):
             stages = [PipelineStage(v, v.stage, self.stages, self.options.device, group=self.pp_group)
                       for v in self.views]
             schedule = _schedule_class(self.options.pp_schedule)(
-                stages if stages_per_rank(self.options.pp_schedule) > 1 else stages[0], self.microbatches,
+                stages if stages_per_rank(self.options.pp_schedule) > 1 else stages[0], micro,
                 loss_fn=lambda out, target: self._loss(out, target), scale_grads=False)
             self._pipe = (stages, schedule, key)
         return self._pipe[:2]
 
+    def microbatches(self, rows: int) -> int:
+        """The micro-batches a pass of `rows` samples is cut into: the job's parallel.pp_microbatches
+        (or its default) fitted to the rows the step's micro-batch setting gives now, so that a
+        share halved after an out-of-memory step is still cut evenly."""
+        from gearshift.strategies.pipeline import fitted
+
+        return fitted(rows, self.layout.pp, self.options.pp_microbatches, self.options.pp_schedule)
+
     def run(self, x: torch.Tensor, y: torch.Tensor, loss_fn, scale: float) -> torch.Tensor | None:
-        """Forward and backward of `x` through the pipeline in `microbatches` micro-batches, each
-        micro-batch's loss multiplied by `scale`; the gradients accumulate. The sum of the scaled
-        losses on the last stage, None on the others."""
+        """Forward and backward of `x` through the pipeline in its micro-batches (`microbatches`),
+        the mean of their losses multiplied by `scale` (each micro-batch's loss by `scale` over
+        their count); the gradients accumulate. The sum of the scaled losses on the last stage,
+        None on the others."""
         _, schedule = self.pipe(tuple(x.shape))
-        self._loss = lambda out, target: loss_fn(out, target) * scale
+        each = scale / self.microbatches(x.shape[0])
+        self._loss = lambda out, target: loss_fn(out, target) * each
         losses: list = []
         try:
             with self._timed_p2p():
@@ -188,20 +215,23 @@ class PipelineParallel(Parallel):
         return dist.get_global_rank(self.pp_group, stage % self.layout.pp)
 
     def _send(self, t: torch.Tensor, peer: int) -> None:
-        head = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.int64)
+        # the header on the group's device too: NCCL sends device tensors only
+        device = self.options.device
+        head = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.int64, device=device)
         with self.blocked(t.numel() * t.element_size(), "pp"):
-            dist.send(torch.tensor([head.numel()], dtype=torch.int64), peer, group=self.pp_group)
+            dist.send(torch.tensor([head.numel()], dtype=torch.int64, device=device), peer, group=self.pp_group)
             dist.send(head, peer, group=self.pp_group)
             dist.send(t.contiguous(), peer, group=self.pp_group)
 
     def _receive(self, peer: int) -> torch.Tensor:
-        size = torch.zeros(1, dtype=torch.int64)
+        size = torch.zeros(1, dtype=torch.int64, device=self.options.device)
         with self.blocked(0, "pp"):
             dist.recv(size, peer, group=self.pp_group)
-            head = torch.zeros(int(size), dtype=torch.int64)
+            head = torch.zeros(int(size), dtype=torch.int64, device=self.options.device)
             dist.recv(head, peer, group=self.pp_group)
-            dtype, ndim = _DTYPES[int(head[0])], int(head[1])
-            out = torch.empty([int(d) for d in head[2:2 + ndim]], dtype=dtype, device=self.options.device)
+            head = head.tolist()  # one read of the device
+            dtype, ndim = _DTYPES[head[0]], head[1]
+            out = torch.empty(head[2:2 + ndim], dtype=dtype, device=self.options.device)
             dist.recv(out, peer, group=self.pp_group)
         return out
 
@@ -317,13 +347,13 @@ def positions_holding(ties: dict[str, tuple], pp: int) -> dict[str, tuple]:
     return {name: positions for name, positions in out.items() if len(positions) > 1}
 
 
-def tie_groups(held_by: dict[int, set], layout: Layout) -> dict[tuple, object]:
+def tie_groups(tie_stages, layout: Layout) -> dict[tuple, object]:
     """For each set of positions that hold a parameter together, a group of those positions'
     ranks of each replica and tp rank (every rank makes every group, in one order); this rank's
     group of each."""
     from gearshift.strategies.mesh import MAKE_GROUPS, group_timeout
 
-    sets = sorted({tuple(sorted({s % layout.pp for s in stages})) for stages in held_by.values()})
+    sets = sorted({tuple(sorted({s % layout.pp for s in stages})) for stages in tie_stages})
     sets = [s for s in sets if len(s) > 1]
     mine = {}
     rank, world = dist.get_rank(), dist.distributed_c10d._get_default_group()
@@ -364,7 +394,6 @@ def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> Pip
     resolved = resolve_plan(model, plan, layout.tp, held_by)
     mesh = device_mesh(options.device.type, (layout.pp, layout.dp, layout.tp), ("pp", "dp", "tp"))
     position = layout.stage_of(dist.get_rank())
-    groups = tie_groups(held_by, layout)
     if layout.shard > 1 and options.pp_schedule == "interleaved_zb":  # the job's check says so first
         raise cuts.CutError("parallel.dp_shard runs under pp_schedule gpipe, 1f1b or interleaved_1f1b, not "
                             "interleaved_zb (tried: its weights' backward run apart from the inputs' leaves the weights wrong)")
@@ -372,7 +401,8 @@ def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> Pip
     if layout.shard > 1 or layout.tp > 1:
         shard = StageLayout(mesh, layout.tp, resolved, layout.shard > 1, options)
     views, info = make_stage(model, chosen, traced, [position + i * layout.pp for i in range(per_rank)], shard)
-    return PipelineParallel(views, info, chosen, layout, options, mesh, groups)
+    tie_stages = tuple(sorted({tuple(sorted(stages)) for stages in held_by.values() if len(stages) > 1}))
+    return PipelineParallel(views, info, chosen, layout, options, mesh, tie_stages)
 
 
 __all__ = ["SCHEDULES", "PipelineParallel", "apply", "positions_holding", "tie_groups"]

@@ -59,7 +59,7 @@ class _Source:
 
     def _exchange(self) -> None:
         """Out of a pipeline: who holds each tensor, and what each optimizer state is."""
-        mine = {n: {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else v for k, v in st.items()}
+        mine = {n: {k: (tuple(v.shape), v.dtype, str(v.device)) if torch.is_tensor(v) else v for k, v in st.items()}
                 for n, st in self.saved.items()}
         if not self.pipeline:
             self.described = mine
@@ -73,20 +73,23 @@ class _Source:
                 self.described.setdefault(n, st)
 
     def value(self, name: str, like: torch.Tensor, key: str | None = None) -> torch.Tensor:
-        """The full value of tensor `name` (optimizer state `key` of it), on every rank."""
+        """The full value of tensor `name` (optimizer state `key` of it), on every rank. It crosses
+        on the layout's device whatever device it lives on (Adam's `step` is a CPU tensor, which
+        NCCL would refuse), and comes back on the device the holder kept it on."""
         t = self.tensors.get(name) if key is None else self.saved.get(name, {}).get(key)
         if not self.pipeline:
             return full(t.detach())
         if t is not None and hasattr(t, "to_local"):  # a block sharded over its stage's replicas: they gather it
             t = full(t.detach())
         src = self.holder[name]
+        shape, dtype, home = ((tuple(like.shape), like.dtype, str(self.device)) if key is None
+                              else self.described[name][key])
         if dist.get_rank() == src:
-            buf = t.detach().contiguous()
+            buf = t.detach().to(self.device).contiguous()
         else:
-            shape, dtype = (tuple(like.shape), like.dtype) if key is None else self.described[name][key]
             buf = torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(buf, src=src)
-        return buf
+        return buf.to(home)
 
     def drop(self, name: str) -> None:
         """The old layout's tensor `name`, moved: its memory (a shard's, too) given back now."""
@@ -170,7 +173,7 @@ def _fill_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, names: d
         p = params.get(name)
         moved = {}
         for key, what in sorted(states.items()):
-            if not isinstance(what, tuple) or len(what) != 2 or not isinstance(what[1], torch.dtype):
+            if not isinstance(what, tuple) or len(what) != 3 or not isinstance(what[1], torch.dtype):
                 moved[key] = what  # a plain number
                 continue
             value = source.value(name, like, key)

@@ -75,8 +75,9 @@ class Builder:
                 from gearshift.strategies.pipeline.switch import relayout
             w.parallel, w.optimizer = relayout(*move_from, model, layout, plan, options, make_optimizer,
                                                agree=w.member.agree, gather=gather)
-        elif rewrap is not None:
-            w.parallel, w.optimizer = strategies.parallelize(model, layout, plan, options), rewrap[1]
+        elif rewrap is not None:  # the layout's own tensors on the new group (a pipeline keeps its cut stages)
+            w.parallel = rewrap[0].on_new_group(options) or strategies.parallelize(model, layout, plan, options)
+            w.optimizer = rewrap[1]
         else:
             if record is None:  # built whole: per_shard makes its values as a sharded layout's ranks do
                 self.info.update(shard_init.whole(model, self._build, cfg.model.get("init", "auto"), cfg.seed,
@@ -98,12 +99,11 @@ class Builder:
         w, cfg = self.w, self.w.config
         if layout.pp == 1:
             return {}
-        from gearshift.strategies.pipeline import microbatches
         from gearshift.workers.step.data import load_batch
 
         pipe = dict(cfg.pipeline)
-        share = w.micro_batch or cfg.global_batch_size // layout.dp
-        return {"pp_microbatches": microbatches(share, layout.pp, pipe.get("microbatches")),
+        # as the job asks: the layout fits it to each pass's rows (the micro-batch in force then)
+        return {"pp_microbatches": pipe.get("microbatches"),
                 "pp_schedule": pipe.get("schedule", "1f1b"),
                 # a stage rebalance's cut (recut) in force, else the job's
                 "pp_split": w.pp_split if w.pp_split else tuple(pipe.get("split", ())),

@@ -142,11 +142,14 @@ def _aliases(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def plan(model: nn.Module, saved: dict[str, tuple[str, list[int]]], prefix: str = "") -> dict[str, str]:
+def plan(model: nn.Module, saved: dict[str, tuple[str, list[int]]], prefix: str = "",
+         part: bool = False) -> dict[str, str]:
     """{model name: the file's name for it, or a hf_conversion.Fused} for every tensor of the
     model, each read from the files (through a transformers model's own conversion mapping); a
     PretrainedError naming what is missing, unexpected or of another shape otherwise. Works on a
-    model on the meta device (the driver's check) as on a real one."""
+    model on the meta device (the driver's check) as on a real one. `part`: `model` is one
+    pipeline stage's part of the whole (the driver checked the files against the whole), so the
+    file's tensors that other stages hold are expected, not an error."""
     from gearshift.workers.build.hf_conversion import mapped
 
     sources = mapped(model, saved, prefix)
@@ -169,7 +172,7 @@ def plan(model: nn.Module, saved: dict[str, tuple[str, list[int]]], prefix: str 
             misshaped.append(f"{name} is {shapes[name]} in the model, {saved[key][1]} in the file")
             continue
         chosen[name] = sources[key]
-    unexpected = sorted(sources[k] if isinstance(sources[k], str) else k for k in set(saved) - used)
+    unexpected = [] if part else sorted(sources[k] if isinstance(sources[k], str) else k for k in set(saved) - used)
     if missing or unexpected or misshaped:
         parts = []
         if missing:
@@ -205,17 +208,18 @@ def check(model: nn.Module, folder: str | pathlib.Path, prefix: str = "") -> dic
     return plan(model, saved_tensors(folder), prefix)
 
 
-def load(model: nn.Module, folder: str | pathlib.Path, prefix: str = "") -> dict:
+def load(model: nn.Module, folder: str | pathlib.Path, prefix: str = "", part: bool = False) -> dict:
     """Read the weights into the model as laid out now, each rank only the pieces it holds (all
-    ranks call it together when the model is sharded). Returns {"tensors", "bytes"}: how many
-    tensors were loaded and the bytes of the pieces this rank holds."""
+    ranks call it together when the model is sharded; `part`: a pipeline stage's, see `plan`).
+    Returns {"tensors", "bytes"}: how many tensors were loaded and the bytes of the pieces this
+    rank holds."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     folder = pathlib.Path(folder)
     weight_files(folder)  # a folder that changed since the driver's check fails here, by name
     saved = saved_tensors(folder)
-    names = plan(model, saved, prefix)
+    names = plan(model, saved, prefix, part)
     state = get_model_state_dict(model)
     direct = {name: key for name, key in names.items() if isinstance(key, str)}
     cast: dict[str, int] = {}  # "BF16 -> torch.float32": tensors converted as they are read

@@ -11,7 +11,6 @@ import time
 
 import torch
 
-from gearshift import strategies
 from gearshift.strategies.base import SwitchAborted
 from gearshift.strategies.layout import Layout
 from gearshift.workers.step import oom
@@ -42,22 +41,22 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
         _move_survivors(worker, Layout.from_dict(layout), old_ranks, joining)
         return _done(worker, start, joined)
     worker.optimizer.zero_grad(set_to_none=True)
-    whole = not strategies.lookup(worker.layout.strategy).meta_ok  # every rank holds the whole state
-    if layout is not None and not (whole and not strategies.lookup(layout["strategy"]).meta_ok
-                                   and None not in old_ranks):
-        _move_survivors(worker, Layout.from_dict(layout), old_ranks)
-    elif layout is None and not whole:
+    target = Layout.from_dict(layout) if layout is not None else None
+    if target is not None and not (worker.layout.whole and target.whole and None not in old_ranks):
+        _move_survivors(worker, target, old_ranks)
+    elif target is None and not worker.parallel.regroups_in_place:  # pieces bound to the old mesh
         result = worker.reshard(worker.layout.to_dict())
         if "failed" in result:
             raise RuntimeError(f"rank {worker.rank}: the layout in force could not be rebuilt on the new process "
                                f"group: {result['failed']['message']}")
-    else:  # a replicated layout onto a replicated one, nobody receiving: the same module and
+    else:  # the same ranks holding the same tensors (whole replicas onto whole replicas, nobody
+        # receiving; or the layout in force, a pipeline's cut stages too): the same modules and
         # optimizer wrapped again on the new group, nothing moved
         scaler = worker.scaler.state_dict()
         old = (worker.parallel, worker.optimizer)
         worker.parallel.detach()
         worker.parallel = worker.optimizer = None
-        worker.builder.lay_out(Layout.from_dict(layout) if layout is not None else worker.layout, rewrap=old)
+        worker.builder.lay_out(target or worker.layout, rewrap=old)
         del old
         if scaler:
             worker.scaler.load_state_dict(scaler)

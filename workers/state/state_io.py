@@ -93,7 +93,8 @@ class StateIO:
             return {}
         start = time.perf_counter()
         folder = pretrained.folder(spec, w.config.search_paths)
-        got = pretrained.load(w.parallel.model, folder, spec.get("prefix", ""))
+        # a pipeline rank's model is its stages' part of the whole (the driver checked the whole)
+        got = pretrained.load(w.parallel.model, folder, spec.get("prefix", ""), part=w.layout.pp > 1)
         if spec.get("hash") == "full":  # every byte, this rank's share of the slices (the driver reads none)
             got["slices"] = pretrained.hash_share(folder, w.rank, w.world)
         if w.device.type == "cuda":

@@ -74,9 +74,10 @@ class StepRunner:
         return {"shares": list(checked) if checked else None, "accumulation": self.set_micro_batch(self.micro_setting)}
 
     def seed(self, step: int) -> None:
-        # one stream per data-parallel replica: a tensor-parallel group draws the same masks and augmentations
+        # one stream per data-parallel replica and pipeline position: a tensor-parallel group draws
+        # the same masks and augmentations (Layout.seed_stream)
         w = self.w
-        seed_generators(step_seed(w.config.seed, step, w.layout.dp_rank(w.rank)), w.device)
+        seed_generators(step_seed(w.config.seed, step, w.layout.seed_stream(w.rank)), w.device)
 
     def autocast(self):
         """Autocast to the job's dtype, after the fp32 warm-up steps (precision phases)."""

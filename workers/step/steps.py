@@ -54,9 +54,9 @@ def uneven(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def pipelined(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The share through the pipeline's stages (strategies/pipeline/parallel.py), in the layout's
-    micro-batches, once per accumulation micro-batch: each micro-batch's loss is scaled by one
-    over their count, so the gradients are the share's mean. The loss, the last stage's, on
-    every stage."""
+    micro-batches, once per accumulation micro-batch: each pass's mean loss is weighted by its
+    part of the share's rows, so the gradients are the share's mean. The loss, the last stage's,
+    on every stage."""
     w = runner.w
     n, par = w.accumulation, w.parallel
     loss_fn, scaler = w.loss_fn, (w.scaler if w.scaler.is_enabled() else None)
@@ -66,7 +66,7 @@ def pipelined(runner, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     total = None
     with runner.autocast():
         for xm, ym in zip(x.chunk(n), y.chunk(n)):
-            got = par.run(xm, ym, loss_fn, 1.0 / (par.microbatches * n))
+            got = par.run(xm, ym, loss_fn, len(xm) / len(x))
             if got is not None:
                 total = got if total is None else total + got
     loss = par.share_loss(total)
