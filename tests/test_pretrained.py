@@ -124,6 +124,29 @@ def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_pretrained_fine_tunes_under_a_pipeline_each_stage_loading_its_part(ray_cluster, hf):
+    """Each stage holds its blocks of the whole model; the files hold every tensor. A stage reads
+    its part and takes the rest as other stages' (the driver checked the files against the whole
+    model), and the run equals single-process PyTorch from `from_pretrained`."""
+    folder, hf_model = hf
+    overrides = ["cluster.num_workers=2", "parallel.strategy=pipeline", "parallel.pp_size=2"]
+    args = ["run", str(folder / "job.yaml"), "--run-dir", str(folder / "run")]
+    assert cli.main(args + [a for o in overrides for a in ("--set", o)]) == 0
+    ref_state, ref_losses = reference(folder, hf_model)
+    final = torch.load(folder / "run" / "final.pt", weights_only=True)
+    assert final.keys() == ref_state.keys()
+    diff = max((final[k] - ref_state[k]).abs().max().item() for k in final)
+    assert diff <= 1e-4, f"pipeline: max |final - reference| = {diff:.3g}"
+    records = [json.loads(line) for line in (folder / "run" / "telemetry.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if r.get("type") == "step"}
+    assert max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses)) <= 1e-4
+    event = next(r for r in records if r.get("event") == "pretrained")
+    whole = sum(t.numel() * 4 for k, t in ref_state.items() if k != "lm.lm_head.weight")
+    assert all(0 < b < whole for b in event["rank_bytes"]), event["rank_bytes"]  # a part each, none the whole
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data2", "fsdp2"])
 def test_a_moe_checkpoint_fine_tunes_like_from_pretrained_its_experts_read_by_slices(ray_cluster, hf, layout):
     """Mixtral-style weights as save_pretrained writes them (experts one by one, the old module

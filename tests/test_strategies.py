@@ -39,3 +39,17 @@ def test_param_groups_keep_shards_apart_for_fused_optimizers(process_group):
     mixed = torch.optim.Adam(list(par.model.parameters()), lr=1e-3, foreach=True)
     with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
         mixed.step()
+
+
+def test_each_replica_and_pipeline_position_draws_its_own_stream_and_a_tp_group_one():
+    """Dropout under a pipeline: the blocks after a cut must not draw the masks the first
+    position's blocks drew; a tensor-parallel group computes one activation, so draws one mask."""
+    from gearshift.strategies.layout import Layout
+
+    pipe = Layout("pipeline", dp=2, tp=2, pp=2)  # ranks: position-major, then replica, then tp
+    streams = [pipe.seed_stream(r) for r in range(pipe.world)]
+    assert streams[0] == streams[1] and streams[2] == streams[3]  # a tp group: one stream
+    by_place = {(pipe.stage_of(r), pipe.dp_rank(r)): streams[r] for r in range(pipe.world)}
+    assert len(set(by_place.values())) == 4  # 2 positions x 2 replicas: four streams
+    data = Layout("data", dp=4, tp=1)
+    assert [data.seed_stream(r) for r in range(4)] == [0, 1, 2, 3]  # without a pipeline: the replica's, as before
