@@ -152,6 +152,9 @@ class Stragglers:
         results = self.ctl.group.call("recut", list(decision.split))
         failed = next((r["failed"] for r in results if r.get("failed")), None)
         decision.evidence["seconds"] = max(r.get("seconds", 0.0) for r in results)
+        if any("moved_bytes" in r for r in results):  # only the blocks that changed position crossed
+            decision.evidence["moved_bytes"] = sum(r.get("moved_bytes", 0) for r in results)
+            decision.evidence["relayout_bytes"] = sum(r.get("relayout_bytes", 0) for r in results)
         if failed is not None:  # the new stages could not be allocated: the old cut is in force, whole
             decision.evidence["not_carried_out"] = failed.get("message")
             self._report(decision, seen, applied=None)

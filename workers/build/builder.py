@@ -47,12 +47,13 @@ class Builder:
             w.telemetry = WorkerTelemetry(cfg, w.device)
 
     def lay_out(self, layout: Layout, move_from: tuple | None = None, rewrap: tuple | None = None,
-                gather=None) -> None:
+                gather=None) -> dict:
         """Build the model and lay it out as `layout`, with its optimizer, scaler and comm route:
         afresh (seeded: the same initial weights on every rank, and in a 1-process run), or, in a
         switch, on the meta device with the state moved over from `move_from` (old parallel,
         old optimizer) tensor by tensor, or (`rewrap`: old parallel, old optimizer of a replicated
-        layout) the same module and optimizer wrapped again, on a new process group."""
+        layout) the same module and optimizer wrapped again, on a new process group. Returns what
+        a move sent (a pipeline cut again: its bytes point to point against a relayout's)."""
         w, cfg = self.w, self.w.config
         w.layout = layout
         w.runner.close_loader()  # its slice of the batch belonged to the old layout's dp
@@ -68,7 +69,15 @@ class Builder:
                                      fsdp_units=cfg.fsdp_units, dp_overlap=cfg.dp_overlap,
                                      mixed_precision=cfg.fsdp_mixed_precision, **self._pipeline(layout))
         make_optimizer = lambda groups: components.build_optimizer(groups, dict(cfg.optimizer), w.device)  # noqa: E731
-        if move_from:
+        figures: dict = {}
+        if move_from and _recut(move_from[0], layout, gather):  # only the blocks that change position move
+            from gearshift.strategies.pipeline import moves
+
+            w.parallel, w.optimizer, moved = moves.recut(*move_from, model, layout, plan, options, make_optimizer,
+                                                         agree=w.member.agree)
+            figures = {"moved_bytes": moved.sent_bytes, "relayout_bytes": moved.relayout_bytes,
+                       "moved_tensors": len(moved.tensors)}
+        elif move_from:
             from gearshift.strategies.relayout import relayout  # DTensor and FSDP: only a switch needs them
 
             if layout.pp > 1 or getattr(move_from[0], "layout", layout).pp > 1:  # the ranks hold different names
@@ -92,6 +101,7 @@ class Builder:
         self.attach_route()
         if cfg.compile and rewrap is None:  # compiled afresh with every layout: a switch recompiles
             w.parallel.compile(dict(cfg.compile))
+        return figures
 
     def _pipeline(self, layout: Layout) -> dict:
         """A pipeline's options: its micro-batches, schedule and cuts, and one sample of the
@@ -202,7 +212,7 @@ class Builder:
         w.parallel.detach()
         w.parallel = w.optimizer = None
         try:
-            self.lay_out(target, move_from=old)
+            figures = self.lay_out(target, move_from=old)
         except SwitchAborted as err:  # nothing moved: the old layout is whole, and in force again
             w.parallel, w.optimizer = old
             w.layout, w.scaler, w.clock = before
@@ -219,4 +229,13 @@ class Builder:
             w.scaler.load_state_dict(scaler)
         if w.device.type == "cuda":
             torch.cuda.synchronize(w.device)
-        return {"seconds": time.perf_counter() - start, "layout": target.to_dict(), "step": w.step}
+        return {"seconds": time.perf_counter() - start, "layout": target.to_dict(), "step": w.step, **figures}
+
+
+def _recut(old, layout: Layout, gather) -> bool:
+    """Whether moving `old` onto `layout` is the same pipeline cut again (strategies/pipeline/moves.py)."""
+    if gather is not None or getattr(old, "cut", None) is None:
+        return False
+    from gearshift.strategies.pipeline import moves
+
+    return moves.applies(old, layout, gather)
