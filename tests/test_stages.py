@@ -130,3 +130,16 @@ def test_the_whole_machine_slowing_a_little_does_not_undo_what_was_measured():
 
     out = feed(bal, drifting, 150)
     assert [d.starts for _, d in out if isinstance(d, Recut)] == [(0, 5)], out
+
+
+def test_a_recut_that_could_not_be_allocated_is_not_proposed_again():
+    """The cut 5 / 3 ran out of memory on some rank: the balancer does not propose it window after
+    window (as a switch that ran out is not tried again)."""
+    bal = StageBalancer("rebalance", Layout("pipeline", 1, 1, pp=2), CUT)
+    rng, proposed = random.Random(0), []
+    for step in range(1, 61):
+        got = bal.observe(record(step, bal.starts, [400.0, 200.0], rng))
+        if isinstance(got, Recut):
+            proposed.append(got.starts)
+            bal.not_allocated(got)  # the workers answered "failed": the old cut stays in force
+    assert proposed == [(0, 5)], proposed

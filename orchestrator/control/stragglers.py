@@ -157,6 +157,7 @@ class Stragglers:
             decision.evidence["relayout_bytes"] = sum(r.get("relayout_bytes", 0) for r in results)
         if failed is not None:  # the new stages could not be allocated: the old cut is in force, whole
             decision.evidence["not_carried_out"] = failed.get("message")
+            self.rebalancer.not_allocated(decision)  # as a switch that ran out is: not tried again
             self._report(decision, seen, applied=None)
             return
         self.rebalancer.applied(decision, step)

@@ -72,6 +72,7 @@ class StageBalancer:
         self.measured: dict[tuple, float] = {}  # cut -> the median step measured on it
         self.history: list[list[tuple[float, float]]] = [[] for _ in range(self.pp)]  # position -> (load, speed)
         self.arrived: list[float] | None = None  # the speeds of the first window on the cut in force
+        self.unallocated: set[tuple] = set()  # cuts some rank could not allocate: never proposed again
 
     def loads(self, starts) -> list[float]:
         """Each position's weight under the cut `starts` (a position runs stages p, p + pp, ...)."""
@@ -91,6 +92,12 @@ class StageBalancer:
         self.skip = SETTLE
         self.check = {"step": step, "predicted_step_s": decision.evidence["predicted_step_s"],
                       "measured_step_s": decision.evidence["measured_step_s"]}
+
+    def not_allocated(self, decision: Recut) -> None:
+        """The recut `decision` ran out of memory on some rank (the old cut is in force, whole):
+        that cut is not proposed again in this run; the window starts over."""
+        self.unallocated.add(tuple(decision.starts))
+        self.steps.clear()
 
     def observe(self, record: dict) -> Recut | Report | None:
         compute = (record.get("ranks") or {}).get("compute_time")
@@ -149,7 +156,7 @@ class StageBalancer:
         n = len(self.starts)
         starts = tuple(balanced(self.weights, n, self.rest // 2, self.rest - self.rest // 2,
                                 speeds=[speeds[k % self.pp] for k in range(n)]))
-        if starts == self.starts:
+        if starts == self.starts or starts in self.unallocated:
             return None
         before = self.measured.get(starts)
         if before is not None and before >= self.measured[self.starts] * (1 - self.min_gain):
