@@ -249,7 +249,7 @@ def set_checkpoints(worker, fmt: str, root: str) -> str:
     from gearshift.workers.state import full_format
 
     worker.config = dataclasses.replace(worker.config, checkpoint_dir=root, checkpoint_format=fmt)
-    worker.io.dcp_root = dcp.root_for(root, fmt, worker.device)
+    worker.io.dcp_root, _ = dcp.root_for(root, fmt, worker.device)
     worker.io.full_place = full_format.place(root, None, None, False) if worker.io.dcp_root is None and worker.rank == 0 \
         else None
     return "dcp" if worker.io.dcp_root else "full"

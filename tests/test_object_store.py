@@ -191,3 +191,14 @@ def test_a_full_format_run_streams_its_state_into_the_object_store(ray_cluster, 
     ref_state, _ = reference(load_job(MLP[0], MLP[1] + ["train.steps=3", "optimizer.name=adam"]))
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert max_diff(final, ref_state) <= 1e-4
+
+
+def test_a_place_a_worker_cannot_reach_says_why_where_auto_falls_back_to_full(process_group, s3):
+    """checkpoint.format auto, credentials the store refuses: this rank cannot write shards there,
+    so the full format is taken, and what the store said travels with it to the start line."""
+    url, options = s3
+    root, why = dcp.root_for(f"{url}/refused", "auto", torch.device("cpu"),
+                             {**options, "endpoint_url": f"http://127.0.0.1:{free_port()}"})  # no server there
+    assert root is None and why and ("Error" in why or "error" in why), why
+    reached, none = dcp.root_for(f"{url}/reached", "auto", torch.device("cpu"), options)
+    assert reached is not None and none is None

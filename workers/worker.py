@@ -149,6 +149,7 @@ class TrainWorker:
                 "recomputed": len(self.builder.recomputed),
                 "checkpoint_format": "dcp" if self.io.dcp_root else "full",
                 "checkpoint_served": storage.is_served(self.io.dcp_root),
+                "checkpoint_unreached": self.io.unreached,
                 "device_memory": rendezvous.device_memory(self.device),
                 "sampler": self.telemetry.start(self.rank, self.member.node_ip, self.member.gpu_ids)}
 

@@ -44,8 +44,9 @@ WRITE_TIMEOUT_S = 3600.0
 
 
 def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options: dict | None = None,
-             served: str | None = None, unshared: bool = False):
-    """Where this run's ranks write DCP checkpoints, or None for the full format: checkpoint.format
+             served: str | None = None, unshared: bool = False) -> tuple:
+    """(where this run's ranks write DCP checkpoints, or None for the full format; why this rank
+    could not reach the place, or None). The full format: checkpoint.format
     full, no run directory, or (auto) some rank cannot reach the checkpoints' place and there is
     no way round: an object store this node has no route or credentials to, or the driver's
     folder on a cluster whose nodes share no file system when no FileServer was started for it.
@@ -53,29 +54,31 @@ def root_for(checkpoint_dir: str | None, fmt: str, device: torch.device, options
     the folder (or `unshared`: inject.unshared_storage says to act so), every rank reaches it
     through the server. Every rank must agree, so it is a collective."""
     if fmt == "full" or not checkpoint_dir:
-        return None
+        return None, None
     root = storage.location(checkpoint_dir, options)
+    why = None
     if storage.is_remote(root):
         try:
             storage.probe(root)
             reached = True
-        except Exception:  # noqa: BLE001 - whatever the storage says, this rank cannot use it
-            reached = False
+        except Exception as err:  # noqa: BLE001 - whatever the storage says, this rank cannot use it
+            reached = False  # and the run says why at its start (expired credentials, a missing bucket)
+            why = f"{type(err).__name__}: {err}"[:300]
     else:
         reached = not unshared and _sees(root, served)
     seen = torch.tensor([1 if reached else 0], device=device)
     if dist.is_initialized():
         dist.all_reduce(seen, op=dist.ReduceOp.MIN)
     if seen.item():
-        return root
+        return root, None
     via = _through_server(root, served, device) if not storage.is_remote(root) else None
     if via is not None:
-        return via
+        return via, None
     if fmt == "dcp":
         raise RuntimeError(f"checkpoint.format is dcp but {checkpoint_dir} is not visible on every worker's node: "
                            "put the run directory on storage all nodes share (--run-dir), or use checkpoint.format "
-                           "auto or full")
-    return None
+                           "auto or full" + (f" (this worker's probe of it said: {why})" if why else ""))
+    return None, why
 
 
 def _sees(root: pathlib.Path, served: str | None) -> bool:

@@ -27,13 +27,15 @@ class StateIO:
         self.w = worker
         self.writes = dcp.Behind()  # a checkpoint written behind the steps (checkpoint.async_save)
         self.dcp_root = None  # where DCP checkpoints go, None for the full format (locate)
+        self.unreached = None  # why this rank could not reach the checkpoints' place (its probe's error)
         self.full_place = None  # where rank 0 writes the full format's state.pt, if it reaches one
 
     def locate(self) -> None:
         """Where checkpoints go (a collective) and where rank 0 writes the full format's state.pt."""
         w, cfg = self.w, self.w.config
-        self.dcp_root = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, w.device, cfg.checkpoint_options,
-                                     served=cfg.checkpoint_server, unshared=cfg.unshared_storage)
+        self.dcp_root, self.unreached = dcp.root_for(cfg.checkpoint_dir, cfg.checkpoint_format, w.device,
+                                                     cfg.checkpoint_options, served=cfg.checkpoint_server,
+                                                     unshared=cfg.unshared_storage)
         self.full_place = None if self.dcp_root is not None or w.rank != 0 else full_format.place(
             cfg.checkpoint_dir, cfg.checkpoint_server, cfg.checkpoint_options, cfg.unshared_storage)
 

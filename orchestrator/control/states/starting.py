@@ -69,15 +69,17 @@ class StartingState:
         if job.train.activation_checkpointing is True and job.model.entrypoint and first.get("recomputed") == 0:
             ctl.report.say("activation checkpointing: the model has no blocks to checkpoint (no FSDP units found); "
                            "name them in train.activation_checkpointing")
-        self._say_how_checkpoints_go(first)
+        self._say_how_checkpoints_go(first, next((i["checkpoint_unreached"] for i in infos
+                                                  if i.get("checkpoint_unreached")), None))
         for line in startup.build_lines(first.get("build") or {}, loaded=bool(ctl.load)):
             ctl.report.say(line)
         for info in infos:
             if info.get("sampler"):
                 ctl.report.event("sampler", rank=info["rank"], **info["sampler"])
 
-    def _say_how_checkpoints_go(self, info: dict) -> None:
-        """At a run's start: how the workers reach the checkpoints, where it costs."""
+    def _say_how_checkpoints_go(self, info: dict, unreached: str | None = None) -> None:
+        """At a run's start: how the workers reach the checkpoints, where it costs, and, where a
+        worker's probe of the place failed, what it said."""
         ctl = self.ctl
         if info.get("checkpoint_served"):
             ctl.report.say(f"checkpoints: the workers do not all see {ctl.checkpoint_root}; they write and read "
@@ -87,7 +89,8 @@ class StartingState:
             # some worker reaches the checkpoints' place by no route: the full format, gathered a tensor at a time
             ctl.report.say("checkpoints: not every worker reaches " + str(ctl.checkpoint_root) + ", so each "
                            "checkpoint is gathered whole, a tensor at a time, into one file (format full); "
-                           "give checkpoint.path an object store or a folder every node shares to write shards")
+                           "give checkpoint.path an object store or a folder every node shares to write shards"
+                           + (f" (a worker's probe of it said: {unreached})" if unreached else ""))
 
     def _load(self, restart: bool) -> int:
         """The checkpoint, or pretrained weights, into the workers; the step they start at."""
