@@ -408,7 +408,10 @@ def submit(job: str | os.PathLike, *, address: str | None = None, overrides: Ove
            run_dir: str | None = None, pip: Sequence[str] = (), python: str = "python") -> Submission:
     """Check the job file here, then submit it to the cluster whose dashboard is at `address`
     (default: RAY_JOB_ADDRESS, else RAY_ADDRESS): its folder travels as the working dir, this
-    gearshift as a py_module. `run_dir` is a path on the head (default ~/gearshift-runs/...)."""
+    gearshift as a py_module. `run_dir` is a path on the head (default ~/gearshift-runs/...).
+    `overrides` travel as typed on the Ray job's command line, which the cluster shows to anyone:
+    a credential there must be a `${VAR}` reference, which the head reads from its environment
+    (as it does the job file's); one in clear is a JobError naming the field, never the value."""
     from gearshift.orchestrator.cluster import jobs_api
     from gearshift.orchestrator.job import override_pairs
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 class GearshiftError(RuntimeError):
     """A problem the user can act on: the message says what happened and what to do."""
@@ -33,6 +35,7 @@ class WorkerFailed(GearshiftError):
         self.rank = rank
         self.details = details
         self.cause = cause
+        self.cause_text = f"{type(cause).__name__}: {cause}" if cause is not None else ""
         self.kind = kind
         self.reason = message
         who = f"worker rank {rank}" if rank is not None else "the workers"
@@ -44,8 +47,19 @@ class WorkerFailed(GearshiftError):
         restart from the last checkpoint; an exception in the training code would only repeat."""
         if self.kind in (self.DIED, self.SILENT):
             return True
-        text = f"{type(self.cause).__name__}: {self.cause}" if self.cause is not None else self.details
+        text = self.cause_text or self.details
         return any(mark in text for mark in _COMM_FAILURES)
+
+    def scrub(self, text: Callable[[str], str]) -> None:
+        """Every text this failure holds passed through `text` (the run's secrets masked: a worker's
+        exception may name a storage URL with its password). The cause itself is let go where its
+        text held a secret (what `recoverable` reads of it stays, scrubbed)."""
+        self.reason, self.details = text(self.reason), text(self.details)
+        said = text(self.cause_text)
+        if said != self.cause_text:
+            self.cause = None
+        self.cause_text = said
+        self.args = tuple(text(a) if isinstance(a, str) else a for a in self.args)
 
 
 # what a collective says when a peer is gone or too slow (gloo, NCCL, torch.distributed); NCCL's

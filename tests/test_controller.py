@@ -300,6 +300,37 @@ def test_a_failing_worker_ends_the_run_cleanly(tmp_path):
     assert checkpoint.load_latest(run.checkpoints)[1]["step"] == 4
 
 
+def test_a_workers_error_leaves_the_runs_secrets_nowhere_in_the_run_dir_or_the_raised_error(tmp_path, monkeypatch):
+    import secrets
+
+    token, password = "tok-" + secrets.token_hex(8), "pw-" + secrets.token_hex(8)
+    monkeypatch.setenv("GS_TOKEN", token)
+    job, run, _, groups = make(tmp_path, ["train.steps=6", "checkpoint.every=2", "cluster.env.HF_TOKEN=${GS_TOKEN}"])
+    said = f"ValueError: s3://me:{password}@minio/b refused token {token}"
+
+    class Leaking(FakeGroup):  # rank 1's code raises an error that names them (fsspec's would)
+        def train(self, until, every, last_step=None, stoppable=False):
+            for item in super().train(until, every, last_step, stoppable):
+                if self.step == 4:
+                    raise WorkerFailed(1, said, details=f"Traceback (most recent call last): ...\n{said}",
+                                       cause=ValueError(said))
+                yield item
+
+    def factory(j):
+        groups.append(Leaking(j, run=run))
+        return groups[-1]
+
+    with pytest.raises(WorkerFailed) as failed:
+        Controller(job, run, factory).run()
+    raised = [str(failed.value), failed.value.details, failed.value.cause_text, repr(failed.value.cause)]
+    files = [p for p in run.path.rglob("*") if p.is_file()]
+    assert run.log in files and run.summary in files
+    for secret in (token, password):
+        assert not [t for t in raised if secret in t]
+        assert [str(p) for p in files if secret.encode() in p.read_bytes()] == []
+    assert "refused token ***" in json.loads(run.summary.read_text())["error"]
+
+
 def test_forced_schedule_switches_at_its_steps_and_records_them(tmp_path):
     job, run, factory, groups = make(tmp_path, [
         "train.steps=10", "checkpoint.every=2", "checkpoint.keep=10",

@@ -157,6 +157,16 @@ def test_entrypoint_runs_the_job_file_with_quoted_overrides(job_file):
     assert build_submission(job_file, python="/opt/py/bin/python").entrypoint.startswith("/opt/py/bin/python -m")
 
 
+def test_a_credential_in_clear_never_reaches_the_entrypoint(job_file):
+    from gearshift.orchestrator.job import JobError
+
+    with pytest.raises(JobError, match=r"^cluster\.env\.HF_TOKEN = '\*\*\*' .*hidden") as err:
+        build_submission(job_file, ["train.steps=5", "cluster.env.HF_TOKEN=hf_planted-value"])
+    assert "hf_planted" not in str(err.value)
+    sub = build_submission(job_file, ["cluster.env.HF_TOKEN=${HF_TOKEN}"])  # the head reads it
+    assert shlex.split(sub.entrypoint)[5:] == ["--set", "cluster.env.HF_TOKEN=${HF_TOKEN}"]
+
+
 def test_submission_id_and_metadata(job_file, tmp_path):
     a, b = build_submission(job_file), build_submission(job_file)
     assert a.metadata == {"gearshift_job": "Tiny MLP"}

@@ -15,6 +15,7 @@ import yaml
 
 from gearshift import api
 from gearshift.orchestrator.commands import cli
+from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.job import JobError, dump_job, job_from_dict, load_job
 from gearshift.orchestrator.job import credentials, secrets
 from gearshift.orchestrator.records.rundir import RunDir, resume_conflicts
@@ -170,6 +171,121 @@ def test_check_output_masks_credentials(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "HF_TOKEN: ${GS_TOKEN}" in out and "WANDB_API_KEY: '***'" in out
     assert "typed-key" not in out and "tok-" not in out
+
+
+# ----------------------------------------------------------------------------- submit, no Ray
+
+
+@pytest.fixture
+def submitted(tmp_path, monkeypatch):
+    """A job file to submit, and the Submissions that reach the Job Submission API (none is sent)."""
+    from gearshift.orchestrator.cluster import jobs_api
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_job()))
+    sent = []
+    monkeypatch.setattr(jobs_api, "send_submission", lambda address, sub: sent.append(sub) or sub.submission_id)
+    return path, sent
+
+
+@pytest.mark.parametrize("overrides", [
+    ["checkpoint.storage_options.secret=SECRET"],                      # --set, a credential typed
+    {"checkpoint.storage_options": {"key": "${GS_S3_KEY}", "secret": "SECRET"}},  # the Python API's mapping
+    ["cluster.env.HF_TOKEN=${GS_S3_KEY:-SECRET}"],                     # a default typed into a credential
+    {"tracking.mlflow.tracking_uri": "https://me:SECRET@mlflow.internal"},  # a URL's password
+])
+def test_submit_refuses_a_credential_in_clear_naming_the_field_never_the_value(submitted, monkeypatch, capsys,
+                                                                                overrides):
+    path, sent = submitted
+    planted = "gs-typed-" + random_secrets.token_hex(8)
+    monkeypatch.setenv("GS_S3_KEY", "key-" + random_secrets.token_hex(8))
+    overrides = (json.loads(json.dumps(overrides).replace("SECRET", planted)))
+    with pytest.raises(JobError) as err:
+        api.submit(path, address="http://127.0.0.1:1", overrides=overrides)
+    text = str(err.value)
+    assert planted not in text and planted not in repr(err.value.value) and "\n" not in text
+    assert err.value.field.split(".")[0] in ("checkpoint", "cluster", "tracking")
+    assert "hidden" in text and "${VAR}" in text and sent == []
+    if isinstance(overrides, list):  # the command: exit 2, the same line, nothing sent
+        assert cli.main(["submit", str(path), "--address", "http://127.0.0.1:1", "--set", overrides[0]]) == 2
+        said = capsys.readouterr()
+        assert err.value.field in said.err and planted not in said.out + said.err and sent == []
+
+
+def test_a_submitted_reference_travels_as_typed_and_no_value_reaches_the_ray_job(submitted, monkeypatch):
+    path, sent = submitted
+    key, token = "key-" + random_secrets.token_hex(8), "tok-" + random_secrets.token_hex(8)
+    monkeypatch.setenv("GS_S3_KEY", key)
+    monkeypatch.setenv("GS_TOKEN", token)
+    api.submit(path, address="http://127.0.0.1:1",
+               overrides=["checkpoint.storage_options.key=${GS_S3_KEY}", "cluster.env.HF_TOKEN=${GS_TOKEN}",
+                          "train.steps=3"])
+    [sub] = sent
+    # what `ray job list` and the dashboard show: the entrypoint, the runtime_env, the metadata
+    shown = json.dumps([sub.entrypoint, sub.runtime_env, sub.metadata])
+    assert key not in shown and token not in shown
+    assert "checkpoint.storage_options.key=\"${GS_S3_KEY}\"" in sub.entrypoint  # read on the head, as the file's are
+    assert "cluster.env.HF_TOKEN=\"${GS_TOKEN}\"" in sub.entrypoint and "train.steps=3" in sub.entrypoint
+
+
+# ----------------------------------------------------------------------------- what a worker says, no Ray
+
+
+class _Saying:
+    """A worker group whose workers say `text`: in a call's result, in a report, and as a failure."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def call(self, method, *args):
+        return [{"why": self.text, "seconds": 1.0}, {"rank": 1}]
+
+    def put(self, value):
+        return value
+
+    def train(self, until, every, last_step=None, stoppable=False):
+        yield 0, {"step_failed": {"step": 3, "message": self.text}, "losses": [1.0]}
+        raise WorkerFailed(1, f"OSError: {self.text}", details=f"Traceback ...\nOSError: {self.text}",
+                           cause=OSError(self.text))
+
+
+def test_what_a_worker_says_reaches_the_driver_without_the_runs_secrets(monkeypatch):
+    from gearshift.orchestrator.cluster.scrubbed import ScrubbedGroup
+
+    key, token = "key-" + random_secrets.token_hex(8), "tok-" + random_secrets.token_hex(8)
+    password = "pw-" + random_secrets.token_hex(8)
+    monkeypatch.setenv("GS_S3_KEY", key)
+    monkeypatch.setenv("GS_TOKEN", token)
+    job = job_from_dict(_job(checkpoint={"storage_options": {"key": "${GS_S3_KEY}"}},
+                             cluster={"num_workers": 1, "env": {"HF_TOKEN": "${GS_TOKEN}", "NCCL_IB_DISABLE": "1"}}))
+    # fsspec names the URL with its password (this one is not the job's: any URL's goes), a library
+    # echoes a key or a token it was given
+    said = f"s3://me:{password}@minio:9000/b/step_4 refused key {key} (token={token}), rank 1, step 10"
+    group = ScrubbedGroup(_Saying(said), secrets.Scrubber(job.secret_values()))
+    results = group.call("reshard")
+    reports = group.train(4, 0)
+    rank, report = next(reports)
+    with pytest.raises(WorkerFailed) as failed:
+        next(reports)
+    err = failed.value
+    texts = [results[0]["why"], report["step_failed"]["message"], str(err), err.reason, err.details, err.cause_text,
+             repr(err.args), repr(err.cause)]
+    for secret in (key, token, password):
+        assert not [t for t in texts if secret in t], secret
+    assert results[0]["why"] == "s3://me:***@minio:9000/b/step_4 refused key *** (token=***), rank 1, step 10"
+    assert not err.recoverable and err.cause_text.startswith("OSError: ")  # what the verdict reads stays
+    assert results[1] == {"rank": 1} and report["losses"] == [1.0]  # the rest as it came ("1" is no secret)
+    state = {"step": 3}
+    assert group.put(state) is state and not hasattr(group, "joinable")  # the group's own answers
+
+
+def test_scrubbing_leaves_what_holds_no_secret_as_it_is():
+    scrub = secrets.Scrubber(("a-long-secret",))
+    report = {"losses": [1.0], "samples": [{"device": "cpu"}], "checkpoint": {"w": object()}}
+    assert scrub.value(report) is report
+    assert scrub.text("see ${PW} in s3://me:${PW}@host") == "see ${PW} in s3://me:${PW}@host"  # a reference, kept
+    err = scrub.error(ValueError("x a-long-secret y"))
+    assert str(err) == "x *** y"
 
 
 # ----------------------------------------------------------------------------- a real run, on Ray

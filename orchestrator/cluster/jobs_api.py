@@ -6,6 +6,10 @@ stop / status``. What it adds to the plain client:
 
 * the job file's directory travels as the ``working_dir`` and gearshift's own four
   packages as ``py_modules``, so the cluster runs the client's version of gearshift;
+* overrides travel on the job's command line, which ``ray job list``, the dashboard and the
+  head's process table show: one that carries a credential in clear is refused (a JobError
+  naming the field, never the value); a credential goes as a ``${VAR}`` reference, read from
+  the head's environment when the job loads there, as a reference in the job file is;
 * the address comes from the argument, else ``RAY_JOB_ADDRESS`` / ``RAY_API_SERVER_ADDRESS``
   / ``RAY_ADDRESS`` (an explicit argument wins: the plain client lets the environment
   override it);
@@ -44,6 +48,8 @@ import yaml
 from ray.job_submission import JobDetails, JobStatus
 
 from gearshift.monitoring.telemetry import LOG_PREFIX
+from gearshift.orchestrator.job.load import parse_overrides
+from gearshift.orchestrator.job.secrets import refuse_in_clear
 
 from gearshift.orchestrator.cluster.jobs_client import JobsApiError, _Client, _HttpStatusError, _connect, _translate_errors
 
@@ -85,7 +91,8 @@ def build_submission(
 ) -> Submission:
     """Build the entrypoint and runtime_env that run ``job_path`` on the cluster.
 
-    ``overrides`` are ``a.b=value`` strings passed on as ``--set``; ``run_dir`` is a path on
+    ``overrides`` are ``a.b=value`` strings passed on as ``--set`` (a credential among them
+    only as a ``${VAR}`` reference: one in clear is a JobError); ``run_dir`` is a path on
     the head, where the job's driver runs. ``pip`` lists extra requirements Ray installs in
     a per-job virtualenv (slow on first use: prefer installing them in the cluster's
     image). ``python`` is the interpreter the head runs the job with: the job's shell gets
@@ -99,6 +106,9 @@ def build_submission(
         raise JobsApiError(f"job file {str(job_path)!r} does not exist or is not a file.")
     for item in overrides:
         _check_override(item)
+    # the entrypoint is shown to whoever can see the cluster (`ray job list`, the dashboard, the
+    # head's process table): a credential goes there as its ${VAR}, which the head reads
+    refuse_in_clear(parse_overrides(list(overrides)))
     name = job_name or _job_name_from_file(job_path)
     return Submission(
         submission_id=_submission_id(name),

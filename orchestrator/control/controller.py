@@ -38,7 +38,8 @@ layout change (`switch`), a new policy (`make_policy`), a resized world (`on_wor
 What is injected, so that tests can swap it: the worker group (`group_factory`, a
 `WorkerGroup`), the policy (`policy_factory`), and the bucket-tuning driver (`tuning`; `gearshift
 tune` hands in one with a grid). Records and terminal lines go through `Reporter`
-(orchestrator/control/reporting.py).
+(orchestrator/control/reporting.py). The group the factory makes is held in a `ScrubbedGroup`
+(orchestrator/cluster/scrubbed.py): what its workers send comes in with the run's secrets masked.
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ from gearshift.orchestrator.control.states.recovering import RecoveringState
 from gearshift.orchestrator.control.states.starting import StartingState
 from gearshift.orchestrator.control.states.switching import SwitchingState
 from gearshift.orchestrator.control.states.training import TrainingState, scheduled_layout
+from gearshift.orchestrator.cluster.scrubbed import ScrubbedGroup
 from gearshift.orchestrator.cluster.worker_group import WorkerGroup
 from gearshift.orchestrator.errors import GearshiftError, WorkerFailed
 from gearshift.orchestrator.job import Job
+from gearshift.orchestrator.job.secrets import Scrubber
 from gearshift.orchestrator.policy.adaptive import Decision, Policy
 from gearshift.orchestrator.policy.for_job import job_policy
 from gearshift.orchestrator.records.rundir import RunDir
@@ -87,7 +90,10 @@ class Controller:
                  policy_factory: PolicyFactory = job_policy, tuning: BucketTuning | None = None):
         self.job = job
         self.run_dir = run
-        self.group_factory = group_factory
+        # whatever a worker says reaches the driver through its group: scrubbed there of the run's
+        # secrets, before anything of it is written, printed or raised (cluster/scrubbed.py)
+        self.scrub = Scrubber(job.secret_values())
+        self.group_factory = lambda j: ScrubbedGroup(group_factory(j), self.scrub)
         self.policy_factory = policy_factory
         self.resume = resume  # (checkpoint name, state) to continue from
         self.report = Reporter(job, run, view)
@@ -164,15 +170,18 @@ class Controller:
         self.report.event("state", state=state.value, **fields)
 
     def _failed(self, err: BaseException) -> None:
+        # the driver's own errors too: fsspec names a storage URL with its password here as well
+        self.scrub.error(err)
         interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
         self.summary["status"] = "interrupted" if interrupted else "failed"
-        self.summary["error"] = (f"interrupted ({err})" if interrupted and str(err) else
-                                 "interrupted by the user" if interrupted else
-                                 str(err) if isinstance(err, GearshiftError) else f"{type(err).__name__}: {err}")
+        self.summary["error"] = self.scrub.text(f"interrupted ({err})" if interrupted and str(err) else
+                                                "interrupted by the user" if interrupted else
+                                                str(err) if isinstance(err, GearshiftError) else
+                                                f"{type(err).__name__}: {err}")
         if isinstance(err, WorkerFailed) and err.details:
             self.run_dir.log.write_text(err.details)
         elif not interrupted and not isinstance(err, GearshiftError):
-            self.run_dir.log.write_text("".join(traceback.format_exception(err)))
+            self.run_dir.log.write_text(self.scrub.text("".join(traceback.format_exception(err))))
         self.enter(State.FAILED, error=self.summary["error"])
 
     def _close(self, wall: float) -> None:

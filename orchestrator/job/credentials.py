@@ -5,13 +5,16 @@ named like *key*, *secret*, *token* or *password* (any case, at any depth: `mode
 `storage_options.client_kwargs.aws_secret_access_key`), and the password of a URL written
 `scheme://user:password@host`. Numbers, booleans and nulls are never credentials (`anon: true`,
 `key_dim: 64` stay as they are). Imports nothing of gearshift's: fields.py's JobError masks what
-it shows with it.
+it shows with it. A free text (an error a library or a worker raised) is scrubbed with `scrub`:
+every URL's password masked, and the run's secrets (`secret_values` of the resolved job, which
+secrets.run_secrets completes) wherever they appear.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import quote, unquote
 
 MASK = "***"
 _SECTIONS = (("checkpoint", "storage_options"), ("cluster", "env"))
@@ -35,9 +38,45 @@ def parse_path(dotted: str) -> tuple:
     return tuple(re.sub(r"\[\d+\]", "", part) for part in text.split("."))
 
 
-def scrub(text: str) -> str:
-    """`text` (an error a library raised) with the password of every URL in it masked."""
-    return _URL_IN_TEXT.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
+def scrub(text: str, values: tuple[str, ...] = ()) -> str:
+    """`text` (an error a library or a worker raised) with the password of every URL in it masked
+    (one written as a `${VAR}` reference stays: it is the reference, not the value), then every
+    one of `values` (a run's secrets, secret_values; longest first, so that one holding another
+    goes whole)."""
+    if "@" in text:
+        text = _URL_IN_TEXT.sub(lambda m: m.group(0) if m.group(2).startswith("${") else f"{m.group(1)}:{MASK}@",
+                                text)
+    for value in values:
+        if value in text:
+            text = text.replace(value, MASK)
+    return text
+
+
+# A secret shorter than this is not looked for in a text: every cluster.env value counts as a
+# credential, and masking its `1` or `0` would mask every such digit of the text, which no secret
+# that short needs
+MIN_SECRET_CHARS = 4
+
+
+def secret_values(value: Any, path: tuple = ()) -> set[str]:
+    """What a text must not show of the (resolved) job `value` at `path`: every credential's
+    value and every URL's password, percent-encoded too (an fsspec URL carries it so)."""
+    if isinstance(value, dict):
+        return set().union(*(secret_values(v, path + (k,)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(secret_values(v, path + (i,)) for i, v in enumerate(value)))
+    if not isinstance(value, str):
+        return set()
+    found = {m.group(2) for m in _URL_IN_TEXT.finditer(value) if not m.group(2).startswith("${")}
+    if is_credential(path):
+        found.add(value)
+    return secret_forms(found)
+
+
+def secret_forms(values) -> set[str]:
+    """`values` as a text may show them (as they are, percent-encoded and -decoded: a URL holds a
+    password encoded, a library may say it either way), the short ones left out."""
+    return {form for v in values for form in (v, quote(v, safe=""), unquote(v)) if len(form) >= MIN_SECRET_CHARS}
 
 
 def has_url_password(text: str) -> bool:

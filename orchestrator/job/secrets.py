@@ -8,6 +8,11 @@ MLflow, `gearshift check`) is `written(...)`: each reference as it was typed, a 
 as it is masked (credentials.py), never a value read from the environment. A run's job.yaml
 therefore loads again wherever the same variables are set (`replay`, `--resume`), and a mask
 where a typed credential was is a JobError saying how to give it again.
+
+The same goes for a submitted job's overrides, which travel as typed on the Ray job's command line
+(`refuse_in_clear`: a credential there only as a reference, read on the head). And the values
+read stay in the driver: `Scrubber` masks the run's secrets (`run_secrets`) in whatever a worker
+sends before the driver writes, prints or raises it (orchestrator/cluster/scrubbed.py).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import re
 from typing import Any, Mapping
 
+from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.job import credentials
 from gearshift.orchestrator.job.fields import JobError
 
@@ -146,3 +152,119 @@ def source(resolved: dict, refs: Mapping[tuple, str]) -> dict:
     for path, text in refs.items():
         _place(out, path, text)
     return out
+
+
+# ------------------------------------------------------------------ a submitted job's overrides
+
+
+def typed_in_clear(pairs: list[tuple[list[str], Any]]) -> list[str]:
+    """The fields among overrides (key parts, value) that hold a credential as it is, not as a
+    `${VAR}` reference: whatever would be masked where the job is written (a credential without a
+    reference, a default typed into a credential's reference, a URL's password)."""
+    found: list[str] = []
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, path + (k,))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, path + (i,))
+        elif isinstance(value, str):
+            shown = (_written_reference(path, value) if _REFERENCE.search(value)
+                     else credentials.mask(value, path))
+            if shown != value or credentials.scrub(value) != value:
+                found.append(dotted(path))
+
+    for parts, value in pairs:
+        walk(value, tuple(parts))
+    return found
+
+
+def refuse_in_clear(pairs: list[tuple[list[str], Any]]) -> None:
+    """A JobError naming the first override that carries a credential in clear (its value never
+    shown): a submitted job's overrides are its Ray job's command line, which `ray job list`, the
+    dashboard and the head's process table show to anyone who can see the cluster."""
+    fields = typed_in_clear(pairs)
+    if fields:
+        others = f" (and {', '.join(fields[1:])})" if len(fields) > 1 else ""
+        raise JobError(fields[0], credentials.MASK, f"is a credential given in clear{others}: submit puts "
+                       "overrides on the Ray job's command line, which `ray job list` and the dashboard show, so "
+                       "its value is hidden here and refused", f"Give it as a reference: --set "
+                       f"'{fields[0]}=${{VAR}}' (quoted, so the shell leaves it), with VAR set where the job runs "
+                       "(the head) and here, where it is checked.")
+
+
+# ------------------------------------------------------------------ what a worker says
+
+
+def run_secrets(resolved: dict, refs: Mapping[tuple, str], environ: Mapping[str, str] | None = None) -> tuple:
+    """What no text a worker sends may show, longest first: every credential's value and every
+    URL's password in the resolved job (credentials.secret_values), and the value read for a
+    reference to a variable named like a credential wherever it is (`auth: ${HF_TOKEN}`)."""
+    environ = os.environ if environ is None else environ
+    found = credentials.secret_values(resolved)
+    for path, text in refs.items():
+        value = _at(resolved, path)
+        for ref in _REFERENCE.finditer(text) if isinstance(value, str) else ():
+            if not credentials.is_credential((ref.group(1),)):
+                continue
+            read = environ.get(ref.group(1)) or ""
+            # what was read where the job loaded: the environment may have changed since
+            found |= credentials.secret_forms([read] if read and read in value else
+                                              [value] if ref.group(0) == text else [])
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def _at(tree: Any, path: tuple) -> Any:
+    for part in path:
+        try:
+            tree = tree[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return tree
+
+
+class Scrubber:
+    """The run's secrets (run_secrets) masked out of whatever a worker sends the driver, before
+    the driver writes, prints or raises any of it: texts, the strings inside results and reports,
+    and errors (in place, so that whoever holds one holds it scrubbed)."""
+
+    def __init__(self, values: tuple = ()):
+        self.values = tuple(sorted(values, key=len, reverse=True))  # one holding another goes whole
+
+    def text(self, text: str) -> str:
+        out = credentials.scrub(text, self.values)
+        return text if out == text else out  # the same object where nothing changed (value() tells so)
+
+    def value(self, value: Any) -> Any:
+        """`value` with every string in it scrubbed (mapping keys are names, kept); the same object
+        where nothing changed, so that what the driver hands back keeps its identity."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            out = {k: self.value(v) for k, v in value.items()}
+            return out if any(out[k] is not v for k, v in value.items()) else value
+        if type(value) in (list, tuple):
+            items = [self.value(v) for v in value]
+            return type(value)(items) if any(a is not b for a, b in zip(items, value)) else value
+        return value
+
+    def error(self, err: BaseException) -> BaseException:
+        """`err` and the exceptions chained to it, scrubbed in place (a WorkerFailed's reason,
+        traceback and cause too); `err`, for `raise`."""
+        seen: set[int] = set()
+        todo = [err]
+        while todo:
+            e = todo.pop()
+            if e is None or id(e) in seen:
+                continue
+            seen.add(id(e))
+            if isinstance(e, WorkerFailed):
+                e.scrub(self.text)
+            e.args = tuple(self.text(a) if isinstance(a, str) else a for a in e.args)
+            for name in ("strerror", "filename", "filename2"):  # what an OSError says is not its args
+                if isinstance(getattr(e, name, None), str):
+                    setattr(e, name, self.text(getattr(e, name)))
+            todo += [e.__cause__, e.__context__]
+        return err

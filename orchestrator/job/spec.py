@@ -447,6 +447,11 @@ class Job:
         only (it holds a credential typed into the file as it is)."""
         return secrets.source(self.to_dict(), dict(self.refs))
 
+    def secret_values(self) -> tuple[str, ...]:
+        """What no text a worker sends may show (secrets.run_secrets): the credentials' values, the
+        URLs' passwords, the values read for variables named like credentials. In memory only."""
+        return secrets.run_secrets(self.to_dict(), dict(self.refs))
+
     def fingerprint(self) -> str:
         """A short hash of everything that changes the result; same config, same fingerprint.
         Values read for `${VAR}` count, credentials do not: a rotated key is the same experiment."""
