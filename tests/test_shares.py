@@ -146,6 +146,75 @@ def test_four_workers_on_uneven_shares_end_where_one_process_does():
         assert torch.allclose(got[name], value, atol=1e-5), name
 
 
+def _by_replicas(job, plan: list[tuple[int, list[int] | None]], dp: int) -> dict:
+    """Plain PyTorch doing a data-parallel step's arithmetic by hand, in one process: each replica's
+    contiguous slice of the global batch (in replica order, of `plan`'s counts for the steps up to
+    its step; None: even), its mean loss weighted by its samples x dp / the global batch (exactly 1
+    at even shares), backward alone; the gradients scaled by 1/dp and summed, as DDP's all-reduce
+    does. Written out apart from gearshift's step, shares and hook."""
+    from torch.utils.data import default_collate
+
+    from tests.test_train_equivalence import plain_parts
+
+    model, dataset, loss_fn, opt = plain_parts(job)
+    batch = job.train.global_batch_size
+    order = GlobalBatches(len(dataset), batch, job.train.seed)
+    step = 0
+    for until, counts in plan:
+        counts = counts or [batch // dp] * dp
+        for step in range(step, until):
+            x, y = default_collate([dataset[i] for i in order.indices(step)])
+            grads, lo = [], 0
+            for n in counts:
+                opt.zero_grad()
+                (loss_fn(model(x[lo:lo + n]), y[lo:lo + n]) * (n * (dp / batch))).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+                lo += n
+            for p, *each in zip(model.parameters(), *grads, strict=True):
+                p.grad = sum(g * (1.0 / dp) for g in each)
+            opt.step()
+        step = until
+    return model.state_dict()
+
+
+def test_two_data_workers_add_nothing_to_plain_pytorch_s_arithmetic_at_even_shares_or_rebalanced():
+    """Issue 60: 2 gloo data-parallel workers (DDP through gearshift's timed comm hook), even shares
+    with no rebalance, then rebalanced to even shares, then to 40/24, end bit for bit where one
+    process computing the same replicas' slices by hand ends (at the workers' one thread each: a
+    matmul's sums depend on its thread count). Their distance from the whole batch at once is then
+    the floor of computing it in two parts, no more: a cast, a second division, a weight off by
+    an ulp or another summation order in the data path fails this, where a 1e-5 tolerance lets it by."""
+    from bench.local_group import LocalGroup
+    from gearshift.orchestrator.job import job_from_dict
+    from tests.test_train_equivalence import max_diff, reference
+
+    job = job_from_dict({"model": {"name": "mlp", "kwargs": {"hidden": 64}},
+                         "data": {"name": "synthetic_digits", "kwargs": {"size": 64}},
+                         "train": {"steps": 12, "global_batch_size": 64},
+                         "optimizer": {"name": "adamw", "lr": 0.01}, "cluster": {"num_workers": 2},
+                         "parallel": {"strategy": "data"}, "telemetry": {"ray_metrics": False}}, base_dir=ROOT)
+    plan = [(4, None), (8, [32, 32]), (12, [40, 24])]  # no rebalance; rebalanced, even; uneven
+    got = []
+    with LocalGroup(job.to_dict(), 2, search_paths=[ROOT], cpus=1.0) as group:  # one thread a worker
+        for until, counts in plan:
+            if counts is not None:
+                assert group.apply(_set_shares, counts)[0]["shares"] == (None if counts == [32, 32] else counts)
+            group.call("train", until, 0, 1000.0)
+            got.append(group.call("state")[0]["model"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spec = job.to_dict()
+        whole = reference(job_from_dict({**spec, "train": {**spec["train"], "steps": 8}}, base_dir=ROOT))[0]
+        for i, (until, _) in enumerate(plan):
+            want = _by_replicas(job, plan[:i + 1], 2)
+            assert max_diff(got[i], want) == 0.0, (
+                f"step {until}: {max_diff(got[i], want):.3g} from plain PyTorch by replicas "
+                f"(after 8 steps {max_diff(got[1], whole):.3g} from the whole batch at once)")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.ray
 def test_a_simulated_straggler_is_rebalanced_live_and_back_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
     """4 Ray workers under data; rank 3 computes 4x as long (inject.slow). The run moves samples off
