@@ -74,7 +74,8 @@ def recut(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module,
     hyper = {k: v for k, v in old_optimizer.param_groups[0].items() if k != "params"}
     failure = None
     try:
-        fresh = _place(new, have, want, options.device)
+        fresh, new = _place(new, have, want, options.device)
+        want = _named(new.model, _stand_ins(new))  # the real tensors now
     except torch.OutOfMemoryError as err:
         failure = err
     if agree is not None and not agree(failure is None) or failure is not None:
@@ -97,12 +98,15 @@ def recut(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module,
     return new, optimizer, moved
 
 
-def _place(new: Parallel, have: dict, want: dict, device: torch.device) -> set[str]:
-    """The new stages' tensors: one this rank held already is swapped in (its storage, unmoved),
-    the others allocated empty; the stand-ins made again on the device. The names allocated."""
+def _place(new: Parallel, have: dict, want: dict, device: torch.device) -> tuple[set[str], Parallel]:
+    """The new stages' tensors: one this rank held already is put in (the same Parameter object,
+    its storage unmoved), the others allocated empty; the stand-ins made again on the device; the
+    layout made again over the real parameters (its gradient average holds them). The names
+    allocated, and that layout."""
+    from gearshift.strategies.pipeline.parallel import PipelineParallel
     from gearshift.strategies.pipeline.stage import _stand_in
 
-    fresh = set()
+    fresh, replace = set(), {}
     for name, target in want.items():
         source = have.get(name)
         if source is None:
@@ -111,15 +115,21 @@ def _place(new: Parallel, have: dict, want: dict, device: torch.device) -> set[s
                 else source
             fresh.add(name)
         if isinstance(target, nn.Parameter):
-            torch.utils.swap_tensors(target, source)  # the new model's Parameter object, the data held
+            replace[id(target)] = source
         else:
             _set_buffer(new.model, name[len("buffer:"):], source)
+    for module in new.model.modules():  # every place a parameter sits (a tied one sits in two)
+        for leaf, p in list(module._parameters.items()):
+            if p is not None and id(p) in replace:
+                module._parameters[leaf] = replace[id(p)]
+    for view in new.views:
+        view.own = [replace.get(id(p), p) for p in view.own]
     for name in new.info.stand_ins:
         parent, _, leaf = name.rpartition(".")
         module = new.model.get_submodule(parent) if parent else new.model
         b = getattr(module, leaf)
         module.register_buffer(leaf, _stand_in(b.shape, b.dtype, device), persistent=False)
-    return fresh
+    return fresh, PipelineParallel(new.views, new.info, new.cut, new.layout, new.options, new.mesh, new.tie_stages)
 
 
 def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -160,7 +170,7 @@ class _Peers:
         with its optimizer state; `target` is this rank's tensor under the new cut (the data,
         where it held it already), `held` its tensor under the old one."""
         src, takers = self._route(name)
-        value = target if target is not None and name not in fresh else held  # kept here: swapped into target
+        value = held  # what this rank held (kept or not: the same tensor)
         if value is not None and self.rank == min(r for r, h in enumerate(self.had) if name in h):
             states = [v for v in self.saved.get(name, {}).values() if torch.is_tensor(v)]
             moved.relayout_bytes += (_nbytes(value) + sum(map(_nbytes, states))) * (dist.get_world_size() - 1)
