@@ -67,6 +67,23 @@ def reference(folder: pathlib.Path, hf_model, moe: bool = False) -> tuple[dict, 
     return model.state_dict(), losses
 
 
+def run_like_from_pretrained(folder: pathlib.Path, hf_model, overrides: list[str], layout: str):
+    """`gearshift run` of the job with `overrides`, its final weights and every step's loss within
+    1e-4 of single-process PyTorch from `from_pretrained`: (records, reference state, final state)."""
+    args = ["run", str(folder / "job.yaml"), "--run-dir", str(folder / "run")]
+    assert cli.main(args + [a for o in overrides for a in ("--set", o)]) == 0
+    ref_state, ref_losses = reference(folder, hf_model)
+    final = torch.load(folder / "run" / "final.pt", weights_only=True)
+    assert final.keys() == ref_state.keys()
+    diff = max((final[k] - ref_state[k]).abs().max().item() for k in final)
+    assert diff <= 1e-4, f"{layout}: max |final - reference| = {diff:.3g}"
+    records = [json.loads(line) for line in (folder / "run" / "telemetry.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if r.get("type") == "step"}
+    worst = max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses))
+    assert worst <= 1e-4, f"per-step loss differs from the reference by {worst:.3g}"
+    return records, ref_state, final
+
+
 def test_the_saved_shards_are_what_the_test_means(hf):
     folder, _ = hf
     files = pretrained.weight_files(folder / "weights")
@@ -82,17 +99,7 @@ def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
     overrides = {"fsdp2": ["cluster.num_workers=2", "parallel.strategy=fsdp", "model.pretrained.hash=full"],
                  "hybrid2x2": ["cluster.num_workers=4", "parallel.strategy=hybrid", "parallel.tp_size=2",
                                "parallel.dp_shard=true", "parallel.tp_plan=" + json.dumps(hf_model.TP_PLAN)]}[layout]
-    args = ["run", str(folder / "job.yaml"), "--run-dir", str(folder / "run")]
-    assert cli.main(args + [a for o in overrides for a in ("--set", o)]) == 0
-    ref_state, ref_losses = reference(folder, hf_model)
-    final = torch.load(folder / "run" / "final.pt", weights_only=True)
-    assert final.keys() == ref_state.keys()
-    diff = max((final[k] - ref_state[k]).abs().max().item() for k in final)
-    assert diff <= 1e-4, f"{layout}: max |final - reference| = {diff:.3g}"
-    records = [json.loads(line) for line in (folder / "run" / "telemetry.jsonl").read_text().splitlines()]
-    losses = {r["step"]: r["loss"] for r in records if r.get("type") == "step"}
-    worst = max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses))
-    assert worst <= 1e-4, f"per-step loss differs from the reference by {worst:.3g}"
+    records, ref_state, final = run_like_from_pretrained(folder, hf_model, overrides, layout)
     # every rank read its slices only: under fsdp together they hold the model once
     event = next(r for r in records if r.get("event") == "pretrained")
     assert event["tensors"] == len(pretrained.saved_tensors(folder / "weights"))
@@ -130,16 +137,7 @@ def test_pretrained_fine_tunes_under_a_pipeline_each_stage_loading_its_part(ray_
     model), and the run equals single-process PyTorch from `from_pretrained`."""
     folder, hf_model = hf
     overrides = ["cluster.num_workers=2", "parallel.strategy=pipeline", "parallel.pp_size=2"]
-    args = ["run", str(folder / "job.yaml"), "--run-dir", str(folder / "run")]
-    assert cli.main(args + [a for o in overrides for a in ("--set", o)]) == 0
-    ref_state, ref_losses = reference(folder, hf_model)
-    final = torch.load(folder / "run" / "final.pt", weights_only=True)
-    assert final.keys() == ref_state.keys()
-    diff = max((final[k] - ref_state[k]).abs().max().item() for k in final)
-    assert diff <= 1e-4, f"pipeline: max |final - reference| = {diff:.3g}"
-    records = [json.loads(line) for line in (folder / "run" / "telemetry.jsonl").read_text().splitlines()]
-    losses = {r["step"]: r["loss"] for r in records if r.get("type") == "step"}
-    assert max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses)) <= 1e-4
+    records, ref_state, _ = run_like_from_pretrained(folder, hf_model, overrides, "pipeline")
     event = next(r for r in records if r.get("event") == "pretrained")
     whole = sum(t.numel() * 4 for k, t in ref_state.items() if k != "lm.lm_head.weight")
     assert all(0 < b < whole for b in event["rank_bytes"]), event["rank_bytes"]  # a part each, none the whole
