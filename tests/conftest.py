@@ -6,9 +6,12 @@ session and shuts it down at the end, so no Ray process outlives the suite.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
+import tempfile
 
 import pytest
 
@@ -18,6 +21,16 @@ import pytest
 # children the default disposition again.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Every Ray this pytest process brings up, or a process it starts (a `gearshift run` command, a
+# Ray job, a bench), lives in a temporary folder of this process's own: Ray reads its temporary
+# folder to find "the" cluster on the machine (the newest session, the address file a job's driver
+# joins), and in the machine's shared /tmp/ray that is whichever Ray started last, another xdist
+# worker's or another suite's. Short, under /tmp: Ray's sockets live below it. Made afresh in each
+# process (an xdist worker inherits its parent's environment), removed at its exit.
+RAY_TMPDIR = tempfile.mkdtemp(prefix="gsr", dir="/tmp")
+os.environ["RAY_TMPDIR"] = RAY_TMPDIR
+atexit.register(shutil.rmtree, RAY_TMPDIR, True)
 
 # Ray prints a warning per connection about token auth; tests read stderr, so keep it quiet.
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -53,6 +66,29 @@ def wait_until(condition, timeout_s: float = 15.0, interval_s: float = 0.2) -> b
             return False
         time.sleep(interval_s)
     return True
+
+
+def own_processes(match) -> set[int]:
+    """The ids of the processes of this pytest process's Rays (those whose environment names its
+    RAY_TMPDIR: a Ray's daemons and workers inherit it from whatever started it) for which
+    `match(name, cmdline)` holds. Tests that check nothing outlives a run count these, never the
+    machine's: another suite, or the other xdist worker, may run its own Ray beside them."""
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if match(proc.info["name"] or "", " ".join(proc.info["cmdline"] or [])) \
+                    and proc.environ().get("RAY_TMPDIR") == RAY_TMPDIR:
+                found.add(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def ray_daemons() -> set[int]:
+    """This pytest process's Ray daemons (own_processes)."""
+    return own_processes(lambda name, _: name in ("raylet", "gcs_server"))
 
 
 def free_port() -> int:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from gearshift.orchestrator.commands import cli
@@ -200,6 +199,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case,text,overrides,expect", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.crossing("compile", "interleaved", refused=True)
 def test_bad_job_is_one_paragraph_and_nothing_starts(tmp_path, monkeypatch, capsys, case, text, overrides, expect):
     shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
     (tmp_path / "job.yaml").write_text(text)
@@ -246,26 +246,27 @@ def test_resume_of_a_folder_that_is_not_a_run(tmp_path, capsys):
 
 
 def _ray_daemons() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet", "gcs_server")}
+    from conftest import ray_daemons
+
+    return ray_daemons()
 
 
 @pytest.mark.ray
-@pytest.mark.alone  # counts this machine's Ray daemons
 def test_more_workers_than_the_machine_fails_fast_and_stops_ray(tmp_path):
     """The real command in a fresh process: it starts an embedded Ray, finds the job cannot fit,
     says so in one paragraph and leaves no Ray process behind."""
     (tmp_path / "job.yaml").write_text(MLP)
     before = _ray_daemons()
-    t0 = time.monotonic()
+    # an hour's placement wait: a run that waited for room instead of failing at the room check
+    # would end at this call's time limit, not with the room check's paragraph
     proc = subprocess.run([sys.executable, "-m", "gearshift", "run", "job.yaml",
-                           "--set", "cluster.num_workers=64", "--set", "train.global_batch_size=64"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           "--set", "cluster.num_workers=64", "--set", "train.global_batch_size=64",
+                           "--set", "cluster.placement_timeout_s=3600"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ""})
-    elapsed = time.monotonic() - t0
     assert proc.returncode == cli.EXIT_FAILED, proc.stderr
     assert "cluster.num_workers = 64 does not fit" in proc.stderr and "CPU 64 needed" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert elapsed < 60, f"took {elapsed:.0f} s: a job that cannot fit must fail fast"
+    assert "Traceback" not in proc.stderr and "could not place" not in proc.stderr
     deadline = time.monotonic() + 15
     while _ray_daemons() - before and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -292,7 +293,6 @@ print(seen, ray.is_initialized())
 
 
 @pytest.mark.ray
-@pytest.mark.alone  # counts this machine's Ray daemons
 def test_an_embedded_ray_has_its_autoscaler_monitor_stopped_before_ray_shutdown(tmp_path):
     """Ray would stop the monitor after its GCS, and wait its 1 s grace for it on every run."""
     before = _ray_daemons()

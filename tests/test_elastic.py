@@ -196,6 +196,9 @@ def _killed_run(tmp_path, overrides, rank=3, at_step=15):
 @pytest.mark.parametrize("layout", [["parallel.strategy=data", *SGD],
                                     ["parallel.strategy=hybrid", "parallel.tp_size=2"],
                                     ["parallel.strategy=hsdp", "parallel.shard_size=2"]], ids=["data", "hybrid", "hsdp"])
+@pytest.mark.crossing("shrink", "data")
+@pytest.mark.crossing("shrink", "hybrid")
+@pytest.mark.crossing("shrink", "hsdp")
 def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
     overrides = MLP[1] + SLOW + layout
     summary = _killed_run(tmp_path, overrides)
@@ -217,6 +220,7 @@ def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray
 
 @pytest.mark.ray
 @pytest.mark.parametrize("layout,why", [(["parallel.strategy=fsdp"], "only on the lost rank(s) [3]")], ids=["fsdp"])
+@pytest.mark.crossing("restart", "fsdp")
 def test_sharded_layouts_losing_a_rank_fall_back_to_the_checkpoint_and_say_why(ray_cluster, tmp_path, layout, why):
     overrides = MLP[1] + SLOW + layout
     summary = _killed_run(tmp_path, overrides)
@@ -254,6 +258,7 @@ def test_two_workers_lost_at_once_end_where_plain_pytorch_ends_or_restart(ray_cl
 @pytest.mark.ray
 @pytest.mark.parametrize("layout", [["parallel.strategy=hybrid", "parallel.tp_size=2", "inject.comm_delay_ms=80"]],
                          ids=["hybrid"])
+@pytest.mark.crossing("grow", "hybrid")
 def test_a_shrunk_run_grows_back_when_the_lost_place_returns(ray_cluster, tmp_path, layout, monkeypatch):
     """The killed worker's node is alive, so its place in the placement group comes back: a new
     worker starts there and joins at a step boundary, receiving its pieces (and the optimizer's
@@ -380,6 +385,7 @@ def describe_line(decision: dict) -> str:
 
 
 @pytest.mark.ray
+@pytest.mark.crossing("rebalance", "data")
 def test_a_very_slow_worker_is_let_go_in_memory_taken_back_later_and_the_run_equals_plain_pytorch(
         ray_cluster, tmp_path, monkeypatch):
     """adapt.stragglers drop: rank 3 computes 6x as long (inject.slow, to step 40). It is let go

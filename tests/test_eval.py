@@ -63,6 +63,8 @@ def check_against_checkpoints(job, run_dir, tolerance) -> list[dict]:
 
 
 @pytest.mark.ray
+@pytest.mark.crossing("evaluation", "data")
+@pytest.mark.crossing("evaluation", "tensor")
 def test_eval_loss_equals_plain_pytorch_under_data_then_tensor(ray_cluster, tmp_path):
     """data parallel (2 workers) to step 6, then a forced switch to tensor parallel: the evals at
     4 (data), 8 and 12 (tensor) each equal the plain loss of the checkpoint at that step."""
@@ -83,6 +85,7 @@ def test_eval_loss_equals_plain_pytorch_under_data_then_tensor(ray_cluster, tmp_
 
 
 @pytest.mark.ray
+@pytest.mark.crossing("evaluation", "hybrid")
 def test_eval_loss_equals_plain_pytorch_under_hybrid(ray_cluster, tmp_path):
     """hybrid dp 2 x tp 2 on 4 workers, the first 3 held-out batches (eval.batches)."""
     overrides = MLP[1] + ["checkpoint.every=4", "checkpoint.keep=5", "eval.every=4", "eval.batches=3", HELD_OUT,

@@ -68,6 +68,8 @@ class Killer(threading.Thread):
 # tests/test_elastic.py (test_sharded_layouts_losing_a_rank_fall_back_to_the_checkpoint_and_say_why[fsdp])
 @pytest.mark.parametrize("layout", [pytest.param("data", marks=pytest.mark.smoke), "hybrid",
                                     pytest.param("fsdp", marks=pytest.mark.extended)])
+@pytest.mark.crossing("restart", "data")
+@pytest.mark.crossing("restart", "hybrid")
 def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(ray_cluster, tmp_path, layout):
     overrides = MLP[1] + LAYOUTS[layout] + SLOW
     killer = Killer(tmp_path / "killed", rank=1, at_step=15)

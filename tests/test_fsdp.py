@@ -5,18 +5,14 @@ single-process PyTorch on the same global batches. One spawn of 4 processes runs
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
-import time
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import free_port
+import gloo_pool
 
 TOL = 1e-4
 STEPS = 3
@@ -26,49 +22,10 @@ BATCH, SEQ, VOCAB = 8, 8, 128
 # ---------------------------------------------------------------- multi-process harness
 
 def spawn_gloo(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> None:
-    """Run fn(rank, world, *args) in `world` spawned processes joined in one gloo process group;
-    raises if any fails, kills them all when they take longer than `timeout_s`. A port taken by
-    another process between choosing it and listening on it (tests run two at a time) is chosen
-    again, twice at most."""
-    for attempt in range(3):
-        try:
-            return _spawn_once(fn, world, args, timeout_s)
-        except mp.ProcessRaisedException as err:
-            if attempt == 2 or not any(w in str(err) for w in ("failed to listen", "EADDRINUSE", "address already")):
-                raise
-
-
-def _spawn_once(fn, world: int, args: tuple, timeout_s: float) -> None:
-    port = free_port()
-    ctx = mp.start_processes(_entry, args=(fn, world, port, args), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} gloo processes still running after {timeout_s}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
-def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
-    torch.set_num_threads(1)  # 4 processes on 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-    # The work is done (a failure above raised and is reported by the parent). Skip the interpreter's
-    # teardown: there a finished rank was once aborted by a background thread still joinable
-    # ("terminate called without an active exception"), failing a test whose checks had passed.
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    """Run fn(rank, world, *args) on `world` processes joined in one gloo process group (the
+    warm processes of tests/gloo_pool.py); raises if any fails, ends them all when they take
+    longer than `timeout_s`."""
+    gloo_pool.run(fn, world, args, timeout_s)
 
 
 # ---------------------------------------------------------------- shared pieces

@@ -87,6 +87,9 @@ def records(run_dir) -> list[dict]:
 
 @pytest.mark.ray
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.crossing("accumulation", "data")
+@pytest.mark.crossing("accumulation", "tensor")
+@pytest.mark.crossing("accumulation", "hybrid")
 def test_schedule_accumulation_and_clipping_match_plain_pytorch(ray_cluster, tmp_path, layout):
     overrides = LOOP + LAYOUTS[layout]
     job = load_job(MLP[0], overrides)
@@ -168,6 +171,7 @@ def test_keep_fp32_modules_compute_in_fp32_under_autocast():
 
 
 @pytest.mark.ray
+@pytest.mark.crossing("precision", "data")
 def test_fp32_warmup_covering_every_step_equals_fp32(ray_cluster, tmp_path):
     from test_train_equivalence import reference as plain
 
@@ -229,6 +233,8 @@ def test_final_fp32_modules_switch_to_fp32_only_in_the_final_phase():
 @pytest.mark.parametrize("layout", [[], ["parallel.strategy=tensor"],
                                     ["adapt.schedule=[{step: 2, strategy: tensor}]"]],  # compiled again
                          ids=["data", "tensor", "switch"])
+@pytest.mark.crossing("compile", "data")
+@pytest.mark.crossing("compile", "tensor")
 def test_compile_stays_within_1e_4_of_eager(ray_cluster, tmp_path, layout):
     from test_train_equivalence import reference as plain
 

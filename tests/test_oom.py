@@ -50,6 +50,7 @@ def check_equal(job_file, overrides, run, tol):
     assert max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses)) <= tol
 
 
+@pytest.mark.crossing("oom", "data")
 def test_a_batch_that_does_not_fit_moves_to_accumulation_at_the_first_step(ray_cluster, tmp_path):
     """Each rank's share is 8 samples; more than 4 at once runs out of memory. Step 1 is dropped,
     done again 4 at a time (2 micro-batches), and the run equals plain PyTorch."""
@@ -63,6 +64,7 @@ def test_a_batch_that_does_not_fit_moves_to_accumulation_at_the_first_step(ray_c
     check_equal(job, [], tmp_path / "run", 1e-5)
 
 
+@pytest.mark.crossing("oom", "fsdp")
 def test_a_model_only_a_sharded_layout_fits_moves_there(ray_cluster, tmp_path):
     """Data parallelism holds all 4866 parameters on a rank; the bound is 3000. Halving the
     micro-batch cannot help (8, 4, 2, 1 all run out), so the run moves to fsdp, which holds about
@@ -90,6 +92,7 @@ def test_an_oom_on_one_rank_only_is_survived_the_same_way(ray_cluster, tmp_path)
     check_equal(job, [], tmp_path / "run", 1e-5)
 
 
+@pytest.mark.crossing("oom_switch", "fsdp")
 def test_an_oom_in_the_middle_of_a_switch_returns_to_the_previous_layout(ray_cluster, tmp_path):
     """On fsdp each rank holds about half the parameters; a forced switch to data at step 3 must
     allocate them whole, which rank 0 cannot. Every rank stays on fsdp, whole, and the run ends
@@ -132,6 +135,7 @@ def pipeline_oom_job(tmp_path: pathlib.Path, max_rows: int, batch: int, micro: i
     return job
 
 
+@pytest.mark.crossing("oom", "pipeline")
 def test_a_pipeline_that_runs_out_of_memory_keeps_its_stages_and_cuts_each_pass_evenly(ray_cluster, tmp_path):
     """Six residual blocks cut 3 + 3 over 2 workers; a block runs out of memory on more than 1 row.
     The share of 24 flows in 4 micro-batches of 6 rows: out of memory; then passes of 12 (4 x 3),

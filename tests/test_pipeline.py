@@ -190,6 +190,9 @@ EXTENDED = [("gpt", 4, 2, "1f1b", 2, 2, "sgd", 0.5), ("llama", 4, 2, "gpipe", 2,
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=_ids(c), marks=[pytest.mark.extended] if c in EXTENDED else [])
                                   for c in CASES])
+@pytest.mark.crossing("evaluation", "pipeline")
+@pytest.mark.crossing("evaluation", "interleaved")
+@pytest.mark.crossing("accumulation", "interleaved")
 def test_a_pipelined_step_equals_plain_pytorch(tmp_path, case):
     check_case(tmp_path, case)
 
@@ -337,6 +340,7 @@ def _recut(rank, world, out_path):
         torch.save({"model": full["model"], "losses": losses, "figures": figures, "cut": par.cut.describe()}, out_path)
 
 
+@pytest.mark.crossing("recut", "pipeline")
 def test_a_recut_moves_only_the_blocks_that_change_stage_point_to_point(tmp_path):
     """A recut sends the one block that moves (its tensors and Adam's state) from the stage that
     held it to the one that holds it now; everything else stays in the same storage; the run

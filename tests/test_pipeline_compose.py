@@ -26,5 +26,10 @@ COMPOSED = [  # model, workers, pp, schedule, micro-batches, accumulation, optim
 
 
 @pytest.mark.parametrize("case", COMPOSED, ids=_ids)
+@pytest.mark.crossing("compile", "pipeline")
+@pytest.mark.crossing("compile", "interleaved")
+@pytest.mark.crossing("accumulation", "pipeline_dp_shard")
+@pytest.mark.crossing("evaluation", "pipeline_dp_shard")
+@pytest.mark.crossing("evaluation", "pipeline_tp")
 def test_a_composed_pipelined_step_equals_plain_pytorch(tmp_path, case):
     check_case(tmp_path, case)

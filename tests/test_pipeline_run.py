@@ -26,6 +26,10 @@ PIPE = ["parallel.strategy=pipeline", "parallel.pp_size=2"]
                                     PIPE + ["cluster.num_workers=4", "parallel.pp_microbatches=2",
                                             "train.micro_batch_size=8", "parallel.pp_schedule=interleaved_1f1b"]],
                          ids=["pp2-gpipe", "pp2xdp2-interleaved-accumulated"])
+@pytest.mark.crossing("evaluation", "pipeline")
+@pytest.mark.crossing("evaluation", "interleaved")
+@pytest.mark.crossing("accumulation", "interleaved")
+@pytest.mark.crossing("resume", "pipeline")
 def test_a_pipeline_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
     """Final weights within 1e-5 of the plain loop (the global norm clipped over both stages),
     each eval record the plain loss of the checkpoint of its step."""
@@ -43,6 +47,7 @@ def test_a_pipeline_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.crossing("precision", "pipeline")
 def test_a_pipeline_trains_in_reduced_precision(ray_cluster, tmp_path, precision):
     """Autocast through the stages after an fp32 warm-up (the activations crossing change dtype
     there); fp16's loss scaled on the last stage, every stage unscaling its own gradients and the
@@ -70,6 +75,8 @@ def test_a_pipeline_trains_in_reduced_precision(ray_cluster, tmp_path, precision
         assert scaler == {}
 
 
+@pytest.mark.crossing("resume", "pipeline")
+@pytest.mark.crossing("resume", "data")
 def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_cluster, tmp_path):
     """Cut at step 4 and resumed under the other layout: both end where the plain loop ends."""
     job = load_job(MLP[0], DEEP)
@@ -95,6 +102,10 @@ def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_clust
     # each stage's blocks sharded over its 2 replicas: moved into shards, checkpointed and gathered out
     (4, "[{step: 4, strategy: pipeline, pp_size: 2, dp_shard: true}, {step: 8, strategy: data}]", "1f1b"),
 ], ids=["data-pipeline-data", "data-pipeline2x2interleaved-pipeline2xtp2-fsdp", "data-pipeline2x2sharded-data"])
+@pytest.mark.crossing("switch", "pipeline")
+@pytest.mark.crossing("switch", "interleaved")
+@pytest.mark.crossing("switch", "pipeline_tp")
+@pytest.mark.crossing("switch", "pipeline_dp_shard")
 def test_a_run_switches_into_a_pipeline_and_out_live(ray_cluster, tmp_path, workers, schedule, pp_schedule):
     """adapt.schedule moves the running job into pipeline stages, between two pipelines and out
     again on the same workers, the state moved tensor by tensor, the optimizer's with it: the run
@@ -146,6 +157,7 @@ def test_a_pipelines_wait_splits_into_its_bubble_and_the_link(ray_cluster, tmp_p
     assert "pipeline wait" in make_report(tmp_path / "run").summary_text
 
 
+@pytest.mark.crossing("restart", "pipeline")
 def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(ray_cluster, tmp_path):
     """The worker of the last stage SIGKILLed at step 10: the first stage, blocked on its
     activations' gradients, fails (gloo's receive ends, or the job's collective timeout), the run
@@ -172,6 +184,7 @@ def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(ray_cluster, tm
 
 
 @pytest.mark.timing  # it asserts on measured step times: run one at a time, nothing beside it
+@pytest.mark.crossing("recut", "pipeline")
 def test_a_slow_stage_hands_blocks_to_the_other_live_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
     """Two stages of four 512-wide blocks; rank 1 (the second stage) computes 4x as long
     (inject.slow). Within two steps of the window that showed it, the pipeline is cut again with

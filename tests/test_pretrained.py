@@ -94,6 +94,8 @@ def test_the_saved_shards_are_what_the_test_means(hf):
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2", "hybrid2x2"])
+@pytest.mark.crossing("pretrained", "fsdp")
+@pytest.mark.crossing("pretrained", "hybrid")
 def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
     folder, hf_model = hf
     overrides = {"fsdp2": ["cluster.num_workers=2", "parallel.strategy=fsdp", "model.pretrained.hash=full"],
@@ -131,6 +133,7 @@ def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.crossing("pretrained", "pipeline")
 def test_pretrained_fine_tunes_under_a_pipeline_each_stage_loading_its_part(ray_cluster, hf):
     """Each stage holds its blocks of the whole model; the files hold every tensor. A stage reads
     its part and takes the rest as other stages' (the driver checked the files against the whole

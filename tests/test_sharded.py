@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.ray]
 BASE = GPT[1] + ["train.global_batch_size=8", "optimizer.name=adam", "train.grad_clip=0.05"]
 
 
+@pytest.mark.crossing("switch", "fsdp")
+@pytest.mark.crossing("switch", "hsdp")
+@pytest.mark.crossing("resume", "fsdp")
 def test_forced_switches_through_every_sharded_layout_equal_plain_pytorch(ray_cluster, tmp_path):
     """data -> fsdp -> sharded hybrid -> hsdp on 4 workers, with a DCP checkpoint taken in each."""
     schedule = ("adapt.schedule=[{step: 3, strategy: fsdp}, {step: 6, strategy: hybrid, tp_size: 2, dp_shard: true},"
@@ -44,6 +47,8 @@ def test_forced_switches_through_every_sharded_layout_equal_plain_pytorch(ray_cl
     assert max_diff(last["model"], final) == 0.0
 
 
+@pytest.mark.crossing("resume", "fsdp")
+@pytest.mark.crossing("resume", "hybrid")
 def test_an_fsdp_checkpoint_resumes_under_hybrid_on_another_world_size(ray_cluster, tmp_path):
     """fsdp(4) writes shards of a quarter each; hybrid(1 x 2) on 2 workers reads what it needs."""
     run = tmp_path / "run"

@@ -47,6 +47,9 @@ def reference_with_optimizer(job):
 
 
 @pytest.mark.parametrize("which", [pytest.param("mlp", marks=pytest.mark.smoke), "gpt", "user"])
+@pytest.mark.crossing("switch", "data")
+@pytest.mark.crossing("switch", "hybrid")
+@pytest.mark.crossing("switch", "tensor")
 def test_forced_switches_reach_the_single_process_result(ray_cluster, tmp_path, which):
     job_file, overrides = {"mlp": MLP, "gpt": GPT}.get(which) or user_job(tmp_path)
     overrides = overrides + BASE + [SCHEDULE] + ([USER_PLAN] if which == "user" else [])

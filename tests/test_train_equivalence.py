@@ -229,6 +229,9 @@ def test_every_layout_equals_the_single_process_reference(ray_cluster, tmp_path,
     assert starting["build"]["on_meta"] is sharded, starting["build"]
 
 
+@pytest.mark.crossing("resume", "data")
+@pytest.mark.crossing("resume", "tensor")
+@pytest.mark.crossing("resume", "hybrid")
 def test_a_run_continues_under_another_layout(ray_cluster, tmp_path):
     """Checkpoints hold full tensors: 6 steps of data(2), resumed as tensor(2) to step 9, then as
     hybrid(2 x 2) to step 12, reach the single-process result."""
@@ -246,6 +249,8 @@ def test_a_run_continues_under_another_layout(ray_cluster, tmp_path):
 
 
 @pytest.mark.parametrize("layout,same_as", [("tensor2", "tensor1"), ("hybrid2x2", "data2")])
+@pytest.mark.crossing("dropout", "tensor")
+@pytest.mark.crossing("dropout", "hybrid")
 def test_randomness_follows_the_data_parallel_replica(ray_cluster, tmp_path, layout, same_as):
     """With dropout on, the ranks of a tensor-parallel group must draw the same masks (they hold
     one replica between them): tensor(2) then equals tensor(1), and hybrid(2x2) equals data(2)."""

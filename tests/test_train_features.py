@@ -44,7 +44,6 @@ def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, 
     assert "step 30/30  loss" in err and "samples/s" in err and "ETA" in err
 
 
-@pytest.mark.alone  # no TrainWorker process on this machine may outlive the run
 def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, tmp_path, capsys):
     shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
     (tmp_path / "job.yaml").write_text(
@@ -59,22 +58,20 @@ def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, 
     summary = json.loads((tmp_path / "run/summary.json").read_text())
     assert summary["status"] == "failed"
 
-    import psutil
     import ray
     from ray.util import placement_group_table
 
-    from conftest import wait_until
+    from conftest import own_processes, wait_until
 
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
     assert wait_until(lambda: ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"))
 
-    def worker_processes():
-        return [p for p in psutil.process_iter(["cmdline"]) if "ray::TrainWorker" in " ".join(p.info["cmdline"] or [])]
+    def worker_processes():  # this suite process's Ray's (conftest.own_processes)
+        return own_processes(lambda _, cmdline: "ray::TrainWorker" in cmdline)
 
     assert wait_until(lambda: not worker_processes()), "no TrainWorker process may outlive a failed run"
 
 
-@pytest.mark.alone  # counts this machine's Ray daemons and TrainWorker processes
 def test_ctrl_c_stops_everything_and_the_run_resumes_exactly(tmp_path):
     """The real command in its own session, Ctrl-C'd as a terminal does it (SIGINT to the whole
     process group, Ray's own processes included): it exits 130 within seconds, says so in the
@@ -139,6 +136,13 @@ SHARDED_CASES = [  # (model, layout, precision, activation checkpointing)
 
 @pytest.mark.parametrize("which,layout,precision,recompute", SHARDED_CASES,
                          ids=["-".join(map(str, c)) for c in SHARDED_CASES])
+@pytest.mark.crossing("precision", "tensor")
+@pytest.mark.crossing("precision", "hybrid")
+@pytest.mark.crossing("recompute", "tensor")
+@pytest.mark.crossing("recompute", "hybrid")
+@pytest.mark.crossing("recompute", "data")
+@pytest.mark.crossing("recompute", "fsdp")
+@pytest.mark.crossing("recompute", "hsdp")
 def test_precision_and_activation_checkpointing_under_every_strategy(ray_cluster, tmp_path, which, layout,
                                                                      precision, recompute):
     from test_train_equivalence import GPT, LAYOUTS, MLP, max_diff, reference, run_gearshift, user_job

@@ -1,0 +1,180 @@
+"""A warm pool of processes for the multi-process gloo tests.
+
+A test that checks a layout on several processes (tests/test_fsdp.py's `spawn_gloo`, and the files
+that import it) used to spawn its processes afresh: each imported torch and gearshift again, a few
+seconds of a 2-core machine per process, often more than the check itself. The pool keeps the
+processes of one pytest process alive between tests. Each call is a new gloo process group (a
+port of its own) on the first `world` of them, torn down after the function, with the state a
+function can leave behind in torch reset (dynamo's caches, the default dtype, the thread count,
+gearshift's meshes).
+
+A call that fails, dies or runs past its time limit ends the pool's processes (a peer may be stuck
+in a collective the failed rank never joins) and the next call starts fresh ones; the failing
+rank's traceback is raised here. `GEARSHIFT_TEST_FRESH_PROCESSES=1` starts fresh processes for
+every call (the behaviour before the pool), to tell a leak between calls from a fault.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch.multiprocessing as mp
+from multiprocessing.connection import wait
+
+STOP = None
+
+
+class WorkerError(RuntimeError):
+    """A rank's function raised: its traceback, as the rank printed it."""
+
+
+class Pool:
+    def __init__(self):
+        self.members: list[tuple] = []  # (process, connection) by rank
+
+    def run(self, fn, world: int, args: tuple, timeout_s: float) -> None:
+        """fn(rank, world, *args) on `world` processes joined in one new gloo group; raises
+        WorkerError (the first failing rank's traceback), or TimeoutError past `timeout_s`."""
+        if os.environ.get("GEARSHIFT_TEST_FRESH_PROCESSES") == "1":
+            self.close()
+        self._grow(world)
+        port = _free_port()
+        members = self.members[:world]
+        for rank, (_, conn) in enumerate(members):
+            conn.send((fn, rank, world, port, args))
+        try:
+            self._collect(members, timeout_s)
+        except BaseException:
+            self.close()  # a rank may still wait in a collective the failed one never joins
+            raise
+
+    def _collect(self, members, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = {conn: rank for rank, (_, conn) in enumerate(members)}
+        sentinels = {proc.sentinel: rank for rank, (proc, _) in enumerate(members)}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(members)} gloo processes still running after {timeout_s:g}s "
+                                   f"(ranks {sorted(waiting.values())} never finished)")
+            ready = wait(list(waiting) + list(sentinels), timeout=left)
+            for item in ready:
+                if item in waiting:
+                    rank = waiting.pop(item)
+                    status, text = item.recv()
+                    if status != "ok":
+                        raise WorkerError(f"rank {rank} of {len(members)} failed:\n{text}")
+                elif sentinels[item] in waiting.values():
+                    rank = sentinels[item]
+                    raise WorkerError(f"rank {rank} of {len(members)} died (exit code "
+                                      f"{members[rank][0].exitcode}) before it finished")
+
+    def _grow(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        while len(self.members) < world:
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(theirs, list(sys.path)), daemon=True)
+            proc.start()
+            theirs.close()
+            self.members.append((proc, ours))
+
+    def close(self) -> None:
+        members, self.members = self.members, []
+        for proc, conn in members:
+            try:
+                conn.send(STOP)
+            except OSError:
+                pass
+        for proc, conn in members:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            conn.close()
+
+
+POOL = Pool()
+atexit.register(POOL.close)
+
+
+def run(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> None:
+    """POOL.run; a port taken by another process between choosing it and listening on it (tests
+    run two at a time) is chosen again, twice at most."""
+    for attempt in range(3):
+        try:
+            return POOL.run(fn, world, args, timeout_s)
+        except WorkerError as err:
+            if attempt == 2 or not any(w in str(err) for w in ("failed to listen", "EADDRINUSE", "address already")):
+                raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- in each pool process
+
+def _serve(conn, path: list[str]) -> None:
+    sys.path[:] = path
+    import torch
+
+    while True:
+        try:
+            call = conn.recv()
+        except EOFError:
+            break
+        if call is STOP:
+            break
+        fn, rank, world, port, args = call
+        try:
+            _one_call(torch, fn, rank, world, port, args)
+            answer = ("ok", None)
+        except BaseException:  # noqa: BLE001  (the parent raises it, with this text)
+            answer = ("error", traceback.format_exc())
+        conn.send(answer)
+    # Skip the interpreter's teardown: there a finished rank was once aborted by a background
+    # thread still joinable ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _one_call(torch, fn, rank: int, world: int, port: int, args: tuple) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # up to 8 processes on 2 cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    finally:
+        _reset(torch)
+
+
+def _reset(torch) -> None:
+    """What one call may leave behind that another would see."""
+    import gc
+
+    import torch.distributed as dist
+
+    mesh = sys.modules.get("gearshift.strategies.mesh")
+    if mesh is not None:
+        mesh.forget()  # its cached groups belong to the group destroyed below
+    route = sys.modules.get("gearshift.workers.group.comm")
+    if route is not None and hasattr(route, "CommRoute"):
+        route.CommRoute.off()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    gc.collect()
