@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -357,21 +358,25 @@ def tie_groups(tie_stages, layout: Layout) -> dict[tuple, object]:
     sets = [s for s in sets if len(s) > 1]
     mine = {}
     rank, world = dist.get_rank(), dist.distributed_c10d._get_default_group()
-    for key in [k for k in _TIES if k[0] != id(world)]:  # made on a default group that is gone
+    for key in [k for k, (made_on, _) in _TIES.items() if made_on() is not world]:  # made on a group that is gone
         del _TIES[key]
     for stages in sets:
         for slot in range(layout.dp * layout.tp):  # a replica's tp rank: rank = position * dp * tp + slot
             ranks = tuple(s * layout.dp * layout.tp + slot for s in stages)
-            if (id(world), ranks) not in _TIES:  # made once per default group: a switch back reuses it
+            if ranks not in _TIES:  # made once per default group: a switch back reuses it
                 made = []
                 MAKE_GROUPS[0](lambda ranks=ranks: made.append(dist.new_group(list(ranks), timeout=group_timeout())))
-                _TIES[(id(world), ranks)] = made[0]
+                _TIES[ranks] = (weakref.ref(world), made[0])
             if rank in ranks:
-                mine[stages] = _TIES[(id(world), ranks)]
+                mine[stages] = _TIES[ranks][1]
     return mine
 
 
-_TIES: dict[tuple, object] = {}  # (default group, ranks) -> the group of stages holding a parameter together
+# ranks -> (the default group it was made on, held weakly; the group of stages holding a parameter
+# together). Not keyed by the default group's id(): a new default group may be given a freed one's
+# id, and would then be handed the old group's tie groups, destroyed with it ("Could not resolve the
+# process group registered under the name ...", seen in a process that made a second default group)
+_TIES: dict[tuple, tuple] = {}
 
 
 def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> PipelineParallel:
