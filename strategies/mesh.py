@@ -34,7 +34,7 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     key = (device_type, tuple(int(s) for s in shape), tuple(names))
     world = dist.distributed_c10d._get_default_group()
     if any(not _alive(world, made_on, groups) for _, made_on, groups in _MESHES.values()):
-        _MESHES.clear()  # made on a group that is gone: their names may now resolve to new groups
+        forget()  # made on a group that is gone: their names may now resolve to new groups
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -48,8 +48,35 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
 
 
 def forget() -> None:
-    """Drop every cached mesh: the default group is being left or destroyed."""
+    """Drop every cached mesh: the default group is being left or destroyed. DTensor's own caches
+    go too: it caches each op's sharding by the meshes' values (shape, ranks, names), not their
+    groups, so a mesh of the same shape on a new default group would be handed results that hold
+    the old mesh, whose groups are gone ("Could not resolve the process group registered under the
+    name ...", seen in a process that made a second default group of the same size)."""
     _MESHES.clear()
+    _forget_dtensor_caches()
+
+
+def _forget_dtensor_caches() -> None:
+    """DTensor's sharding-propagation caches (the native one, this thread's Python one) and its
+    redistribute planners; each where this torch has it."""
+    import sys
+
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # nothing of DTensor's has run in this process
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    cache = getattr(propagator, "propagate_op_sharding", None)
+    if hasattr(cache, "cache_clear"):
+        cache.cache_clear()
+    from torch.distributed.tensor import _redistribute
+
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
 
 
 def cached() -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -55,3 +57,47 @@ def test_each_replica_and_pipeline_position_draws_its_own_stream_and_a_tp_group_
     assert len(set(by_place.values())) == 4  # 2 positions x 2 replicas: four streams
     data = Layout("data", dp=4, tp=1)
     assert [data.seed_stream(r) for r in range(4)] == [0, 1, 2, 3]  # without a pipeline: the replica's, as before
+
+
+
+def _two_default_groups(rank, world, second_port, out):
+    """In the pool's group, then in a second default group of the same size (as a regroup makes):
+    a row-wise layer's partial sums all-reduced over a tp dimension of 2 of the 4 ranks, each time."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from gearshift.strategies import mesh
+
+    sums = []
+    for round_ in range(2):
+        if round_ == 1:
+            mesh.forget()  # as leaving a group does (workers/group/rendezvous.py)
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{second_port}", rank=rank, world_size=world)
+        else:
+            dist.new_group(list(range(world)))  # the first mesh's groups get names the second's will not have
+        m = mesh.device_mesh("cpu", (2, world // 2), ("dp", "tp"))["tp"]  # groups of their own: 2 of 4 ranks
+        torch.manual_seed(0)
+        layer = parallelize_module(torch.nn.Linear(4, 4, bias=False), m, RowwiseParallel(input_layouts=Replicate()))
+        sums.append(layer(torch.ones(2, 4)).sum().item())
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(sums, f)
+
+
+def test_a_mesh_on_a_new_default_group_of_the_same_size_is_not_handed_the_old_groups(tmp_path):
+    """A worker that leaves its group and joins a new one of the same size (a regroup) makes its
+    meshes again, and DTensor must not answer an op from what it cached on the old mesh: it caches
+    by the mesh's shape and names, and a cached result holds the old mesh, whose groups are gone
+    ("Could not resolve the process group registered under the name ...")."""
+    from conftest import free_port
+    from test_fsdp import spawn_gloo
+
+    spawn_gloo(_two_default_groups, 4, (free_port(), str(tmp_path)), timeout_s=120)
+    torch.manual_seed(0)
+    want = torch.nn.Linear(4, 4, bias=False)(torch.ones(2, 4)).sum().item()
+    for rank in range(4):
+        sums = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sums == pytest.approx([want, want], abs=1e-6), (rank, sums)
