@@ -30,6 +30,9 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # process (an xdist worker inherits its parent's environment), removed at its exit.
 RAY_TMPDIR = tempfile.mkdtemp(prefix="gsr", dir="/tmp")
 os.environ["RAY_TMPDIR"] = RAY_TMPDIR
+# Ray's own folder below it, made now: a ray.cluster_utils.Cluster writes its address file there
+# before any Ray of this process has made it
+os.makedirs(os.path.join(RAY_TMPDIR, "ray"), exist_ok=True)
 atexit.register(shutil.rmtree, RAY_TMPDIR, True)
 
 # Ray prints a warning per connection about token auth; tests read stderr, so keep it quiet.
