@@ -10,9 +10,9 @@ its loss), and rank 0's median wait should rise by about `lag` while rank 1's st
 printed: rank 0's rise / lag and rank 1's wait / lag. And a lone worker's wait over its step
 (a 1-rank all-reduce through gloo: about nothing).
 
-The tests make the structural claims (a delay slept inside the timed span shows at least whole
-in the wait and in the step, the collectives a step, a wait within its step:
-tests/test_telemetry.py); how close the measurement comes to the truth is a figure, and lives here.
+The tests make the structural claims (the delay adds no collective, each wait lies within its
+step: tests/test_telemetry.py); how much of a delay the wait shows is a figure, and lives here
+(part of a delay can overlap other work: DDP's hook sleeps on gloo's thread while backward ends).
 
     python bench/comm_wait.py             # 6 pairs of 25-step blocks per case
     python bench/comm_wait.py --quick     # 2 pairs
