@@ -124,8 +124,6 @@ def _free_port() -> int:
 
 def _serve(conn, path: list[str]) -> None:
     sys.path[:] = path
-    import torch
-
     while True:
         try:
             call = conn.recv()
@@ -135,7 +133,7 @@ def _serve(conn, path: list[str]) -> None:
             break
         fn, rank, world, port, args = call
         try:
-            _one_call(torch, fn, rank, world, port, args)
+            _one_call(fn, rank, world, port, args)
             answer = ("ok", None)
         except BaseException:  # noqa: BLE001  (the parent raises it, with this text)
             answer = ("error", traceback.format_exc())
@@ -147,7 +145,8 @@ def _serve(conn, path: list[str]) -> None:
     os._exit(0)
 
 
-def _one_call(torch, fn, rank: int, world: int, port: int, args: tuple) -> None:
+def _one_call(fn, rank: int, world: int, port: int, args: tuple) -> None:
+    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # up to 8 processes on 2 cores
@@ -156,13 +155,14 @@ def _one_call(torch, fn, rank: int, world: int, port: int, args: tuple) -> None:
     try:
         fn(rank, world, *args)
     finally:
-        _reset(torch)
+        _reset()
 
 
-def _reset(torch) -> None:
+def _reset() -> None:
     """What one call may leave behind that another would see."""
     import gc
 
+    import torch
     import torch.distributed as dist
 
     mesh = sys.modules.get("gearshift.strategies.mesh")
