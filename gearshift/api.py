@@ -8,6 +8,7 @@ Nothing is printed unless asked (`progress=True` shows what the command shows).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -232,8 +233,7 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
           view=None) -> Result:
     """Train a checked `job` in `run` (None: a new run dir, at `run_dir` if given) from `resume`
     ((checkpoint name, state), or None: from step 0). `gearshift replay` comes here too."""
-    from gearshift.orchestrator.cluster.worker_group import (RayWorkerGroup, check_reachable, embedded_cpus,
-                                                             ray_session)
+    from gearshift.orchestrator.cluster.worker_group import check_reachable
     from gearshift.orchestrator.control.controller import Controller
     from gearshift.orchestrator.job import dump_job
     from gearshift.orchestrator.records.rundir import RunDir
@@ -267,11 +267,7 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
     if note:
         view.say(f"gearshift: note: {note}")
     try:
-        with ray_session(address, num_cpus=embedded_cpus(job)) as session:
-            def group_factory(j):
-                return RayWorkerGroup(j, embedded=session["embedded"],
-                                      checkpoint_dir=str(run.checkpoint_root(j.checkpoint, j.base_dir).resolve()))
-
+        with GROUPS(job, run, address) as group_factory:
             summary = Controller(job, run, group_factory, resume=resume, view=view).run()
     except WorkerFailed as err:
         raise RunFailed(f"{err}.{_where_to_continue(run)}", run.path) from None
@@ -286,6 +282,26 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
              "summary.json, telemetry.jsonl)"
              if rate else f"done: outputs in {run.path}/")
     return _finished(run.path)
+
+
+@contextlib.contextmanager
+def ray_groups(job: Job, run, address: str | None):
+    """The run's worker groups on Ray (joined at `address`, else embedded): a factory job ->
+    RayWorkerGroup, valid inside the `with`."""
+    from gearshift.orchestrator.cluster.worker_group import RayWorkerGroup, embedded_cpus, ray_session
+
+    with ray_session(address, num_cpus=embedded_cpus(job)) as session:
+        def group_factory(j):
+            return RayWorkerGroup(j, embedded=session["embedded"],
+                                  checkpoint_dir=str(run.checkpoint_root(j.checkpoint, j.base_dir).resolve()))
+
+        yield group_factory
+
+
+# Where train() gets its worker groups: (job, run, address) -> a context manager giving a factory
+# job -> WorkerGroup (orchestrator/cluster/group.py). The tests whose subject is training swap it
+# for a group of plain processes (tests/process_workers.py).
+GROUPS = ray_groups
 
 
 def _parameters(run) -> int | None:

@@ -136,3 +136,15 @@ def process_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def local_workers(monkeypatch):
+    """Every run the test starts in this process (`cli.main(["run", ...])`, `gearshift.run(...)`)
+    drives its workers in the warm processes of tests/gloo_pool.py instead of Ray actors: the
+    same controller and TrainWorker, no Ray (tests/process_workers.py says what it leaves out).
+    For tests whose subject is training, not Ray."""
+    import gearshift.api
+    import process_workers
+
+    monkeypatch.setattr(gearshift.api, "GROUPS", process_workers.groups)

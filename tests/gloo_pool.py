@@ -75,6 +75,33 @@ class Pool:
                     raise WorkerError(f"rank {rank} of {len(members)} died (exit code "
                                       f"{members[rank][0].exitcode}) before it finished")
 
+    def take(self, world: int) -> list[tuple]:
+        """The first `world` processes, for a worker group (tests/process_workers.py) to host its
+        TrainWorkers on until it hands them back with `release` (or ends the pool)."""
+        if os.environ.get("GEARSHIFT_TEST_FRESH_PROCESSES") == "1" or not all(p.is_alive() for p, _ in self.members):
+            self.close()
+        self._grow(world)
+        return self.members[:world]
+
+    def release(self, members: list[tuple], timeout_s: float) -> bool:
+        """End the hosted workers' sessions; False (and the pool ended) where one did not end
+        within `timeout_s` (what an abandoned call still sends is read past)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            for _, conn in members:
+                conn.send(("end",))
+            for proc, conn in members:
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not conn.poll(left):
+                        raise TimeoutError
+                    if conn.recv()[0] == "ended":
+                        break
+            return True
+        except (TimeoutError, EOFError, OSError):
+            self.close()
+            return False
+
     def _grow(self, world: int) -> None:
         ctx = mp.get_context("spawn")
         while len(self.members) < world:
@@ -131,6 +158,14 @@ def _serve(conn, path: list[str]) -> None:
             break
         if call is STOP:
             break
+        if call[0] == "host":  # a worker group's TrainWorker, until the group ends its session
+            import process_workers
+
+            try:
+                process_workers.host(conn, *call[1:])
+            finally:
+                _reset()
+            continue
         fn, rank, world, port, args = call
         try:
             _one_call(fn, rank, world, port, args)
@@ -177,4 +212,23 @@ def _reset() -> None:
         torch._dynamo.reset()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
+    _forget_user_modules()
     gc.collect()
+
+
+def _forget_user_modules() -> None:
+    """A run's own modules (a test's model file in its tmp_path, imported by name) go, so that the
+    next run's file of the same name is imported afresh, not taken from sys.modules. Only files
+    in the temporary folder count, outside this repository and the interpreter's own."""
+    import tempfile
+
+    temp = os.path.realpath(tempfile.gettempdir()) + os.sep
+    keep = tuple(os.path.realpath(p) + os.sep for p in (_REPO, sys.prefix, sys.base_prefix))
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        real = os.path.realpath(path) if path else ""
+        if real.startswith(temp) and not real.startswith(keep):
+            del sys.modules[name]
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,8 +18,14 @@ from gearshift.strategies import mesh
 
 
 def node_info() -> dict:
+    """Where this process runs: its Ray node, or this machine where it runs outside Ray (a worker
+    group of plain processes, as the tests' tests/process_workers.py makes)."""
     import ray
 
+    if not ray.is_initialized():
+        host = socket.gethostname()
+        return {"node_ip": "127.0.0.1", "node_id": f"local:{host}", "pid": os.getpid(), "hostname": host,
+                "gpu_ids": []}
     ctx = ray.get_runtime_context()
     return {"node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "pid": os.getpid(),
             "hostname": socket.gethostname(), "gpu_ids": list(ctx.get_accelerator_ids().get("GPU", []))}

@@ -1,0 +1,280 @@
+"""A worker group without Ray, for the tests whose subject is training, not Ray.
+
+gearshift's controller drives its workers through the `WorkerGroup` interface
+(orchestrator/cluster/group.py); a run on Ray gets `RayWorkerGroup`, one actor per worker, each a
+new process that imports torch and gearshift again (2.5 to 3.6 s of a 2-core machine per run).
+`ProcessWorkerGroup` holds each rank's TrainWorker in a process of the warm pool of
+tests/gloo_pool.py instead: the same TrainWorker, the same controller and the same calls, in
+processes that have imported torch once for the whole pytest process. The `local_workers`
+fixture (conftest.py) makes every run a test starts in-process (`gearshift.api.train`, so
+`cli.main(["run", ...])` and `gearshift.run(...)` alike) use it.
+
+What it does not do, so the tests of these stay on Ray: placement and nodes (one node, here),
+cluster.env (set before a process starts), streamed datasets (Ray Data's feeders), the file
+server, heartbeats (a silence is measured from the last report instead), and elastic
+membership (no shrink, no grow: a lost worker is a restart from the checkpoint).
+
+Every wait is bounded: a call by the group's call timeout, the step loop by the job's collective
+timeout plus a margin since the last report. A failed or timed-out run ends the pool's processes
+(a rank may still sit in a collective) and the next run starts fresh ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any, Iterator
+
+import gloo_pool
+from gearshift.orchestrator.errors import WorkerFailed
+
+STALL_MARGIN_S = 30.0  # past the collective timeout with no report from any rank: stuck
+_IDS = itertools.count(1)
+
+
+class ProcessWorkerGroup:
+    """The WorkerGroup interface on warm pool processes (see the module's text)."""
+
+    def __init__(self, job, checkpoint_dir: str | None = None):
+        from gearshift.orchestrator.cluster.calls import CALL_MARGIN_S, CALL_TIMEOUT_S
+
+        self.job = job
+        self.checkpoint_dir = checkpoint_dir
+        self.members: list[tuple] = []  # (process, connection), index = rank
+        self.infos: list[dict] = []
+        self.chunk = 0
+        self.call_timeout_s = max(job.fault.collective_timeout_s + CALL_MARGIN_S, CALL_TIMEOUT_S)
+        self.choose_layout = None  # strategy auto: set by the controller, as on RayWorkerGroup
+        self.start_layout = None
+        self.gone: dict[int, str] = {}  # ranks whose process died, with why
+
+    # ---------------------------------------------------------------- start
+
+    def start(self) -> list[dict]:
+        from gearshift.orchestrator.cluster.placement import Placement
+        from gearshift.workers.worker import WorkerConfig
+
+        job = self.job
+        world = job.cluster.num_workers
+        config = WorkerConfig.from_job(job.to_dict(), [job.base_dir], self.checkpoint_dir)
+        self.members = gloo_pool.POOL.take(world)
+        for _, conn in self.members:
+            conn.send(("host", config, job.cluster.cpus_per_worker))
+        self.infos = self.call("node_info")
+        port = _free_port()
+        self._each(lambda rank: ("setup", (rank, world, "127.0.0.1", port, job.fault.collective_timeout_s)), "setup")
+        if self.choose_layout is not None:
+            for info, memory in zip(self.infos, self.call("device_memory"), strict=True):
+                info["device_memory"] = memory
+            self.start_layout = self.choose_layout(self.infos)
+        placement = Placement.__new__(Placement)  # only its layout rule (hsdp's group from the nodes)
+        placement.job = job
+        layout = placement.layout(self.infos, self.start_layout)
+        builds = self.call("build", layout.to_dict())
+        for rank, (info, built) in enumerate(zip(self.infos, builds, strict=True)):
+            info.update(rank=rank, backend="gloo", **built)
+        return self.infos
+
+    # ---------------------------------------------------------------- calls
+
+    def call(self, method: str, *args, timeout: float | None = None) -> list:
+        return self._each(lambda rank: (method, args), method, timeout)
+
+    def _each(self, request, what: str, timeout: float | None = None) -> list:
+        ident = next(_IDS)
+        for rank, (_, conn) in enumerate(self.members):
+            method, args = request(rank)
+            self._send(rank, ("call", ident, method, args))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + (timeout or self.call_timeout_s)
+        while len(results) < len(self.members):
+            rank, msg = self._receive(set(range(len(self.members))) - set(results), deadline, what, None)
+            if msg[1] != ident:
+                continue  # an answer to a call abandoned earlier
+            if msg[0] == "error":
+                raise _raised(None, msg)
+            results[rank] = msg[2]
+        return [results[r] for r in range(len(self.members))]
+
+    def put(self, value: Any) -> Any:
+        return value  # handed to each process by the pipe
+
+    def train(self, until_step: int, checkpoint_every: int, stall_timeout_s: float | None = None,
+              last_step: int | None = None, stoppable: bool = False) -> Iterator[tuple[int, dict]]:
+        self.chunk += 1
+        ident = next(_IDS)
+        args = (until_step, checkpoint_every, 0.0 if stoppable else 0.5, last_step,
+                self.chunk if stoppable else None, self.job.checkpoint.async_save)
+        for rank in range(len(self.members)):
+            self._send(rank, ("train", ident, args))
+        silence = stall_timeout_s or self.job.fault.collective_timeout_s + STALL_MARGIN_S
+        running = set(range(len(self.members)))
+        while running:
+            rank, msg = self._receive(running, time.monotonic() + silence, "train", silence)
+            if msg[1] != ident:
+                continue
+            if msg[0] == "error":
+                raise _raised(rank, msg)
+            if msg[0] == "done":
+                running.discard(rank)
+                continue
+            yield rank, msg[2]
+
+    def stop_early(self) -> None:
+        for rank in range(len(self.members)):
+            with contextlib.suppress(OSError):
+                self._send(rank, ("stop", self.chunk))
+
+    def regroup(self) -> None:
+        port = _free_port()
+        self.call("rejoin", "127.0.0.1", port, self.job.fault.collective_timeout_s)
+
+    # ---------------------------------------------------------------- what the controller asks of the cluster
+
+    def dead_ranks(self) -> dict[int, str]:
+        dead = dict(self.gone)
+        for rank, (proc, _) in enumerate(self.members):
+            if not proc.is_alive() and rank not in dead:
+                dead[rank] = f"its process (pid {proc.pid}) died (exit code {proc.exitcode})"
+        return dead
+
+    def alive_node_ids(self) -> set[str]:
+        return {info["node_id"] for info in self.infos} if self.infos else set()
+
+    def alive_node_resources(self) -> list[dict[str, float]]:
+        return [{"CPU": float(os.cpu_count() or 1)}]
+
+    def shutdown(self, polite: bool = True) -> None:
+        members, self.members = self.members, []
+        if not members:
+            return
+        if polite and all(proc.is_alive() for proc, _ in members) and gloo_pool.POOL.release(members, 30.0):
+            return
+        gloo_pool.POOL.close()  # a rank may be stuck in a collective: the pool starts afresh
+
+    # ---------------------------------------------------------------- the pipe
+
+    def _send(self, rank: int, msg: tuple) -> None:
+        try:
+            self.members[rank][1].send(msg)
+        except (OSError, BrokenPipeError):
+            raise self._died(rank) from None
+
+    def _receive(self, ranks: set[int], deadline: float, what: str, silence: float | None) -> tuple[int, tuple]:
+        """The next message of one of `ranks`; a WorkerFailed where a process died, or where none
+        answered by `deadline`."""
+        conns = {self.members[r][1]: r for r in ranks}
+        sentinels = {self.members[r][0].sentinel: r for r in ranks}
+        left = deadline - time.monotonic()
+        ready = wait(list(conns) + list(sentinels), timeout=max(0.0, left)) if left > 0 else []
+        for item in ready:
+            if item in conns:
+                try:
+                    return conns[item], item.recv()
+                except (EOFError, OSError):
+                    raise self._died(conns[item]) from None
+        for item in ready:
+            raise self._died(sentinels[item])
+        if silence is not None:
+            raise WorkerFailed(None, f"no rank reported for {silence:g} s (the collective timeout plus "
+                                     f"{STALL_MARGIN_S:g} s)", kind=WorkerFailed.SILENT)
+        raise WorkerFailed(None, f"workers did not answer '{what}' in time", kind=WorkerFailed.SILENT)
+
+    def _died(self, rank: int) -> WorkerFailed:
+        proc = self.members[rank][0]
+        proc.join(1)
+        why = f"its process (pid {proc.pid}) died (exit code {proc.exitcode})"
+        self.gone[rank] = why
+        return WorkerFailed(rank, why, kind=WorkerFailed.DIED)
+
+
+def groups(job, run, address):
+    """What gearshift.api.train gets its worker groups from (api.GROUPS), without Ray."""
+    @contextlib.contextmanager
+    def session():
+        yield lambda j: ProcessWorkerGroup(j, str(run.checkpoint_root(j.checkpoint, j.base_dir).resolve()))
+
+    return session()
+
+
+def _raised(rank: int | None, msg: tuple) -> WorkerFailed:
+    _, _, text, details, cause = msg
+    try:
+        cause = pickle.loads(cause) if cause is not None else None
+    except Exception:  # noqa: BLE001  (an exception that cannot be rebuilt here: its text stands)
+        cause = None
+    return WorkerFailed(rank, text, details=details, cause=cause)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- in each pool process
+
+def host(conn, config, cpus: float) -> None:
+    """One TrainWorker's life in a pool process: calls and step loops as the parent sends them,
+    until it sends "end". `request_stop` is heard on a thread of its own, as on Ray's control
+    thread, so that it reaches a step loop in progress."""
+    from gearshift.workers.worker import TrainWorker
+
+    worker = TrainWorker(config, cpus)
+    inbox: queue.Queue = queue.Queue()
+
+    def listen() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                inbox.put(("end",))
+                return
+            if msg[0] == "stop":
+                worker.request_stop(msg[1])
+                continue
+            inbox.put(msg)
+            if msg[0] == "end":
+                return
+
+    listener = threading.Thread(target=listen, name="process-workers-control", daemon=True)
+    listener.start()
+    try:
+        while True:
+            msg = inbox.get()
+            if msg[0] == "end":
+                break
+            kind, ident, *rest = msg
+            try:
+                if kind == "train":
+                    for report in worker.train(*rest[0]):
+                        conn.send(("report", ident, report))
+                    conn.send(("done", ident, None))
+                else:
+                    method, args = rest
+                    result = getattr(worker, method)(*args)
+                    conn.send(("ok", ident, result))
+            except BaseException as err:  # noqa: BLE001  (the parent raises it as a WorkerFailed)
+                conn.send(("error", ident, f"{type(err).__name__}: {err}", traceback.format_exc(), _pickled(err)))
+    finally:
+        with contextlib.suppress(Exception):
+            worker.shutdown()
+        listener.join(5)
+    conn.send(("ended",))
+
+
+def _pickled(err: BaseException) -> bytes | None:
+    try:
+        data = pickle.dumps(err)
+        pickle.loads(data)
+        return data
+    except Exception:  # noqa: BLE001
+        return None
