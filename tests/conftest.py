@@ -7,6 +7,7 @@ session and shuts it down at the end, so no Ray process outlives the suite.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -138,13 +139,21 @@ def process_group():
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def local_workers(monkeypatch):
-    """Every run the test starts in this process (`cli.main(["run", ...])`, `gearshift.run(...)`)
+@contextlib.contextmanager
+def local_groups():
+    """Inside it, every run started in this process (`cli.main(["run", ...])`, `gearshift.run(...)`)
     drives its workers in the warm processes of tests/gloo_pool.py instead of Ray actors: the
-    same controller and TrainWorker, no Ray (tests/process_workers.py says what it leaves out).
-    For tests whose subject is training, not Ray."""
+    same controller and TrainWorker, no Ray (tests/process_workers.py says what it leaves out)."""
     import gearshift.api
     import process_workers
 
-    monkeypatch.setattr(gearshift.api, "GROUPS", process_workers.groups)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gearshift.api, "GROUPS", process_workers.groups)
+        yield
+
+
+@pytest.fixture
+def local_workers():
+    """local_groups() for the test: for tests whose subject is training, not Ray."""
+    with local_groups():
+        yield

@@ -87,6 +87,7 @@ class Pool:
         """End the hosted workers' sessions; False (and the pool ended) where one did not end
         within `timeout_s` (what an abandoned call still sends is read past)."""
         deadline = time.monotonic() + timeout_s
+        retire = False
         try:
             for _, conn in members:
                 conn.send(("end",))
@@ -95,8 +96,12 @@ class Pool:
                     left = deadline - time.monotonic()
                     if left <= 0 or not conn.poll(left):
                         raise TimeoutError
-                    if conn.recv()[0] == "ended":
+                    answer = conn.recv()
+                    if answer[0] == "ended":
+                        retire = retire or answer[1]
                         break
+            if retire:  # a process that ran code from outside the repository is not reused
+                self.close()
             return True
         except (TimeoutError, EOFError, OSError):
             self.close()
@@ -106,7 +111,9 @@ class Pool:
         ctx = mp.get_context("spawn")
         while len(self.members) < world:
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(theirs, list(sys.path)), daemon=True)
+            # not daemonic: a hosted worker may start processes of its own (data.loader.workers);
+            # each ends when its pipe closes, and close() (atexit) stops them by their handles
+            proc = ctx.Process(target=_serve, args=(theirs, list(sys.path)), daemon=False)
             proc.start()
             theirs.close()
             self.members.append((proc, ours))
@@ -164,7 +171,12 @@ def _serve(conn, path: list[str]) -> None:
             try:
                 process_workers.host(conn, *call[1:])
             finally:
-                _reset()
+                outside = _reset()
+            # a run of code from outside the repository (a test's model file, which may patch
+            # gearshift's classes for a fault) leaves this process to no other run
+            conn.send(("ended", bool(outside)))
+            if outside:
+                break
             continue
         fn, rank, world, port, args = call
         try:
@@ -193,8 +205,9 @@ def _one_call(fn, rank: int, world: int, port: int, args: tuple) -> None:
         _reset()
 
 
-def _reset() -> None:
-    """What one call may leave behind that another would see."""
+def _reset() -> list[str]:
+    """What one call may leave behind that another would see; the modules of code from outside
+    the repository it imported (now forgotten)."""
     import gc
 
     import torch
@@ -212,11 +225,12 @@ def _reset() -> None:
         torch._dynamo.reset()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
-    _forget_user_modules()
+    outside = _forget_user_modules()
     gc.collect()
+    return outside
 
 
-def _forget_user_modules() -> None:
+def _forget_user_modules() -> list[str]:
     """A run's own modules (a test's model file in its tmp_path, imported by name) go, so that the
     next run's file of the same name is imported afresh, not taken from sys.modules. Only files
     in the temporary folder count, outside this repository and the interpreter's own."""
@@ -224,11 +238,14 @@ def _forget_user_modules() -> None:
 
     temp = os.path.realpath(tempfile.gettempdir()) + os.sep
     keep = tuple(os.path.realpath(p) + os.sep for p in (_REPO, sys.prefix, sys.base_prefix))
+    gone = []
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
         real = os.path.realpath(path) if path else ""
         if real.startswith(temp) and not real.startswith(keep):
             del sys.modules[name]
+            gone.append(name)
+    return gone
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,6 +27,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -224,10 +225,12 @@ def _free_port() -> int:
 
 def host(conn, config, cpus: float) -> None:
     """One TrainWorker's life in a pool process: calls and step loops as the parent sends them,
-    until it sends "end". `request_stop` is heard on a thread of its own, as on Ray's control
+    until it sends "end" (tests/gloo_pool.py then answers "ended"). `request_stop` is heard on a thread of its own, as on Ray's control
     thread, so that it reaches a step loop in progress."""
     from gearshift.workers.worker import TrainWorker
 
+    if os.getcwd() not in sys.path:  # as Ray's workers have their driver's folder on their path
+        sys.path.insert(0, os.getcwd())
     worker = TrainWorker(config, cpus)
     inbox: queue.Queue = queue.Queue()
 
@@ -236,6 +239,9 @@ def host(conn, config, cpus: float) -> None:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
+                inbox.put(("end",))
+                return
+            if msg is None:  # the pool ends (tests/gloo_pool.py's STOP)
                 inbox.put(("end",))
                 return
             if msg[0] == "stop":
@@ -268,7 +274,6 @@ def host(conn, config, cpus: float) -> None:
         with contextlib.suppress(Exception):
             worker.shutdown()
         listener.join(5)
-    conn.send(("ended",))
 
 
 def _pickled(err: BaseException) -> bytes | None:

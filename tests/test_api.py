@@ -162,8 +162,7 @@ def test_run_returns_its_result_and_matches_plain_pytorch(ray_cluster, tmp_path,
     assert more.steps == 6 and more.run_dir == result.run_dir
 
 
-@pytest.mark.ray
-def test_a_failing_run_raises_run_failed(ray_cluster, tmp_path):
+def test_a_failing_run_raises_run_failed(local_workers, tmp_path):
     (tmp_path / "api_broken_model.py").write_text(textwrap.dedent("""\
         import torch
         from torch import nn

@@ -100,8 +100,7 @@ def test_async_save_is_a_checked_job_field():
 BASE = MLP[1] + ["cluster.num_workers=2", "train.steps=30", "checkpoint.every=10", "checkpoint.keep=2"]
 
 
-@pytest.mark.ray
-def test_an_async_save_overlaps_the_training_steps_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
+def test_an_async_save_overlaps_the_training_steps_and_the_run_equals_plain_pytorch(local_workers, tmp_path):
     job, slow = faulty(tmp_path, "slow_storage_mlp", close_delay_s=2.0)
     summary = run_gearshift(job, BASE + slow, tmp_path / "run")
     assert summary["status"] == "done" and summary["steps_done"] == 30
@@ -125,9 +124,8 @@ def test_an_async_save_overlaps_the_training_steps_and_the_run_equals_plain_pyto
           f"{sum(ended[s] < saved[10]['write_ended'] for s in range(11, 20))} of 9")
 
 
-@pytest.mark.ray
 def test_a_worker_killed_mid_write_leaves_the_previous_checkpoint_and_the_run_equals_plain_pytorch(
-        ray_cluster, tmp_path):
+        local_workers, tmp_path):
     job, kill = faulty(tmp_path, "slow_storage_mlp", close_delay_s=1.0, kill_at_step=20, kill_rank=1)
     overrides = BASE + kill + ["fault.max_failures=2"]
     summary = run_gearshift(job, overrides, tmp_path / "run")

@@ -32,8 +32,7 @@ def test_a_layout_named_by_entry_point_is_checked_like_any_other(tmp_path):
         load_job(job_file, MLP[1] + ["parallel.strategy=no_such_module:x"])
 
 
-@pytest.mark.ray
-def test_a_layout_of_ones_own_trains_end_to_end_and_matches_plain_pytorch(ray_cluster, tmp_path):
+def test_a_layout_of_ones_own_trains_end_to_end_and_matches_plain_pytorch(local_workers, tmp_path):
     job_file, overrides = job_with_own_layout(tmp_path)
     ref_state, ref_losses = reference(load_job(job_file, overrides))
     summary = run_gearshift(job_file, overrides, tmp_path / "run")

@@ -62,10 +62,9 @@ def check_against_checkpoints(job, run_dir, tolerance) -> list[dict]:
     return evals
 
 
-@pytest.mark.ray
 @pytest.mark.crossing("evaluation", "data")
 @pytest.mark.crossing("evaluation", "tensor")
-def test_eval_loss_equals_plain_pytorch_under_data_then_tensor(ray_cluster, tmp_path):
+def test_eval_loss_equals_plain_pytorch_under_data_then_tensor(local_workers, tmp_path):
     """data parallel (2 workers) to step 6, then a forced switch to tensor parallel: the evals at
     4 (data), 8 and 12 (tensor) each equal the plain loss of the checkpoint at that step."""
     overrides = MLP[1] + ["checkpoint.every=4", "checkpoint.keep=5", "checkpoint.keep_best=true", "eval.every=4",
@@ -84,9 +83,8 @@ def test_eval_loss_equals_plain_pytorch_under_data_then_tensor(ray_cluster, tmp_
     assert marked == {"step": best["step"], "path": f"step_{best['step']:08d}", "eval_loss": best["loss"]}
 
 
-@pytest.mark.ray
 @pytest.mark.crossing("evaluation", "hybrid")
-def test_eval_loss_equals_plain_pytorch_under_hybrid(ray_cluster, tmp_path):
+def test_eval_loss_equals_plain_pytorch_under_hybrid(local_workers, tmp_path):
     """hybrid dp 2 x tp 2 on 4 workers, the first 3 held-out batches (eval.batches)."""
     overrides = MLP[1] + ["checkpoint.every=4", "checkpoint.keep=5", "eval.every=4", "eval.batches=3", HELD_OUT,
                           "cluster.num_workers=4", "parallel.strategy=hybrid", "parallel.tp_size=2"]
@@ -97,8 +95,7 @@ def test_eval_loss_equals_plain_pytorch_under_hybrid(ray_cluster, tmp_path):
         [(s, "hybrid", 2, 2, 96) for s in (4, 8, 12)]
 
 
-@pytest.mark.ray
-def test_gpt_eval_records_perplexity(ray_cluster, tmp_path):
+def test_gpt_eval_records_perplexity(local_workers, tmp_path):
     overrides = GPT[1] + ["train.steps=4", "cluster.num_workers=2", "eval.every=2", "eval.batches=2",
                           "eval.data={name: chars, kwargs: {chars: 4000, seed: 3}}"]
     job = load_job(GPT[0], overrides)

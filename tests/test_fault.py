@@ -23,7 +23,6 @@ from gearshift.workers.build import components
 from gearshift.workers.state import checkpoint
 from gearshift.workers.step.data import GlobalBatches
 
-pytestmark = [pytest.mark.ray]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # 30 ms per collective: long enough a run to kill a worker in the middle of it
 SLOW = ["train.steps=40", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2"]
@@ -70,7 +69,7 @@ class Killer(threading.Thread):
                                     pytest.param("fsdp", marks=pytest.mark.extended)])
 @pytest.mark.crossing("restart", "data")
 @pytest.mark.crossing("restart", "hybrid")
-def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(ray_cluster, tmp_path, layout):
+def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(local_workers, tmp_path, layout):
     overrides = MLP[1] + LAYOUTS[layout] + SLOW
     killer = Killer(tmp_path / "killed", rank=1, at_step=15)
     killer.start()
@@ -96,7 +95,7 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one
           f"{recovered['step']} {seconds:.1f} s after the kill; {failure['steps_to_recompute']} step(s) recomputed")
 
 
-def test_failures_past_max_failures_end_the_run_with_what_happened(ray_cluster, tmp_path):
+def test_failures_past_max_failures_end_the_run_with_what_happened(local_workers, tmp_path):
     killer = Killer(tmp_path / "run", rank=0, at_step=5)
     killer.start()
     code = cli.main(["run", str(MLP[0]), "--run-dir", str(tmp_path / "run"),
@@ -121,7 +120,7 @@ def faulty(tmp_path, entrypoint: str, **kwargs) -> tuple[pathlib.Path, list[str]
     return job, [f"model={{entrypoint: 'faults:{entrypoint}', kwargs: {json.dumps(model_kwargs)}}}"]
 
 
-def test_a_rank_stuck_in_a_step_is_detected_within_the_collective_timeout(ray_cluster, tmp_path):
+def test_a_rank_stuck_in_a_step_is_detected_within_the_collective_timeout(local_workers, tmp_path):
     base = MLP[1] + LAYOUTS["data"] + ["train.steps=12", "checkpoint.every=2", "fault.collective_timeout_s=5"]
     run_gearshift(MLP[0], base, tmp_path / "clean")
     job, hang = faulty(tmp_path, "hanging_mlp", hang_at_step=5, hang_rank=1)
@@ -139,7 +138,7 @@ def test_a_rank_stuck_in_a_step_is_detected_within_the_collective_timeout(ray_cl
     print(f"stuck rank: detected {detected_after:.1f} s after the last step (collective_timeout_s = 5)")
 
 
-def test_a_first_step_three_times_the_collective_timeout_on_every_rank_is_not_a_hang(ray_cluster, tmp_path):
+def test_a_first_step_three_times_the_collective_timeout_on_every_rank_is_not_a_hang(local_workers, tmp_path):
     base = MLP[1] + LAYOUTS["data"] + ["train.steps=6", "fault.collective_timeout_s=5", "fault.max_failures=0"]
     run_gearshift(MLP[0], base, tmp_path / "clean")
     job, slow = faulty(tmp_path, "slow_first_step_mlp", sleep_s=15)
@@ -156,6 +155,7 @@ def test_a_first_step_three_times_the_collective_timeout_on_every_rank_is_not_a_
     print(f"first step {steps[0]['step_time_max']:.1f} s with collective_timeout_s = 5: no recovery, run {took:.0f} s")
 
 
+@pytest.mark.ray  # the heartbeats are Ray's control-thread calls
 def test_every_rank_stuck_forever_inside_a_collective_is_caught_by_the_heartbeats(ray_cluster, tmp_path):
     # no rank's collective raises (every rank waits in one that never times out): only the
     # heartbeats can tell, by the time spent inside it
@@ -197,7 +197,7 @@ def reference_skipping(job, skip_step: int) -> dict:
 
 
 @pytest.mark.parametrize("layout", ["data", "hybrid"])
-def test_a_nan_step_is_not_applied_and_its_batch_is_skipped(ray_cluster, tmp_path, layout):
+def test_a_nan_step_is_not_applied_and_its_batch_is_skipped(local_workers, tmp_path, layout):
     job_file, nan = faulty(tmp_path, "nan_mlp", nan_at_step=4)
     summary = run_gearshift(job_file, MLP[1] + LAYOUTS[layout] + nan, tmp_path / "run")
     overrides = MLP[1] + LAYOUTS[layout]  # the same job with the plain built-in model
@@ -216,7 +216,7 @@ def test_a_nan_step_is_not_applied_and_its_batch_is_skipped(ray_cluster, tmp_pat
     assert max_diff(final, reference_skipping(job, 4)) <= 1e-4
 
 
-def test_a_nan_step_skipped_on_the_device_with_a_fused_optimizer(ray_cluster, tmp_path):
+def test_a_nan_step_skipped_on_the_device_with_a_fused_optimizer(local_workers, tmp_path):
     """optimizer.fused (the default on GPU): the step's found-inf flag goes into the fused kernel,
     which leaves the state as it was, and the worker reads the flag with the step's report, so
     the step never waits on the host. The record says so; the result is the one without step 4."""
@@ -230,7 +230,7 @@ def test_a_nan_step_skipped_on_the_device_with_a_fused_optimizer(ray_cluster, tm
     assert max_diff(final, reference_skipping(load_job(MLP[0], overrides), 4)) <= 1e-4
 
 
-def test_on_nan_rollback_goes_back_to_the_checkpoint_at_a_lower_rate(ray_cluster, tmp_path):
+def test_on_nan_rollback_goes_back_to_the_checkpoint_at_a_lower_rate(local_workers, tmp_path):
     """Non-finite steps 5 and 6 with nan_patience 2: the run goes back to the checkpoint of step 4
     and trains on at half the rate; its end equals plain PyTorch resuming that checkpoint by hand
     with that rate."""
@@ -255,7 +255,7 @@ def test_on_nan_rollback_goes_back_to_the_checkpoint_at_a_lower_rate(ray_cluster
     assert max_diff(final, by_hand) <= 1e-5
 
 
-def test_on_nan_stop_ends_the_run_naming_the_layer(ray_cluster, tmp_path, capsys):
+def test_on_nan_stop_ends_the_run_naming_the_layer(local_workers, tmp_path, capsys):
     job_file, nan = faulty(tmp_path, "nan_mlp", nan_at_step=3)
     code = cli.main(["run", str(job_file), "--run-dir", str(tmp_path / "run"),
                      *[a for o in MLP[1] + LAYOUTS["data"] + nan + ["fault.on_nan=stop"] for a in ("--set", o)]])

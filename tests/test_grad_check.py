@@ -84,8 +84,7 @@ def test_bad_settings_say_what_is_allowed(value, words):
     assert words in str(err.value)
 
 
-@pytest.mark.ray
-def test_a_layer_that_explodes_in_a_run_is_named_at_that_step(ray_cluster, tmp_path):
+def test_a_layer_that_explodes_in_a_run_is_named_at_that_step(local_workers, tmp_path):
     shutil.copy(ROOT / "tests" / "fixtures" / "inspected.py", tmp_path / "inspected.py")
     shutil.copy(ROOT / "tests" / "fixtures" / "user_model.py", tmp_path / "user_model.py")
     job = tmp_path / "job.yaml"

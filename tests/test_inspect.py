@@ -39,8 +39,7 @@ def _job(folder: pathlib.Path, recorded: pathlib.Path, at_step: int) -> pathlib.
     return job
 
 
-@pytest.mark.ray
-def test_the_inspected_batch_is_what_rank_0_trains_on_at_that_step(ray_cluster, tmp_path):
+def test_the_inspected_batch_is_what_rank_0_trains_on_at_that_step(local_workers, tmp_path):
     recorded, at = tmp_path / "seen.pt", 3
     job = _job(tmp_path, recorded, at)
     gearshift.run(job, run_dir=tmp_path / "run")

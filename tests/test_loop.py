@@ -85,12 +85,11 @@ def records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "telemetry.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.ray
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.crossing("accumulation", "data")
 @pytest.mark.crossing("accumulation", "tensor")
 @pytest.mark.crossing("accumulation", "hybrid")
-def test_schedule_accumulation_and_clipping_match_plain_pytorch(ray_cluster, tmp_path, layout):
+def test_schedule_accumulation_and_clipping_match_plain_pytorch(local_workers, tmp_path, layout):
     overrides = LOOP + LAYOUTS[layout]
     job = load_job(MLP[0], overrides)
     ref_state, ref_losses, ref_lrs = reference(job)
@@ -109,8 +108,7 @@ def test_schedule_accumulation_and_clipping_match_plain_pytorch(ray_cluster, tmp
         assert all(r["comm_calls"] <= 2 for r in steps), [r["comm_calls"] for r in steps]
 
 
-@pytest.mark.ray
-def test_a_resume_landing_mid_schedule_ends_where_the_uninterrupted_run_ends(ray_cluster, tmp_path):
+def test_a_resume_landing_mid_schedule_ends_where_the_uninterrupted_run_ends(local_workers, tmp_path):
     base = LOOP + LAYOUTS["data"] + ["checkpoint.every=4", "checkpoint.keep=5"]
     run_gearshift(MLP[0], base, tmp_path / "whole")
     cut = tmp_path / "cut"
@@ -128,8 +126,7 @@ def test_a_resume_landing_mid_schedule_ends_where_the_uninterrupted_run_ends(ray
     assert second_leg == [r["lr"] for r in records(tmp_path / "whole") if r["type"] == "step"][-6:]
 
 
-@pytest.mark.ray
-def test_a_users_schedule_function_sets_each_update(ray_cluster, tmp_path):
+def test_a_users_schedule_function_sets_each_update(local_workers, tmp_path):
     shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
     shutil.copy(MLP[0], tmp_path / "mlp.yaml")
     run_gearshift(tmp_path / "mlp.yaml", MLP[1] + ["train.steps=6", "optimizer.lr=0.02",
@@ -137,8 +134,7 @@ def test_a_users_schedule_function_sets_each_update(ray_cluster, tmp_path):
     assert [r["lr"] for r in records(tmp_path / "run") if r["type"] == "step"] == [0.01] * 3 + [0.005] * 3
 
 
-@pytest.mark.ray
-def test_loader_processes_read_the_same_batches(ray_cluster, tmp_path):
+def test_loader_processes_read_the_same_batches(local_workers, tmp_path):
     """The loader reads ahead in 2 processes and gives the very batches the step loop reads
     itself: the runs end bit for bit equal."""
     base = MLP[1] + ["train.steps=8", "cluster.num_workers=2"]
@@ -170,9 +166,8 @@ def test_keep_fp32_modules_compute_in_fp32_under_autocast():
     assert dtypes == {"tok_emb": torch.float32, "blocks.0.ln1": torch.float32, "blocks.0.attn.q": torch.bfloat16}
 
 
-@pytest.mark.ray
 @pytest.mark.crossing("precision", "data")
-def test_fp32_warmup_covering_every_step_equals_fp32(ray_cluster, tmp_path):
+def test_fp32_warmup_covering_every_step_equals_fp32(local_workers, tmp_path):
     from test_train_equivalence import reference as plain
 
     overrides = MLP[1] + ["train.steps=6", "train.precision={dtype: bf16, fp32_warmup_steps: 6, keep_fp32: [hidden.0]}"]
@@ -187,8 +182,7 @@ def test_fp32_warmup_covering_every_step_equals_fp32(ray_cluster, tmp_path):
     assert 1e-6 < max_diff(later, ref_state) < 0.03
 
 
-@pytest.mark.ray
-def test_the_final_fp32_phase_trains_those_steps_as_fp32_does(ray_cluster, tmp_path):
+def test_the_final_fp32_phase_trains_those_steps_as_fp32_does(local_workers, tmp_path):
     """bf16 for steps 1-3, fp32 for 4-6: the run's end equals plain fp32 PyTorch continuing from the
     run's own checkpoint at step 3 (its weights and momentum), and the bf16 steps before differ
     from fp32 training."""
@@ -229,13 +223,12 @@ def test_final_fp32_modules_switch_to_fp32_only_in_the_final_phase():
     assert dtypes == [torch.bfloat16, torch.float32]
 
 
-@pytest.mark.ray
 @pytest.mark.parametrize("layout", [[], ["parallel.strategy=tensor"],
                                     ["adapt.schedule=[{step: 2, strategy: tensor}]"]],  # compiled again
                          ids=["data", "tensor", "switch"])
 @pytest.mark.crossing("compile", "data")
 @pytest.mark.crossing("compile", "tensor")
-def test_compile_stays_within_1e_4_of_eager(ray_cluster, tmp_path, layout):
+def test_compile_stays_within_1e_4_of_eager(local_workers, tmp_path, layout):
     from test_train_equivalence import reference as plain
 
     overrides = MLP[1] + ["train.steps=4", "train.compile=true", *layout]
@@ -249,8 +242,7 @@ def test_compile_stays_within_1e_4_of_eager(ray_cluster, tmp_path, layout):
     assert max(abs(losses[i + 1] - ref) for i, ref in enumerate(ref_losses)) <= 1e-4
 
 
-@pytest.mark.ray
-def test_a_killed_worker_mid_schedule_with_accumulation_ends_where_an_uninterrupted_run_ends(ray_cluster, tmp_path):
+def test_a_killed_worker_mid_schedule_with_accumulation_ends_where_an_uninterrupted_run_ends(local_workers, tmp_path):
     """The learning rate, accumulation and the loader's position all come back after a worker
     is SIGKILLed mid-run and the group restarts from the last checkpoint."""
     from test_fault import SLOW, Killer, events

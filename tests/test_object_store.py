@@ -151,9 +151,8 @@ def test_an_unreachable_checkpoint_path_is_a_job_error(tmp_path, s3):
         load_job(job, [f"checkpoint.path={tmp_path / 'file' / 'sub'}"])
 
 
-@pytest.mark.ray
 @pytest.mark.slow
-def test_a_run_checkpoints_to_the_object_store_and_resumes_under_another_layout(ray_cluster, tmp_path, s3):
+def test_a_run_checkpoints_to_the_object_store_and_resumes_under_another_layout(local_workers, tmp_path, s3):
     url, options = s3
     where = ["checkpoint.path=" + url + "/runs", "checkpoint.storage_options=" + json.dumps(options),
              "checkpoint.every=3", "optimizer.name=adam"]
@@ -174,7 +173,7 @@ def test_a_run_checkpoints_to_the_object_store_and_resumes_under_another_layout(
     assert [p.name for p in checkpoint.list_checkpoints(root)][-1] == "step_00000009"
 
 
-def test_a_full_format_run_streams_its_state_into_the_object_store(ray_cluster, tmp_path, s3):
+def test_a_full_format_run_streams_its_state_into_the_object_store(local_workers, tmp_path, s3):
     """checkpoint.format full with checkpoint.path in the store: rank 0 uploads the state.pt it
     wrote as the ranks gathered it (fsdp: every rank takes part in each gather), the driver's
     manifest makes it a checkpoint, and final.pt read back from it equals plain PyTorch."""

@@ -18,7 +18,6 @@ from gearshift.orchestrator.job import load_job
 from test_train_equivalence import max_diff, reference, run_gearshift, step_losses
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-pytestmark = [pytest.mark.ray]
 
 
 def oom_job(tmp_path: pathlib.Path, **bounds) -> pathlib.Path:
@@ -51,7 +50,7 @@ def check_equal(job_file, overrides, run, tol):
 
 
 @pytest.mark.crossing("oom", "data")
-def test_a_batch_that_does_not_fit_moves_to_accumulation_at_the_first_step(ray_cluster, tmp_path):
+def test_a_batch_that_does_not_fit_moves_to_accumulation_at_the_first_step(local_workers, tmp_path):
     """Each rank's share is 8 samples; more than 4 at once runs out of memory. Step 1 is dropped,
     done again 4 at a time (2 micro-batches), and the run equals plain PyTorch."""
     job = oom_job(tmp_path, max_batch=4)
@@ -65,7 +64,7 @@ def test_a_batch_that_does_not_fit_moves_to_accumulation_at_the_first_step(ray_c
 
 
 @pytest.mark.crossing("oom", "fsdp")
-def test_a_model_only_a_sharded_layout_fits_moves_there(ray_cluster, tmp_path):
+def test_a_model_only_a_sharded_layout_fits_moves_there(local_workers, tmp_path):
     """Data parallelism holds all 4866 parameters on a rank; the bound is 3000. Halving the
     micro-batch cannot help (8, 4, 2, 1 all run out), so the run moves to fsdp, which holds about
     half, and ends equal to plain PyTorch."""
@@ -81,7 +80,7 @@ def test_a_model_only_a_sharded_layout_fits_moves_there(ray_cluster, tmp_path):
     check_equal(job, [], tmp_path / "run", 1e-4)
 
 
-def test_an_oom_on_one_rank_only_is_survived_the_same_way(ray_cluster, tmp_path):
+def test_an_oom_on_one_rank_only_is_survived_the_same_way(local_workers, tmp_path):
     """Only rank 1 runs out; rank 0 is blocked in the gradient all-reduce when rank 1 leaves the
     group, drops its step too, and both go on at step 1 with half the micro-batch."""
     job = oom_job(tmp_path, max_batch=4, ranks=[1])
@@ -93,7 +92,7 @@ def test_an_oom_on_one_rank_only_is_survived_the_same_way(ray_cluster, tmp_path)
 
 
 @pytest.mark.crossing("oom_switch", "fsdp")
-def test_an_oom_in_the_middle_of_a_switch_returns_to_the_previous_layout(ray_cluster, tmp_path):
+def test_an_oom_in_the_middle_of_a_switch_returns_to_the_previous_layout(local_workers, tmp_path):
     """On fsdp each rank holds about half the parameters; a forced switch to data at step 3 must
     allocate them whole, which rank 0 cannot. Every rank stays on fsdp, whole, and the run ends
     equal to plain PyTorch."""
@@ -108,7 +107,7 @@ def test_an_oom_in_the_middle_of_a_switch_returns_to_the_previous_layout(ray_clu
     check_equal(job, overrides, tmp_path / "run", 1e-4)
 
 
-def test_on_oom_fail_stops_with_one_paragraph_naming_the_step_the_rank_and_the_memory(ray_cluster, tmp_path):
+def test_on_oom_fail_stops_with_one_paragraph_naming_the_step_the_rank_and_the_memory(local_workers, tmp_path):
     job = oom_job(tmp_path, max_batch=4, ranks=[1])
     with pytest.raises(gearshift.RunFailed) as err:
         gearshift.run(job, overrides={"train.on_oom": "fail"}, run_dir=tmp_path / "run")
@@ -136,7 +135,7 @@ def pipeline_oom_job(tmp_path: pathlib.Path, max_rows: int, batch: int, micro: i
 
 
 @pytest.mark.crossing("oom", "pipeline")
-def test_a_pipeline_that_runs_out_of_memory_keeps_its_stages_and_cuts_each_pass_evenly(ray_cluster, tmp_path):
+def test_a_pipeline_that_runs_out_of_memory_keeps_its_stages_and_cuts_each_pass_evenly(local_workers, tmp_path):
     """Six residual blocks cut 3 + 3 over 2 workers; a block runs out of memory on more than 1 row.
     The share of 24 flows in 4 micro-batches of 6 rows: out of memory; then passes of 12 (4 x 3),
     of 6 (4 does not divide it: 3 x 2) and of 3 (3 x 1), which fits. Each rank keeps the stage it

@@ -14,7 +14,6 @@ from gearshift.orchestrator.job import load_job
 from test_eval import HELD_OUT, check_against_checkpoints
 from test_train_equivalence import MLP, max_diff, reference, run_gearshift
 
-pytestmark = [pytest.mark.ray]
 
 # four hidden layers: the blocks a pipeline is cut at
 DEEP = MLP[1] + ["model.kwargs={in_features: 784, hidden: 64, out_features: 10, layers: 4}", "checkpoint.every=4",
@@ -30,7 +29,7 @@ PIPE = ["parallel.strategy=pipeline", "parallel.pp_size=2"]
 @pytest.mark.crossing("evaluation", "interleaved")
 @pytest.mark.crossing("accumulation", "interleaved")
 @pytest.mark.crossing("resume", "pipeline")
-def test_a_pipeline_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
+def test_a_pipeline_run_equals_plain_pytorch(local_workers, tmp_path, layout):
     """Final weights within 1e-5 of the plain loop (the global norm clipped over both stages),
     each eval record the plain loss of the checkpoint of its step."""
     overrides = DEEP + layout
@@ -48,7 +47,7 @@ def test_a_pipeline_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.crossing("precision", "pipeline")
-def test_a_pipeline_trains_in_reduced_precision(ray_cluster, tmp_path, precision):
+def test_a_pipeline_trains_in_reduced_precision(local_workers, tmp_path, precision):
     """Autocast through the stages after an fp32 warm-up (the activations crossing change dtype
     there); fp16's loss scaled on the last stage, every stage unscaling its own gradients and the
     scaler's state checkpointed: close to the fp32 loop (the tolerance the other layouts' reduced
@@ -77,7 +76,7 @@ def test_a_pipeline_trains_in_reduced_precision(ray_cluster, tmp_path, precision
 
 @pytest.mark.crossing("resume", "pipeline")
 @pytest.mark.crossing("resume", "data")
-def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_cluster, tmp_path):
+def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(local_workers, tmp_path):
     """Cut at step 4 and resumed under the other layout: both end where the plain loop ends."""
     job = load_job(MLP[0], DEEP)
     ref, _ = reference(job)
@@ -106,7 +105,7 @@ def test_a_pipeline_checkpoint_resumes_under_data_parallelism_and_back(ray_clust
 @pytest.mark.crossing("switch", "interleaved")
 @pytest.mark.crossing("switch", "pipeline_tp")
 @pytest.mark.crossing("switch", "pipeline_dp_shard")
-def test_a_run_switches_into_a_pipeline_and_out_live(ray_cluster, tmp_path, workers, schedule, pp_schedule):
+def test_a_run_switches_into_a_pipeline_and_out_live(local_workers, tmp_path, workers, schedule, pp_schedule):
     """adapt.schedule moves the running job into pipeline stages, between two pipelines and out
     again on the same workers, the state moved tensor by tensor, the optimizer's with it: the run
     ends where the plain loop ends."""
@@ -124,7 +123,7 @@ def test_a_run_switches_into_a_pipeline_and_out_live(ray_cluster, tmp_path, work
     check_against_checkpoints(job, tmp_path / "run", 1e-5)
 
 
-def test_a_pipelines_wait_splits_into_its_bubble_and_the_link(ray_cluster, tmp_path):
+def test_a_pipelines_wait_splits_into_its_bubble_and_the_link(local_workers, tmp_path):
     """Two stages on two simulated nodes joined by a slow link: each step record says, per rank,
     how long the stage waited on the link (its micro-batches' activations or gradients, each
     bytes / rate + latency, what the link costs) and how long it sat idle for lack of work; the
@@ -158,7 +157,7 @@ def test_a_pipelines_wait_splits_into_its_bubble_and_the_link(ray_cluster, tmp_p
 
 
 @pytest.mark.crossing("restart", "pipeline")
-def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(ray_cluster, tmp_path):
+def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(local_workers, tmp_path):
     """The worker of the last stage SIGKILLed at step 10: the first stage, blocked on its
     activations' gradients, fails (gloo's receive ends, or the job's collective timeout), the run
     goes back to its newest checkpoint under the same pipeline, and ends where the plain loop
@@ -185,7 +184,7 @@ def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(ray_cluster, tm
 
 @pytest.mark.timing  # it asserts on measured step times: run one at a time, nothing beside it
 @pytest.mark.crossing("recut", "pipeline")
-def test_a_slow_stage_hands_blocks_to_the_other_live_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
+def test_a_slow_stage_hands_blocks_to_the_other_live_and_the_run_equals_plain_pytorch(local_workers, tmp_path):
     """Two stages of four 512-wide blocks; rank 1 (the second stage) computes 4x as long
     (inject.slow). Within two steps of the window that showed it, the pipeline is cut again with
     fewer blocks on the slow stage, the state moved between the stages in memory, the step is

@@ -91,12 +91,11 @@ def test_the_saved_shards_are_what_the_test_means(hf):
     assert "lm_head.weight" not in pretrained.saved_tensors(folder / "weights")  # tied: written once
 
 
-@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2", "hybrid2x2"])
 @pytest.mark.crossing("pretrained", "fsdp")
 @pytest.mark.crossing("pretrained", "hybrid")
-def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
+def test_pretrained_trains_like_from_pretrained(local_workers, hf, layout):
     folder, hf_model = hf
     overrides = {"fsdp2": ["cluster.num_workers=2", "parallel.strategy=fsdp", "model.pretrained.hash=full"],
                  "hybrid2x2": ["cluster.num_workers=4", "parallel.strategy=hybrid", "parallel.tp_size=2",
@@ -131,10 +130,9 @@ def test_pretrained_trains_like_from_pretrained(ray_cluster, hf, layout):
             assert source["pretrained"]["files"][f.name]["sha256_slices"] == [hashlib.sha256(f.read_bytes()).hexdigest()]
 
 
-@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.crossing("pretrained", "pipeline")
-def test_pretrained_fine_tunes_under_a_pipeline_each_stage_loading_its_part(ray_cluster, hf):
+def test_pretrained_fine_tunes_under_a_pipeline_each_stage_loading_its_part(local_workers, hf):
     """Each stage holds its blocks of the whole model; the files hold every tensor. A stage reads
     its part and takes the rest as other stages' (the driver checked the files against the whole
     model), and the run equals single-process PyTorch from `from_pretrained`."""
@@ -146,10 +144,9 @@ def test_pretrained_fine_tunes_under_a_pipeline_each_stage_loading_its_part(ray_
     assert all(0 < b < whole for b in event["rank_bytes"]), event["rank_bytes"]  # a part each, none the whole
 
 
-@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data2", "fsdp2"])
-def test_a_moe_checkpoint_fine_tunes_like_from_pretrained_its_experts_read_by_slices(ray_cluster, hf, layout):
+def test_a_moe_checkpoint_fine_tunes_like_from_pretrained_its_experts_read_by_slices(local_workers, hf, layout):
     """Mixtral-style weights as save_pretrained writes them (experts one by one, the old module
     names), fused into the model's expert tensors as they are read: equal to fine-tuning from
     `from_pretrained` in one process; under fsdp each rank reads its half of every tensor."""
@@ -202,10 +199,9 @@ def vit_reference(folder: pathlib.Path, hf_model, split: int) -> tuple[dict, lis
     return model.state_dict(), losses
 
 
-@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data2", "fsdp2"])
-def test_a_vit_checkpoint_under_its_old_names_fine_tunes_like_from_pretrained(ray_cluster, hf, layout):
+def test_a_vit_checkpoint_under_its_old_names_fine_tunes_like_from_pretrained(local_workers, hf, layout):
     """A ViT saved with save_pretrained (its files name the layers as earlier transformers versions
     did: encoder.layer.N.attention.attention.query), fine-tuned from those files: equal to
     fine-tuning `from_pretrained`'s model in one process on the same batches, and its export loads

@@ -67,8 +67,7 @@ def test_job_carries_the_window_to_the_workers_and_resume_allows_it():
     assert "profile" in schema.EVENTS
 
 
-@pytest.mark.ray
-def test_profile_files_events_report_and_unchanged_math(ray_cluster, tmp_path):
+def test_profile_files_events_report_and_unchanged_math(local_workers, tmp_path):
     from gearshift.monitoring.report import make_report
 
     job_file, overrides = MLP[0], MLP[1] + ["cluster.num_workers=2", "train.steps=6"]

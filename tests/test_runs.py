@@ -209,8 +209,7 @@ def test_replay_warns_when_a_user_module_or_a_version_changed(tmp_path, capsys, 
 # ----------------------------------------------------------------------------- replay on Ray
 
 
-@pytest.mark.ray
-def test_replay_of_a_finished_run_is_bit_equal(tmp_path, ray_cluster, capsys):
+def test_replay_of_a_finished_run_is_bit_equal(tmp_path, local_workers, capsys):
     root = tmp_path / "runs"
     original = root / "original"
     args = ["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(original)]

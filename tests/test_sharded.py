@@ -16,14 +16,13 @@ from test_train_equivalence import GPT, max_diff, reference, run_gearshift, step
 from gearshift.workers.state import checkpoint
 from gearshift.workers.state import dcp
 
-pytestmark = [pytest.mark.ray]
 BASE = GPT[1] + ["train.global_batch_size=8", "optimizer.name=adam", "train.grad_clip=0.05"]
 
 
 @pytest.mark.crossing("switch", "fsdp")
 @pytest.mark.crossing("switch", "hsdp")
 @pytest.mark.crossing("resume", "fsdp")
-def test_forced_switches_through_every_sharded_layout_equal_plain_pytorch(ray_cluster, tmp_path):
+def test_forced_switches_through_every_sharded_layout_equal_plain_pytorch(local_workers, tmp_path):
     """data -> fsdp -> sharded hybrid -> hsdp on 4 workers, with a DCP checkpoint taken in each."""
     schedule = ("adapt.schedule=[{step: 3, strategy: fsdp}, {step: 6, strategy: hybrid, tp_size: 2, dp_shard: true},"
                 " {step: 9, strategy: hsdp, shard_size: 2}]")
@@ -49,7 +48,7 @@ def test_forced_switches_through_every_sharded_layout_equal_plain_pytorch(ray_cl
 
 @pytest.mark.crossing("resume", "fsdp")
 @pytest.mark.crossing("resume", "hybrid")
-def test_an_fsdp_checkpoint_resumes_under_hybrid_on_another_world_size(ray_cluster, tmp_path):
+def test_an_fsdp_checkpoint_resumes_under_hybrid_on_another_world_size(local_workers, tmp_path):
     """fsdp(4) writes shards of a quarter each; hybrid(1 x 2) on 2 workers reads what it needs."""
     run = tmp_path / "run"
     run_gearshift(GPT[0], BASE + ["train.steps=6", "cluster.num_workers=4", "parallel.strategy=fsdp",

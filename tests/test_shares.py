@@ -215,9 +215,8 @@ def test_two_data_workers_add_nothing_to_plain_pytorch_s_arithmetic_at_even_shar
         torch.set_num_threads(threads)
 
 
-@pytest.mark.ray
 @pytest.mark.crossing("rebalance", "data")
-def test_a_simulated_straggler_is_rebalanced_live_and_back_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
+def test_a_simulated_straggler_is_rebalanced_live_and_back_and_the_run_equals_plain_pytorch(local_workers, tmp_path):
     """4 Ray workers under data; rank 3 computes 4x as long (inject.slow). The run moves samples off
     it within two steps of the record that showed it and ends where plain single-process PyTorch
     ends on the same global batches. (A recovery's give-back is tested on records, in

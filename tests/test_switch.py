@@ -16,7 +16,6 @@ from gearshift.workers.build import components
 from gearshift.workers.state import dcp
 from gearshift.workers.step.data import GlobalBatches
 
-pytestmark = [pytest.mark.ray]
 
 # data -> hybrid -> tensor -> data, on 4 workers
 SCHEDULE = ("adapt.schedule=[{step: 3, strategy: hybrid, tp_size: 2}, {step: 5, strategy: tensor}, "
@@ -50,7 +49,7 @@ def reference_with_optimizer(job):
 @pytest.mark.crossing("switch", "data")
 @pytest.mark.crossing("switch", "hybrid")
 @pytest.mark.crossing("switch", "tensor")
-def test_forced_switches_reach_the_single_process_result(ray_cluster, tmp_path, which):
+def test_forced_switches_reach_the_single_process_result(local_workers, tmp_path, which):
     job_file, overrides = {"mlp": MLP, "gpt": GPT}.get(which) or user_job(tmp_path)
     overrides = overrides + BASE + [SCHEDULE] + ([USER_PLAN] if which == "user" else [])
     ref_model, ref_adam = reference_with_optimizer(load_job(job_file, overrides))
@@ -76,7 +75,7 @@ def test_forced_switches_reach_the_single_process_result(ray_cluster, tmp_path, 
     assert steps[3] == ("data", 1) and steps[4] == ("hybrid", 2) and steps[6] == ("tensor", 4) and steps[8] == ("data", 1)
 
 
-def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_slow(ray_cluster, tmp_path):
+def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_slow(local_workers, tmp_path):
     """4 workers in 2 simulated nodes joined by a 2.5 MB/s link, starting on data (`adapt.start:
     memory`; the probe would start it on the pipeline: the test below): data parallelism
     all-reduces every gradient over it and waits most of each step. The policy predicts hybrid (tensor-parallel
@@ -118,7 +117,7 @@ def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_
           f"(switch took {switches[0]['seconds']:.2f} s)")
 
 
-def test_auto_starts_on_pipeline_stages_when_its_probe_finds_the_link_between_nodes_slow(ray_cluster, tmp_path):
+def test_auto_starts_on_pipeline_stages_when_its_probe_finds_the_link_between_nodes_slow(local_workers, tmp_path):
     """The same 2.5 MB/s link, `adapt.start: probe` (the default): before the model is built the
     workers time all-reduces over the link and a matmul, and the run starts on the pipeline of a
     stage a node, the layout the cost model predicts fastest, with the probe and every layout's

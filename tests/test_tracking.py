@@ -198,8 +198,7 @@ def test_sqlite_needs_no_server(tmp_path):
 # ---------------------------------------------------------------------- real runs, on Ray
 
 
-@pytest.mark.ray
-def test_a_run_logged_to_a_real_mlflow_server_and_tensorboard(ray_cluster, tmp_path, server):
+def test_a_run_logged_to_a_real_mlflow_server_and_tensorboard(local_workers, tmp_path, server):
     run_dir = tmp_path / "run"
     uri = f'{{mlflow: {{tracking_uri: "{server.url}", experiment: test}}, tensorboard: true}}'
     assert run(run_dir, f"tracking={uri}", "eval.every=5", "eval.data=synthetic_digits", "eval.batches=2",
@@ -233,8 +232,7 @@ def test_a_run_logged_to_a_real_mlflow_server_and_tensorboard(ray_cluster, tmp_p
     assert {e.step: e.value for e in acc.Scalars("eval_loss")} == pytest.approx(evals, rel=1e-6)
 
 
-@pytest.mark.ray
-def test_the_server_killed_mid_run_does_not_stop_the_run(ray_cluster, tmp_path, server, caplog):
+def test_the_server_killed_mid_run_does_not_stop_the_run(local_workers, tmp_path, server, caplog):
     run_dir = tmp_path / "run"
 
     def kill_at_first_step():
@@ -260,8 +258,7 @@ def test_the_server_killed_mid_run_does_not_stop_the_run(ray_cluster, tmp_path, 
     assert any("tracking: mlflow" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
 
 
-@pytest.mark.ray
-def test_an_unreachable_uri_at_the_start_is_a_warning_and_the_run_goes_on(ray_cluster, tmp_path, caplog):
+def test_an_unreachable_uri_at_the_start_is_a_warning_and_the_run_goes_on(local_workers, tmp_path, caplog):
     run_dir = tmp_path / "run"
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.monotonic()

@@ -22,7 +22,6 @@ from gearshift.workers.step.data import GlobalBatches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-pytestmark = [pytest.mark.ray]
 
 MLP = (ROOT / "examples/mlp.yaml", ["train.steps=12", "train.global_batch_size=32", "checkpoint.every=0"])
 GPT = (ROOT / "examples/gpt.yaml", ["train.steps=10", "train.global_batch_size=8", "checkpoint.every=0",
@@ -115,7 +114,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("which", ["mlp", "gpt", "user"])
-def test_final_params_equal_single_process_reference(ray_cluster, tmp_path, which, workers):
+def test_final_params_equal_single_process_reference(local_workers, tmp_path, which, workers):
     job_file, overrides = {"mlp": MLP, "gpt": GPT}.get(which) or user_job(tmp_path)
     overrides = overrides + [f"cluster.num_workers={workers}"]
     ref_state, ref_losses = reference(load_job(job_file, overrides))
@@ -132,14 +131,14 @@ def test_final_params_equal_single_process_reference(ray_cluster, tmp_path, whic
     assert worst <= 1e-5, f"per-step loss differs from the reference by {worst:.3g}"
 
 
-def test_final_pt_loads_into_the_plain_model(ray_cluster, tmp_path):
+def test_final_pt_loads_into_the_plain_model(local_workers, tmp_path):
     run_gearshift(MLP[0], MLP[1] + ["train.steps=3"], tmp_path / "run")
     model = components.build_model({"name": "mlp", "kwargs": {}})
     model.load_state_dict(torch.load(tmp_path / "run" / "final.pt", weights_only=True))  # strict: same keys
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
 
-def test_resume_after_a_checkpoint_matches_an_uninterrupted_run(ray_cluster, tmp_path):
+def test_resume_after_a_checkpoint_matches_an_uninterrupted_run(local_workers, tmp_path):
     job_file, base = MLP[0], ["train.steps=12", "train.global_batch_size=32", "checkpoint.every=4",
                               "checkpoint.keep=5", "optimizer.name=adam", "cluster.num_workers=2"]
     whole = tmp_path / "whole"
@@ -165,7 +164,7 @@ def test_resume_after_a_checkpoint_matches_an_uninterrupted_run(ray_cluster, tmp
     assert max_diff(a, b) <= 1e-6
 
 
-def test_resume_extends_a_finished_run(ray_cluster, tmp_path):
+def test_resume_extends_a_finished_run(local_workers, tmp_path):
     job_file, base = MLP[0], ["train.global_batch_size=32", "cluster.num_workers=2"]
     longer, _ = reference(load_job(job_file, base + ["train.steps=10"]))  # where a run of 10 steps ends
     short = tmp_path / "short"
@@ -202,7 +201,7 @@ EXTENDED = {("mlp", "tensor1"), ("gpt", "tensor1"), ("user", "data4"), ("mlp", "
 @pytest.mark.parametrize("which, layout", [
     pytest.param(which, layout, id=f"{which}-{layout}", marks=[pytest.mark.extended] if (which, layout) in EXTENDED else [])
     for which in ("mlp", "gpt", "user") for layout in LAYOUTS])
-def test_every_layout_equals_the_single_process_reference(ray_cluster, tmp_path, which, layout):
+def test_every_layout_equals_the_single_process_reference(local_workers, tmp_path, which, layout):
     job_file, overrides = {"mlp": MLP, "gpt": GPT}.get(which) or user_job(tmp_path)
     # plain Adam, and a clip limit low enough that clipping engages on every step
     overrides = overrides + LAYOUTS[layout] + ["train.global_batch_size=16", "optimizer.name=adam",
@@ -232,7 +231,7 @@ def test_every_layout_equals_the_single_process_reference(ray_cluster, tmp_path,
 @pytest.mark.crossing("resume", "data")
 @pytest.mark.crossing("resume", "tensor")
 @pytest.mark.crossing("resume", "hybrid")
-def test_a_run_continues_under_another_layout(ray_cluster, tmp_path):
+def test_a_run_continues_under_another_layout(local_workers, tmp_path):
     """Checkpoints hold full tensors: 6 steps of data(2), resumed as tensor(2) to step 9, then as
     hybrid(2 x 2) to step 12, reach the single-process result."""
     job_file, base = GPT[0], GPT[1] + ["train.global_batch_size=8", "optimizer.name=adam"]
@@ -251,7 +250,7 @@ def test_a_run_continues_under_another_layout(ray_cluster, tmp_path):
 @pytest.mark.parametrize("layout,same_as", [("tensor2", "tensor1"), ("hybrid2x2", "data2")])
 @pytest.mark.crossing("dropout", "tensor")
 @pytest.mark.crossing("dropout", "hybrid")
-def test_randomness_follows_the_data_parallel_replica(ray_cluster, tmp_path, layout, same_as):
+def test_randomness_follows_the_data_parallel_replica(local_workers, tmp_path, layout, same_as):
     """With dropout on, the ranks of a tensor-parallel group must draw the same masks (they hold
     one replica between them): tensor(2) then equals tensor(1), and hybrid(2x2) equals data(2)."""
     layouts = {**LAYOUTS, "data2": ["cluster.num_workers=2", "parallel.strategy=data"]}

@@ -13,11 +13,10 @@ from gearshift.orchestrator.commands import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-pytestmark = [pytest.mark.ray]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, precision, capsys):
+def test_mixed_precision_trains_with_fp32_master_weights(local_workers, tmp_path, precision, capsys):
     from test_train_equivalence import max_diff, reference
 
     from gearshift.orchestrator.job import load_job
@@ -44,7 +43,7 @@ def test_mixed_precision_trains_with_fp32_master_weights(ray_cluster, tmp_path, 
     assert "step 30/30  loss" in err and "samples/s" in err and "ETA" in err
 
 
-def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(ray_cluster, tmp_path, capsys):
+def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(local_workers, tmp_path, capsys):
     shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
     (tmp_path / "job.yaml").write_text(
         "model: {entrypoint: 'user_model:flaky', kwargs: {fail_on: 3}}\ndata: 'user_model:waves'\nloss: mse\n"
@@ -143,7 +142,7 @@ SHARDED_CASES = [  # (model, layout, precision, activation checkpointing)
 @pytest.mark.crossing("recompute", "data")
 @pytest.mark.crossing("recompute", "fsdp")
 @pytest.mark.crossing("recompute", "hsdp")
-def test_precision_and_activation_checkpointing_under_every_strategy(ray_cluster, tmp_path, which, layout,
+def test_precision_and_activation_checkpointing_under_every_strategy(local_workers, tmp_path, which, layout,
                                                                      precision, recompute):
     from test_train_equivalence import GPT, LAYOUTS, MLP, max_diff, reference, run_gearshift, user_job
 

@@ -13,7 +13,6 @@ from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import load_job
 from test_train_equivalence import GPT, MLP, max_diff, run_gearshift
 
-pytestmark = [pytest.mark.ray]
 
 
 def events(run_dir, name=None):
@@ -21,7 +20,7 @@ def events(run_dir, name=None):
     return [r for r in records if r["type"] == "event" and (name is None or r["event"] == name)]
 
 
-def test_online_tuning_changes_the_bucket_mid_run_and_ends_where_the_winner_alone_ends(ray_cluster, tmp_path):
+def test_online_tuning_changes_the_bucket_mid_run_and_ends_where_the_winner_alone_ends(local_workers, tmp_path):
     # tiny buckets (50 KB) split the GPT's gradients into many all-reduces: a real difference
     tune = ["parallel.bucket_cap_mb=auto", "tune.bucket_values=[0.05, 1, 25]", "tune.start=1",
             "tune.warmup_steps=1", "tune.trial_steps=3", "tune.max_trials=3"]
@@ -55,7 +54,7 @@ def test_online_tuning_changes_the_bucket_mid_run_and_ends_where_the_winner_alon
     assert max_diff(a, b) <= 1e-4
 
 
-def test_a_new_layout_gets_its_own_round_and_a_layout_without_data_parallelism_none(ray_cluster, tmp_path):
+def test_a_new_layout_gets_its_own_round_and_a_layout_without_data_parallelism_none(local_workers, tmp_path):
     tune = ["parallel.bucket_cap_mb=auto", "tune.bucket_values=[0.001, 25]", "tune.start=25",
             "tune.warmup_steps=1", "tune.trial_steps=2", "tune.max_trials=2"]
     schedule = ("adapt.schedule=[{step: 8, strategy: hybrid, tp_size: 2}, {step: 16, strategy: tensor}, "
@@ -72,7 +71,7 @@ def test_a_new_layout_gets_its_own_round_and_a_layout_without_data_parallelism_n
     assert history[18][0] == "data" and summary["bucket_cap_mb"] == rounds[0]["best"]["setting"]["bucket_cap_mb"]
 
 
-def test_gearshift_tune_times_every_setting_and_writes_the_winner(ray_cluster, tmp_path, capsys):
+def test_gearshift_tune_times_every_setting_and_writes_the_winner(local_workers, tmp_path, capsys):
     out = tmp_path / "tuned.yaml"
     code = cli.main(["tune", str(MLP[0]), *[a for o in MLP[1] + ["cluster.num_workers=2"] for a in ("--set", o)],
                      "--param", "bucket_cap_mb=0.01,25", "--param", "strategy=data,tensor",
