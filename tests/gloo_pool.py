@@ -133,8 +133,12 @@ class Pool:
             conn.close()
 
 
-POOL = Pool()
+POOL = Pool()  # the gloo checks' processes
+# the worker groups' (tests/process_workers.py): a TrainWorker leaves more behind than a gloo check
+# resets (its held groups, its hooks), so the two never share a process
+HOSTS = Pool()
 atexit.register(POOL.close)
+atexit.register(HOSTS.close)
 
 
 def run(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> None:

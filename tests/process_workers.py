@@ -66,7 +66,7 @@ class ProcessWorkerGroup:
         job = self.job
         world = job.cluster.num_workers
         config = WorkerConfig.from_job(job.to_dict(), [job.base_dir], self.checkpoint_dir)
-        self.members = gloo_pool.POOL.take(world)
+        self.members = gloo_pool.HOSTS.take(world)
         for _, conn in self.members:
             conn.send(("host", config, job.cluster.cpus_per_worker))
         self.infos = self.call("node_info")
@@ -157,9 +157,9 @@ class ProcessWorkerGroup:
         members, self.members = self.members, []
         if not members:
             return
-        if polite and all(proc.is_alive() for proc, _ in members) and gloo_pool.POOL.release(members, 30.0):
+        if polite and all(proc.is_alive() for proc, _ in members) and gloo_pool.HOSTS.release(members, 30.0):
             return
-        gloo_pool.POOL.close()  # a rank may be stuck in a collective: the pool starts afresh
+        gloo_pool.HOSTS.close()  # a rank may be stuck in a collective: the pool starts afresh
 
     # ---------------------------------------------------------------- the pipe
 
