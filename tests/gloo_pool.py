@@ -28,6 +28,9 @@ import torch.multiprocessing as mp
 from multiprocessing.connection import wait
 
 STOP = None
+# set in a pool process by test code that changes gearshift's own classes or functions for a fault
+# (tests/fixtures/faults.py): the process then ends after the run instead of serving another
+TAINTED = "GEARSHIFT_TEST_TAINTED"
 
 
 class WorkerError(RuntimeError):
@@ -100,7 +103,7 @@ class Pool:
                     if answer[0] == "ended":
                         retire = retire or answer[1]
                         break
-            if retire:  # a process that ran code from outside the repository is not reused
+            if retire:  # a process whose gearshift a fault fixture patched is not reused
                 self.close()
             return True
         except (TimeoutError, EOFError, OSError):
@@ -175,11 +178,12 @@ def _serve(conn, path: list[str]) -> None:
             try:
                 process_workers.host(conn, *call[1:])
             finally:
-                outside = _reset()
-            # a run of code from outside the repository (a test's model file, which may patch
-            # gearshift's classes for a fault) leaves this process to no other run
-            conn.send(("ended", bool(outside)))
-            if outside:
+                _reset()
+            # a run whose code patched gearshift's own classes (a fault fixture says so by setting
+            # TAINTED) leaves this process to no other run; a test's modules are forgotten anyway
+            tainted = os.environ.pop(TAINTED, None) is not None
+            conn.send(("ended", tainted))
+            if tainted:
                 break
             continue
         fn, rank, world, port, args = call

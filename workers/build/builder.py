@@ -9,6 +9,7 @@ and which modules recompute their forward (`recomputed`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -124,7 +125,8 @@ class Builder:
         the module in force (rewrap), a first build on meta (a layout of pieces), or a build whole
         on the device (or on meta, to be filled by a switch's relayout)."""
         w, cfg = self.w, self.w.config
-        record, build = None, self._build  # record: a first build on meta, replayed piece by piece (meta_init.py)
+        # record: a first build on meta, replayed piece by piece (meta_init.py)
+        record, build = None, functools.partial(self._build, layout.pp == 1)
         if rewrap is not None:  # the same module and optimizer under a new wrapper (a new process group)
             return rewrap[0].model, None, None
         if move_from is None and self._shards(layout):
@@ -134,15 +136,23 @@ class Builder:
                 model, returned_plan = build()
             model = model if move_from else model.to(w.device)  # meta: relayout allocates the new pieces
         self.recomputed = recompute.apply(model, cfg.activation_checkpointing, cfg.fsdp_units,
-                                          builtin=not cfg.model.get("entrypoint"))
+                                          builtin=not cfg.model.get("entrypoint") and layout.pp == 1)
         precision.keep_fp32(model, cfg.keep_fp32, w.device.type)
         precision.fp32_when(model, cfg.final_fp32, w.device.type, lambda: precision.final(w.step, cfg))
         return model, returned_plan, record
 
-    def _build(self):
-        """The job's model and the tensor-parallel plan its builder returns, as the job names them."""
+    def _build(self, own_recompute: bool = True):
+        """The job's model and the tensor-parallel plan its builder returns, as the job names them.
+
+        `own_recompute` False (a pipeline): a built-in model does not checkpoint its own blocks for
+        train.activation_checkpointing, and recompute.apply wraps the blocks' forwards instead. A
+        model's own checkpointing calls a block again in backward, its hooks included, and a stage's
+        cut hooks (its received activation, where it stops) are off by then: the recomputed block
+        read another input than the forward did (torch's CheckpointError, or a sharded matmul of
+        mismatched shapes under pipeline x tp). A wrapped forward runs inside the hooks."""
         cfg = self.w.config
-        return components.build_model_and_plan(dict(cfg.model), cfg.search_paths, cfg.activation_checkpointing)
+        setting = cfg.activation_checkpointing if own_recompute else False
+        return components.build_model_and_plan(dict(cfg.model), cfg.search_paths, setting)
 
     def _shards(self, layout: Layout) -> bool:
         """Whether `layout` holds pieces of the model (not whole copies) and can be laid out on
