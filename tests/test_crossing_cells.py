@@ -182,3 +182,51 @@ def test_dropout_masks_follow_the_data_replica_under_sharding(local_workers, tmp
         run_gearshift(GPT[0], base + layouts[name], tmp_path / name)
         finals.append(final_of(tmp_path / name))
     assert max_diff(*finals) <= 1e-3  # as tensor(2) against tensor(1): dropout's scaling amplifies rounding
+
+
+# ---------------------------------------------------------------- out of memory
+
+TP_PLAN = "parallel.tp_plan={layers.0: colwise, layers.2: rowwise}"  # the bounded MLP's Megatron pair
+
+
+@pytest.mark.parametrize("layout,max_batch,extra", [
+    pytest.param("tensor", 4, [TP_PLAN], marks=pytest.mark.crossing("oom", "tensor")),      # a share of 16
+    pytest.param("hybrid", 4, [TP_PLAN], marks=pytest.mark.crossing("oom", "hybrid")),      # of 8
+    pytest.param("hsdp", 2, [], marks=pytest.mark.crossing("oom", "hsdp")),                 # of 4
+])
+def test_a_share_that_does_not_fit_is_accumulated_and_the_run_equals_plain_pytorch(local_workers, tmp_path, layout,
+                                                                                 max_batch, extra):
+    """The bounded MLP (tests/fixtures/oom_model.py) runs out of memory on more than `max_batch`
+    rows: the step is dropped and done again in halves until it fits, every rank on a new group
+    with the layout it held, and the run ends where plain PyTorch ends."""
+    from test_oom import check_equal, oom_job, records as oom_records
+
+    job = oom_job(tmp_path, max_batch=max_batch)
+    overrides = LAYOUTS[layout] + extra
+    summary = run_gearshift(job, overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 6
+    ooms = [r for r in oom_records(tmp_path / "run") if r.get("event") == "oom"]
+    assert ooms and {r["action"] for r in ooms} == {"accumulate"}, ooms
+    assert all(r["layout"]["strategy"] == layout for r in ooms)
+    check_equal(job, overrides, tmp_path / "run", TOLERANCE.get(layout, 1e-5))
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param("interleaved", marks=pytest.mark.crossing("oom", "interleaved")),
+    pytest.param("pipeline_dp_shard", marks=pytest.mark.crossing("oom", "pipeline_dp_shard")),
+])
+def test_a_pipeline_of_any_schedule_that_runs_out_of_memory_keeps_its_stages(local_workers, tmp_path, layout):
+    """Six residual blocks that run out of memory on more than 2 rows, cut over 2 stages: the
+    passes are halved until they fit, each rank keeping the stage it holds (six blocks deep at the
+    end), and the run equals plain PyTorch."""
+    from test_oom import check_equal, pipeline_oom_job, records as oom_records
+
+    job = pipeline_oom_job(tmp_path, max_rows=2, batch=16, micro=2)
+    overrides = LAYOUTS[layout]
+    summary = run_gearshift(job, overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 4
+    ooms = [r for r in oom_records(tmp_path / "run") if r.get("event") == "oom"]
+    assert ooms and {r["action"] for r in ooms} == {"accumulate"}, ooms
+    final = final_of(tmp_path / "run")
+    assert sum(k.startswith("blocks.") and k.endswith(".lin.weight") for k in final) == 6
+    check_equal(job, overrides, tmp_path / "run", TOLERANCE.get(layout, 1e-5))
