@@ -37,7 +37,7 @@ run: install
 # the quick tier: pure logic, plus one real Ray run each of run, submit, switch and recovery; two
 # at a time (a file's tests on one process; tests/README.md says what each tier costs)
 test: install-test
-	$(BIN)/python -m pytest -m "(not ray and not slow) or smoke" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "(not ray and not slow and not runs) or smoke" -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # everything but the extended variants (what CI runs), in three parts: the tests that start no Ray
 # and time nothing, two at a time (a file's tests on one process); the Ray ones, two at a time too

@@ -113,6 +113,7 @@ def ray_cluster():
         ray.shutdown()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -120,6 +121,9 @@ def pytest_collection_modifyitems(config, items):
         has_gpu = torch.cuda.is_available()
     except Exception:
         has_gpu = False
+    for item in items:  # a run on the warm processes: out of the quick tier (pyproject's markers)
+        if "local_workers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.runs)
     if not has_gpu:
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
         for item in items:

@@ -189,6 +189,7 @@ def _eager(run_dir) -> tuple[nn.Module, torch.Tensor]:
     return rm.model, x
 
 
+@pytest.mark.runs
 @pytest.mark.parametrize("fmt,suffix", [("onnx", "onnx"), ("torch-export", "pt2")])
 def test_the_trained_mlp_exports_and_equals_eager(mlp_run, tmp_path, fmt, suffix):
     out = tmp_path / f"mlp.{suffix}"
@@ -204,6 +205,7 @@ def test_the_trained_mlp_exports_and_equals_eager(mlp_run, tmp_path, fmt, suffix
     assert code == 2 and "exists" in said
 
 
+@pytest.mark.runs
 def test_a_user_model_exports_to_onnx_and_equals_eager(local_workers, tmp_path):
     shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
     job = tmp_path / "job.yaml"
@@ -221,6 +223,7 @@ def test_a_user_model_exports_to_onnx_and_equals_eager(local_workers, tmp_path):
         assert artifact.max_difference(artifact.open_artifact(tmp_path / "waves.onnx")(x), model(x)) <= 1e-4
 
 
+@pytest.mark.runs
 def test_int8_is_over_3x_smaller_and_within_a_point_of_fp32(mlp_run, tmp_path):
     out = tmp_path / "mlp-int8.onnx"
     code, said = _export(mlp_run, out, "--format", "onnx", "--quantize", "dynamic_int8")
@@ -235,6 +238,7 @@ def test_int8_is_over_3x_smaller_and_within_a_point_of_fp32(mlp_run, tmp_path):
     assert artifact.open_artifact(out).version.endswith("-int8")
 
 
+@pytest.mark.runs
 def test_pruning_30_percent_shrinks_the_matrices_and_fine_tuned_keeps_accuracy(mlp_run, tmp_path):
     out = tmp_path / "mlp-pruned.pt2"
     code, said = _export(mlp_run, out, "--format", "torch-export", "--prune", "l1_structured:0.3",
@@ -252,6 +256,7 @@ def test_pruning_30_percent_shrinks_the_matrices_and_fine_tuned_keeps_accuracy(m
     assert finetune["status"] == "done" and finetune["steps_done"] == 60
 
 
+@pytest.mark.runs
 def test_export_options_that_do_not_fit_are_refused(mlp_run, tmp_path):
     for args, words in ((["--format", "safetensors", "--quantize", "dynamic_int8"], "--quantize applies to"),
                         (["--format", "onnx", "--finetune-steps", "5"], "--prune l1_structured:S"),
@@ -316,6 +321,7 @@ def served(mlp_run, tmp_path_factory):
         log.close()
 
 
+@pytest.mark.runs
 def test_serve_answers_as_eager_batches_concurrent_requests_and_splits_traffic(served):
     url, x, model = served["url"], served["x"], served["model"]
     health = _get(url, "/healthz")
@@ -339,6 +345,7 @@ def test_serve_answers_as_eager_batches_concurrent_requests_and_splits_traffic(s
     print(json.dumps({"canary_requests": canary, "stable_batches": batches}))
 
 
+@pytest.mark.runs
 def test_batch_sizes_queue_wait_and_forward_time_reach_prometheus_per_version(served):
     """Ray's Prometheus endpoint carries the replicas' gearshift_serve_* histograms, tagged with
     the version, next to Serve's own metrics."""
@@ -361,6 +368,7 @@ def test_batch_sizes_queue_wait_and_forward_time_reach_prometheus_per_version(se
     assert "serve_" in text[""].replace("gearshift_serve_", "")  # Serve's own metrics beside them
 
 
+@pytest.mark.runs
 def test_a_latency_request_does_not_wait_for_the_batch_window(served):
     url, x = served["url"], served["x"]
     before = _get(url, "/stats")["batches"]
@@ -379,6 +387,7 @@ def test_a_latency_request_does_not_wait_for_the_batch_window(served):
     assert latency_s < 0.4 <= batched_s  # a lone batched request waits the whole window; the latency one none of it
 
 
+@pytest.mark.runs
 def test_bad_requests_get_a_4xx_and_the_server_stays_up(served):
     url = served["url"]
     cases = [(b"{not json", True, 400, "not valid JSON"),
@@ -406,6 +415,7 @@ def test_bad_requests_get_a_4xx_and_the_server_stays_up(served):
     assert _request(url, {"inputs": served["x"][:2].tolist()})[0] == 200  # still serving
 
 
+@pytest.mark.runs
 def test_promote_and_rollback_move_all_traffic(served):
     url, state = served["url"], served["state"]
     gs = [sys.executable, "-m", "gearshift", "serve"]
