@@ -24,6 +24,7 @@ from gearshift.workers.step.data import GlobalBatches  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 STEPS, BATCH = 5, 8
+PIPELINED = ("interleaved", "pipeline_dp_shard", "pipeline_tp")
 
 
 @pytest.fixture
@@ -130,6 +131,38 @@ def test_pretrained_trains_like_from_pretrained(local_workers, hf, layout):
             assert source["pretrained"]["files"][f.name]["sha256_slices"] == [hashlib.sha256(f.read_bytes()).hexdigest()]
 
 
+@pytest.mark.parametrize("layout", [
+    pytest.param("hsdp", marks=pytest.mark.crossing("pretrained", "hsdp")),
+    pytest.param("tensor", marks=pytest.mark.crossing("pretrained", "tensor")),
+    pytest.param("interleaved", marks=pytest.mark.crossing("pretrained", "interleaved")),
+    pytest.param("pipeline_dp_shard", marks=pytest.mark.crossing("pretrained", "pipeline_dp_shard")),
+    pytest.param("pipeline_tp", marks=pytest.mark.crossing("pretrained", "pipeline_tp")),
+])
+def test_pretrained_weights_fine_tune_under_the_other_layouts(local_workers, hf, layout):
+    """The same folder under the layouts the tests above leave out: each rank reads its slices or
+    its stage's part, and the run equals single-process PyTorch from `from_pretrained` (1e-4)."""
+    folder, hf_model = hf
+    plan = "parallel.tp_plan=" + json.dumps(hf_model.TP_PLAN)
+    pipe = ["parallel.strategy=pipeline", "parallel.pp_size=2"]
+    overrides = {
+        "hsdp": ["cluster.num_workers=4", "parallel.strategy=hsdp", "parallel.shard_size=2"],
+        "tensor": ["cluster.num_workers=2", "parallel.strategy=tensor", plan],
+        "interleaved": ["cluster.num_workers=2", *pipe, "parallel.pp_schedule=interleaved_1f1b"],
+        "pipeline_dp_shard": ["cluster.num_workers=4", *pipe, "parallel.dp_shard=true"],
+        "pipeline_tp": ["cluster.num_workers=4", *pipe, "parallel.tp_size=2", plan],
+    }[layout]
+    if layout == "interleaved":  # 2 stages a rank x 2 ranks: 4 decoder layers to cut
+        shutil.rmtree(folder / "weights")
+        torch.manual_seed(123)
+        hf_model.bare(layers=4).save_pretrained(folder / "weights", max_shard_size="20KB")
+        overrides.append("model.kwargs={layers: 4}")
+    records, _, _ = run_like_from_pretrained(folder, hf_model, overrides, layout)
+    event = next(r for r in records if r.get("event") == "pretrained")
+    saved = len(pretrained.saved_tensors(folder / "weights"))
+    # a stage reads its part of the files (rank 0's is recorded), every other rank its slices of all
+    assert 0 < event["tensors"] < saved if layout in PIPELINED else event["tensors"] == saved
+
+
 @pytest.mark.slow
 @pytest.mark.crossing("pretrained", "pipeline")
 def test_pretrained_fine_tunes_under_a_pipeline_each_stage_loading_its_part(local_workers, hf):
@@ -146,6 +179,7 @@ def test_pretrained_fine_tunes_under_a_pipeline_each_stage_loading_its_part(loca
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["data2", "fsdp2"])
+@pytest.mark.crossing("pretrained", "data")
 def test_a_moe_checkpoint_fine_tunes_like_from_pretrained_its_experts_read_by_slices(local_workers, hf, layout):
     """Mixtral-style weights as save_pretrained writes them (experts one by one, the old module
     names), fused into the model's expert tensors as they are read: equal to fine-tuning from

@@ -112,6 +112,9 @@ def _reshard(worker, layout):
     return worker.reshard(layout)
 
 
+@pytest.mark.crossing("rebalance", "fsdp")
+@pytest.mark.crossing("rebalance", "hsdp")
+@pytest.mark.crossing("rebalance", "hybrid")
 def test_four_workers_on_uneven_shares_end_where_one_process_does():
     """data(4) on 7/5/2/2, fsdp(4) on 2/3/4/7 in micro-batches of 4, hsdp(2 shards x 2) on 5/5/3/3,
     hybrid (dp 2, tp 2) on 11/5: every layout in turn on the same live workers, then the state and
