@@ -155,6 +155,7 @@ def test_the_straggler_fields_refuse_bad_values_in_a_line(overrides, field, said
 
 # ----------------------------------------------------------------------------- on Ray, for real
 
+DEEP_MLP = "model.kwargs={in_features: 784, hidden: 64, out_features: 10, layers: 4}"  # blocks to cut
 SLOW = ["train.steps=30", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2",
         "cluster.num_workers=4", "cluster.cpus_per_worker=1", "cluster.min_workers=1", "train.global_batch_size=24"]
 # Adam turns float rounding into 1e-5 within 30 steps even on an uninterrupted data(3) run (1.5e-5
@@ -219,9 +220,27 @@ def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("layout,why", [(["parallel.strategy=fsdp"], "only on the lost rank(s) [3]")], ids=["fsdp"])
+@pytest.mark.parametrize("layout,why", [
+    pytest.param(["parallel.strategy=fsdp"], "only on the lost rank(s) [3]", id="fsdp",
+                 marks=pytest.mark.crossing("shrink", "fsdp")),
+    pytest.param(["parallel.strategy=tensor"], "only on the lost rank(s) [3]", id="tensor",
+                 marks=pytest.mark.crossing("shrink", "tensor")),
+    pytest.param(["parallel.strategy=pipeline", "parallel.pp_size=2", DEEP_MLP], "cannot go on in memory",
+                 id="pipeline", marks=pytest.mark.crossing("shrink", "pipeline")),
+    pytest.param(["parallel.strategy=pipeline", "parallel.pp_size=2", "parallel.pp_schedule=interleaved_1f1b",
+                  DEEP_MLP], "cannot go on in memory", id="interleaved",
+                 marks=pytest.mark.crossing("shrink", "interleaved")),
+    pytest.param(["parallel.strategy=pipeline", "parallel.pp_size=2", "parallel.dp_shard=true", DEEP_MLP],
+                 "cannot go on in memory", id="pp_dp_shard", marks=pytest.mark.crossing("shrink", "pipeline_dp_shard")),
+    pytest.param(["parallel.strategy=pipeline", "parallel.pp_size=2", "parallel.tp_size=2", DEEP_MLP],
+                 "cannot go on in memory", id="pp_tp", marks=pytest.mark.crossing("shrink", "pipeline_tp")),
+])
 @pytest.mark.crossing("restart", "fsdp")
-def test_sharded_layouts_losing_a_rank_fall_back_to_the_checkpoint_and_say_why(ray_cluster, tmp_path, layout, why):
+def test_layouts_that_cannot_shrink_in_memory_fall_back_to_the_checkpoint_and_say_why(ray_cluster, tmp_path, layout,
+                                                                                     why):
+    """fault.on_node_loss elastic, rank 3 of 4 killed at step 15: a layout that held pieces only
+    on it (fsdp, tensor), or a pipeline (its stages are not moved between ranks), goes on from the
+    checkpoint on the survivors, says why, and ends where plain PyTorch ends."""
     overrides = MLP[1] + SLOW + layout
     summary = _killed_run(tmp_path, overrides)
     assert summary["status"] == "done" and summary["steps_done"] == 30, summary.get("error")

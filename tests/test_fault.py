@@ -29,7 +29,10 @@ SLOW = ["train.steps=40", "checkpoint.every=10", "inject.comm_delay_ms=30", "fau
 LAYOUTS = {"data": ["cluster.num_workers=2"],
            "hybrid": ["cluster.num_workers=4", "cluster.cpus_per_worker=1", "parallel.strategy=hybrid",
                       "parallel.tp_size=2"],
-           "fsdp": ["cluster.num_workers=2", "parallel.strategy=fsdp"]}
+           "fsdp": ["cluster.num_workers=2", "parallel.strategy=fsdp"],
+           "tensor": ["cluster.num_workers=2", "parallel.strategy=tensor"],
+           "hsdp": ["cluster.num_workers=4", "cluster.cpus_per_worker=1", "parallel.strategy=hsdp",
+                    "parallel.shard_size=2"]}
 
 
 def records(run_dir) -> list[dict]:
@@ -64,9 +67,11 @@ class Killer(threading.Thread):
 
 
 # fsdp is an extended variant: a sharded layout's restore from its checkpoint after a lost rank also runs in
-# tests/test_elastic.py (test_sharded_layouts_losing_a_rank_fall_back_to_the_checkpoint_and_say_why[fsdp])
+# tests/test_elastic.py (test_layouts_that_cannot_shrink_in_memory_fall_back_to_the_checkpoint_and_say_why[fsdp])
 @pytest.mark.parametrize("layout", [pytest.param("data", marks=pytest.mark.smoke), "hybrid",
-                                    pytest.param("fsdp", marks=pytest.mark.extended)])
+                                    pytest.param("fsdp", marks=pytest.mark.extended),
+                                    pytest.param("tensor", marks=pytest.mark.crossing("restart", "tensor")),
+                                    pytest.param("hsdp", marks=pytest.mark.crossing("restart", "hsdp"))])
 @pytest.mark.crossing("restart", "data")
 @pytest.mark.crossing("restart", "hybrid")
 def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(local_workers, tmp_path, layout):
@@ -89,7 +94,7 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one
     # tests/test_train_equivalence.py); a restore from the wrong step or batch ends far from them
     a = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
     ref, _ = reference(load_job(MLP[0], overrides))
-    assert max_diff(a, ref) <= 1e-5
+    assert max_diff(a, ref) <= (1e-4 if layout in ("tensor", "hsdp") else 1e-5)  # reordered sums: 1e-4
     seconds = recovered["time"] - killer.killed[1]
     print(f"{layout}: killed pid {killer.killed[0]} at step {killer.killed[2]}; training again at step "
           f"{recovered['step']} {seconds:.1f} s after the kill; {failure['steps_to_recompute']} step(s) recomputed")

@@ -156,8 +156,16 @@ def test_a_pipelines_wait_splits_into_its_bubble_and_the_link(local_workers, tmp
     assert "pipeline wait" in make_report(tmp_path / "run").summary_text
 
 
-@pytest.mark.crossing("restart", "pipeline")
-def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(local_workers, tmp_path):
+@pytest.mark.parametrize("layout", [
+    pytest.param(["cluster.num_workers=2"], marks=pytest.mark.crossing("restart", "pipeline"), id="1f1b"),
+    pytest.param(["cluster.num_workers=2", "parallel.pp_schedule=interleaved_1f1b"],
+                 marks=pytest.mark.crossing("restart", "interleaved"), id="interleaved"),
+    pytest.param(["cluster.num_workers=4", "parallel.dp_shard=true"],
+                 marks=pytest.mark.crossing("restart", "pipeline_dp_shard"), id="dp_shard"),
+    pytest.param(["cluster.num_workers=4", "parallel.tp_size=2"],
+                 marks=pytest.mark.crossing("restart", "pipeline_tp"), id="tp"),
+])
+def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(local_workers, tmp_path, layout):
     """The worker of the last stage SIGKILLed at step 10: the first stage, blocked on its
     activations' gradients, fails (gloo's receive ends, or the job's collective timeout), the run
     goes back to its newest checkpoint under the same pipeline, and ends where the plain loop
@@ -166,7 +174,7 @@ def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(local_workers, 
 
     overrides = DEEP[:2] + ["model.kwargs={in_features: 784, hidden: 64, out_features: 10, layers: 4}",
                             "train.steps=24", "checkpoint.every=8", "inject.comm_delay_ms=30",
-                            "fault.max_failures=2", "cluster.num_workers=2"] + PIPE
+                            "fault.max_failures=2"] + PIPE + layout
     killer = Killer(tmp_path / "run", rank=1, at_step=10)
     killer.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
@@ -179,7 +187,8 @@ def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(local_workers, 
     assert restored["step"] == 8 or restored["step"] == 16, restored  # the newest checkpoint before the failure
     assert summary["strategy_history"][-1]["pp"] == 2, summary["strategy_history"]
     ref, _ = reference(load_job(MLP[0], overrides))
-    assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5
+    tol = 1e-4 if len(layout) > 1 and "interleaved" not in layout[1] else 1e-5  # a sharded or tp stage: 1e-4
+    assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= tol
 
 
 @pytest.mark.timing  # it asserts on measured step times: run one at a time, nothing beside it

@@ -321,6 +321,7 @@ def served(mlp_run, tmp_path_factory):
         log.close()
 
 
+@pytest.mark.ray  # gearshift serve starts Ray Serve
 @pytest.mark.runs
 def test_serve_answers_as_eager_batches_concurrent_requests_and_splits_traffic(served):
     url, x, model = served["url"], served["x"], served["model"]
@@ -345,6 +346,7 @@ def test_serve_answers_as_eager_batches_concurrent_requests_and_splits_traffic(s
     print(json.dumps({"canary_requests": canary, "stable_batches": batches}))
 
 
+@pytest.mark.ray  # gearshift serve starts Ray Serve
 @pytest.mark.runs
 def test_batch_sizes_queue_wait_and_forward_time_reach_prometheus_per_version(served):
     """Ray's Prometheus endpoint carries the replicas' gearshift_serve_* histograms, tagged with
@@ -368,6 +370,7 @@ def test_batch_sizes_queue_wait_and_forward_time_reach_prometheus_per_version(se
     assert "serve_" in text[""].replace("gearshift_serve_", "")  # Serve's own metrics beside them
 
 
+@pytest.mark.ray  # gearshift serve starts Ray Serve
 @pytest.mark.runs
 def test_a_latency_request_does_not_wait_for_the_batch_window(served):
     url, x = served["url"], served["x"]
@@ -387,6 +390,7 @@ def test_a_latency_request_does_not_wait_for_the_batch_window(served):
     assert latency_s < 0.4 <= batched_s  # a lone batched request waits the whole window; the latency one none of it
 
 
+@pytest.mark.ray  # gearshift serve starts Ray Serve
 @pytest.mark.runs
 def test_bad_requests_get_a_4xx_and_the_server_stays_up(served):
     url = served["url"]
@@ -415,6 +419,7 @@ def test_bad_requests_get_a_4xx_and_the_server_stays_up(served):
     assert _request(url, {"inputs": served["x"][:2].tolist()})[0] == 200  # still serving
 
 
+@pytest.mark.ray  # gearshift serve starts Ray Serve
 @pytest.mark.runs
 def test_promote_and_rollback_move_all_traffic(served):
     url, state = served["url"], served["state"]

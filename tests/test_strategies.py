@@ -45,6 +45,7 @@ def test_param_groups_keep_shards_apart_for_fused_optimizers(process_group):
 
 @pytest.mark.crossing("dropout", "data")
 @pytest.mark.crossing("dropout", "pipeline")
+@pytest.mark.crossing("dropout", "pipeline_tp")
 def test_each_replica_and_pipeline_position_draws_its_own_stream_and_a_tp_group_one():
     """Dropout under a pipeline: the blocks after a cut must not draw the masks the first
     position's blocks drew; a tensor-parallel group computes one activation, so draws one mask."""

@@ -71,6 +71,7 @@ def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(local_workers
     assert wait_until(lambda: not worker_processes()), "no TrainWorker process may outlive a failed run"
 
 
+@pytest.mark.ray  # the real command in a fresh process, with its embedded Ray
 def test_ctrl_c_stops_everything_and_the_run_resumes_exactly(tmp_path):
     """The real command in its own session, Ctrl-C'd as a terminal does it (SIGINT to the whole
     process group, Ray's own processes included): it exits 130 within seconds, says so in the

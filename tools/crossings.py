@@ -54,8 +54,10 @@ EVENTS = {
 
 PIPELINES = ("pipeline", "interleaved", "pipeline_dp_shard", "pipeline_tp")
 # cells no layout of that kind meets: a recut moves a pipeline's blocks; a pipeline rebalances by
-# a recut, not by the replicas' shares
-NOT_APPLICABLE = {("recut", layout) for layout in LAYOUTS if layout not in PIPELINES}
+# a recut, not by the replicas' shares (orchestrator/control/stragglers.py: StageBalancer under
+# pp > 1, the shares' Rebalancer only without stages); strategy tensor is one replica, no shares
+NOT_APPLICABLE = ({("recut", layout) for layout in LAYOUTS if layout not in PIPELINES}
+                  | {("rebalance", layout) for layout in PIPELINES} | {("rebalance", "tensor")})
 
 
 @dataclasses.dataclass(frozen=True)
