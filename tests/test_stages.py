@@ -143,3 +143,30 @@ def test_a_recut_that_could_not_be_allocated_is_not_proposed_again():
             proposed.append(got.starts)
             bal.not_allocated(got)  # the workers answered "failed": the old cut stays in force
     assert proposed == [(0, 5)], proposed
+
+
+def test_a_recut_is_priced_against_its_gain_over_the_steps_left():
+    """As a grow or a switch is: the step's predicted gain over the steps left must beat (1 +
+    margin) x a recut's cost, two steps before any is measured, then what the run's recuts took."""
+    layout = Layout("pipeline", 1, 1, pp=2)
+    near_end = StageBalancer("rebalance", layout, CUT, total_steps=11)  # the slowdown is seen at step 10
+    assert not [d for _, d in feed(near_end, lambda s: [400.0, 200.0], 11) if isinstance(d, Recut)]
+
+    far = StageBalancer("rebalance", layout, CUT, total_steps=1000)
+    rng, recuts = random.Random(0), []
+    for step in range(1, 120):
+        speeds = [400.0, 200.0] if step < 40 else [200.0, 400.0]  # the other position slows at step 40
+        got = far.observe(record(step, far.starts, speeds, rng))
+        if isinstance(got, Recut):
+            recuts.append((step, got))
+            got.evidence["seconds"] = 1e6  # as TrainWorker.recut measured it: far more than any gain
+            far.applied(got, step)
+    [(step, first)] = recuts  # the second slowdown's recut would cost more than it gains
+    ev = first.evidence
+    assert ev["pays"] and ev["steps_left"] == 1000 - step and not ev["recut_cost_measured"]
+    assert ev["gain_s_per_step"] * ev["steps_left"] > ev["recut_cost_s"] * (1 + ev["switch_margin"])
+    assert far.recuts_s == [1e6]
+
+    unmeasured = StageBalancer("rebalance", layout, CUT, total_steps=1000)
+    out = feed(unmeasured, lambda s: [400.0, 200.0] if s < 40 else [200.0, 400.0], 119)
+    assert len([d for _, d in out if isinstance(d, Recut)]) == 2  # without the measured cost, both pay

@@ -48,7 +48,8 @@ class Stragglers:
         if on and lay.pp > 1:  # a pipeline's stages: their cut follows the speeds (a drop is not made)
             cut = ctl.group.call("pipeline_cut")[0]
             self.rebalancer = StageBalancer("report" if mode == "report" else "rebalance", lay, cut, ctl.infos,
-                                            cooldown=ctl.job.adapt.cooldown) if cut else None
+                                            cooldown=ctl.job.adapt.cooldown,
+                                            total_steps=ctl.job.train.steps) if cut else None
         elif on and lay.dp > 1:
             drop = DropRule(ctl.job.adapt.straggler_drop_ratio, self.may_drop) if mode == "drop" else None
             self.rebalancer = Rebalancer(mode, lay, ctl.job.train.global_batch_size, ctl.micro, ctl.infos,

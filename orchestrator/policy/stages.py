@@ -10,7 +10,9 @@ before the first block and after the last counted half each to the first and the
 the balanced cut counts them) over that time. The new cut is the one whose slowest stage is
 fastest at those speeds (strategies/pipeline/cut.py `balanced`), taken where the predicted cut of
 the slowest position's time beats `min_gain` and the noise of the medians, in the window and in
-each of its halves. The speeds are per parameter: a stage whose blocks compute more per parameter
+each of its halves, and where it pays as a grow or a switch must: the step's predicted gain over
+the steps left beats (1 + margin) x what a recut costs (the run's recuts as measured, else two
+steps). The speeds are per parameter: a stage whose blocks compute more per parameter
 reads as slower and gets fewer blocks, which is the same move. Pure: the controller carries a
 `Recut` out with `TrainWorker.recut` where the workers stop for it.
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import ClassVar
 
-from gearshift.orchestrator.policy.decisions import Report
+from gearshift.orchestrator.policy.decisions import AdaptConfig, Report
 from gearshift.orchestrator.policy.rebalance import MIN_GAIN, SETTLE, WINDOW, quantile
 from gearshift.strategies.pipeline.cut import balanced
 
@@ -57,8 +59,11 @@ class StageBalancer:
     TrainWorker.pipeline_cut says (blocks, weights, rest, starts)."""
 
     def __init__(self, mode: str, layout, cut: dict, infos: list[dict] | None = None, window: int = WINDOW,
-                 min_gain: float = MIN_GAIN, cooldown: int = 40):
+                 min_gain: float = MIN_GAIN, cooldown: int = 40, total_steps: int | None = None,
+                 margin: float = AdaptConfig.switch_margin):
         self.mode, self.window, self.min_gain, self.cooldown = mode, window, min_gain, cooldown
+        self.total_steps, self.margin = total_steps, margin  # a recut's gain over the steps left pays its cost
+        self.recuts_s: list[float] = []  # what the run's recuts took, measured (TrainWorker.recut's seconds)
         self.pp = layout.pp
         self.ranks = [[r for r in range(layout.world) if layout.stage_of(r) == p] for p in range(self.pp)]
         self.where = [{"rank": rs[0], "node": (infos or [{}] * layout.world)[rs[0]].get("node_ip")}
@@ -86,6 +91,8 @@ class StageBalancer:
         return out
 
     def applied(self, decision: Recut, step: int) -> None:
+        if decision.evidence.get("seconds") is not None:
+            self.recuts_s.append(decision.evidence["seconds"])
         self.starts = decision.starts
         self.arrived = None
         self.steps.clear()
@@ -184,7 +191,22 @@ class StageBalancer:
                 return None
             self.said = step
             return Report("straggler", evidence)
-        return Recut(tuple(self.blocks[i] for i in starts[1:]), starts, evidence)
+        price = self._price(step_s, evidence["predicted_step_s"], step)
+        if not price["pays"]:
+            return None
+        return Recut(tuple(self.blocks[i] for i in starts[1:]), starts, {**evidence, **price})
+
+    def _price(self, step_s: float, predicted_s: float, step: int) -> dict:
+        """Whether a recut predicted to take the step from `step_s` to `predicted_s` pays, as a grow
+        or a switch is priced: its gain a step over the steps left must pay (1 + margin) x what a
+        recut costs (the run's measured recuts, else two steps, a switch's price before any is
+        measured). Without a known end (total_steps None) every gain pays."""
+        gain = step_s - predicted_s
+        cost = median(self.recuts_s) if self.recuts_s else 2 * step_s
+        left = None if self.total_steps is None else self.total_steps - step
+        pays = gain > 0 and (left is None or gain * left > cost * (1 + self.margin))
+        return {"pays": pays, "gain_s_per_step": gain, "steps_left": left, "recut_cost_s": cost,
+                "recut_cost_measured": bool(self.recuts_s), "switch_margin": self.margin}
 
 
 def _sizes(starts, n: int) -> list[int]:
