@@ -17,6 +17,7 @@ every call (the behaviour before the pool), to tell a leak between calls from a 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import socket
@@ -80,35 +81,56 @@ class Pool:
 
     def take(self, world: int) -> list[tuple]:
         """The first `world` processes, for a worker group (tests/process_workers.py) to host its
-        TrainWorkers on until it hands them back with `release` (or ends the pool)."""
-        if os.environ.get("GEARSHIFT_TEST_FRESH_PROCESSES") == "1" or not all(p.is_alive() for p, _ in self.members):
+        TrainWorkers on until it hands them back with `release`. A process that died since (a
+        fault test killed it) is replaced, the others kept."""
+        if os.environ.get("GEARSHIFT_TEST_FRESH_PROCESSES") == "1":
             self.close()
+        for member in [m for m in self.members if not m[0].is_alive()]:
+            self._drop(member)
         self._grow(world)
         return self.members[:world]
 
-    def release(self, members: list[tuple], timeout_s: float) -> bool:
-        """End the hosted workers' sessions; False (and the pool ended) where one did not end
-        within `timeout_s` (what an abandoned call still sends is read past)."""
+    def release(self, members: list[tuple], timeout_s: float) -> None:
+        """End the hosted workers' sessions. A process that does not end its session within
+        `timeout_s` (stuck in a collective a lost peer never joins), that died, or whose gearshift
+        a fault fixture patched, is stopped and replaced at the next take; the others serve the
+        next group. What an abandoned call still sends is read past."""
         deadline = time.monotonic() + timeout_s
-        retire = False
-        try:
-            for _, conn in members:
+        for _, conn in members:
+            try:
                 conn.send(("end",))
-            for proc, conn in members:
-                while True:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not conn.poll(left):
-                        raise TimeoutError
-                    answer = conn.recv()
-                    if answer[0] == "ended":
-                        retire = retire or answer[1]
-                        break
-            if retire:  # a process whose gearshift a fault fixture patched is not reused
-                self.close()
-            return True
-        except (TimeoutError, EOFError, OSError):
-            self.close()
+            except OSError:
+                pass
+        for member in members:
+            if not self._ended(member[1], deadline):
+                self._drop(member)
+
+    @staticmethod
+    def _ended(conn, deadline: float) -> bool:
+        """Whether the session on `conn` ended in time, in a process fit to serve another."""
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not conn.poll(left):
+                    return False
+                answer = conn.recv()
+                if answer[0] == "ended":
+                    return not answer[1]
+        except (EOFError, OSError):
             return False
+
+    def _drop(self, member: tuple) -> None:
+        """Stop one process by its handle and forget it."""
+        proc, conn = member
+        if member in self.members:
+            self.members.remove(member)
+        with contextlib.suppress(OSError):
+            conn.send(STOP)
+        proc.join(timeout=2)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        conn.close()
 
     def _grow(self, world: int) -> None:
         ctx = mp.get_context("spawn")

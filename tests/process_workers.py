@@ -38,6 +38,8 @@ import gloo_pool
 from gearshift.orchestrator.errors import WorkerFailed
 
 STALL_MARGIN_S = 30.0  # past the collective timeout with no report from any rank: stuck
+RELEASE_S = 30.0  # a finished run's workers shut down (a final write settles) within this
+RELEASE_AFTER_FAILURE_S = 5.0  # after a failure: a rank not done by then waits in a collective
 _IDS = itertools.count(1)
 
 
@@ -154,12 +156,12 @@ class ProcessWorkerGroup:
         return [{"CPU": float(os.cpu_count() or 1)}]
 
     def shutdown(self, polite: bool = True) -> None:
+        """Each worker's session ended; a process that does not end it in time (after a failure: a
+        rank stuck in a collective with a lost peer) is stopped and replaced, the others serve
+        the next run."""
         members, self.members = self.members, []
-        if not members:
-            return
-        if polite and all(proc.is_alive() for proc, _ in members) and gloo_pool.HOSTS.release(members, 30.0):
-            return
-        gloo_pool.HOSTS.close()  # a rank may be stuck in a collective: the pool starts afresh
+        if members:
+            gloo_pool.HOSTS.release(members, RELEASE_S if polite else RELEASE_AFTER_FAILURE_S)
 
     # ---------------------------------------------------------------- the pipe
 
