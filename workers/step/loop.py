@@ -62,7 +62,7 @@ class StepLoop:
                 self.profiler.before_step(w.step, w.parallel.model)
                 loss, data_span, lr, found = w.runner.one_step(w.step)
             except Exception as err:  # noqa: BLE001 - out of memory here or on a peer; anything else is raised
-                if not isinstance(err, torch.OutOfMemoryError) and not oom.peer_gone(err):
+                if not oom.ran_out(err) and not oom.peer_gone(err):
                     raise
                 if pending.losses:
                     yield self._report(pending, False) | self.profiler.take()
@@ -87,7 +87,8 @@ class StepLoop:
     def step_failed(self, err: Exception) -> dict:
         """Drop the failed step (nothing of it applied) and say why: out of memory here, or a peer gone."""
         w, runner = self.w, self.w.runner
-        ran_out = isinstance(err, torch.OutOfMemoryError)
+        ran_out = oom.ran_out(err)
+        root = oom.causes(err)[-1]  # what failed under a library's wrapper (a pipeline stage's)
         kind = ("oom_in_update" if runner.updating else "oom") if ran_out else "aborted"
         figures = oom.memory_figures(w.device)  # what was held when it failed
         # a write behind the steps coordinates on a group about to be left: it fails, uncommitted
@@ -100,7 +101,7 @@ class StepLoop:
         oom.give_back(w.device)
         return {"kind": kind, "rank": w.rank, "step": w.step + 1, "layout": w.layout.to_dict(),
                 "micro_batch": w.micro_batch or w.config.global_batch_size // w.layout.dp,
-                "message": f"{type(err).__name__}: {str(err)[:500]}", **figures}
+                "message": f"{type(root).__name__}: {str(root)[:500]}", **figures}
 
     def _report(self, pending: PendingSteps, checkpoint: bool) -> dict:
         w, runner = self.w, self.w.runner

@@ -28,12 +28,29 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "ncclRemoteError", "remote process exited", "Watchdog caught collective operation timeout")
 
 
+def causes(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions it was raised from: torch.distributed.pipelining raises a stage's
+    failure as a RuntimeError ("[Stage k] failed to run forward") from the collective's or the
+    allocation's own error, so what failed is read down the chain."""
+    chain: list[BaseException] = []
+    while err is not None and err not in chain:
+        chain.append(err)
+        err = err.__cause__
+    return chain
+
+
+def ran_out(err: BaseException) -> bool:
+    """Whether `err`, raised in a step, is (or was raised from) running out of device memory."""
+    return any(isinstance(e, torch.OutOfMemoryError) for e in causes(err))
+
+
 def peer_gone(err: BaseException) -> bool:
-    """Whether `err`, raised in a step, is a collective failing because a peer left the group."""
-    if isinstance(err, torch.OutOfMemoryError):
+    """Whether `err`, raised in a step, is (or was raised from) a collective failing because a
+    peer left the group."""
+    if ran_out(err):
         return False
-    text = str(err)
-    return isinstance(err, (RuntimeError, dist.DistError)) and any(s in text for s in _PEER_GONE)
+    return any(isinstance(e, (RuntimeError, dist.DistError)) and any(s in str(e) for s in _PEER_GONE)
+               for e in causes(err))
 
 
 def memory_figures(device: torch.device) -> dict:
