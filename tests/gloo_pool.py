@@ -10,7 +10,11 @@ gearshift's meshes).
 
 A call that fails, dies or runs past its time limit ends the pool's processes (a peer may be stuck
 in a collective the failed rank never joins) and the next call starts fresh ones; the failing
-rank's traceback is raised here. `GEARSHIFT_TEST_FRESH_PROCESSES=1` starts fresh processes for
+rank's traceback is raised here.
+
+A second pool of the same processes, HOSTS, holds the TrainWorkers of tests/process_workers.py's
+worker groups (a "host" call: one worker's session until the group ends it); the two kinds of work
+never share a process. `GEARSHIFT_TEST_FRESH_PROCESSES=1` starts fresh processes for
 every call (the behaviour before the pool), to tell a leak between calls from a fault.
 """
 
