@@ -36,6 +36,7 @@ from gearshift.workers.step.data import tokens_per_sample
 from gearshift.workers.step.loader import step_seed
 from gearshift.workers.step.loop import StepLoop
 from gearshift.workers.step.nonfinite import NonFiniteStep
+from gearshift.workers.step.outbox import ReportOutbox
 from gearshift.workers.step.runner import StepRunner
 from gearshift.workers.step.telemetry import WorkerTelemetry
 
@@ -62,6 +63,7 @@ class TrainWorker:
         self.loop = StepLoop(self)
         self.builder = Builder(self)  # the build part
         self.io = StateIO(self)  # the state part
+        self.outbox = ReportOutbox()  # the step loop's reports, for the controller's polls
 
     # ---------------------------------------------------------------- placement and rendezvous
 
@@ -248,6 +250,17 @@ class TrainWorker:
         checkpoint is written behind the steps, its part reported once written, at the end at the latest.
         """
         yield from self.loop.train(until_step, checkpoint_every, flush_s, last_step, chunk, async_save)
+
+    def run_train(self, call: int, *args) -> None:
+        """`train(*args)` as one plain call (the controller's, numbered `call`): its reports go to
+        the outbox as they are made, for `take_reports` (workers/step/outbox.py); its failure is
+        this call's, raised once every report before it is in the outbox."""
+        self.outbox.run(call, self.train(*args))
+
+    def take_reports(self, call: int, wait_s: float) -> tuple[list[dict], bool]:
+        """The reports of `run_train` call `call` made since the last take, and whether it has
+        ended, waiting up to `wait_s` for one. Runs on a thread of its own while `run_train` runs."""
+        return self.outbox.take(call, wait_s)
 
     def shutdown(self) -> None:
         self.io.writes.settle()

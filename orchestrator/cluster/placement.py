@@ -123,14 +123,15 @@ class Placement:
 
     def spawn(self, pg, index: int):
         """A TrainWorker actor in bundle `index` of placement group `pg`. Its `request_stop` and
-        `heartbeat` run on a thread of their own while `train` runs (workers/step/stopping.py)."""
+        `heartbeat` run on a thread of their own while `train` runs (workers/step/stopping.py),
+        and `take_reports` on another (a long poll must not hold a heartbeat up)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from gearshift.workers.worker import TrainWorker
 
         job = self.job
-        actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
+        actor_cls = ray.remote(concurrency_groups={"control": 1, "reports": 1})(TrainWorker)
         return actor_cls.options(**with_env(dict(
             num_cpus=job.cluster.cpus_per_worker, num_gpus=job.cluster.gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),

@@ -1,4 +1,5 @@
-"""One step loop's reports, streamed from every rank as they arrive (RayWorkerGroup.train).
+"""One step loop's reports, taken from every rank as they arrive (RayWorkerGroup.train): each
+rank's loop is one call, its reports are taken in long polls (workers/step/outbox.py).
 
 While no report comes in, the workers are asked for heartbeats on their control thread, and
 liveness.py says when a silence, a wait inside one collective or a group that gets nowhere is a
@@ -23,18 +24,25 @@ from gearshift.orchestrator.cluster.lost import LossProbe
 log = logging.getLogger("gearshift")
 
 STALL_MARGIN_S = 5.0   # no report nor heartbeat, or one collective, for the collective timeout plus this: stuck
+POLL_S = 1.0  # a poll of a rank's reports returns after this when none comes (its first report ends it at once)
 
 
 class TrainStream:
     """The reports of one call of every rank's `train`; `lost` (rank -> failure) is filled with
-    the ranks lost meanwhile under elastic (the group's membership keeps it after the stream)."""
+    the ranks lost meanwhile under elastic (the group's membership keeps it after the stream).
 
-    def __init__(self, job: Job, ranks: Ranks, lost: dict[int, WorkerFailed]):
-        self.job, self.ranks, self.lost = job, ranks, lost
-        # heartbeat calls in flight -> rank (one per rank at a time); kept so that the group's
-        # shutdown drops them while Ray is still up (an ObjectRef freed after ray.shutdown, at the
-        # interpreter's exit, can crash the process)
+    Each rank's loop is one plain call (`run_train`) and its reports are taken in long polls
+    (`take_reports`, workers/step/outbox.py), one in flight per rank: the driver holds no Ray
+    streaming generator, whose I/O thread outlives it."""
+
+    def __init__(self, job: Job, ranks: Ranks, lost: dict[int, WorkerFailed], call: int = 0):
+        self.job, self.ranks, self.lost, self.call = job, ranks, lost, call
+        # calls in flight: heartbeats and polls -> rank (one of each per rank at a time), each
+        # rank's loop; kept so that the group's shutdown drops them while Ray is still up (an
+        # ObjectRef freed after ray.shutdown, at the interpreter's exit, can crash the process)
         self.beats: dict[Any, int] = {}
+        self.polls: dict[Any, int] = {}
+        self.runs: dict[int, Any] = {}
 
     def reports(self, until_step: int, checkpoint_every: int, stall_timeout_s: float | None,
                 last_step: int | None, chunk: int | None) -> Iterator[tuple[int, dict]]:
@@ -45,67 +53,89 @@ class TrainStream:
         fault = self.job.fault
         stall_timeout_s = stall_timeout_s or fault.collective_timeout_s + STALL_MARGIN_S
         flush_s = 0.0 if chunk is not None else 0.5
-        gens = {w.train.remote(until_step, checkpoint_every, flush_s, last_step, chunk,
-                               self.job.checkpoint.async_save): rank
-                for rank, w in enumerate(self.ranks.workers)}
+        self.runs = {rank: w.run_train.remote(self.call, until_step, checkpoint_every, flush_s, last_step, chunk,
+                                              self.job.checkpoint.async_save)
+                     for rank, w in enumerate(self.ranks.workers)}
+        self.polls = {self._poll(rank): rank for rank in self.runs}
         watch = Liveness(len(self.ranks.workers), stall_timeout_s, fault.progress_timeout_s, time.monotonic())
         probe = LossProbe(self.ranks.workers, self.ranks.infos) if self.job.on_node_loss == "elastic" else None
-        while gens:
-            ready, _ = ray.wait(list(gens), num_returns=1, timeout=0.1 if probe and probe.probing else 1.0)
-            for rank in probe.gone(gens.values()) if probe else ():  # its peers lost it; it answers nothing
-                self._lose(gens, rank, WorkerFailed(rank, probe.why(rank), kind=WorkerFailed.DIED), probe.detected,
-                           watch)
-            ready = [g for g in ready if g in gens]
+        while self.polls:
+            ready, _ = ray.wait(list(self.polls), num_returns=1, timeout=0.1 if probe and probe.probing else 1.0)
+            for rank in probe.gone(list(self.runs)) if probe else ():  # its peers lost it; it answers nothing
+                self._lose(rank, WorkerFailed(rank, probe.why(rank), kind=WorkerFailed.DIED), probe.detected, watch)
+            ready = [p for p in ready if p in self.polls]
             if not ready:
                 self._hear(watch)
                 hung = watch.verdict(time.monotonic())
                 if hung is not None:
                     raise WorkerFailed(hung.rank, hung.reason, kind=WorkerFailed.SILENT)
                 continue
-            for gen in ready:
-                rank = gens[gen]
-                report = self._next(gens, gen, watch)
-                if report is None:  # its loop ended, or (elastic) it was lost
+            for ref in ready:
+                rank = self.polls.pop(ref)
+                taken = self._take(rank, ref, watch)
+                if taken is None:  # lost (elastic)
                     continue
-                watch.reported(rank, time.monotonic())
-                if probe and "step_failed" in report:
-                    probe.step_dropped(rank)
-                yield rank, report
+                reports, ended = taken
+                for report in reports:
+                    watch.reported(rank, time.monotonic())
+                    if probe and "step_failed" in report:
+                        probe.step_dropped(rank)
+                    yield rank, report
+                if ended:
+                    self._end(rank, watch)
+                else:
+                    self.polls[self._poll(rank)] = rank
         if self.lost:
             err = self.lost[min(self.lost)]
             err.lost_ranks = sorted(self.lost)
             raise err
 
-    def _next(self, gens: dict, gen, watch: Liveness) -> dict | None:
-        """The next report of `gen`'s rank; None where its loop has ended or, under elastic, its
-        process is gone (the rank counted lost). Any other failure raises."""
+    def _poll(self, rank: int):
+        """A long poll of `rank`'s outbox, on its own thread (a heartbeat is not held up)."""
+        return self.ranks.workers[rank].take_reports.options(concurrency_group="reports").remote(self.call, POLL_S)
+
+    def _take(self, rank: int, ref, watch: Liveness) -> tuple[list[dict], bool] | None:
+        """What `rank`'s poll brought: (reports, whether its loop ended); None where, under
+        elastic, its process is gone (the rank counted lost). Any other failure raises."""
         import ray
 
-        rank = gens[gen]
-        try:
-            ref = next(gen)
-        except StopIteration:
-            del gens[gen]
-            watch.finished(rank, time.monotonic())
-            return None
         try:
             return ray.get(ref, timeout=CALL_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerFailed(rank, f"its report did not arrive within {CALL_TIMEOUT_S:g} s",
+            raise WorkerFailed(rank, f"its reports did not arrive within {CALL_TIMEOUT_S:g} s",
                                kind=WorkerFailed.SILENT) from None
         except ray.exceptions.RayActorError as err:
-            if self.job.on_node_loss != "elastic":
-                raise died(rank, self.ranks.infos[rank], err) from None
-            self._lose(gens, rank, died(rank, self.ranks.infos[rank], err), time.time(), watch)
-            return None
+            return self._died(rank, err, watch)
+
+    def _end(self, rank: int, watch: Liveness) -> None:
+        """`rank`'s loop has ended and every report of it is in: its call's failure, if any, is raised."""
+        import ray
+
+        try:
+            ray.get(self.runs.pop(rank), timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerFailed(rank, f"its loop's end did not arrive within {CALL_TIMEOUT_S:g} s",
+                               kind=WorkerFailed.SILENT) from None
+        except ray.exceptions.RayActorError as err:
+            self._died(rank, err, watch)
+            return
         except ray.exceptions.RayError as err:
             raise task_failure(err, rank) from None
+        watch.finished(rank, time.monotonic())
 
-    def _lose(self, gens: dict, rank: int, err: WorkerFailed, detected: float | None, watch: Liveness) -> None:
+    def _died(self, rank: int, err, watch: Liveness) -> None:
+        """`rank`'s process is gone: the run's failure, or under elastic a rank lost."""
+        if self.job.on_node_loss != "elastic":
+            raise died(rank, self.ranks.infos[rank], err) from None
+        self._lose(rank, died(rank, self.ranks.infos[rank], err), time.time(), watch)
+
+    def _lose(self, rank: int, err: WorkerFailed, detected: float | None, watch: Liveness) -> None:
         """Elastic: count `rank` lost (seen at wall time `detected`) and stop waiting on it."""
         err.detected = detected
         self.lost[rank] = err
-        del gens[next(g for g, r in gens.items() if r == rank)]
+        self.runs.pop(rank, None)
+        for ref in [p for p, r in self.polls.items() if r == rank]:
+            del self.polls[ref]
         watch.finished(rank, time.monotonic())
 
     def _hear(self, watch: Liveness) -> None:
@@ -134,5 +164,7 @@ class TrainStream:
                     beats[w.heartbeat.options(concurrency_group="control").remote()] = rank
 
     def drop(self) -> None:
-        """Let go of the heartbeats still in flight (before Ray shuts down)."""
+        """Let go of the calls still in flight (before Ray shuts down)."""
         self.beats.clear()
+        self.polls.clear()
+        self.runs.clear()

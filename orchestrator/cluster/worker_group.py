@@ -121,7 +121,7 @@ class RayWorkerGroup:
         or waits inside one collective that long, or a group that finishes no step for
         fault.progress_timeout_s, is a failure (stream.py)."""
         self.chunk += 1
-        self.stream = TrainStream(self.job, self.ranks, self.membership.new_stream())
+        self.stream = TrainStream(self.job, self.ranks, self.membership.new_stream(), self.chunk)
         yield from self.stream.reports(until_step, checkpoint_every, stall_timeout_s, last_step,
                                        self.chunk if stoppable else None)
 
