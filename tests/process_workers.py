@@ -9,10 +9,16 @@ processes that have imported torch once for the whole pytest process. The `local
 fixture (conftest.py) makes every run a test starts in-process (`gearshift.api.train`, so
 `cli.main(["run", ...])` and `gearshift.run(...)` alike) use it.
 
+Under fault.on_node_loss elastic a lost worker's process is seen gone at once (its pipe and its
+sentinel); the survivors' loops end as on Ray (their collectives lose it, each reporting where
+it stopped), and the group then goes on in memory on the survivors (`shrink`: each survivor's
+real TrainWorker.rejoin) or the controller restarts it from the checkpoint.
+
 What it does not do, so the tests of these stay on Ray: placement and nodes (one node, here),
 cluster.env (set before a process starts), streamed datasets (Ray Data's feeders), the file
-server, heartbeats (a silence is measured from the last report instead), and elastic
-membership (no shrink, no grow: a lost worker is a restart from the checkpoint).
+server, heartbeats (a silence is measured from the last report instead), Ray's own account of a
+lost worker (lost.py's probe, a node's death), and growth (no worker waits to join: `joinable`
+is 0, so a grow is never planned).
 
 Every wait is bounded: a call by the group's call timeout, the step loop by the job's collective
 timeout plus a margin since the last report. A failed or timed-out run ends the pool's processes
@@ -91,21 +97,23 @@ class ProcessWorkerGroup:
     def call(self, method: str, *args, timeout: float | None = None) -> list:
         return self._each(lambda rank: (method, args), method, timeout)
 
-    def _each(self, request, what: str, timeout: float | None = None) -> list:
+    def _each(self, request, what: str, timeout: float | None = None, ranks: list[int] | None = None) -> list:
+        """`request(rank)` = (method, args) called on each of `ranks` (default: all), their results."""
         ident = next(_IDS)
-        for rank, (_, conn) in enumerate(self.members):
+        ranks = list(range(len(self.members))) if ranks is None else ranks
+        for rank in ranks:
             method, args = request(rank)
             self._send(rank, ("call", ident, method, args))
         results: dict[int, Any] = {}
         deadline = time.monotonic() + (timeout or self.call_timeout_s)
-        while len(results) < len(self.members):
-            rank, msg = self._receive(set(range(len(self.members))) - set(results), deadline, what, None)
+        while len(results) < len(ranks):
+            rank, msg = self._receive(set(ranks) - set(results), deadline, what, None)
             if msg[1] != ident:
                 continue  # an answer to a call abandoned earlier
             if msg[0] == "error":
                 raise _raised(None, msg)
             results[rank] = msg[2]
-        return [results[r] for r in range(len(self.members))]
+        return [results[r] for r in ranks]
 
     def put(self, value: Any) -> Any:
         return value  # handed to each process by the pipe
@@ -120,8 +128,17 @@ class ProcessWorkerGroup:
             self._send(rank, ("train", ident, args))
         silence = stall_timeout_s or self.job.fault.collective_timeout_s + STALL_MARGIN_S
         running = set(range(len(self.members)))
+        lost: dict[int, WorkerFailed] = {}  # elastic: ranks gone while the survivors' loops end
         while running:
-            rank, msg = self._receive(running, time.monotonic() + silence, "train", silence)
+            try:
+                rank, msg = self._receive(running, time.monotonic() + silence, "train", silence)
+            except WorkerFailed as err:
+                if self.job.on_node_loss != "elastic" or err.kind != WorkerFailed.DIED:
+                    raise
+                err.detected = time.time()
+                lost[err.rank] = err
+                running.discard(err.rank)
+                continue
             if msg[1] != ident:
                 continue
             if msg[0] == "error":
@@ -130,6 +147,10 @@ class ProcessWorkerGroup:
                 running.discard(rank)
                 continue
             yield rank, msg[2]
+        if lost:  # as RayWorkerGroup's stream: the lowest lost rank's failure, naming every lost rank
+            err = lost[min(lost)]
+            err.lost_ranks = sorted(lost)
+            raise err
 
     def stop_early(self) -> None:
         for rank in range(len(self.members)):
@@ -139,6 +160,28 @@ class ProcessWorkerGroup:
     def regroup(self) -> None:
         port = _free_port()
         self.call("rejoin", "127.0.0.1", port, self.job.fault.collective_timeout_s)
+
+    def shrink(self, keep: list[int], layout: dict, behind: list[int] = ()) -> list[dict]:
+        """Elastic: go on with the workers of ranks `keep` (new rank i is keep[i]) on a new process
+        group in `layout`, as RayWorkerGroup's Membership.shrink: the others' sessions end (a dead
+        or stuck process is replaced in the pool), the ranks in `behind` receive the state as a
+        joining worker would. Each survivor's rejoin result."""
+        joining = self._each(lambda rank: ("describe", ()), "describe", ranks=[keep[0]])[0] if behind else None
+        left = [self.members[r] for r in range(len(self.members)) if r not in keep]
+        self.members = [self.members[r] for r in keep]
+        self.infos = [dict(self.infos[r], rank=i) for i, r in enumerate(keep)]
+        self.gone = {}
+        gloo_pool.HOSTS.release(left, RELEASE_AFTER_FAILURE_S)
+        old_ranks = [None if r in behind else r for r in keep]
+        port, t, world = _free_port(), self.job.fault.collective_timeout_s, len(keep)
+        return self._each(lambda i: ("rejoin", ("127.0.0.1", port, t, i, world, layout, old_ranks,
+                                                joining if old_ranks[i] is None else None)), "rejoin")
+
+    def joinable(self) -> int:
+        return 0  # no worker waits to join here: a grow stays on Ray
+
+    def joining(self, count: int) -> list[dict]:
+        return []
 
     # ---------------------------------------------------------------- what the controller asks of the cluster
 

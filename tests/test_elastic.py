@@ -1,7 +1,10 @@
 """Elastic shrink: a worker killed mid-step, and the survivors go on in memory on fewer workers
 from the step that failed, ending where single-process PyTorch on the same global batches ends;
 where some piece of the state lived only on the lost rank, the run restarts from its checkpoint
-and says why. The pure logic first (what survives, what the survivors go on as), then Ray."""
+and says why. The pure logic first (what survives, what the survivors go on as), then real runs:
+a shrink on Ray (its own account of the lost actor) and the layouts' shrinks and fallbacks on the
+warm processes (tests/process_workers.py: the same controller and workers, no Ray), then grows,
+which need Ray's placement."""
 
 from __future__ import annotations
 
@@ -153,10 +156,13 @@ def test_the_straggler_fields_refuse_bad_values_in_a_line(overrides, field, said
     assert (job.adapt.stragglers, job.adapt.straggler_drop_ratio) == ("drop", 2.5)
 
 
-# ----------------------------------------------------------------------------- on Ray, for real
+# ----------------------------------------------------------------------------- real runs: a worker killed
 
 DEEP_MLP = "model.kwargs={in_features: 784, hidden: 64, out_features: 10, layers: 4}"  # blocks to cut
-SLOW = ["train.steps=30", "checkpoint.every=10", "inject.comm_delay_ms=30", "fault.max_failures=2",
+# a loss at step 8 of 20, checkpoints every 5: a restart from the checkpoint computes steps again, an
+# in-memory shrink none (or the one that failed); the 30 ms a collective lets the kill land mid-run
+STEPS = 20
+SLOW = [f"train.steps={STEPS}", "checkpoint.every=5", "inject.comm_delay_ms=30", "fault.max_failures=2",
         "cluster.num_workers=4", "cluster.cpus_per_worker=1", "cluster.min_workers=1", "train.global_batch_size=24"]
 # Adam turns float rounding into 1e-5 within 30 steps even on an uninterrupted data(3) run (1.5e-5
 # measured); data-parallel runs are checked with SGD and momentum, whose state moves as Adam's does
@@ -184,7 +190,7 @@ def await_joiners(monkeypatch, when=lambda: True, timeout_s: float = 120.0) -> N
     monkeypatch.setattr(Growth, "ready", waiting)
 
 
-def _killed_run(tmp_path, overrides, rank=3, at_step=15):
+def _killed_run(tmp_path, overrides, rank=3, at_step=8):
     killer = Killer(tmp_path / "run", rank=rank, at_step=at_step)
     killer.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
@@ -193,17 +199,10 @@ def _killed_run(tmp_path, overrides, rank=3, at_step=15):
     return summary
 
 
-@pytest.mark.ray
-@pytest.mark.parametrize("layout", [["parallel.strategy=data", *SGD],
-                                    ["parallel.strategy=hybrid", "parallel.tp_size=2"],
-                                    ["parallel.strategy=hsdp", "parallel.shard_size=2"]], ids=["data", "hybrid", "hsdp"])
-@pytest.mark.crossing("shrink", "data")
-@pytest.mark.crossing("shrink", "hybrid")
-@pytest.mark.crossing("shrink", "hsdp")
-def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path, layout):
+def _dropped_in_memory(tmp_path, layout):
     overrides = MLP[1] + SLOW + layout
     summary = _killed_run(tmp_path, overrides)
-    assert summary["status"] == "done" and summary["steps_done"] == 30, summary.get("error")
+    assert summary["status"] == "done" and summary["steps_done"] == STEPS, summary.get("error")
     [resize] = events(tmp_path / "run", "resize")
     assert resize["from_checkpoint"] is False and resize["steps_redone"] <= 1 and resize["lost_ranks"] == [3]
     assert resize["world_size"] == [4, 3] and summary["world_size"] == 3
@@ -220,6 +219,21 @@ def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray
 
 
 @pytest.mark.ray
+@pytest.mark.crossing("shrink", "data")
+def test_on_ray_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
+    """On Ray: the killed worker's actor is lost (Ray's account and lost.py's probe), the
+    survivors go on in memory. The other layouts below run the same on the warm processes."""
+    _dropped_in_memory(tmp_path, ["parallel.strategy=data", *SGD])
+
+
+@pytest.mark.parametrize("layout", [["parallel.strategy=hybrid", "parallel.tp_size=2"],
+                                    ["parallel.strategy=hsdp", "parallel.shard_size=2"]], ids=["hybrid", "hsdp"])
+@pytest.mark.crossing("shrink", "hybrid")
+@pytest.mark.crossing("shrink", "hsdp")
+def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(local_workers, tmp_path, layout):
+    _dropped_in_memory(tmp_path, layout)
+
+
 @pytest.mark.parametrize("layout,why", [
     pytest.param(["parallel.strategy=fsdp"], "only on the lost rank(s) [3]", id="fsdp",
                  marks=pytest.mark.crossing("shrink", "fsdp")),
@@ -236,14 +250,14 @@ def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray
                  "cannot go on in memory", id="pp_tp", marks=pytest.mark.crossing("shrink", "pipeline_tp")),
 ])
 @pytest.mark.crossing("restart", "fsdp")
-def test_layouts_that_cannot_shrink_in_memory_fall_back_to_the_checkpoint_and_say_why(ray_cluster, tmp_path, layout,
+def test_layouts_that_cannot_shrink_in_memory_fall_back_to_the_checkpoint_and_say_why(local_workers, tmp_path, layout,
                                                                                      why):
-    """fault.on_node_loss elastic, rank 3 of 4 killed at step 15: a layout that held pieces only
+    """fault.on_node_loss elastic, rank 3 of 4 killed at step 8: a layout that held pieces only
     on it (fsdp, tensor), or a pipeline (its stages are not moved between ranks), goes on from the
     checkpoint on the survivors, says why, and ends where plain PyTorch ends."""
     overrides = MLP[1] + SLOW + layout
     summary = _killed_run(tmp_path, overrides)
-    assert summary["status"] == "done" and summary["steps_done"] == 30, summary.get("error")
+    assert summary["status"] == "done" and summary["steps_done"] == STEPS, summary.get("error")
     [failure] = events(tmp_path / "run", "failure")
     assert why in failure["elastic"], failure
     [resize] = events(tmp_path / "run", "resize")
@@ -253,19 +267,18 @@ def test_layouts_that_cannot_shrink_in_memory_fall_back_to_the_checkpoint_and_sa
     assert max_diff(final, ref) <= 1e-4  # the sharded layouts' tolerance
 
 
-@pytest.mark.ray
-def test_two_workers_lost_at_once_end_where_plain_pytorch_ends_or_restart(ray_cluster, tmp_path):
+def test_two_workers_lost_at_once_end_where_plain_pytorch_ends_or_restart(local_workers, tmp_path):
     """The second loss lands while the first is handled (the survivors' drain or their new group):
     the run ends correctly either in memory or from the checkpoint, and never hangs."""
     overrides = MLP[1] + SLOW + ["parallel.strategy=data", *SGD]
-    killers = [Killer(tmp_path / "run", rank=r, at_step=15) for r in (3, 1)]
+    killers = [Killer(tmp_path / "run", rank=r, at_step=8) for r in (3, 1)]
     for k in killers:
         k.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
     for k in killers:
         k.join(timeout=5)
     assert all(k.killed for k in killers)
-    assert summary["status"] == "done" and summary["steps_done"] == 30, summary.get("error")
+    assert summary["status"] == "done" and summary["steps_done"] == STEPS, summary.get("error")
     resizes = events(tmp_path / "run", "resize")
     assert resizes and resizes[0]["world_size"][1] <= 3
     ref = sharded_reference(load_job(MLP[0], overrides), replicas_of(tmp_path / "run", 4))
@@ -286,7 +299,8 @@ def test_a_shrunk_run_grows_back_when_the_lost_place_returns(ray_cluster, tmp_pa
     # a new worker takes 12 s to start on an idle 2-core machine and over 40 s beside another test's
     # cluster: the driver's look for joiners waits for it here, so that the run cannot end first
     await_joiners(monkeypatch)
-    overrides = MLP[1] + SLOW + SGD + layout + ["train.steps=60", "fault.collective_timeout_s=20"]
+    overrides = MLP[1] + SLOW + SGD + layout + ["train.steps=60", "checkpoint.every=10",
+                                                "fault.collective_timeout_s=20"]
     summary = _killed_run(tmp_path, overrides, at_step=10)
     assert summary["status"] == "done" and summary["steps_done"] == 60, summary.get("error")
     job = load_job(MLP[0], overrides)
@@ -376,6 +390,7 @@ def test_under_strategy_auto_a_grow_is_a_decision_priced_by_the_cost_model(ray_c
     # 300 steps of 0.1 s or more: the extra worker takes 15-25 s to start and warm up on a loaded
     # 2-core machine
     overrides = MLP[1] + SLOW + SGD + ["cluster.num_workers=2", "cluster.max_workers=3", "train.steps=300",
+                                       "checkpoint.every=10",
                                        "inject.comm_delay_ms=100", "fault.collective_timeout_s=20",
                                        "parallel.strategy=auto"]
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
@@ -412,7 +427,8 @@ def test_a_very_slow_worker_is_let_go_in_memory_taken_back_later_and_the_run_equ
     then a worker in its place joins by the elastic growth (no longer slow: kept), and the run ends
     where plain PyTorch does on the same global batches."""
     await_joiners(monkeypatch)
-    overrides = MLP[1] + SLOW + SGD + ["train.steps=90", "parallel.strategy=data", "inject.comm_delay_ms=0",
+    overrides = MLP[1] + SLOW + SGD + ["train.steps=90", "checkpoint.every=10", "parallel.strategy=data",
+                                      "inject.comm_delay_ms=0",
                                       "adapt.stragglers=drop", "inject.slow={ranks: [3], factor: 6, to_step: 40}",
                                       "fault.collective_timeout_s=20"]
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
