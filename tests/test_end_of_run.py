@@ -2,13 +2,14 @@
 checkpoint (after every step has trained) is recovered from as anywhere else. Under elastic the
 survivors that hold the whole state write it themselves, with no step trained again; where the
 lost rank held a piece only it had, the run restarts from its newest checkpoint and trains the
-rest again. Either way the run ends done, with final.pt equal to plain PyTorch."""
+rest again. Either way the run ends done, with final.pt equal to plain PyTorch. The runs are on
+the warm processes (tests/process_workers.py): what is tested is the controller's end of a run,
+not Ray's account of the loss (tests/test_elastic.py has that)."""
 
 from __future__ import annotations
 
 import shutil
 
-import pytest
 import torch
 
 from gearshift.orchestrator.job import load_job
@@ -16,8 +17,6 @@ from gearshift.workers.state import checkpoint
 from test_elastic import SGD, sharded_reference
 from test_fault import events
 from test_train_equivalence import FIXTURES, max_diff, reference, run_gearshift
-
-pytestmark = pytest.mark.ray
 
 STEPS = 30
 BASE = [f"train.steps={STEPS}", "train.global_batch_size=24", "cluster.num_workers=4", "cluster.cpus_per_worker=1",
@@ -38,7 +37,7 @@ def _job(tmp_path, *overrides):
     return job, BASE + list(overrides)
 
 
-def test_survivors_holding_the_state_write_the_final_checkpoint(ray_cluster, tmp_path):
+def test_survivors_holding_the_state_write_the_final_checkpoint(local_workers, tmp_path):
     job, overrides = _job(tmp_path, "parallel.strategy=data", "checkpoint.every=0", *SGD)
     summary = run_gearshift(job, overrides, tmp_path / "run")
     assert summary["status"] == "done" and summary["steps_done"] == STEPS, summary.get("error")
@@ -58,7 +57,7 @@ def test_survivors_holding_the_state_write_the_final_checkpoint(ray_cluster, tmp
     assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5
 
 
-def test_a_lost_piece_at_the_end_restarts_from_the_newest_checkpoint(ray_cluster, tmp_path):
+def test_a_lost_piece_at_the_end_restarts_from_the_newest_checkpoint(local_workers, tmp_path):
     """fsdp(4) held each shard once: the survivors cannot write it, so the run restarts from the
     checkpoint of step 20 and trains the last 10 steps again (the restarted worker is a new process,
     which does not die)."""
