@@ -85,7 +85,7 @@ def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_
     (measured here: 0.80 s a step under data, 0.38 s under the pipeline, 0.38 s predicted)."""
     run = tmp_path / "run"
     overrides = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=auto",
-                 "inject.nodes=2", "inject.link={mb_per_s: 2.5, latency_ms: 2}", "train.steps=60",
+                 "inject.nodes=2", "inject.link={mb_per_s: 2.5, latency_ms: 2}", "train.steps=30",
                  "train.global_batch_size=32", "checkpoint.every=0", "adapt.start=memory"]
     summary = run_gearshift(GPT[0], overrides, run)
     records = [json.loads(line) for line in (run / "telemetry.jsonl").read_text().splitlines()]
