@@ -246,8 +246,9 @@ def test_smoke_run(smoke, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-# one at a time, nothing beside it (the `alone` part of CI): each starts a Ray of its own, and two
-# beside the Ray tier's tests timed out starting it and slowed a timed fault test past its bound
+# in a part of CI's own (`alone`), two at a time and nothing else beside them: each starts a Ray of
+# its own, and two beside the Ray tier's tests timed out starting it and slowed a timed fault test
+# past its bound (two side by side: 124 s for the ten, against 162 s one at a time)
 @pytest.mark.alone
 @pytest.mark.parametrize("smoke", [s for s in SMOKES if s.ray], ids=lambda s: s.id)
 def test_smoke_run_on_ray(smoke, tmp_path):
