@@ -52,10 +52,15 @@ rounding and whatever else the process touches (gloo's buffers, the data loader)
    maps the file and takes its part) against DCP (every rank writes its own shards, the driver commits the manifest; loading:
    every rank reads its pieces), each timed as the driver sees it, as orchestrator/checkpoints.py
    does it, the two formats alternating; medians over repeats with their min-max spread.
+7. The full format under a pipeline (pp 2 on 2 workers): each rank's peak growth while saving
+   over the checkpoint's bytes, streamed a tensor at a time (each position's owner sends rank 0
+   one tensor, rank 0 writes it) against the stages' parts pickled to rank 0 at once (before;
+   still where rank 0 reaches no place to write), alternating:
+   `pipeline_save_growth_rank0_streamed_over_pickled`.
 
     python bench/memory.py            # every ordered pair, 3 checkpoint repeats per format and size
     python bench/memory.py --quick    # data<->fsdp, fsdp<->hybrid; 2 repeats (about 8 min on 2 cores)
-    python bench/memory.py --smoke    # parts 1-3 and 5, data<->fsdp, a 0.1M-parameter GPT: that it runs (CI)
+    python bench/memory.py --smoke    # parts 1-3, 5 and 7, data<->fsdp, a 0.1M-parameter GPT: that it runs (CI)
 
 The last line of output is one JSON object with every figure (bytes are bytes, times seconds);
 a part that failed has null figures and a `*_error` key with the error's first line.
@@ -224,17 +229,23 @@ def full_gather_switch(worker, layout: dict) -> dict:
     return {"seconds": time.perf_counter() - start, "layout": target.to_dict(), "step": w.step}
 
 
-def grown(worker, phase: str, method: str):
-    """(worker.method()'s result, this process's peak growth while it ran)."""
+def grown(worker, phase: str, method):
+    """(worker.method()'s result, or method(worker)'s, this process's peak growth while it ran)."""
     import gc
 
     gc.collect()
     before = _SAMPLER.enter(phase)
     try:
-        result = getattr(worker, method)()
+        result = method(worker) if callable(method) else getattr(worker, method)()
     finally:
         _SAMPLER.enter(None)
     return result, _SAMPLER.peak(phase) - before
+
+
+def pickled_state(worker) -> None:
+    """The whole state gathered as every pipeline checkpoint of the full format did before it
+    streamed (each position's part pickled to rank 0 at once, Parallel.full_state); dropped."""
+    worker.parallel.full_state(worker.optimizer, worker.rank)
 
 
 def no_full_place(worker) -> None:
@@ -257,10 +268,11 @@ def set_checkpoints(worker, fmt: str, root: str) -> str:
 
 # ------------------------------------------------------------------ the driver
 
-def make_job(world: int, strategy: str = "data", extra_parallel: dict | None = None, as_dict: bool = True):
+def make_job(world: int, strategy: str = "data", extra_parallel: dict | None = None, as_dict: bool = True,
+             model: dict | None = None):
     from gearshift.orchestrator.job import job_from_dict
 
-    raw = {"model": GPT, "data": "chars", "optimizer": {"name": "adam"},
+    raw = {"model": model or GPT, "data": "chars", "optimizer": {"name": "adam"},
            "parallel": {"strategy": strategy, **(extra_parallel or {})},
            "train": {"steps": 100000, "global_batch_size": 4},
            "cluster": {"num_workers": world},
@@ -702,6 +714,49 @@ def checkpoint_small(args, log) -> dict:
         group.close()
 
 
+def pipeline_checkpoint(args, log) -> dict:
+    """The full format under a pipeline (pp 2 on 2 workers): each rank's peak growth while saving,
+    streamed a tensor at a time (strategies/pipeline/gather.py: each position's owner sends rank 0
+    one tensor, rank 0 writes it) against the stages' parts pickled to rank 0 at once (what a
+    rank that reaches no place to write still does, Parallel.full_state, and what every pipeline
+    checkpoint did before), alternating; over the checkpoint's bytes."""
+    model = {**GPT, "kwargs": {**GPT["kwargs"], "n_layer": max(2, GPT["kwargs"]["n_layer"])}}  # a block a stage
+    group = open_group(make_job(2, "pipeline", {"pp_size": 2}, model=model), 2, args.period_ms / 1000)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-bench-pipeline-ckpt-"))
+    growth: dict[str, list[list[int]]] = {"streamed": [], "pickled": []}
+    size = None
+    try:
+        group.call("train", args.warm, 0, 1000.0)
+        for r in range(args.repeats):
+            for how in (("streamed", "pickled") if r % 2 == 0 else ("pickled", "streamed")):
+                (tmp / how).mkdir(exist_ok=True)
+                group.apply(set_checkpoints, "full", str(tmp / how))
+                got = group.call(grown, f"ckpt_{how}", "checkpoint" if how == "streamed" else pickled_state)
+                growth[how].append([g[1] for g in got])
+                if how == "streamed":
+                    size = got[0][0]["checkpoint_file"]["files"]["state.pt"]["bytes"]
+                del got
+                shutil.rmtree(tmp / how, ignore_errors=True)
+    finally:
+        group.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    out: dict = {"pipeline_ckpt_bytes": size}
+    for how, rounds in growth.items():
+        for rank in (0, 1):
+            values = [g[rank] / size for g in rounds]
+            out[f"pipeline_save_growth_over_state_{how}_rank{rank}"] = statistics.median(values)
+            out[f"pipeline_save_growth_over_state_{how}_rank{rank}_spread"] = spread(values)
+    ratios = [a[0] / b[0] for a, b in zip(growth["streamed"], growth["pickled"]) if b[0] > 0]
+    out["pipeline_save_growth_rank0_streamed_over_pickled"] = statistics.median(ratios) if ratios else None
+    out["pipeline_save_growth_rank0_streamed_over_pickled_spread"] = spread(ratios) if ratios else None
+    log(f"  pipeline (pp 2) full-format save, peak growth over the state's {size / 2**30:.2f} GiB: rank 0 "
+        f"streamed {out['pipeline_save_growth_over_state_streamed_rank0']:.3f}, pickled "
+        f"{out['pipeline_save_growth_over_state_pickled_rank0']:.3f}; rank 1 streamed "
+        f"{out['pipeline_save_growth_over_state_streamed_rank1']:.3f}, pickled "
+        f"{out['pipeline_save_growth_over_state_pickled_rank1']:.3f}")
+    return out
+
+
 def cost_model_part(steady: dict) -> dict:
     """The cost model's predicted per-rank memory (orchestrator/costmodel.memory, for the job's
     model, optimizer and micro-batch) against the measured steady state per layout. The prediction
@@ -753,7 +808,7 @@ def main() -> None:
     ap.add_argument("--ckpt-layout", default=None, help="layout the checkpoints are taken in (default fsdp, else data)")
     ap.add_argument("--period-ms", type=float, default=1.0, help="RSS sampling period")
     ap.add_argument("--model", default=None, help="JSON: GPT kwargs to override (a smaller model for a try-out)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, finish, build, ckpt")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, finish, build, ckpt, pipeline")
     ap.add_argument("--build-repeats", type=int, default=None, help="first builds per variant (meta, whole)")
     ap.add_argument("--smoke", action="store_true", help="the quick cycle over data and fsdp only, 1 steady step a "
                     "visit, a GPT of 0.1M parameters, no build, finish or checkpoint parts: that the bench runs")
@@ -838,6 +893,12 @@ def run_parts(args, skip: set, log, figures: dict) -> list[dict]:
             figures[f"dcp_over_full_{k}_{world}_spread"] = c and c[f"dcp_over_full_{k}_spread"]
         figures[f"ckpt_bytes_{world}"] = c and {"full": c["bytes_full"], "dcp": c["bytes_dcp"]}
     figures["ckpt_layout"] = args.ckpt_layout
+    if "pipeline" not in skip:
+        try:
+            figures.update(pipeline_checkpoint(args, log))
+        except Exception as err:
+            figures["pipeline_ckpt_error"] = first_line(err)
+            log(f"pipeline checkpoint part FAILED: {figures['pipeline_ckpt_error']}")
     return switches
 
 

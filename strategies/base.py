@@ -212,6 +212,11 @@ class Parallel:
         every rank then gathers each tensor, in the structure's order)."""
         return state.state_tensors(self.model, optimizer)
 
+    def whole_state(self, optimizer: torch.optim.Optimizer, rank: int) -> state.WholeTensors:
+        """The whole state for rank 0 one tensor at a time (the full checkpoint format); every rank
+        calls it and exhausts its `tensors()`, in step."""
+        return state.WholeTensors(self.state_tensors(optimizer), rank, self.gathers_collectively)
+
     def load_full_state(self, optimizer: torch.optim.Optimizer, full: dict) -> None:
         """Take this rank's part of full tensors (any layout wrote them)."""
         state.load_model_state(self.model, full["model"])

@@ -107,3 +107,32 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module, sav
     for group in sd["param_groups"]:
         group.update({k: v for k, v in saved["hyperparameters"].items()})
     optimizer.load_state_dict(sd)
+
+
+def tensors_of(tree) -> list[torch.Tensor]:
+    """The tensors of a nested dict, in its order (every rank walks the same structure)."""
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in tensors_of(v)]
+    return [tree] if torch.is_tensor(tree) else []
+
+
+class WholeTensors:
+    """A layout's whole state for rank 0, one tensor at a time (the full checkpoint format):
+    `tree()` its structure, `tensors()` each tensor whole on the CPU in that structure's order.
+    Where the layout splits tensors (`collective`), every rank gathers each one with rank 0 by
+    exhausting `tensors()`, which yields nothing there; elsewhere only rank 0 has anything to do.
+    A pipeline streams its stages' parts instead (strategies/pipeline/gather.py)."""
+
+    def __init__(self, tree: dict, rank: int, collective: bool):
+        self._tree, self.rank, self.collective = tree, rank, collective
+
+    def tree(self) -> dict:
+        return self._tree
+
+    def tensors(self):
+        if self.rank != 0 and not self.collective:
+            return
+        for t in tensors_of(self._tree):
+            whole = full(t)
+            if self.rank == 0:
+                yield whole.detach().cpu()

@@ -114,9 +114,11 @@ SMOKES = [
     # real runs that start no Ray: plain gloo processes (bench/local_group.py)
     Smoke("bench/switch.py", ("--smoke",), ("switch/step", "data    hybrid")),  # 11 s: 4 workers, 6 switches
     Smoke("bench/build_time.py", ("--smoke",), ("smoke exact ", "smoke per_shard ", "smoke pretrained ")),  # 15 s
-    # 22 s: the memory part (steady states, both kinds of switch, evaluation) and the cost model;
-    # the finish, build and checkpoint parts each start processes of their own (--quick runs them)
-    Smoke("bench/memory.py", ("--smoke",), ("steady data", "switch data>fsdp", "fsdp4_over_data4_state")),
+    # 22 s: the memory part (steady states, both kinds of switch, evaluation), the cost model and a
+    # pipeline's full-format save streamed and pickled (2 processes of its own); the finish, build
+    # and checkpoint parts each start processes of their own (--quick runs them)
+    Smoke("bench/memory.py", ("--smoke",), ("steady data", "switch data>fsdp", "fsdp4_over_data4_state",
+                                            "pipeline (pp 2) full-format save")),
     # 19 s: the loader and accumulation comparisons; not the compile comparison, whose first (cold)
     # inductor compile alone takes 20-80 s here (`bench/loop.py --quick --only compile` runs it)
     Smoke("bench/loop.py", ("--smoke",), ("loader2/loader0 samples/s", "accum4/accum1: samples/s")),

@@ -163,6 +163,30 @@ def test_a_checkpoint_resumed_into_and_out_of_the_layout_ends_where_plain_pytorc
     check_exact(base, run, layout)
 
 
+@pytest.mark.parametrize("layout", ["pipeline", "interleaved", "pipeline_dp_shard", "pipeline_tp"])
+def test_a_full_format_checkpoint_of_a_pipeline_is_streamed_and_resumes_under_data(local_workers, tmp_path, layout):
+    """checkpoint.format full under each pipeline layout: rank 0 writes state.pt as each
+    position's owner sends it a tensor at a time (strategies/pipeline/gather.py); the file holds
+    the whole model and optimizer, by the plain model's names, and a run resumed from it under
+    data ends where the plain loop ends."""
+    from gearshift.orchestrator.commands import cli
+    from gearshift.workers.state import checkpoint
+
+    run = tmp_path / "run"
+    base = DEEP + ["checkpoint.every=2", "checkpoint.keep=2", "checkpoint.format=full"]
+    run_gearshift(MLP[0], base + LAYOUTS[layout] + ["train.steps=4"], run)
+    newest = checkpoint.list_checkpoints(run / "checkpoints")[-1]
+    manifest, _ = checkpoint.verify(newest)
+    assert newest.name == "step_00000004" and list(manifest["files"]) == ["state.pt"], manifest
+    saved = torch.load(newest / "state.pt", weights_only=True)
+    plain, _ = reference(load_job(MLP[0], base + ["train.steps=4"]))
+    assert set(saved["model"]) == set(plain) and set(saved["optimizer"]["state"]) == set(plain)
+    assert max_diff(saved["model"], plain) <= TOLERANCE.get(layout, 1e-5)
+    sets = [a for o in UNSET + LAYOUTS["data"] + ["train.steps=8"] for a in ("--set", o)]
+    assert cli.main(["run", "--resume", str(run), *sets]) == 0
+    check_exact(base, run, layout)
+
+
 # ---------------------------------------------------------------- dropout
 
 @pytest.mark.parametrize("layout,same_as", [

@@ -18,6 +18,7 @@ from torch import nn
 from gearshift import strategies
 from gearshift.strategies.layout import Layout, LayoutError
 from gearshift.strategies.pipeline import cut as cuts
+from gearshift.workers.state import full_format
 from test_fsdp import spawn_gloo
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "fixtures"))
@@ -155,13 +156,28 @@ def _pipelined(rank, world, name, pp, schedule, micro, accumulation, opt_name, c
     x, y = data(name, 99)  # a held-out batch, forward through the stages (any batch size)
     held_out = par.share_loss(par.evaluate(x[:5], y[:5], loss_fn)).item()
     full = par.full_state(opt, rank)
+    # the same state streamed to rank 0 a tensor at a time, as the full checkpoint format takes it
+    streamed = full_format.gathered(par, opt, rank)
     if compiled:  # every block this rank runs went through a compiled graph
         from torch._dynamo.utils import counters
 
         assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
     if rank == 0:
         torch.save({"model": full["model"], "losses": losses, "held": sorted(par.info.held), "eval": held_out,
-                    "ties": par.info.ties, "cut": par.cut.describe(), "stages": len(par.cut.stages)}, out_path)
+                    "ties": par.info.ties, "cut": par.cut.describe(), "stages": len(par.cut.stages),
+                    "streamed_vs_pickled": same_state(streamed, full)}, out_path)
+
+
+def same_state(a, b) -> str:
+    """'' where two nested states hold the same keys and bit-equal tensors, else the first difference."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if list(a) != list(b):
+            return f"keys {list(a)} != {list(b)}"
+        return next((f"{k}: {d}" for k in a for d in [same_state(a[k], b[k])] if d), "")
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        same = torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+        return "" if same else "tensors differ"
+    return "" if a == b else f"{a!r} != {b!r}"
 
 
 CASES = [  # model, workers, pp, schedule, micro-batches, accumulation, optimizer, clip
@@ -209,6 +225,7 @@ def check_case(tmp_path, case) -> None:
     got = torch.load(out, weights_only=False)
     ref, ref_losses = plain(name, opt_name, clip)
     assert got["model"].keys() == ref.keys()  # the whole model's names, every tensor once
+    assert got["streamed_vs_pickled"] == "", got["streamed_vs_pickled"]  # the full format's stream, bit-equal
     worst = max((got["model"][k].float() - ref[k].float()).abs().max().item() for k in ref)
     # sharded: the replicas' sum is reduce-scattered in another order, which Adam's division by
     # the root of a near-zero second moment amplifies in single elements (1e-5..2e-5 measured;

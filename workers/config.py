@@ -68,7 +68,7 @@ class WorkerConfig:
     # FSDP2's (param_dtype, reduce_dtype) under fsdp, hsdp and hybrid dp_shard; None: fp32 gathers
     # and reductions (see fsdp_mixed_precision)
     fsdp_mixed_precision: tuple[str, str] | None = None
-    # strategy pipeline: {"microbatches", "schedule", "split"} (orchestrator/job/checks.py pp_microbatches)
+    # strategy pipeline: {"microbatches", "schedule", "split", "pp_size"} (orchestrator/job/checks.py pp_microbatches)
     pipeline: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -163,4 +163,4 @@ def _pipeline(job: Mapping[str, Any]) -> dict:
     the layout, workers/build/builder.py), the schedule and the cuts."""
     par = job["parallel"]
     return {"microbatches": par.get("pp_microbatches"), "schedule": par.get("pp_schedule", "1f1b"),
-            "split": tuple(par.get("pp_split") or ())}
+            "split": tuple(par.get("pp_split") or ()), "pp_size": par.get("pp_size")}

@@ -138,7 +138,8 @@ class TrainWorker:
         cfg = self.config
         self.builder.prepare()
         self.builder.lay_out(Layout.from_dict(layout) if layout else
-                             Layout.for_workers(cfg.strategy, self.world, cfg.tp_size, cfg.shard_size, cfg.dp_shard))
+                             Layout.for_workers(cfg.strategy, self.world, cfg.tp_size, cfg.shard_size, cfg.dp_shard,
+                                                cfg.pipeline.get("pp_size")))
         self.step = 0
         self.io.locate()
         self.runner.built()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gearshift.strategies import state
+from gearshift.strategies.pipeline.gather import StreamedGather
 from gearshift.strategies.state import _is_dtensor
 from gearshift.strategies.base import Options, Parallel
 from gearshift.strategies.layout import Layout
@@ -316,12 +317,17 @@ class PipelineParallel(Parallel):
             out["optimizer"]["hyperparameters"] = p["optimizer"]["hyperparameters"]
         return out
 
-    def state_tensors(self, optimizer) -> dict:
-        """The whole state on rank 0 (gathered here, every rank taking part), nothing elsewhere:
-        what is left for the caller to gather is none."""
-        rank = dist.get_rank()
-        full = self.full_state(optimizer, rank)
-        return full if full is not None else {}
+    def whole_state(self, optimizer, rank: int) -> StreamedGather:
+        """The whole state streamed to rank 0 a tensor at a time, each from the owner of its
+        position (strategies/pipeline/gather.py), never the stages' parts pickled at once."""
+        self.at_rest()
+        layout = self.layout
+        owner = {}
+        for r in range(layout.world):  # a position's owner: its rank in replica 0, tp rank 0
+            if layout.dp_rank(r) == 0 and r % layout.tp == 0:
+                owner.setdefault(layout.stage_of(r), r)
+        return StreamedGather(state.state_tensors(self.model, optimizer), rank, dist.get_world_size(),
+                              lambda r: owner[layout.stage_of(r)], self.options.device)
 
     def load_full_state(self, optimizer, full: dict) -> None:
         self.at_rest()

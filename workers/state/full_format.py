@@ -11,13 +11,14 @@ rename. Rank 0 holds one gathered tensor at a time, never the state; the driver 
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 import shutil
 import tempfile
 
 import torch
 
-from gearshift.strategies.state import full
+from gearshift.strategies.state import tensors_of
 from gearshift.workers.state import checkpoint, dcp, export, storage
 
 STATE = "state.pt"
@@ -49,13 +50,6 @@ def place(checkpoint_dir: str | None, server: str | None, options: dict | None, 
     return None
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    """The tensors of a nested dict, in its order (every rank walks the same structure)."""
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    return [tree] if torch.is_tensor(tree) else []
-
-
 def _placeholders(tree, counter: list):
     if isinstance(tree, dict):
         return {k: _placeholders(v, counter) for k, v in tree.items()}
@@ -65,22 +59,42 @@ def _placeholders(tree, counter: list):
     return tree
 
 
+def gathered(parallel, optimizer, rank: int) -> dict | None:
+    """The whole state as full tensors on rank 0, gathered as `save` gathers it (None elsewhere):
+    rank 0 takes this where it reaches no place to write while the other ranks `save`, so every
+    rank takes part in the same gathers and sends. Rank 0 holds the whole state (it goes to the
+    driver whole)."""
+    whole = parallel.whole_state(optimizer, rank)
+    tensors = whole.tensors()
+    if rank != 0:
+        for _ in tensors:
+            pass
+        return None
+
+    def filled(tree):
+        if isinstance(tree, dict):
+            return {k: filled(v) for k, v in tree.items()}
+        return next(tensors) if torch.is_tensor(tree) else tree
+
+    return filled(whole.tree())
+
+
 def save(parallel, optimizer, root, step: int, rank: int, extra: dict) -> dict | None:
     """Rank 0 writes the checkpoint of `step` as `state.pt` into its temporary folder under `root`
     and returns {"step", "folder", "files"}; the other ranks take part in the gathers and return
     None. All ranks call it at the same step."""
-    tree = {**parallel.state_tensors(optimizer), **extra}
-    tensors = _tensors(tree)
+    whole = parallel.whole_state(optimizer, rank)
     if rank != 0:
-        if parallel.gathers_collectively:
-            for t in tensors:
-                full(t)  # this rank's part of each gather, in rank 0's order
+        for _ in whole.tensors():  # this rank's part of each gather or send, in rank 0's order
+            pass
         return None
+    tree = {**whole.tree(), **extra}
     layout = _placeholders(tree, [])
+    extras = (t.detach().cpu() for t in tensors_of(extra))
     local = pathlib.Path(tempfile.mkdtemp(prefix="gearshift-state-"))
     try:
         written = local / STATE
-        export.write_streamed(written, layout, ((full(t).detach().cpu(),) for t in tensors))
+        export.write_streamed(written, layout, ((t,) for t in itertools.chain(whole.tensors(), extras)))
         files = {STATE: {"bytes": written.stat().st_size, "sha256": checkpoint.sha256_file(written)}}
         folder = dcp.tmp_folder(root, step)
         if storage.is_remote(folder):  # an object store: a checkpoint of this step written before stops counting

@@ -56,8 +56,9 @@ class StateIO:
             if w.rank != 0 or self.full_place is not None:
                 part = full_format.save(w.parallel, w.optimizer, self.full_place, w.step, w.rank, extra)
                 return {"checkpoint_file": part} if part is not None else {}
-            state = self.state()
-            return {"checkpoint": state} if state is not None else {}
+            # rank 0 reaches no place to write: the state goes to the driver whole, gathered as
+            # the other ranks' `save` gathers it
+            return {"checkpoint": to_cpu({**full_format.gathered(w.parallel, w.optimizer, w.rank), **extra})}
         folder = dcp.tmp_folder(self.dcp_root, w.step)
         files = dcp.save(w.parallel.model, w.optimizer, folder, w.rank, w.world, self.extra())
         return {"checkpoint_part": {"step": w.step, "folder": str(folder), "files": files, "rank": w.rank}}
