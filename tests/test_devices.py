@@ -274,13 +274,14 @@ def test_maxlen_bounds_undrained_buffer():
 
 
 def test_stop_is_prompt_idempotent_and_closes_once():
+    # A period of ten minutes and a join of one: a thread that slept out its period instead of
+    # waking on the stop would still be alive when stop() gives up on it (and would not be closed).
     sampler = CountingSampler()
-    t = SamplerThread(sampler, period_s=10.0).start()
-    t0 = time.monotonic()
-    t.stop()
-    t.stop()
-    assert time.monotonic() - t0 < 1.0
-    assert not t._thread.is_alive() and sampler.closed == 1
+    t = SamplerThread(sampler, period_s=600.0).start()
+    t.stop(timeout_s=60.0)
+    t.stop(timeout_s=60.0)
+    assert not t._thread.is_alive(), "stop() did not interrupt the sampling period"
+    assert sampler.closed == 1 and sampler.n == 0  # closed once, and stopped before the first reading
 
 
 def test_failing_sampler_keeps_thread_alive_and_records_error(caplog):

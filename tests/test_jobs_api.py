@@ -201,28 +201,78 @@ def test_shorten():
 # -------------------------------------------------------------- failures, no cluster
 
 
-def test_nothing_listening_is_a_clean_error_and_quick(job_file):
-    url = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
+def _bounded(call, timeout_s):
+    """Run `call` on a thread of its own and wait for it at most `timeout_s`; return what it
+    returned, raise what it raised, and fail the test if it is still running after that."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # handed back to the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="bounded-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"still waiting after {timeout_s:g} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _count_connections(monkeypatch) -> list:
+    """Record every TCP connection requests (through urllib3) opens: (host, port) each."""
+    from urllib3.util import connection
+
+    opened, real = [], connection.create_connection
+
+    def counting(address, *args, **kwargs):
+        opened.append(address)
+        return real(address, *args, **kwargs)
+
+    monkeypatch.setattr(connection, "create_connection", counting)
+    return opened
+
+
+def test_nothing_listening_is_a_clean_error_and_quick(job_file, monkeypatch):
+    # Quick because a refused connection is reported as it is: one connection tried, no
+    # retries (urllib3's or gearshift's own) and no waiting on a timeout.
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    opened = _count_connections(monkeypatch)
     with pytest.raises(JobsApiError) as info:
         jobs_api.submit(job_file, url)
-    assert time.monotonic() - start < 5
+    assert opened == [("127.0.0.1", port)], opened
     message = str(info.value)
     assert url in message and "connection refused" in message and "8265" in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
 def test_silent_server_times_out(monkeypatch):
-    # Accepts connections (the kernel does, via the backlog) but never answers.
-    monkeypatch.setattr(jobs_client, "HTTP_TIMEOUT_S", (1.0, 1.0))
+    # Accepts connections (the kernel does, via the backlog) but never answers. Every request
+    # must carry the configured timeouts (1 s here), not the defaults (5 s and 60 s); the wait
+    # for the call is bounded at a third of the default read timeout, many times the configured
+    # one, so a request sent without the configured timeout fails here rather than hanging.
+    default_read_s = jobs_client.HTTP_TIMEOUT_S[1]
+    configured = (1.0, 1.0)
+    bound_s = default_read_s / 3
+    assert bound_s >= 10 * sum(configured)
+    monkeypatch.setattr(jobs_client, "HTTP_TIMEOUT_S", configured)
+    sent, send = [], requests.adapters.HTTPAdapter.send
+
+    def recording(adapter, request, *args, **kwargs):
+        sent.append(kwargs.get("timeout"))
+        return send(adapter, request, *args, **kwargs)
+
+    monkeypatch.setattr(requests.adapters.HTTPAdapter, "send", recording)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        start = time.monotonic()
-        with pytest.raises(JobsApiError, match="no answer in time"):
-            jobs_api.status(url)
-        assert time.monotonic() - start < 5
+        with pytest.raises(JobsApiError, match=r"no answer in time \(timeouts: connect 1 s, read 1 s\)"):
+            _bounded(lambda: jobs_api.status(url), bound_s)
+    assert sent and all(timeout == configured for timeout in sent), sent
 
 
 class _FakeHead(http.server.BaseHTTPRequestHandler):
@@ -324,17 +374,25 @@ class _QuietStreamClient:
     ],
 )
 def test_follow_does_not_hang_on_a_silent_stream(monkeypatch, after_quiet, error):
-    monkeypatch.setattr(jobs_api, "FOLLOW_IDLE_CHECK_S", 0.2)
+    # The stream never ends, so following ends only by the idle check. The wait for it is
+    # bounded at 50 times the configured check (0.2 s) and under the default one (30 s): a
+    # follow that never checked, or checked after the default instead, fails here.
+    idle_s = 0.2
+    bound_s = 50 * idle_s
+    assert bound_s < jobs_api.FOLLOW_IDLE_CHECK_S
+    monkeypatch.setattr(jobs_api, "FOLLOW_IDLE_CHECK_S", idle_s)
     monkeypatch.setattr(jobs_api, "_connect", lambda address: (_QuietStreamClient(after_quiet), "http://head:8265"))
     out = io.StringIO()
-    start = time.monotonic()
-    if error is None:
+
+    def follow():
         jobs_api.logs("head:8265", "j", follow=True, out=out)
+
+    if error is None:
+        _bounded(follow, bound_s)
     else:
         with pytest.raises(JobsApiError, match=error):
-            jobs_api.logs("head:8265", "j", follow=True, out=out)
+            _bounded(follow, bound_s)
     assert out.getvalue() == "step 1\n"
-    assert time.monotonic() - start < 5
 
 
 def test_not_a_dashboard(fake_head):

@@ -103,6 +103,23 @@ def fold(records) -> watch.WatchState:
     return state
 
 
+class FakeClock:
+    """Stands in for the `time` module inside gearshift.monitoring.watch: `sleep` is recorded and
+    moves `monotonic` on at once, so pacing and idle timeouts are checked in the clock's own terms
+    without waiting. A loop that would sleep past `limit_s` fails instead of spinning forever."""
+
+    def __init__(self, limit_s: float = 600.0):
+        self.now, self.slept, self.limit_s = 5.0, [], limit_s
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        assert sum(self.slept) <= self.limit_s, f"still sleeping after {self.limit_s:g} s of the fake clock"
+
+
 def write_run(run_dir: pathlib.Path, records: list[dict]) -> pathlib.Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.yaml").write_text("name: synthetic\n")
@@ -200,6 +217,7 @@ def test_follow_file_reads_a_growing_file_and_stops_at_the_end(tmp_path):
     path.write_text("")
     records = start_records() + [step(n) for n in range(1, 6)] + [event("state", T0 + 30, state="done", step=5)]
     lines = [json.dumps(r) + "\n" for r in records]
+    followed = threading.Event()
 
     def writer():
         with open(path, "a") as f:
@@ -213,14 +231,20 @@ def test_follow_file_reads_a_growing_file_and_stops_at_the_end(tmp_path):
                     f.write(line)
                 f.flush()
                 time.sleep(0.02)
-            time.sleep(5)  # the writer stays open: the reader has to stop by itself
+            followed.wait(60)  # the writer stays open until the reader is done: it has to stop by itself
 
+    # An idle timeout of ten minutes and a wait of one: a reader that did not stop at the end
+    # record (only after the idle timeout, or never) would still be reading when the wait ends.
+    got = []
     thread = threading.Thread(target=writer, daemon=True)
     thread.start()
-    t = time.monotonic()
-    got = list(watch.follow_file(path, poll_s=0.02, idle_timeout_s=10))
+    reader = threading.Thread(target=lambda: got.extend(watch.follow_file(path, poll_s=0.02, idle_timeout_s=600)),
+                              daemon=True)
+    reader.start()
+    reader.join(60)
+    followed.set()
+    assert not reader.is_alive(), "the reader did not stop at the run's end record"
     assert got == records
-    assert time.monotonic() - t < 3
 
 
 def test_follow_file_reads_past_an_end_when_a_resumed_leg_follows(tmp_path):
@@ -232,11 +256,15 @@ def test_follow_file_reads_past_an_end_when_a_resumed_leg_follows(tmp_path):
     assert fold(got).state == "done"
 
 
-def test_follow_file_idle_timeout_ends_without_error(tmp_path):
+def test_follow_file_idle_timeout_ends_without_error(tmp_path, monkeypatch):
     run = write_run(tmp_path / "run", start_records() + [step(1)])
-    t = time.monotonic()
+    clock = FakeClock()
+    monkeypatch.setattr(watch, "time", clock)
     got = list(watch.follow_file(run / "telemetry.jsonl", poll_s=0.02, idle_timeout_s=0.3))
-    assert len(got) == 4 and 0.25 < time.monotonic() - t < 2
+    assert len(got) == 4
+    # It polled for the whole idle timeout (not stopping at the first end of the file) and stopped
+    # at the first poll past it.
+    assert set(clock.slept) == {0.02} and 0.3 <= sum(clock.slept) < 0.3 + 2 * 0.02, clock.slept
 
 
 def test_follow_file_missing_or_not_telemetry(tmp_path):
@@ -280,32 +308,52 @@ def test_watch_off_a_terminal_prints_the_final_view_once():
 
 
 def test_watch_on_a_terminal_redraws_per_refresh_not_per_record(monkeypatch):
-    calls = []
+    calls, drawn = [], threading.Event()
     real = watch.render
-    monkeypatch.setattr(watch, "render", lambda *a, **k: calls.append(1) or real(*a, **k))
 
-    def slow_source():  # 3000 records over about a second
-        records = finished_run(steps=3000)
-        for i, record in enumerate(records):
-            if i % 300 == 0:
-                time.sleep(0.1)
-            yield record
+    def counting(*args, **kwargs):
+        calls.append(1)
+        drawn.set()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(watch, "render", counting)
+    records = finished_run(steps=3000)
+    refresh_s = watch.REFRESH_S
+
+    # With a refresh every ten minutes none falls due while the 3000 records come: the view is
+    # drawn once, at the end, however long folding them takes, and never once per record.
+    monkeypatch.setattr(watch, "REFRESH_S", 600.0)
+    console = Console(file=io.StringIO(), width=120, height=40, force_terminal=True)
+    assert watch.watch(iter(records), console) == 0
+    assert len(calls) == 1
+    assert "3000/3000" in ANSI.sub("", console.file.getvalue())
+
+    # At the real refresh the view is redrawn while the source waits and no record comes (a
+    # growing file between two steps): the redraws follow the clock, not the records.
+    monkeypatch.setattr(watch, "REFRESH_S", refresh_s)
+    redrawn = []
+
+    def waiting_source():
+        yield from records[:1500]
+        drawn.clear()
+        redrawn.append(drawn.wait(120 * refresh_s))
+        yield from records[1500:]
 
     console = Console(file=io.StringIO(), width=120, height=40, force_terminal=True)
-    t = time.monotonic()
-    assert watch.watch(slow_source(), console) == 0
-    assert 2 <= len(calls) <= (time.monotonic() - t) / watch.REFRESH_S + 3
+    assert watch.watch(waiting_source(), console) == 0
+    assert redrawn == [True], "the view was not redrawn while the source waited"
     assert "3000/3000" in ANSI.sub("", console.file.getvalue())
 
 
-def test_replay_paces_by_record_time_and_caps_long_pauses():
+def test_replay_paces_by_record_time_and_caps_long_pauses(monkeypatch):
     records = [step(1, t=T0), step(2, t=T0 + 10), step(3, t=T0 + 1000)]  # 10 s, then a 990 s pause
-    t = time.monotonic()
+    clock = FakeClock()
+    monkeypatch.setattr(watch, "time", clock)
     assert list(watch._paced(records, 100)) == records
-    assert 0.55 < time.monotonic() - t < 3  # 0.1 s + a pause capped at 0.5 s, not 9.9 s
-    t = time.monotonic()
-    list(watch._paced(records, None))
-    assert time.monotonic() - t < 0.05
+    assert clock.slept == pytest.approx([0.1, watch.MAX_REPLAY_SLEEP_S])  # 0.1 s + a pause capped at 0.5 s, not 9.9 s
+    clock.slept.clear()
+    assert list(watch._paced(records, None)) == records
+    assert clock.slept == []  # no speed: no pacing at all
 
 
 def test_ctrl_c_stops_watching_cleanly():
@@ -381,12 +429,21 @@ def test_cli_watch_finished_run_on_a_terminal(tmp_path):
 
 
 def test_cli_watch_replay_on_a_terminal(tmp_path):
-    run = write_run(tmp_path / "run", finished_run())
-    t = time.monotonic()
-    rc, _, text = run_in_pty([str(run), "--replay", "--speed", "1000"])
+    # A record every 10 s of run time: at --speed 1000 the replay sleeps 0.01 s a record; at the
+    # CLI's default speed, or any slower one, it sleeps the capped 0.5 s. The replay gets half of
+    # what the default speed would take, so one that dropped --speed is stopped and fails.
+    from gearshift.orchestrator.commands import cli
+
+    records = finished_run(steps=100)
+    for i, record in enumerate(records):
+        record["time"] = T0 + 10 * i
+    default_speed = cli._parser().parse_args(["watch", "--replay"]).speed
+    assert 10 / 1000 < 10 / default_speed  # the speed asked for paces faster than the default
+    at_default_s = (len(records) - 1) * min(10 / default_speed, watch.MAX_REPLAY_SLEEP_S)
+    run = write_run(tmp_path / "run", records)
+    rc, _, text = run_in_pty([str(run), "--replay", "--speed", "1000"], timeout_s=at_default_s / 2)
     assert rc == 0, text
-    assert_final_view(text, 10)
-    assert time.monotonic() - t < 15
+    assert_final_view(text, 100)
 
 
 def test_cli_watch_failed_run_exits_1(tmp_path):
@@ -450,9 +507,12 @@ def test_watching_a_run_whose_driver_was_killed_ends_and_says_so(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)  # its pid now names no process
     (run_dir / "driver.json").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "gearshift", "watch", str(run_dir)], capture_output=True,
-                          text=True, timeout=60, cwd=pathlib.Path(__file__).resolve().parents[1])
+    # No --timeout: only seeing the driver gone can end the watch; one that waited for an end
+    # record would run into the subprocess's limit.
+    try:
+        proc = subprocess.run([sys.executable, "-m", "gearshift", "watch", str(run_dir)], capture_output=True,
+                              text=True, timeout=60, cwd=pathlib.Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        pytest.fail("watch kept waiting for the end record of a run whose driver is gone")
     assert proc.returncode == 1, proc.stderr
     assert "killed" in proc.stderr and f"--resume {run_dir}" in proc.stderr
-    assert time.monotonic() - started < 30
