@@ -63,20 +63,15 @@ class TrainStream:
             ready, _ = ray.wait(list(self.polls), num_returns=1, timeout=0.1 if probe and probe.probing else 1.0)
             for rank in probe.gone(list(self.runs)) if probe else ():  # its peers lost it; it answers nothing
                 self._lose(rank, WorkerFailed(rank, probe.why(rank), kind=WorkerFailed.DIED), probe.detected, watch)
-            ready = [p for p in ready if p in self.polls]
-            if not ready:
-                self._hear(watch)
-                hung = watch.verdict(time.monotonic())
-                if hung is not None:
-                    raise WorkerFailed(hung.rank, hung.reason, kind=WorkerFailed.SILENT)
-                continue
-            for ref in ready:
+            heard = False  # a report came in: no rank is silent now
+            for ref in [p for p in ready if p in self.polls]:
                 rank = self.polls.pop(ref)
                 taken = self._take(rank, ref, watch)
                 if taken is None:  # lost (elastic)
                     continue
                 reports, ended = taken
                 for report in reports:
+                    heard = True
                     watch.reported(rank, time.monotonic())
                     if probe and "step_failed" in report:
                         probe.step_dropped(rank)
@@ -85,6 +80,11 @@ class TrainStream:
                     self._end(rank, watch)
                 else:
                     self.polls[self._poll(rank)] = rank
+            if not heard:  # an empty poll comes back every POLL_S: the watch is kept whatever returned
+                self._hear(watch)
+                hung = watch.verdict(time.monotonic())
+                if hung is not None:
+                    raise WorkerFailed(hung.rank, hung.reason, kind=WorkerFailed.SILENT)
         if self.lost:
             err = self.lost[min(self.lost)]
             err.lost_ranks = sorted(self.lost)
