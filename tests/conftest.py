@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import multiprocessing
 import os
 import shutil
 import signal
@@ -29,19 +28,23 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # folder to find "the" cluster on the machine (the newest session, the address file a job's driver
 # joins), and in the machine's shared /tmp/ray that is whichever Ray started last, another xdist
 # worker's or another suite's. Short, under /tmp: Ray's sockets live below it. Made afresh in each
-# pytest process (an xdist worker inherits its parent's environment), removed at its exit. A
-# process a test or a pool starts with multiprocessing imports this file too (a test module's
-# function is its target) and keeps its parent's folder: it may end by a kill, which runs no
-# exit handler, and a folder of its own would be left behind.
-if multiprocessing.current_process().name != "MainProcess" and os.environ.get("RAY_TMPDIR"):  # named before its target loads
-    RAY_TMPDIR = os.environ["RAY_TMPDIR"]
-else:
+# pytest process when it starts (pytest_configure: an xdist worker inherits its parent's
+# environment and makes its own), removed at its exit. Any other process that imports this file
+# (one a test or a pool starts, a Ray worker unpickling a test's function) keeps the folder of
+# the pytest process it descends from: it may end by a kill, which runs no exit handler, and a
+# folder of its own would be left behind.
+RAY_TMPDIR = os.environ.get("RAY_TMPDIR", "")
+
+
+def pytest_configure(config):
+    global RAY_TMPDIR
     RAY_TMPDIR = tempfile.mkdtemp(prefix="gsr", dir="/tmp")
     os.environ["RAY_TMPDIR"] = RAY_TMPDIR
     # Ray's own folder below it, made now: a ray.cluster_utils.Cluster writes its address file
     # there before any Ray of this process has made it
     os.makedirs(os.path.join(RAY_TMPDIR, "ray"), exist_ok=True)
     atexit.register(shutil.rmtree, RAY_TMPDIR, True)
+
 
 # Ray prints a warning per connection about token auth; tests read stderr, so keep it quiet.
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
