@@ -370,9 +370,11 @@ def test_ctrl_c_stops_watching_cleanly():
 
 # ---- the CLI under a pseudo-terminal
 
-def run_in_pty(args: list[str], timeout_s: float = 30, during=None) -> tuple[int, str, str]:
+def run_in_pty(args: list[str], timeout_s: float = 120, during=None) -> tuple[int, str, str]:
     """`gearshift watch ARGS` on a 120x40 pseudo-terminal: (exit status, raw output, text without
-    escape codes). `during(text so far, process)` is called as output arrives."""
+    escape codes). `during(text so far, process)` is called as output arrives. The limit only
+    stops a watch that would never end: a start of the command (its imports) and a few dozen
+    frames take seconds alone and over 30 s beside another suite on two cores."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {k: v for k, v in os.environ.items()
@@ -428,22 +430,23 @@ def test_cli_watch_finished_run_on_a_terminal(tmp_path):
     assert "stopped waiting" not in text and "Traceback" not in text
 
 
-def test_cli_watch_replay_on_a_terminal(tmp_path):
-    # A record every 10 s of run time: at --speed 1000 the replay sleeps 0.01 s a record; at the
-    # CLI's default speed, or any slower one, it sleeps the capped 0.5 s. The replay gets half of
-    # what the default speed would take, so one that dropped --speed is stopped and fails.
+def test_cli_watch_replay_on_a_terminal(tmp_path, monkeypatch):
+    """The replay of a finished run draws its final view on a terminal. Its pacing is read off a
+    fake clock (test_replay_... above), not the machine's: here the command line is checked to
+    hand --speed to the replay, in process, and the real command to draw the run to its end."""
     from gearshift.orchestrator.commands import cli
 
-    records = finished_run(steps=100)
-    for i, record in enumerate(records):
-        record["time"] = T0 + 10 * i
-    default_speed = cli._parser().parse_args(["watch", "--replay"]).speed
-    assert 10 / 1000 < 10 / default_speed  # the speed asked for paces faster than the default
-    at_default_s = (len(records) - 1) * min(10 / default_speed, watch.MAX_REPLAY_SLEEP_S)
-    run = write_run(tmp_path / "run", records)
-    rc, _, text = run_in_pty([str(run), "--replay", "--speed", "1000"], timeout_s=at_default_s / 2)
+    run = write_run(tmp_path / "run", finished_run())
+    asked = []
+    monkeypatch.setattr(watch, "watch", lambda records, console, replay_speed=None, title="": asked.append(
+        replay_speed) or 0)
+    assert cli.main(["watch", str(run), "--replay", "--speed", "1000"]) == 0
+    assert cli.main(["watch", str(run)]) == 0
+    assert asked == [1000.0, None]  # the speed asked for, and no pacing without --replay
+    monkeypatch.undo()
+    rc, _, text = run_in_pty([str(run), "--replay", "--speed", "1000"])
     assert rc == 0, text
-    assert_final_view(text, 100)
+    assert_final_view(text, 10)
 
 
 def test_cli_watch_failed_run_exits_1(tmp_path):
