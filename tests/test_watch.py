@@ -465,8 +465,8 @@ def test_cli_watch_follows_a_live_run(tmp_path):
     run = write_run(tmp_path / "run", records)
     seen_early = threading.Event()
 
-    def feed():
-        assert seen_early.wait(20)
+    def feed():  # the limits only stop a watch that never shows the run (run_in_pty's 120 s above them)
+        assert seen_early.wait(100)
         with open(run / "telemetry.jsonl", "a") as f:
             for n in range(3, 41):
                 f.write(json.dumps(step(n, loss=0.1234 if n == 40 else 1.0)) + "\n")
@@ -477,7 +477,7 @@ def test_cli_watch_follows_a_live_run(tmp_path):
 
     writer = threading.Thread(target=feed, daemon=True)
     writer.start()
-    rc, _, text = run_in_pty([str(run), "--timeout", "20"],
+    rc, _, text = run_in_pty([str(run), "--timeout", "100"],
                              during=lambda text, proc: "step 2/40" in text and seen_early.set())
     writer.join(5)
     assert seen_early.is_set()
