@@ -199,7 +199,9 @@ def _killed_run(tmp_path, overrides, rank=3, at_step=8):
     return summary
 
 
-def _dropped_in_memory(tmp_path, layout):
+def _dropped_in_memory(tmp_path, layout) -> float:
+    """The run killed at step 8, its resize checked; the final weights' distance from plain
+    PyTorch doing the run's own arithmetic (each test bounds it)."""
     overrides = MLP[1] + SLOW + layout
     summary = _killed_run(tmp_path, overrides)
     assert summary["status"] == "done" and summary["steps_done"] == STEPS, summary.get("error")
@@ -210,12 +212,9 @@ def _dropped_in_memory(tmp_path, layout):
     job = load_job(MLP[0], overrides)
     ref = sharded_reference(job, replicas_of(tmp_path / "run", job.layout.dp))
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
-    # hybrid's tensor-parallel sums round differently: an uninterrupted hybrid(2x2) run of this job
-    # is 1.3e-5 off the reference too (the sharded layouts' tolerance is 1e-4); hsdp(4, shard 2)
-    # goes on as fsdp(3), its state of the dropped step reset (FSDP2's reset_iter_state)
-    assert max_diff(final, ref) <= (1e-5 if "parallel.strategy=data" in layout else 1e-4)
     print(f"{layout}: resized {resize['from']} -> {resize['to']} in {resize['seconds']:.2f} s "
           f"(regroup {resize['regroup_seconds']:.2f} s)")
+    return max_diff(final, ref)
 
 
 @pytest.mark.ray
@@ -223,7 +222,7 @@ def _dropped_in_memory(tmp_path, layout):
 def test_on_ray_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(ray_cluster, tmp_path):
     """On Ray: the killed worker's actor is lost (Ray's account and lost.py's probe), the
     survivors go on in memory. The other layouts below run the same on the warm processes."""
-    _dropped_in_memory(tmp_path, ["parallel.strategy=data", *SGD])
+    assert _dropped_in_memory(tmp_path, ["parallel.strategy=data", *SGD]) <= 1e-5
 
 
 @pytest.mark.parametrize("layout", [["parallel.strategy=hybrid", "parallel.tp_size=2"],
@@ -231,7 +230,10 @@ def test_on_ray_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pyto
 @pytest.mark.crossing("shrink", "hybrid")
 @pytest.mark.crossing("shrink", "hsdp")
 def test_a_lost_worker_is_dropped_in_memory_and_the_run_equals_plain_pytorch(local_workers, tmp_path, layout):
-    _dropped_in_memory(tmp_path, layout)
+    # hybrid's tensor-parallel sums round differently: an uninterrupted hybrid(2x2) run of this job
+    # is 1.3e-5 off the reference too (the sharded layouts' tolerance is 1e-4); hsdp(4, shard 2)
+    # goes on as fsdp(3), its state of the dropped step reset (FSDP2's reset_iter_state)
+    assert _dropped_in_memory(tmp_path, layout) <= 1e-4
 
 
 @pytest.mark.parametrize("layout,why", [
