@@ -177,8 +177,11 @@ class Parallel:
     def compile(self, options: dict) -> None:
         """torch.compile what forward runs on (the DDP wrapper too: its graph breaks at bucket
         boundaries, so the all-reduces still overlap backward). A layout that torch cannot
-        compile overrides this with a clear error."""
-        self.module = torch.compile(self.module, mode=options.get("mode", "default"),
+        compile overrides this with a clear error. `options["backend"]` is torch.compile's:
+        inductor, or "aot_eager" (traced, nothing generated) where a test asks for it."""
+        backend = options.get("backend", "inductor")
+        mode = options.get("mode", "default") if backend == "inductor" else None
+        self.module = torch.compile(self.module, backend=backend, mode=mode,
                                     fullgraph=bool(options.get("fullgraph", False)))
 
     @property

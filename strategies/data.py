@@ -26,14 +26,26 @@ def allreduce_hook(process_group, bucket):
 
 
 class DataParallel(Parallel):
+    _hooked = False  # DDP's comm hook registered (DDP takes one for its life)
+    _route = None  # the hook in force: the attached route's, or None (the plain all-reduce)
+
     def no_sync(self):
         return self.module.no_sync()  # the all-reduce waits for the step's last micro-batch
 
     def attach(self, comm) -> None:
+        """Route the gradient all-reduce through `comm`. DDP takes one comm hook for its life, and
+        the same layout is attached again where a switch away from it was aborted (its new
+        layout could not be allocated): the hook registered first dispatches to the route in
+        force, so attaching again only swaps the route. Without a route ever attached, DDP's
+        built-in all-reduce runs, no hook at all."""
         super().attach(comm)
-        hook = comm.ddp_hook(allreduce_hook) if comm is not None else None
-        if hook is not None:  # DDP takes one hook for its life; a new layout builds a new DDP
-            self.module.register_comm_hook(self.module.process_group, hook)
+        self._route = comm.ddp_hook(allreduce_hook) if comm is not None else None
+        if self._route is not None and not self._hooked:
+            self.module.register_comm_hook(self.module.process_group, self._routed)
+            self._hooked = True
+
+    def _routed(self, process_group, bucket):
+        return (self._route or allreduce_hook)(process_group, bucket)
 
 
 def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> DataParallel:

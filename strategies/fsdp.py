@@ -374,10 +374,16 @@ class FSDPParallel(Parallel):
         """FSDP2's per-step state after a step broke off: units left gathered, mid-forward or
         mid-backward, with reductions in flight. The root's reset_iter_state (torch >= 2.13) puts
         every unit back to its shards, the step's gradients discarded, so the parameters found
-        by name are again the shards the optimizer holds."""
+        by name are again the shards the optimizer holds. A layout that has run no forward yet
+        (a worker joined or lost at the run's first boundary) has nothing to reset, and torch's
+        reset before FSDP2's lazy initialisation fails (torch 2.13: the comm context it reads is
+        made there), so it is left alone."""
         self._all_reduce.close()
         self._all_reduce_open = False
         if isinstance(self.model, FSDPModule) and hasattr(self.model, "reset_iter_state"):
+            state = getattr(self.model, "_get_fsdp_state", lambda: None)()
+            if state is not None and getattr(state, "_is_root", True) is None:  # never ran a forward
+                return
             self.model.reset_iter_state()
 
 

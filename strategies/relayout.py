@@ -76,11 +76,12 @@ def relayout(old: Parallel | Held, old_optimizer: torch.optim.Optimizer | None, 
     `gather(t)` gives a tensor's full value where the old layout's own group cannot (its ranks
     are gone: strategies/survivors.py); with it no piece is taken to be in place already. A rank
     that held nothing before (joining a group) passes its stand-ins as `old` (a Held)."""
+    shared: list[torch.Tensor] = []
     if isinstance(old, Held):
         sources = dict(old.sources)
     else:
         _at_rest(old.model)
-        _drop_grads(old.model)
+        shared = _drop_grads(old.model)
         old.detach()
         sources = {**dict(old.model.named_parameters()), **_buffers(old.model)}
     meta_ok = lookup(layout.strategy).meta_ok
@@ -99,6 +100,7 @@ def relayout(old: Parallel | Held, old_optimizer: torch.optim.Optimizer | None, 
         raise SwitchAborted(f"the new layout {layout} could not be allocated"
                             + (f": {type(failure).__name__}: {failure}" if failure is not None else
                                " on another rank (out of memory)"), own=failure is not None)
+    _free_after_commit(shared)
     saved, hyper = (dict(old.saved), old.hyper) if isinstance(old, Held) else \
         _take_optimizer_state(old_optimizer, old.model)
     move = functools.partial(_move, gather=gather)
@@ -152,13 +154,26 @@ def _free(t: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         storage.resize_(0)
 
 
-def _drop_grads(model: nn.Module) -> None:
-    """Gradients go first: they are not carried over. DDP's are views of its buckets, which
-    go with them (the old layout never steps again)."""
+def _drop_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Gradients go first: they are not carried over. A gradient of its own is freed now; one
+    that is a view of storage its layout keeps (DDP's buckets, with gradient_as_bucket_view) is
+    only let go here and returned, to be freed with `_free_after_commit` once the move is sure:
+    where the new layout cannot be allocated, the old one trains on with its buckets whole."""
+    shared = []
     for p in model.parameters():
         if p.grad is not None:
-            _free(p.grad)
+            if _local(p.grad)._base is not None:
+                shared.append(p.grad)
+            else:
+                _free(p.grad)
             p.grad = None
+    return shared
+
+
+def _free_after_commit(shared: list[torch.Tensor]) -> None:
+    """The old layout never steps again: the storage its gradients were views of goes now."""
+    for t in shared:
+        _free(t)
 
 
 def _same_piece(old: torch.Tensor, like: torch.Tensor) -> bool:

@@ -94,6 +94,13 @@ class Pool:
         self._grow(world)
         return self.members[:world]
 
+    def take_more(self, count: int, busy: list[tuple]) -> list[tuple]:
+        """`count` processes beside the `busy` ones a worker group holds already (its grow)."""
+        for member in [m for m in self.members if not m[0].is_alive() and m not in busy]:
+            self._drop(member)
+        self._grow(len([m for m in self.members if m in busy]) + count)
+        return [m for m in self.members if m not in busy][:count]
+
     def release(self, members: list[tuple], timeout_s: float) -> None:
         """End the hosted workers' sessions. A process that does not end its session within
         `timeout_s` (stuck in a collective a lost peer never joins), that died, or whose gearshift

@@ -17,8 +17,9 @@ real TrainWorker.rejoin) or the controller restarts it from the checkpoint.
 What it does not do, so the tests of these stay on Ray: placement and nodes (one node, here),
 cluster.env (set before a process starts), streamed datasets (Ray Data's feeders), the file
 server, heartbeats (a silence is measured from the last report instead), Ray's own account of a
-lost worker (lost.py's probe, a node's death), and growth (no worker waits to join: `joinable`
-is 0, so a grow is never planned).
+lost worker (lost.py's probe, a node's death), and placement's account of free places: a grow
+takes pool processes into as many places as a test gives (`SLOTS`; none by default, so a run
+grows only where a test asks it to).
 
 Every wait is bounded: a call by the group's call timeout, the step loop by the job's collective
 timeout plus a margin since the last report. A failed or timed-out run ends the pool's processes
@@ -38,7 +39,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import wait
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import gloo_pool
 from gearshift.orchestrator.errors import WorkerFailed
@@ -64,6 +65,10 @@ class ProcessWorkerGroup:
         self.choose_layout = None  # strategy auto: set by the controller, as on RayWorkerGroup
         self.start_layout = None
         self.gone: dict[int, str] = {}  # ranks whose process died, with why
+
+    # the places the cluster has now, given the group (its `chunk`: training chunks begun), for
+    # joinable; a test sets it. None: the run's own places only
+    SLOTS: Callable[["ProcessWorkerGroup"], int] | None = None
 
     # ---------------------------------------------------------------- start
 
@@ -178,10 +183,34 @@ class ProcessWorkerGroup:
                                                 joining if old_ranks[i] is None else None)), "rejoin")
 
     def joinable(self) -> int:
-        return 0  # no worker waits to join here: a grow stays on Ray
+        """Elastic: how many workers could join now. The pool has a process for any place; a test
+        says how many places the cluster has (`SLOTS`: a node that joined, a lost place back);
+        by default none beyond the run's own, so a run grows only where a test asks it to."""
+        return 0 if self.SLOTS is None else max(0, self.SLOTS(self) - len(self.members))
 
     def joining(self, count: int) -> list[dict]:
-        return []
+        return [{k: v for k, v in self.infos[0].items() if k != "rank"} for _ in range(count)]  # this node
+
+    def grow(self, count: int, layout: dict) -> list[dict]:
+        """Elastic: `count` pool processes join as the last ranks, each hosting a TrainWorker; every
+        worker forms a new process group and the state moves onto `layout`, the newcomers
+        receiving their pieces (TrainWorker.rejoin), as RayWorkerGroup's Membership.grow."""
+        from gearshift.workers.worker import WorkerConfig
+
+        joining = self._each(lambda rank: ("describe", ()), "describe", ranks=[0])[0]
+        config = WorkerConfig.from_job(self.job.to_dict(), [self.job.base_dir], self.checkpoint_dir)
+        new = gloo_pool.HOSTS.take_more(count, self.members)
+        for _, conn in new:
+            conn.send(("host", config, self.job.cluster.cpus_per_worker))
+        old_world = len(self.members)
+        self.members += new
+        infos = self._each(lambda rank: ("node_info", (True,)), "node_info",  # warm: to join a running group
+                           ranks=list(range(old_world, old_world + count)))
+        self.infos += [dict(info, rank=old_world + i) for i, info in enumerate(infos)]
+        old_ranks = list(range(old_world)) + [None] * count
+        port, t, world = _free_port(), self.job.fault.collective_timeout_s, len(self.members)
+        return self._each(lambda i: ("rejoin", ("127.0.0.1", port, t, i, world, layout, old_ranks,
+                                                joining if old_ranks[i] is None else None)), "rejoin")
 
     # ---------------------------------------------------------------- what the controller asks of the cluster
 

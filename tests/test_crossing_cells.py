@@ -40,6 +40,7 @@ LAYOUTS = {
     "pipeline_dp_shard": ["cluster.num_workers=4", *PIPE, "parallel.pp_schedule=1f1b", "parallel.dp_shard=true"],
     "pipeline_tp": ["cluster.num_workers=4", *PIPE, "parallel.pp_schedule=1f1b", "parallel.tp_size=2"],
 }
+PIPELINES = ("pipeline", "interleaved", "pipeline_dp_shard", "pipeline_tp")
 # what a resume under another layout first clears of the layout before it
 UNSET = ["parallel.pp_size=1", "parallel.pp_schedule=1f1b", "parallel.tp_size=null", "parallel.shard_size=null", "parallel.dp_shard=false"]
 # tensor parallelism (and a sharded reduction) sums in another order: 1e-4, as the issue allows
@@ -208,6 +209,74 @@ def test_dropout_masks_follow_the_data_replica_under_sharding(local_workers, tmp
     assert max_diff(*finals) <= 1e-3  # as tensor(2) against tensor(1): dropout's scaling amplifies rounding
 
 
+@pytest.mark.parametrize("layout", [
+    pytest.param("interleaved", marks=pytest.mark.crossing("dropout", "interleaved")),
+    pytest.param("pipeline_dp_shard", marks=pytest.mark.crossing("dropout", "pipeline_dp_shard")),
+    "pipeline_tp",  # decided by test_strategies' streams; here the masks a tp group draws, in a run
+])
+def test_each_pipeline_position_and_replica_draws_masks_of_its_own_and_a_tp_group_one(local_workers, tmp_path,
+                                                                                       layout):
+    """Four residual blocks, each dropping half its input and writing down the mask it drew
+    (tests/fixtures/mask_model.py), run 3 steps under the pipeline. No mask is drawn twice across
+    positions (a stage after a cut), replicas and steps; the ranks of a tensor-parallel group draw
+    the same masks, block for block; every block runs on every replica."""
+    import shutil
+
+    from gearshift.strategies.layout import Layout
+    from test_oom import FIXTURES
+
+    for name in ("mask_model.py", "oom_model.py"):
+        shutil.copy(FIXTURES / name, tmp_path / name)
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    pair = layout == "pipeline_tp"
+    plan = ", tp_plan: {'blocks.*.up': colwise, 'blocks.*.down': rowwise}" if pair else ""
+    (tmp_path / "job.yaml").write_text(
+        "name: masks\n"
+        f"model: {{entrypoint: 'mask_model:blocks', kwargs: {{record_dir: '{masks}', pair: {str(pair).lower()}}}}}\n"
+        "data: {entrypoint: 'oom_model:points', kwargs: {size: 256}}\n"
+        "loss: {entrypoint: 'oom_model:mse'}\n"
+        "optimizer: {name: adam, lr: 0.01}\n"
+        "train: {steps: 3, global_batch_size: 16, seed: 7}\n"
+        f"parallel: {{pp_microbatches: 2{plan}}}\n"
+        "checkpoint: {every: 0}\n")
+    summary = run_gearshift(tmp_path / "job.yaml", LAYOUTS[layout], tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 3
+    workers = 2 if layout == "interleaved" else 4
+    lines = {r: [json.loads(line) for line in (masks / f"rank{r}.jsonl").read_text().splitlines()]
+             for r in range(workers)}
+    shape = Layout.for_workers("pipeline", workers, 2 if pair else None, pp_size=2,
+                               dp_shard=layout == "pipeline_dp_shard")
+    # the steps' micro-batches (7: the build's seed, under which a pipeline traces the model on one
+    # sample; the stage's own pass to learn its shapes, at its first step, draws on a forked generator)
+    rows = 16 // shape.dp // 2
+    drawn = {r: [d for d in got if d["seed"] != 7 and not d["shapes_pass"]] for r, got in lines.items()}
+    assert all(d["rows"] == rows for got in drawn.values() for d in got)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mask_fixture", FIXTURES / "mask_model.py")
+    fixture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fixture)
+
+    for r, got in drawn.items():  # each step's first micro-batch draws the step's stream from its start,
+        for seed in sorted({d["seed"] for d in got}):  # the first step's too (no pass drew before it)
+            torch.manual_seed(seed)
+            first = fixture.digest(torch.nn.functional.dropout(torch.ones(rows, 16), 0.5, True))
+            assert next(d["mask"] for d in got if d["seed"] == seed) == first, (r, seed)
+    seeds = {r: [d["seed"] for d in got] for r, got in drawn.items()}
+    for group in shape.tp_groups():  # one activation a group: one mask, block for block
+        assert all(drawn[r] == drawn[group[0]] for r in group), group
+    firsts = [drawn[group[0]] for group in shape.tp_groups()]
+    steps = [sorted(set(seeds[group[0]])) for group in shape.tp_groups()]
+    assert all(len(s) == 3 for s in steps) and len({s for each in steps for s in each}) == 3 * len(steps), steps
+    digests = [d["mask"] for records in firsts for d in records]
+    assert len(digests) == 3 * 2 * 4 * shape.dp  # steps x micro-batches x blocks x replicas
+    assert len(set(digests)) == len(digests), "a mask drawn twice"
+    for replica in range(shape.dp):  # each replica runs every block, each block at one position
+        held = [{d["block"] for d in drawn[r]} for r in range(workers) if shape.dp_rank(r) == replica]
+        assert set().union(*held) == {0, 1, 2, 3}
+
+
 # ---------------------------------------------------------------- out of memory
 
 TP_PLAN = "parallel.tp_plan={layers.0: colwise, layers.2: rowwise}"  # the bounded MLP's Megatron pair
@@ -238,6 +307,7 @@ def test_a_share_that_does_not_fit_is_accumulated_and_the_run_equals_plain_pytor
 @pytest.mark.parametrize("layout", [
     pytest.param("interleaved", marks=pytest.mark.crossing("oom", "interleaved")),
     pytest.param("pipeline_dp_shard", marks=pytest.mark.crossing("oom", "pipeline_dp_shard")),
+    pytest.param("pipeline_tp", marks=pytest.mark.crossing("oom", "pipeline_tp")),  # each block's pair split
 ])
 def test_a_pipeline_of_any_schedule_that_runs_out_of_memory_keeps_its_stages(local_workers, tmp_path, layout):
     """Six residual blocks that run out of memory on more than 2 rows, cut over 2 stages: the
@@ -245,12 +315,55 @@ def test_a_pipeline_of_any_schedule_that_runs_out_of_memory_keeps_its_stages(loc
     end), and the run equals plain PyTorch."""
     from test_oom import check_equal, pipeline_oom_job, records as oom_records
 
-    job = pipeline_oom_job(tmp_path, max_rows=2, batch=16, micro=2)
+    pair = {"pair": True} if layout == "pipeline_tp" else {}
+    job = pipeline_oom_job(tmp_path, max_rows=2, batch=16, micro=2, **pair)
     overrides = LAYOUTS[layout]
     summary = run_gearshift(job, overrides, tmp_path / "run")
     assert summary["status"] == "done" and summary["steps_done"] == 4
     ooms = [r for r in oom_records(tmp_path / "run") if r.get("event") == "oom"]
     assert ooms and {r["action"] for r in ooms} == {"accumulate"}, ooms
     final = final_of(tmp_path / "run")
-    assert sum(k.startswith("blocks.") and k.endswith(".lin.weight") for k in final) == 6
+    assert {k.split(".")[1] for k in final if k.startswith("blocks.") and k.endswith(".weight")} == {
+        str(i) for i in range(6)}, sorted(final)
+    check_equal(job, overrides, tmp_path / "run", TOLERANCE.get(layout, 1e-5))
+
+
+# ---------------------------------------------------------------- out of memory at a switch's commit
+
+@pytest.mark.parametrize("layout,bound,pair,extra", [
+    # data holds the whole model: the switch to tensor allocates its half beside it, more than fits
+    pytest.param("data", 1000, "beside", [TP_PLAN], marks=pytest.mark.crossing("oom_switch", "data")),
+    pytest.param("tensor", 3000, None, [TP_PLAN], marks=pytest.mark.crossing("oom_switch", "tensor")),
+    pytest.param("hybrid", 3000, None, [TP_PLAN], marks=pytest.mark.crossing("oom_switch", "hybrid")),
+    pytest.param("hsdp", 3000, None, [], marks=pytest.mark.crossing("oom_switch", "hsdp")),
+    pytest.param("pipeline", 4000, False, [], marks=pytest.mark.crossing("oom_switch", "pipeline")),
+    pytest.param("interleaved", 4000, False, [], marks=pytest.mark.crossing("oom_switch", "interleaved")),
+    pytest.param("pipeline_dp_shard", 4000, False, [], marks=pytest.mark.crossing("oom_switch", "pipeline_dp_shard")),
+    pytest.param("pipeline_tp", 14000, True, [], marks=pytest.mark.crossing("oom_switch", "pipeline_tp")),
+])
+def test_a_switch_that_cannot_be_allocated_leaves_every_rank_on_its_layout(local_workers, tmp_path, layout, bound,
+                                                                          pair, extra):
+    """Rank 0 cannot hold more than `bound` parameters: the layout holds fewer (split, sharded or
+    cut into stages), data parallelism's whole model is more (under data itself: the switch to
+    tensor cannot allocate its half beside the whole model). The forced switch at step 3 runs out
+    of memory at its commit point on rank 0; every rank stays on the layout it held, its state
+    untouched, and the run ends where plain PyTorch ends."""
+    from test_oom import check_equal, oom_job, pipeline_oom_job, records as oom_records
+
+    if pair is None:  # the bounded MLP (tests/fixtures/oom_model.py), bounded at allocation and forward
+        job = oom_job(tmp_path, max_params=bound, ranks=[0])
+    elif pair == "beside":  # the bounded MLP, bounded at an allocation beside the layout in force
+        job = oom_job(tmp_path, beside_max_params=bound, ranks=[0])
+    else:  # the six residual blocks a pipeline cuts, bounded at allocation
+        job = pipeline_oom_job(tmp_path, batch=16, micro=2, max_params=bound, ranks=[0], pair=pair)
+    to = "tensor" if layout == "data" else "data"
+    switch = f"adapt.schedule=[{{step: 3, strategy: {to}}}]"
+    overrides = LAYOUTS[layout] + extra + [switch]
+    summary = run_gearshift(job, overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["strategy_history"][-1]["strategy"] == (
+        "pipeline" if layout in PIPELINES else layout), summary["strategy_history"]
+    [oom] = [r for r in oom_records(tmp_path / "run") if r.get("event") == "oom"]
+    assert (oom["rank"], oom["step"], oom["during"], oom["action"], oom["layout"]["strategy"]) == (
+        0, 3, "switch", "stay", to), oom
+    assert not [r for r in oom_records(tmp_path / "run") if r.get("event") == "switch"]
     check_equal(job, overrides, tmp_path / "run", TOLERANCE.get(layout, 1e-5))

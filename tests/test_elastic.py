@@ -289,6 +289,44 @@ def test_two_workers_lost_at_once_end_where_plain_pytorch_ends_or_restart(local_
     print("two losses:", [(r["from"], r["to"], r["from_checkpoint"], round(r["seconds"], 2)) for r in resizes])
 
 
+@pytest.mark.parametrize("layout,tol,opens", [
+    pytest.param(["parallel.strategy=data"], 1e-5, 1, marks=pytest.mark.crossing("grow", "data")),
+    pytest.param(["parallel.strategy=fsdp"], 1e-4, 1, marks=pytest.mark.crossing("grow", "fsdp")),
+    pytest.param(["parallel.strategy=hsdp", "parallel.shard_size=2"], 1e-4, 1,
+                 marks=pytest.mark.crossing("grow", "hsdp")),
+    pytest.param(["parallel.strategy=tensor"], 1e-4, 1, marks=pytest.mark.crossing("grow", "tensor")),
+    # the places there before the first step: FSDP2 has run no forward yet when the state moves
+    pytest.param(["parallel.strategy=fsdp"], 1e-4, 0),
+], ids=["data", "fsdp", "hsdp", "tensor", "fsdp-before-the-first-step"])
+def test_a_run_grows_onto_workers_that_join_and_equals_plain_pytorch(local_workers, tmp_path, layout, tol, opens,
+                                                                      monkeypatch):
+    """Two workers of a run that may have four; two more places open (a node joined) from the
+    `opens`-th chunk of training on: at that boundary both join as ranks 2 and 3 on a new process
+    group, the state moved onto the larger layout in memory (the newcomers receive their pieces
+    and the optimizer's momentum), no checkpoint read, and the run ends where plain PyTorch on
+    the same batches ends."""
+    from process_workers import ProcessWorkerGroup
+
+    # a chunk is at most GROW_EVERY = 5 steps while the run may grow
+    monkeypatch.setattr(ProcessWorkerGroup, "SLOTS", staticmethod(lambda group: 4 if group.chunk >= opens else 2))
+    overrides = MLP[1] + SGD + layout + ["train.steps=12", "train.global_batch_size=24", "cluster.num_workers=2",
+                                         "cluster.max_workers=4", "fault.on_node_loss=elastic", "checkpoint.every=0"]
+    summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 12 and summary["world_size"] == 4
+    [grow] = events(tmp_path / "run", "resize")
+    assert grow["world_size"] == [2, 4] and grow["joined"] == 2 and grow["from_checkpoint"] is False
+    assert grow["steps_redone"] == 0 and not events(tmp_path / "run", "restored")
+    assert grow["step"] == 1 + 5 * opens, grow  # the first step on four workers
+    job = load_job(MLP[0], overrides)
+    ref = sharded_reference(job, replicas_of(tmp_path / "run", job.layout.dp))
+    off = max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref)
+    assert off <= tol, off
+    if opens:  # a grow that lost the momentum would land far further off: the yardstick
+        lost = max_diff(sharded_reference(job, replicas_of(tmp_path / "run", job.layout.dp),
+                                          state_lost_at=grow["step"] - 1), ref)
+        assert lost >= 50 * off, (off, lost)
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("layout", [["parallel.strategy=hybrid", "parallel.tp_size=2", "inject.comm_delay_ms=80"]],
                          ids=["hybrid"])

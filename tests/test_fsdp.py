@@ -110,7 +110,7 @@ class CountingComm:
 
 # ---------------------------------------------------------------- the spawned checks
 
-def _layout_case(rank, world, layout, clip=None, micro=1, comm=None) -> dict:
+def _layout_case(rank, world, layout, clip=None, micro=1, comm=None, compiled=False) -> dict:
     from gearshift import strategies
     data = batches()
     reference = tiny_gpt()
@@ -119,12 +119,17 @@ def _layout_case(rank, world, layout, clip=None, micro=1, comm=None) -> dict:
     model = tiny_gpt()
     plan = model.tp_plan(layout.tp) if strategies.lookup(layout.strategy).needs_plan else None
     par = strategies.parallelize(model, layout, plan, strategies.Options(torch.device("cpu")))
+    if compiled:  # the layout's own compile (fsdp and hsdp: each block in place; hybrid: the wrapper)
+        par.compile({"backend": "aot_eager"})  # dynamo and autograd tracing; inductor adds only codegen time
     if comm is not None:
         par.attach(comm)
     opt = torch.optim.Adam(par.param_groups(), lr=1e-2)
     norms = train_parallel(par, opt, layout, rank, data, clip, micro)
     out = {"diff": max_diff(par, reference), "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
-           "norms": norms, "reloaded_diff": _reload_diff(par, opt, layout, plan, rank, (reference, ref_opt), data)}
+           "norms": norms,  # a compiled layout's state is the same layout's: its reload is checked uncompiled
+           "reloaded_diff": None if compiled else _reload_diff(par, opt, layout, plan, rank, (reference, ref_opt), data),
+           "compiled": par.compiled, "blocks_compiled": [getattr(b, "_compiled_call_impl", None) is not None
+                                                         for b in par.model.blocks]}
     if comm is not None:
         par.detach()
         out.update(calls=comm.calls, open=comm.open)
@@ -180,6 +185,11 @@ def _all_cases(rank, world, out_dir):
                                                      clip=0.5, micro=2),
         "hsdp_timed": lambda: _layout_case(rank, world, Layout.for_workers("hsdp", world, None, shard_size=2),
                                            clip=0.5, comm=CountingComm()),
+        # train.compile under each layout (the crossings table's compile row)
+        "fsdp_compiled": lambda: _layout_case(rank, world, Layout.for_workers("fsdp", world, None), compiled=True),
+        "hsdp_compiled": lambda: _layout_case(rank, world, Layout.for_workers("hsdp", world, None, shard_size=2),
+                                              compiled=True),
+        "hybrid_compiled": lambda: _layout_case(rank, world, Layout.for_workers("hybrid", world, 2), compiled=True),
     }
     results = {name: case() for name, case in cases.items()}
     results["fp16"] = _fp16_overflow_on_one_rank(rank, world)
@@ -201,7 +211,25 @@ def test_sharded_layout_trains_like_one_process(results, case):
         assert res[case]["diff"] < TOL, (case, rank, res[case]["diff"])
         assert res[case]["reloaded_diff"] < TOL, (case, rank, res[case]["reloaded_diff"])
         assert res[case]["norm_diff"] < TOL, (case, rank, res[case]["norm_diff"])
+        assert not res[case]["compiled"]
     # the norm (and so the clip) is the same on every rank
+    assert all(res[case]["norms"] == results[0][case]["norms"] for res in results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,per_block", [
+    pytest.param("fsdp_compiled", True, marks=pytest.mark.crossing("compile", "fsdp")),
+    pytest.param("hsdp_compiled", True, marks=pytest.mark.crossing("compile", "hsdp")),
+    pytest.param("hybrid_compiled", False, marks=pytest.mark.crossing("compile", "hybrid")),
+])
+def test_a_compiled_layout_trains_like_one_process(results, case, per_block):
+    """torch.compile under the layout (FSDP2's units each compiled in place, so the gathers
+    still run per unit; hybrid's wrapper compiled whole): the same steps as plain PyTorch."""
+    for rank, res in enumerate(results):
+        assert res[case]["compiled"], (case, rank)
+        assert all(res[case]["blocks_compiled"]) if per_block else not any(res[case]["blocks_compiled"])
+        assert res[case]["diff"] < TOL, (case, rank, res[case]["diff"])
+        assert res[case]["norm_diff"] < TOL, (case, rank, res[case]["norm_diff"])
     assert all(res[case]["norms"] == results[0][case]["norms"] for res in results)
 
 
@@ -239,27 +267,3 @@ def test_layout_rejects_shard_sizes_that_do_not_divide():
     assert Layout.for_workers("hybrid", 4, 2, dp_shard=True).shard == 2
 
 
-def _compiled(rank, world, out_dir):
-    from gearshift import strategies
-    from gearshift.strategies import Layout
-
-    data = batches(1)
-    reference = tiny_gpt()
-    train_reference(reference, data)
-    layout = Layout.for_workers("fsdp", world, None)
-    par = strategies.parallelize(tiny_gpt(), layout, None, strategies.Options(torch.device("cpu")))
-    par.compile({"backend": "aot_eager"})  # dynamo and autograd tracing; inductor adds only codegen time
-    opt = torch.optim.Adam(par.param_groups(), lr=1e-2)
-    train_parallel(par, opt, layout, rank, data)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"diff": max_diff(par, reference),
-                   "compiled": [hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
-                                for b in par.model.blocks]}, f)
-
-
-@pytest.mark.slow
-def test_fsdp_compiles_per_block(tmp_path):
-    spawn_gloo(_compiled, 2, (str(tmp_path),), timeout_s=150)
-    for r in range(2):
-        res = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert res["diff"] < TOL and all(res["compiled"]), res

@@ -118,17 +118,21 @@ def test_on_oom_fail_stops_with_one_paragraph_naming_the_step_the_rank_and_the_m
     assert summary["status"] == "failed"
 
 
-def pipeline_oom_job(tmp_path: pathlib.Path, max_rows: int, batch: int, micro: int) -> pathlib.Path:
+def pipeline_oom_job(tmp_path: pathlib.Path, batch: int, micro: int, **bounds) -> pathlib.Path:
+    """Six residual blocks (oom_model.blocks) bounded by `bounds` (max_rows, max_params, ranks), cut
+    over 2 stages; `pair=True` gives each block a Megatron pair and the job its tp plan."""
     shutil.copy(FIXTURES / "oom_model.py", tmp_path / "oom_model.py")
+    kwargs = ", ".join(f"{k}: {json.dumps(v)}" for k, v in bounds.items())
+    plan = "tp_plan: {'blocks.*.up': colwise, 'blocks.*.down': rowwise}, " if bounds.get("pair") else ""
     job = tmp_path / "pipe_oom.yaml"
     job.write_text(
         "name: pipe-oom\n"
-        f"model: {{entrypoint: 'oom_model:blocks', kwargs: {{max_rows: {max_rows}}}}}\n"
+        f"model: {{entrypoint: 'oom_model:blocks', kwargs: {{{kwargs}}}}}\n"
         "data: {entrypoint: 'oom_model:points', kwargs: {size: 256}}\n"
         "loss: {entrypoint: 'oom_model:mse'}\n"
         "optimizer: {name: adam, lr: 0.01}\n"
         f"train: {{steps: 4, global_batch_size: {batch}}}\n"
-        f"parallel: {{strategy: pipeline, pp_size: 2, pp_microbatches: {micro}, pp_schedule: 1f1b}}\n"
+        f"parallel: {{strategy: pipeline, pp_size: 2, pp_microbatches: {micro}, {plan}pp_schedule: 1f1b}}\n"
         "cluster: {num_workers: 2, cpus_per_worker: 1}\n"
         "checkpoint: {every: 0}\n")
     return job

@@ -63,7 +63,7 @@ class Unordered(nn.Module):
         return x
 
 
-MODELS = {"gpt": gpt, "llama": llama}
+MODELS = {"gpt": gpt, "llama": llama, "gpt8": lambda: gpt(8)}  # gpt8: two blocks a stage of four
 
 
 def data(name: str, step: int):
@@ -318,43 +318,59 @@ def test_a_pipeline_layout_that_does_not_add_up_says_the_equation(args, says):
         Layout.for_workers("data", 4, None, pp_size=2)
 
 
-def _recut(rank, world, out_path):
-    """Two GPT blocks a stage, one step, the cut moved to 3 + 1 (moves.recut), two more steps."""
-    from gearshift.strategies.pipeline import moves
+def _recut(rank, world, out_path, name="gpt", schedule="1f1b", dp_shard=False, tp=1):
+    """Two GPT blocks a stage, one step, one block moved to the stage before (2 + 2 -> 3 + 1; under
+    interleaved_1f1b, four stages of two: the first stage takes the second's first block), two
+    more steps. A pipeline of whole stages is cut again by moves.recut; one whose stages hold
+    DTensor pieces (tp, dp_shard) goes through the full relayout (pipeline/switch.py), as
+    TrainWorker.recut does it."""
+    from gearshift.strategies.pipeline import moves, switch
 
-    layout = Layout.for_workers("pipeline", world, 1, pp_size=2)
-    sample = data("gpt", 0)[0][:1]
-    opts = lambda split: strategies.Options(torch.device("cpu"), pp_microbatches=2, pp_schedule="1f1b",  # noqa: E731
+    layout = Layout.for_workers("pipeline", world, tp, pp_size=2, dp_shard=dp_shard)
+    sample = data(name, 0)[0][:1]
+    opts = lambda split: strategies.Options(torch.device("cpu"), pp_microbatches=2, pp_schedule=schedule,  # noqa: E731
                                             pp_split=split, example=lambda: sample)
-    par = strategies.parallelize(build("gpt"), layout, None, opts(()))
-    opt = optimizer([p for g in par.param_groups() for p in g["params"]], "adam")
+    model = build(name)
+    plan = model.tp_plan(tp) if tp > 1 else None
+    par = strategies.parallelize(model, layout, plan, opts(()))
+    make_opt = lambda groups: optimizer([p for g in groups for p in g["params"]], "adam")  # noqa: E731
+    opt = make_opt(par.param_groups())
     kept = {n: p.data_ptr() for n, p in par.model.named_parameters()}
     losses = []
+    d, share = layout.dp_rank(rank), BATCH // layout.dp
 
     def step(par, opt, s):
-        x, y = data("gpt", s)
+        x, y = data(name, s)
         opt.zero_grad(set_to_none=True)
-        loss = par.share_loss(par.run(x, y, loss_fn, 1.0))
+        loss = par.share_loss(par.run(x[d * share:(d + 1) * share], y[d * share:(d + 1) * share], loss_fn, 1.0))
+        torch.distributed.all_reduce(loss)  # the mean over the replicas: the global batch's
         par.after_backward()
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.item() / world)
 
     step(par, opt, 0)
     blocks = [b for stage in par.cut.stages for b in stage]
+    split = (blocks[3],) if len(blocks) == 4 else (blocks[3], blocks[4], blocks[6])
     with torch.device("meta"):
-        shape = build("gpt")
-    par, opt, moved = moves.recut(par, opt, shape, layout, None, opts((blocks[3],)),
-                                  lambda groups: optimizer([p for g in groups for p in g["params"]], "adam"))
+        shape = build(name)
+    point_to_point = moves.applies(par, layout, None)
+    if point_to_point:
+        par, opt, moved = moves.recut(par, opt, shape, layout, plan, opts(split), make_opt)
+        figures = {"sent": moved.sent_bytes, "relayout": moved.relayout_bytes, "received": moved.tensors}
+    else:
+        par, opt = switch.relayout(par, opt, shape, layout, plan, opts(split), make_opt)
+        figures = {}
     stayed = [n for n, p in par.model.named_parameters() if n in kept and p.data_ptr() == kept[n]]
     for s in (1, 2):
         step(par, opt, s)
     full = par.full_state(opt, rank)
-    figures = [None] * world
-    torch.distributed.all_gather_object(figures, {"sent": moved.sent_bytes, "relayout": moved.relayout_bytes,
-                                                  "received": moved.tensors, "stayed": stayed,
-                                                  "held": sorted(n for n, _ in par.model.named_parameters())})
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, {**figures, "stayed": stayed,
+                                                   "held": sorted(n for n, _ in par.model.named_parameters())})
     if rank == 0:
-        torch.save({"model": full["model"], "losses": losses, "figures": figures, "cut": par.cut.describe()}, out_path)
+        torch.save({"model": full["model"], "losses": losses, "figures": everyone, "cut": par.cut.describe(),
+                    "point_to_point": point_to_point,
+                    "stage_blocks": [len(stage) for stage in par.cut.stages]}, out_path)
 
 
 @pytest.mark.crossing("recut", "pipeline")
@@ -368,6 +384,7 @@ def test_a_recut_moves_only_the_blocks_that_change_stage_point_to_point(tmp_path
     ref, ref_losses = plain("gpt", "adam", None)
     worst = max((got["model"][k].float() - ref[k].float()).abs().max().item() for k in ref)
     assert worst <= 1e-5 and max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5, worst
+    assert got["point_to_point"] and got["stage_blocks"] == [3, 1]
     first, second = got["figures"]
     moved_block = {n for n in first["received"]}
     assert moved_block and all(n.startswith("blocks.2.") for n in moved_block), moved_block  # 2 + 2 -> 3 + 1
@@ -377,3 +394,29 @@ def test_a_recut_moves_only_the_blocks_that_change_stage_point_to_point(tmp_path
     assert second["sent"] * 3 < first["relayout"] + second["relayout"], got["figures"]
     print(f"recut: sent {second['sent']} bytes ({sorted(moved_block)}); a relayout's broadcast "
           f"{first['relayout'] + second['relayout']} bytes")
+
+
+@pytest.mark.parametrize("name,world,schedule,composed", [
+    pytest.param("gpt8", 2, "interleaved_1f1b", {}, marks=pytest.mark.crossing("recut", "interleaved")),
+    pytest.param("gpt", 4, "1f1b", {"dp_shard": True}, marks=pytest.mark.crossing("recut", "pipeline_dp_shard")),
+    pytest.param("gpt", 4, "1f1b", {"tp": 2}, marks=pytest.mark.crossing("recut", "pipeline_tp")),
+], ids=["interleaved", "dp_shard", "tp"])
+def test_a_recut_of_any_pipeline_equals_plain_pytorch(tmp_path, name, world, schedule, composed):
+    """The same recut under two stages a worker (interleaved_1f1b: point to point, the one block
+    that changes worker sent to it) and under stages of DTensor pieces (dp_shard, tp: the full
+    relayout onto the new cut): the new cut is in force, and the run equals plain PyTorch."""
+    out = tmp_path / "out.pt"
+    spawn_gloo(_recut, world, (str(out), name, schedule, composed.get("dp_shard", False), composed.get("tp", 1)),
+               timeout_s=180)
+    got = torch.load(out, weights_only=False)
+    ref, ref_losses = plain(name, "adam", None)
+    assert got["model"].keys() == ref.keys()
+    worst = max((got["model"][k].float() - ref[k].float()).abs().max().item() for k in ref)
+    assert worst <= (1e-4 if composed else 1e-5), worst  # a sharded or split stage sums in another order
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5
+    assert got["stage_blocks"] == ([3, 1, 2, 2] if name == "gpt8" else [3, 1]), got["cut"]
+    assert got["point_to_point"] == (not composed)
+    if not composed:  # the block that changed worker went to it; the worker that gave it took nothing
+        first, second = got["figures"]
+        assert first["received"] and all(n.startswith("blocks.2.") for n in first["received"]), first["received"]
+        assert not second["received"] and second["sent"] > 0 and first["sent"] == 0

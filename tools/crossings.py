@@ -55,9 +55,12 @@ EVENTS = {
 PIPELINES = ("pipeline", "interleaved", "pipeline_dp_shard", "pipeline_tp")
 # cells no layout of that kind meets: a recut moves a pipeline's blocks; a pipeline rebalances by
 # a recut, not by the replicas' shares (orchestrator/control/stragglers.py: StageBalancer under
-# pp > 1, the shares' Rebalancer only without stages); strategy tensor is one replica, no shares
+# pp > 1, the shares' Rebalancer only without stages); strategy tensor is one replica, no shares;
+# a pipeline is never grown (orchestrator/control/states/training.py `_may_grow`: its stages are
+# not moved onto new workers in memory, so a place that opens stays empty and the run goes on)
 NOT_APPLICABLE = ({("recut", layout) for layout in LAYOUTS if layout not in PIPELINES}
-                  | {("rebalance", layout) for layout in PIPELINES} | {("rebalance", "tensor")})
+                  | {("rebalance", layout) for layout in PIPELINES} | {("rebalance", "tensor")}
+                  | {("grow", layout) for layout in PIPELINES})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,10 +61,10 @@ def recut(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module,
           agree: Callable[[bool], bool] | None = None) -> tuple[Parallel, torch.optim.Optimizer, Moved]:
     """`old` cut again as `model` (the architecture on the meta device) is cut under `options`
     (its pp_split); every rank calls it at the same step boundary."""
-    from gearshift.strategies.relayout import _at_rest, _drop_grads
+    from gearshift.strategies.relayout import _at_rest, _drop_grads, _free_after_commit
 
     _at_rest(old.model)
-    _drop_grads(old.model)
+    shared = _drop_grads(old.model)
     old.detach()
     order = list(_named(model, ()))  # the whole model's names, in one order on every rank
     new = parallelize(model, layout, plan, options)  # cut on the meta device: nothing allocated yet
@@ -81,6 +81,7 @@ def recut(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module,
     if agree is not None and not agree(failure is None) or failure is not None:
         raise SwitchAborted("the new cut could not be allocated" + (f": {type(failure).__name__}: {failure}"
                             if failure is not None else " on another rank (out of memory)"), own=failure is not None)
+    _free_after_commit(shared)
     peers = _Peers(layout, have, want, saved)
     moved = Moved()
     with torch.no_grad():

@@ -108,11 +108,11 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
     architecture on the meta device. Every rank calls it at the same step boundary."""
     if gather is not None:
         raise SwitchAborted("a pipeline's state cannot be put back together by survivors of a broken group", own=True)
-    from gearshift.strategies.relayout import _at_rest, _drop_grads
+    from gearshift.strategies.relayout import _at_rest, _drop_grads, _free_after_commit
 
     names = _tensors(model)  # the whole model's names and shapes, in one order on every rank
     _at_rest(old.model)
-    _drop_grads(old.model)
+    shared = _drop_grads(old.model)
     old.detach()
     new, failure = None, None
     try:
@@ -123,6 +123,7 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
         raise SwitchAborted(f"the new layout {layout} could not be allocated"
                             + (f": {type(failure).__name__}: {failure}" if failure is not None else
                                " on another rank (out of memory)"), own=failure is not None)
+    _free_after_commit(shared)
     source = _Source(old, old_optimizer, options.device)
     target_model = new.model if new is not None else model
     targets = _tensors(target_model, _stand_ins(new) if new is not None else set())
