@@ -230,9 +230,10 @@ def _resolve(job, overrides, run_dir, resume):
 
 
 def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | os.PathLike | None = None,
-          view=None) -> Result:
+          view=None, script=None) -> Result:
     """Train a checked `job` in `run` (None: a new run dir, at `run_dir` if given) from `resume`
-    ((checkpoint name, state), or None: from step 0). `gearshift replay` comes here too."""
+    ((checkpoint name, state), or None: from step 0). `gearshift replay` comes here too, with the
+    original's decisions (`script`, orchestrator/control/script.py) to carry out at their steps."""
     from gearshift.orchestrator.cluster.worker_group import check_reachable
     from gearshift.orchestrator.control.controller import Controller
     from gearshift.orchestrator.job import dump_job
@@ -268,7 +269,7 @@ def train(job: Job, run, resume, *, address: str | None = None, run_dir: str | o
         view.say(f"gearshift: note: {note}")
     try:
         with GROUPS(job, run, address) as group_factory:
-            summary = Controller(job, run, group_factory, resume=resume, view=view).run()
+            summary = Controller(job, run, group_factory, resume=resume, view=view, script=script).run()
     except WorkerFailed as err:
         raise RunFailed(f"{err}.{_where_to_continue(run)}", run.path) from None
     except UsageError:

@@ -228,3 +228,111 @@ def test_replay_of_a_finished_run_is_bit_equal(tmp_path, local_workers, capsys):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert json.loads((replayed / "summary.json").read_text())["fingerprint"] == fingerprint
+
+
+def test_replay_carries_out_the_original_decisions_and_takes_none_of_its_own(tmp_path, local_workers, capsys):
+    """The original's rank 1 computes 4x as long (inject.slow): samples move off it at a step the
+    machine's timing picked. The replay is told rank 0 is the slow one instead: deciding anew, it
+    would move samples off rank 0. It moves them as the original did, at the original's steps,
+    off rank 1, and ends bit-equal."""
+    root = tmp_path / "runs"
+    original = root / "original"
+    sets = TINY + ["train.steps=30", "train.global_batch_size=64", "cluster.num_workers=2", "parallel.strategy=data",
+                   "optimizer.name=sgd", "optimizer.lr=0.05", "inject.slow={ranks: [1], factor: 4}"]
+    assert cli.main(["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(original),
+                     *[a for o in sets for a in ("--set", o)]]) == 0
+    capsys.readouterr()
+
+    def moves(run):
+        records = [json.loads(line) for line in (run / "telemetry.jsonl").read_text().splitlines()]
+        return [(r["applied_step"], r["shares"]) for r in records
+                if r.get("event") == "decision" and r["decision"] == "rebalance" and r["applied_step"] is not None]
+
+    before = moves(original)
+    assert before and before[0][1][1] < before[0][1][0], before  # off the slow rank 1
+    replayed = tmp_path / "replayed"
+    assert cli.main(["replay", str(original), "--run-dir", str(replayed),
+                     "--set", "inject.slow={ranks: [0], factor: 4}"]) == 0
+    err = capsys.readouterr().err
+    assert f"replaying the original's decisions at their steps (0 switch(es), 0 bucket_cap_mb change(s), " \
+           f"{len(before)} rebalance(s)" in err, err
+    assert moves(replayed) == before
+    assert "bit-equal to the original's" in err, err
+
+
+def test_a_script_takes_the_judged_moves_of_a_run_and_leaves_what_happens_again(tmp_path):
+    """What `gearshift replay` carries out, read from an original's records: the policy's and
+    tuning's switches, the buckets, the stragglers' moves that were carried out; not the forced
+    schedule, an out-of-memory move or a move never carried out (they happen again, or never
+    did)."""
+    from gearshift.orchestrator.control.script import Script, ScriptError
+    from gearshift.orchestrator.policy.rebalance import Drop, Rebalance
+    from gearshift.orchestrator.policy.stages import Recut
+    from gearshift.strategies.layout import Layout
+
+    data2, tensor2 = {"strategy": "data", "dp": 2, "tp": 1}, {"strategy": "tensor", "dp": 1, "tp": 2}
+    events = [
+        {"event": "switch", "step": 10, "from": data2, "to": tensor2, "reason": "switch"},
+        {"event": "switch", "step": 20, "from": tensor2, "to": data2, "reason": "revert"},
+        {"event": "switch", "step": 25, "from": data2, "to": tensor2, "reason": "schedule"},
+        {"event": "switch", "step": 26, "from": tensor2, "to": data2, "reason": "oom"},
+        {"event": "switch", "step": 30, "from": data2, "to": tensor2, "reason": "tune", "bucket_cap_mb": 5.0},
+        {"event": "bucket", "step": 12, "bucket_cap_mb": 25.0, "previous": 5.0},
+        {"event": "decision", "decision": "rebalance", "seen_step": 14, "applied_step": 15, "shares": [40, 24],
+         "evidence": {"replica": 1}},
+        {"event": "decision", "decision": "rebalance", "seen_step": 16, "applied_step": None, "shares": [48, 16],
+         "evidence": {}},
+        {"event": "decision", "decision": "recut", "seen_step": 33, "applied_step": 34, "split": ["blocks.3"],
+         "evidence": {"blocks_per_stage_after": [3, 1]}},
+        {"event": "decision", "decision": "drop", "seen_step": 40, "applied_step": 41, "ranks": [1], "replicas": [1],
+         "evidence": {}},
+        {"event": "decision", "decision": "keep", "seen_step": 42, "applied_step": 42},
+    ]
+    telemetry = tmp_path / "telemetry.jsonl"
+    telemetry.write_text("".join(json.dumps({"type": "event", **e}) + "\n" for e in events) + '{"type": "ev')
+    script = Script.of_run(telemetry, {"strategy_history": [{"step": 0, **data2, "bucket_cap_mb": 25.0}]})
+    assert script.start == Layout("data", 2, 1)
+    assert sorted(script.switches) == [10, 20, 30] and script.switch_at(30).bucket == 5.0
+    assert script.switch_at(10).to == Layout("tensor", 1, 2) and script.switch_at(25) is None
+    assert script.buckets == {12: 25.0}
+    assert script.straggler_at(15) == (Rebalance((40, 24), {"replica": 1}), 14) and script.straggler_at(17) is None
+    assert script.straggler_at(34)[0] == Recut(("blocks.3",), (), {"blocks_per_stage_after": [3, 1]})
+    assert script.straggler_at(41)[0] == Drop((1,), (1,), {})
+    assert [script.next_step(s) for s in (0, 10, 15, 34, 41)] == [10, 12, 20, 41, None]
+    telemetry.write_text("not json\n{}\n")
+    with pytest.raises(ScriptError, match="line 1 is not JSON"):
+        Script.of_run(telemetry, None)
+
+
+def test_a_replay_switches_and_puts_buckets_in_force_where_the_original_did(tmp_path, local_workers, capsys):
+    """bucket_cap_mb auto: the original's tuning round tries buckets at steps its timing picks, and
+    a switch at step 8 (a forced schedule's, its record rewritten here as a judge's, so that only
+    the replay's script can make it: the replay runs without the schedule). The replay takes no
+    tuning round of its own: it puts each bucket in force and switches where the original did,
+    and ends bit-equal."""
+    original, replayed = tmp_path / "original", tmp_path / "replayed"
+    sets = TINY + ["train.steps=16", "train.global_batch_size=64", "cluster.num_workers=2", "parallel.strategy=data",
+                   "parallel.bucket_cap_mb=auto", "adapt.schedule=[{step: 8, strategy: tensor}]"]
+    assert cli.main(["run", str(ROOT / "examples/mlp.yaml"), "--run-dir", str(original),
+                     *[a for o in sets for a in ("--set", o)]]) == 0
+    lines = (original / "telemetry.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    for r in records:
+        if r.get("event") == "switch" and r["reason"] == "schedule":
+            r["reason"] = "switch"  # as strategy auto's policy writes its switches
+    (original / "telemetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    assert cli.main(["replay", str(original), "--run-dir", str(replayed), "--set", "adapt.schedule=[]"]) == 0
+    err = capsys.readouterr().err
+
+    def moves(run):
+        got = [json.loads(line) for line in (run / "telemetry.jsonl").read_text().splitlines()]
+        return ([(r["step"], r["bucket_cap_mb"]) for r in got if r.get("event") == "bucket"],
+                [(r["step"], r["to"]) for r in got if r.get("event") == "switch"],
+                [r for r in got if r.get("event") == "tune_start"])
+
+    buckets, switches, rounds = moves(original)
+    assert buckets and rounds and switches == [(8, {"strategy": "tensor", "dp": 1, "tp": 2})]
+    again = moves(replayed)
+    assert again[0] == buckets and again[1] == switches and not again[2]  # no tuning round of its own
+    assert "bit-equal to the original's" in err, err

@@ -287,10 +287,14 @@ def cmd_replay(args) -> int:
     job = original.load_job(getattr(args, "overrides", None))
     for line in _caveats(original, job):
         print(f"gearshift: note: {line}", file=sys.stderr)
+    script = _script(original)
+    if script is not None and script.moves + (script.start is not None and job.parallel.strategy == "auto"):
+        print(f"gearshift: replaying the original's decisions at their steps ({script.describe()}); "
+              "no new one is taken", file=sys.stderr)
     run = RunDir.create(job, args.run_dir, args.root)
     meta = {**(_read_json(run.meta) or {}), "replay_of": str(original.path.resolve())}
     write_file_atomic(run.meta, json.dumps(meta, indent=2).encode())
-    api.train(job, run, None, address=getattr(args, "address", None), view=ProgressView())
+    api.train(job, run, None, address=getattr(args, "address", None), view=ProgressView(), script=script)
     if original.final.is_file() and run.final.is_file():
         print(f"gearshift: replay of {original.path}: {compare_finals(original.final, run.final)}", file=sys.stderr)
     return 0
@@ -308,15 +312,27 @@ def source_warnings(run) -> list[str]:
     return provenance.differences(recorded, provenance.collect(_read_job(run), base_dir))
 
 
+def _script(original):
+    """The original's decisions (orchestrator/control/script.py), or None where its records cannot
+    be read (then the replay decides anew, and `_caveats` says so)."""
+    from gearshift.orchestrator.control.script import Script, ScriptError
+
+    try:
+        return Script.of_run(original.telemetry, _read_json(original.summary))
+    except ScriptError:
+        return None
+
+
 def _caveats(original, job) -> list[str]:
     out = []
     status = (_read_json(original.summary) or {}).get("status")
     if status != "done":
         out.append(f"{original.path} did not finish (status {status or 'unknown'}): there is no final "
                    "state to compare the replay with")
-    if job.parallel.strategy == "auto":
-        out.append("parallel.strategy is auto: the switches follow measured timing, so the replay may switch "
-                   "at other steps and end equal only within floating-point tolerance")
+    if _script(original) is None:
+        out.append(f"{original.telemetry} cannot be read: the original's decisions (switches, "
+                   "shares, recuts) are unknown, so the replay takes its own, which follow this machine's timing, "
+                   "and may end elsewhere")
     return out
 
 

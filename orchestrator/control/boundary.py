@@ -39,6 +39,7 @@ class Boundary:
     abandon_tuning: bool = False
     tell_policy: bool = False       # policy.switched(layout in force, step) after the switch
     then: Then = Then.NOTHING
+    bucket: float | None = None     # a bucket_cap_mb put in force with the switch (a replayed tuning trial)
 
 
 STOP = Boundary(stop=True)
@@ -50,7 +51,8 @@ def next_boundary(step: int, total: int, scheduled: Layout | None, decision=None
     """What happens at boundary `step` of a run of `total` steps.
 
     scheduled   the layout a forced schedule entry due at `step` asks for (None: none is due)
-    decision    the first Switch or Revert the policy asked for in the chunk just trained (None: none)
+    decision    the first Switch or Revert the policy asked for in the chunk just trained, or the
+                switch a replay carries out here (control/script.py `Replayed`) (None: none)
     judged      a policy judges this run (strategy auto): it hears of every switch
     tuning      a tuning round is in progress (after the trial that ended here was scored)
     kept        the policy judged a switch in the chunk and kept it: time to tune the new layout
@@ -71,4 +73,5 @@ def next_boundary(step: int, total: int, scheduled: Layout | None, decision=None
     else:
         then = Then.TUNE if kept else Then.NOTHING  # the decision's layout is judged first
     return Boundary(to=to, reason=reason, evidence=evidence, scheduled=scheduled is not None,
-                    abandon_tuning=tuning, tell_policy=judged, then=then)
+                    abandon_tuning=tuning, tell_policy=judged, then=then,
+                    bucket=getattr(decision, "bucket", None) if scheduled is None else None)

@@ -124,6 +124,8 @@ class BucketTuning:
         job, layout = self.ctl.job, self.ctl.layout
         if job.parallel.bucket_cap_mb != "auto" or layout.dp == 1 or step >= job.train.steps:
             return
+        if getattr(self.ctl, "script", None) is not None:  # a replay: the original's buckets, at their steps
+            return
         if layout in self.tuned:
             self.apply_bucket(self.tuned[layout], step)
             return

@@ -37,7 +37,8 @@ layout change (`switch`), a new policy (`make_policy`), a resized world (`on_wor
 
 What is injected, so that tests can swap it: the worker group (`group_factory`, a
 `WorkerGroup`), the policy (`policy_factory`), and the bucket-tuning driver (`tuning`; `gearshift
-tune` hands in one with a grid). Records and terminal lines go through `Reporter`
+tune` hands in one with a grid). `gearshift replay` hands in the original's decisions (`script`,
+orchestrator/control/script.py): they are carried out at their steps and no new one is taken. Records and terminal lines go through `Reporter`
 (orchestrator/control/reporting.py). The group the factory makes is held in a `ScrubbedGroup`
 (orchestrator/cluster/scrubbed.py): what its workers send comes in with the run's secrets masked.
 """
@@ -60,6 +61,7 @@ from gearshift.orchestrator.control.memory import OutOfMemory
 from gearshift.orchestrator.control.recovery import Recovery
 from gearshift.orchestrator.control.reporting import Reporter
 from gearshift.orchestrator.control.rollback import NanRollback
+from gearshift.orchestrator.control.script import Script
 from gearshift.orchestrator.control.states import State
 from gearshift.orchestrator.control.stragglers import Stragglers
 from gearshift.orchestrator.control.states.finishing import FinishingState
@@ -87,8 +89,10 @@ PolicyFactory = Callable[[Job, Layout, list[int], "int | None"], Policy]  # the 
 class Controller:
     def __init__(self, job: Job, run: RunDir, group_factory: Callable[[Job], WorkerGroup],
                  resume: tuple[str, dict] | None = None, view: ProgressView | None = None,
-                 policy_factory: PolicyFactory = job_policy, tuning: BucketTuning | None = None):
+                 policy_factory: PolicyFactory = job_policy, tuning: BucketTuning | None = None,
+                 script: Script | None = None):
         self.job = job
+        self.script = script  # a replay's decisions, carried out instead of new ones (control/script.py)
         self.run_dir = run
         # whatever a worker says reaches the driver through its group: scrubbed there of the run's
         # secrets, before anything of it is written, printed or raised (cluster/scrubbed.py)
@@ -214,7 +218,8 @@ class Controller:
         self.stragglers.start_over()
         if bucket is not None:
             self.tuning.bucket = bucket
-        record = {"step": step, "from": old.to_dict(), "to": target.to_dict(), "seconds": seconds, "reason": reason}
+        record = {"step": step, "from": old.to_dict(), "to": target.to_dict(), "seconds": seconds, "reason": reason,
+                  **({"bucket_cap_mb": bucket} if bucket is not None else {})}
         self.switches.append(record)
         self.history.append(self.history_entry(step, target))
         self.report.switched(record, evidence, old, target)

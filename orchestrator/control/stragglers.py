@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 from gearshift.orchestrator.control.elastic import pieces_lost, shrunk
+from gearshift.orchestrator.control.script import ScriptedWatch
 from gearshift.orchestrator.errors import WorkerFailed
 from gearshift.orchestrator.policy.decisions import Report
 from gearshift.orchestrator.policy.rebalance import WINDOW, Drop, DropRule, Rebalance, Rebalancer
@@ -45,7 +46,9 @@ class Stragglers:
         ctl = self.ctl
         mode, lay = ctl.job.adapt.stragglers, ctl.layout
         on = mode != "off" and ctl.job.telemetry.enabled
-        if on and lay.pp > 1:  # a pipeline's stages: their cut follows the speeds (a drop is not made)
+        if ctl.script is not None:  # a replay: the original's moves, at their steps (control/script.py)
+            self.rebalancer = ScriptedWatch()
+        elif on and lay.pp > 1:  # a pipeline's stages: their cut follows the speeds (a drop is not made)
             cut = ctl.group.call("pipeline_cut")[0]
             self.rebalancer = StageBalancer("report" if mode == "report" else "rebalance", lay, cut, ctl.infos,
                                             cooldown=ctl.job.adapt.cooldown,
@@ -90,7 +93,9 @@ class Stragglers:
 
     def carry_out(self, step: int) -> None:
         """At chunk end `step`: the pending rebalance on every rank (the workers agree on nothing
-        more: each takes the same list)."""
+        more: each takes the same list). A replay takes the original's move at `step`, if any."""
+        if self.ctl.script is not None and self.ctl.script.straggler_at(step) is not None:
+            self.pending = self.ctl.script.straggler_at(step)
         if self.pending is None:
             return
         decision, seen = self.pending

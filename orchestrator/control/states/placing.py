@@ -25,7 +25,9 @@ class PlacingState:
         ctl.enter(State.PLACING, workers=job.cluster.num_workers, placement=job.cluster.placement)
         ctl.group = ctl.group_factory(job)
         if job.parallel.strategy == "auto" and job.adapt.enabled and ctl.tuning.grid is None:
-            ctl.group.choose_layout = self.starting_layout  # auto starts where the model fits
+            # auto starts where the model fits; a replay where the original started
+            replayed = ctl.script.start if ctl.script is not None else None
+            ctl.group.choose_layout = self.starting_layout if replayed is None else (lambda infos: replayed)
         ctl.infos = ctl.group.start()
         return State.STARTING
 

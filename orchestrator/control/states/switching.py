@@ -21,7 +21,7 @@ class SwitchingState:
             ctl.tuning.abandon(step)  # a new layout is coming: its own round follows
         if ctl.decided is not None:
             ctl.record_decision(step)
-        ctl.switch(b.to, step, b.reason, b.evidence)
+        ctl.switch(b.to, step, b.reason, b.evidence, bucket=b.bucket)
         if b.scheduled:
             ctl.schedule.pop(0)
         if b.tell_policy:

@@ -45,13 +45,19 @@ class TrainingState:
         if resumed_layout is not None and resumed_layout != ctl.layout:
             ctl.switch(resumed_layout, start_step, "schedule (resume)")
         ctl.schedule = [e for e in job.adapt.schedule if e["step"] > start_step]
-        auto = job.parallel.strategy == "auto" and job.adapt.enabled and ctl.tuning.grid is None
+        auto = job.parallel.strategy == "auto" and job.adapt.enabled and ctl.tuning.grid is None and ctl.script is None
         ctl.policy = ctl.make_policy() if auto else None
         ctl.stragglers.start_over()
         deciding = ctl.policy is not None or ctl.stragglers.watching
         self.stoppable = deciding and callable(getattr(ctl.group, "stop_early", None))
         ctl.step = start_step
         ctl.tuning.begin(start_step)
+        if ctl.script is not None:  # a replay: what the original put in force at this boundary, first
+            replayed, bucket = ctl.script.switch_at(start_step), ctl.script.bucket_at(start_step)
+            if replayed is not None:
+                ctl.switch(replayed.to, start_step, replayed.name, replayed.evidence, bucket=replayed.bucket)
+            if bucket is not None:
+                ctl.tuning.apply_bucket(bucket, start_step)
 
     def run(self) -> State:
         """Train one chunk, to the next step at which something may change (or sooner, where the
@@ -71,6 +77,8 @@ class TrainingState:
             return State.TRAINING
         with at_rest(until):
             ctl.evals.after_chunk(ctl.group, until, ctl.job.train.steps, ctl.layout)
+        if ctl.script is not None and decision is None:  # a replay: the original's switch at this boundary
+            decision = ctl.script.switch_at(until)
         tuning_over = ctl.tuning.chunk_done(until)
         due = ctl.schedule and ctl.schedule[0]["step"] == until
         boundary = next_boundary(until, ctl.job.train.steps, scheduled_layout(ctl.job, until) if due else None,
@@ -84,6 +92,8 @@ class TrainingState:
             ctl.boundary = boundary
             return State.SWITCHING
         ctl.stragglers.carry_out(until)
+        if ctl.script is not None and ctl.script.bucket_at(until) is not None:  # a replay: the bucket put in force
+            ctl.tuning.apply_bucket(ctl.script.bucket_at(until), until)
         ctl.tune_after(boundary)
         return State.TRAINING
 
@@ -100,6 +110,8 @@ class TrainingState:
             until = min(until, step + GROW_EVERY)
         elif ctl.stragglers.held_until > step:  # a device let go may be taken back from there
             until = min(until, ctl.stragglers.held_until)
+        if ctl.script is not None and ctl.script.next_step(step) is not None:  # a replay's next move
+            until = min(until, ctl.script.next_step(step))
         return until
 
     def _may_grow(self) -> bool:
