@@ -295,6 +295,78 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class PooledGroup:
+    """bench/local_group.py's LocalGroup (`call`, `apply`, `close`; set up and built on entry) on
+    the warm pool's processes, for the tests that drive TrainWorkers directly without the
+    controller (a step loop and its timing, a build): the same TrainWorker and calls, without a
+    new process per worker that imports torch and gearshift again. `call("train", ...)` gives each
+    rank's list of what its step loop yielded. Every wait is bounded by `timeout_s`; a group that
+    fails ends its processes (a rank may still sit in a collective) and the next one starts fresh."""
+
+    def __init__(self, job: dict, world: int, search_paths: list[str] | None = None, cpus: float = 1.0,
+                 timeout_s: float = 300.0):
+        from gearshift.workers.worker import WorkerConfig
+
+        self.timeout_s = timeout_s
+        self.members = gloo_pool.HOSTS.take(world)
+        config = WorkerConfig.from_job(job, [str(p) for p in search_paths or ["."]])
+        for _, conn in self.members:
+            conn.send(("host", config, cpus))
+        port = _free_port()
+        try:
+            self._each(lambda rank: ("call", ("setup", (rank, world, "127.0.0.1", port, 120.0))))
+            self.infos = self.call("build")
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def call(self, method, *args: Any) -> list:
+        if method == "train":
+            return self._each(lambda rank: ("train", args))
+        return self._each(lambda rank: ("call", (method, args)))
+
+    def apply(self, fn, *args: Any) -> list:
+        """Run `fn(worker, *args)` in every process (fn must be importable there)."""
+        return self.call(fn, *args)
+
+    def _each(self, request) -> list:
+        ident = next(_IDS)
+        for rank, (_, conn) in enumerate(self.members):
+            kind, body = request(rank)
+            conn.send((kind, ident, *body) if kind == "call" else (kind, ident, body))
+        results: dict[int, Any] = {}
+        reports: dict[int, list] = {rank: [] for rank in range(len(self.members))}
+        deadline = time.monotonic() + self.timeout_s
+        for rank, (proc, conn) in enumerate(self.members):
+            while rank not in results:
+                left = deadline - time.monotonic()
+                if left <= 0 or not wait([conn, proc.sentinel], timeout=left):
+                    raise TimeoutError(f"rank {rank} did not answer within {self.timeout_s:g} s")
+                if not conn.poll():
+                    raise RuntimeError(f"rank {rank}: its process (pid {proc.pid}) died (exit code {proc.exitcode})")
+                msg = conn.recv()
+                if msg[1] != ident:
+                    continue  # an answer to an abandoned call
+                if msg[0] == "error":
+                    raise RuntimeError(f"rank {rank}: {msg[2]}\n{msg[3]}")
+                if msg[0] == "report":
+                    reports[rank].append(msg[2])
+                else:
+                    results[rank] = reports[rank] if msg[0] == "done" else msg[2]
+        return [results[r] for r in range(len(self.members))]
+
+    def close(self, failed: bool = False) -> None:
+        members, self.members = self.members, []
+        if members:
+            gloo_pool.HOSTS.release(members, RELEASE_AFTER_FAILURE_S if failed else RELEASE_S)
+
+    def __enter__(self) -> "PooledGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(failed=exc[0] is not None)
+
+
 # ---------------------------------------------------------------- in each pool process
 
 def host(conn, config, cpus: float) -> None:
@@ -339,8 +411,8 @@ def host(conn, config, cpus: float) -> None:
                         conn.send(("report", ident, report))
                     conn.send(("done", ident, None))
                 else:
-                    method, args = rest
-                    result = getattr(worker, method)(*args)
+                    method, args = rest  # a TrainWorker method's name, or a function of the worker (PooledGroup.apply)
+                    result = method(worker, *args) if callable(method) else getattr(worker, method)(*args)
                     conn.send(("ok", ident, result))
             except BaseException as err:  # noqa: BLE001  (the parent raises it as a WorkerFailed)
                 conn.send(("error", ident, f"{type(err).__name__}: {err}", traceback.format_exc(), _pickled(err)))

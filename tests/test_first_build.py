@@ -136,13 +136,13 @@ def _first_build_against_plain(worker, spec: dict, layout: dict) -> dict:
 @pytest.fixture(scope="module")
 def group():
     sys.path.insert(0, ROOT)
-    from bench.local_group import LocalGroup
+    from process_workers import PooledGroup
     from gearshift.orchestrator.job import job_from_dict
 
     job = job_from_dict({"model": SPECS["gpt"], "data": "chars",
                          "train": {"steps": 1, "global_batch_size": 8, "seed": 11}, "cluster": {"num_workers": 4},
                          "parallel": {"strategy": "fsdp"}, "telemetry": {"ray_metrics": False}}).to_dict()
-    with LocalGroup(job, 4, search_paths=[str(FIXTURES), ROOT], cpus=0.5) as g:
+    with PooledGroup(job, 4, search_paths=[str(FIXTURES), ROOT], cpus=0.5) as g:
         yield g
 
 

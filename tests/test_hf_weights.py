@@ -117,7 +117,7 @@ def _load_under(worker, family: str, folder: str, layout: dict) -> dict:
 @pytest.fixture(scope="module")
 def group():
     sys.path.insert(0, ROOT)
-    from bench.local_group import LocalGroup
+    from process_workers import PooledGroup
     from gearshift.orchestrator.job import job_from_dict
 
     job = job_from_dict({"model": {"name": "gpt", "kwargs": {"vocab_size": 128, "block_size": 8, "n_layer": 1,
@@ -125,7 +125,7 @@ def group():
                          "data": "chars", "train": {"steps": 1, "global_batch_size": 8, "seed": 11},
                          "cluster": {"num_workers": 4}, "parallel": {"strategy": "fsdp"},
                          "telemetry": {"ray_metrics": False}}).to_dict()
-    with LocalGroup(job, 4, search_paths=[str(FIXTURES), ROOT], cpus=0.5) as g:
+    with PooledGroup(job, 4, search_paths=[str(FIXTURES), ROOT], cpus=0.5) as g:
         yield g
 
 

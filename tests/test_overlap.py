@@ -185,7 +185,7 @@ def test_a_model_built_on_meta_overlaps_in_the_worker():
     """The layout is applied on the meta device and its storage swapped in afterwards: hooks put on
     before that swap never fire, so the averager binds them on the first forward. In the worker's
     own loop, buckets are in flight before backward returns from the very first step."""
-    from bench.local_group import LocalGroup
+    from process_workers import PooledGroup
     from gearshift.orchestrator.job import job_from_dict
 
     root = os.path.join(os.path.dirname(__file__), "..")
@@ -195,7 +195,7 @@ def test_a_model_built_on_meta_overlaps_in_the_worker():
                          "cluster": {"num_workers": 4},
                          "parallel": {"strategy": "hybrid", "tp_size": 2, "bucket_cap_mb": 0.01},
                          "telemetry": {"ray_metrics": False}}).to_dict()
-    with LocalGroup(job, 4, search_paths=[root], cpus=0.5) as group:
+    with PooledGroup(job, 4, search_paths=[root], cpus=0.5) as group:
         group.call("build")
         for seen, on_meta in group.apply(_inflight_at_each_finish):
             assert on_meta

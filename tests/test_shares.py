@@ -119,7 +119,7 @@ def test_four_workers_on_uneven_shares_end_where_one_process_does():
     """data(4) on 7/5/2/2, fsdp(4) on 2/3/4/7 in micro-batches of 4, hsdp(2 shards x 2) on 5/5/3/3,
     hybrid (dp 2, tp 2) on 11/5: every layout in turn on the same live workers, then the state and
     every step's loss against plain PyTorch on the same global batches (SGD, clipping)."""
-    from bench.local_group import LocalGroup
+    from process_workers import PooledGroup
     from gearshift.orchestrator.job import job_from_dict
     from gearshift.strategies.layout import Layout
     from tests.test_train_equivalence import reference
@@ -134,7 +134,7 @@ def test_four_workers_on_uneven_shares_end_where_one_process_does():
             (Layout("hsdp", 4, 1, shard=2), [5, 5, 3, 3], None),
             (Layout("hybrid", 2, 2), [11, 5], None)]
     losses = []
-    with LocalGroup(job.to_dict(), 4, search_paths=[ROOT], cpus=0.5) as group:
+    with PooledGroup(job.to_dict(), 4, search_paths=[ROOT], cpus=0.5) as group:
         for i, (layout, counts, micro) in enumerate(plan):
             if i:
                 group.apply(_reshard, layout.to_dict())
@@ -187,7 +187,7 @@ def test_two_data_workers_add_nothing_to_plain_pytorch_s_arithmetic_at_even_shar
     matmul's sums depend on its thread count). Their distance from the whole batch at once is then
     the floor of computing it in two parts, no more: a cast, a second division, a weight off by
     an ulp or another summation order in the data path fails this, where a 1e-5 tolerance lets it by."""
-    from bench.local_group import LocalGroup
+    from process_workers import PooledGroup
     from gearshift.orchestrator.job import job_from_dict
     from tests.test_train_equivalence import max_diff, reference
 
@@ -198,7 +198,7 @@ def test_two_data_workers_add_nothing_to_plain_pytorch_s_arithmetic_at_even_shar
                          "parallel": {"strategy": "data"}, "telemetry": {"ray_metrics": False}}, base_dir=ROOT)
     plan = [(4, None), (8, [32, 32]), (12, [40, 24])]  # no rebalance; rebalanced, even; uneven
     got = []
-    with LocalGroup(job.to_dict(), 2, search_paths=[ROOT], cpus=1.0) as group:  # one thread a worker
+    with PooledGroup(job.to_dict(), 2, search_paths=[ROOT], cpus=1.0) as group:  # one thread a worker
         for until, counts in plan:
             if counts is not None:
                 assert group.apply(_set_shares, counts)[0]["shares"] == (None if counts == [32, 32] else counts)

@@ -14,7 +14,7 @@ import pytest
 from gearshift.monitoring.schema import validate
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import job_from_dict
-from bench.local_group import LocalGroup
+from process_workers import PooledGroup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WARMUP = 5  # the first steps build DDP's buckets and warm the allocator
@@ -29,7 +29,7 @@ def measure(strategy: str, world: int, delay_ms: float, steps: int = 25, **paral
         "parallel": {"strategy": strategy, "bucket_cap_mb": 100, **parallel},
         "inject": {"comm_delay_ms": delay_ms}, "telemetry": {"ray_metrics": False, "sample_period_s": 0.5},
     }).to_dict()
-    with LocalGroup(job, world, search_paths=[str(ROOT)]) as group:
+    with PooledGroup(job, world, search_paths=[str(ROOT)]) as group:
         reports = group.call("train", steps, 0, 1000.0)
     out = []
     for per_rank in reports:
@@ -82,7 +82,7 @@ def test_timing_leaves_the_arithmetic_alone():
     for enabled in (True, False):
         job = job_from_dict({"model": {"name": "mlp", "kwargs": {"hidden": 64}}, "train": {"steps": 6, "global_batch_size": 48},
                              "cluster": {"num_workers": 3}, "telemetry": {"enabled": enabled, "ray_metrics": False}}).to_dict()
-        with LocalGroup(job, 3, search_paths=[str(ROOT)]) as group:
+        with PooledGroup(job, 3, search_paths=[str(ROOT)]) as group:
             group.call("train", 6, 0, 1000.0)
             finals[enabled] = group.call("state")[0]["model"]
     assert all(torch.equal(finals[True][k], finals[False][k]) for k in finals[False])
