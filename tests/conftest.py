@@ -171,3 +171,40 @@ def local_workers():
     """local_groups() for the test: for tests whose subject is training, not Ray."""
     with local_groups():
         yield
+
+
+# ---------------------------------------------------------------- where the suite's CPU time goes
+
+CPU_LOG = os.environ.get("GEARSHIFT_TEST_CPU_LOG")  # a folder: each test's CPU seconds, one file per process
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time, its live descendants' (the warm pool, Ray, a bench), and that of
+    the children it has waited for."""
+    import resource
+
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    done = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return total + done.ru_utime + done.ru_stime
+
+
+if CPU_LOG:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        """GEARSHIFT_TEST_CPU_LOG=DIR: each test's CPU seconds (setup, call and teardown, with every
+        process it started or used) and wall seconds, a line each, to DIR/cpu-PID.tsv. A
+        process that ended without being waited for by this one is missed (Ray's daemons)."""
+        import time
+
+        before, start = _cpu_seconds(), time.monotonic()
+        yield
+        cpu, wall = _cpu_seconds() - before, time.monotonic() - start
+        os.makedirs(CPU_LOG, exist_ok=True)
+        with open(os.path.join(CPU_LOG, f"cpu-{os.getpid()}.tsv"), "a") as f:
+            f.write(f"{item.nodeid}\t{cpu:.2f}\t{wall:.2f}\n")

@@ -165,8 +165,30 @@ def test_a_recut_is_priced_against_its_gain_over_the_steps_left():
     ev = first.evidence
     assert ev["pays"] and ev["steps_left"] == 1000 - step and not ev["recut_cost_measured"]
     assert ev["gain_s_per_step"] * ev["steps_left"] > ev["recut_cost_s"] * (1 + ev["switch_margin"])
-    assert far.recuts_s == [1e6]
+    assert (ev["moved_weight"], ev["total_weight"]) == (100, 800)  # 4 + 4 -> 5 + 3: one block changes position
+    assert far.recuts_s == [1e6] and far.recut_rates == [1e6 / 100]
 
     unmeasured = StageBalancer("rebalance", layout, CUT, total_steps=1000)
     out = feed(unmeasured, lambda s: [400.0, 200.0] if s < 40 else [200.0, 400.0], 119)
     assert len([d for _, d in out if isinstance(d, Recut)]) == 2  # without the measured cost, both pay
+
+
+def test_a_recut_is_priced_by_the_weight_that_changes_position():
+    """A recut sends only the blocks that change position: once one is measured, the next is
+    priced at the measured seconds per unit of weight times the weight it would move."""
+    layout = Layout("pipeline", 1, 1, pp=2)
+    bal = StageBalancer("rebalance", layout, CUT, total_steps=10_000)
+    assert bal.moved_weight((0, 4)) == 0 and bal.moved_weight((0, 6)) == 200 and bal.moved_weight((0, 2)) == 200
+    rng, recuts = random.Random(0), []
+    for step in range(1, 160):
+        speeds = [400.0, 200.0] if step < 40 else [100.0, 400.0]  # then the first position slows, more
+        got = bal.observe(record(step, bal.starts, speeds, rng))
+        if isinstance(got, Recut):
+            recuts.append(got)
+            got.evidence["seconds"] = 0.002 * got.evidence["moved_weight"] / 100  # 2 ms a block moved
+            bal.applied(got, step)
+    first, second = recuts[:2]
+    assert not first.evidence["recut_cost_measured"] and second.evidence["recut_cost_measured"]
+    moved = second.evidence["moved_weight"]
+    assert moved > first.evidence["moved_weight"]  # the slower first position gives more blocks back
+    assert second.evidence["recut_cost_s"] == pytest.approx(0.002 / 100 * moved)

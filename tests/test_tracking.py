@@ -72,13 +72,27 @@ class MlflowServer:
         self.log.close()
 
 
-@pytest.fixture
-def server(tmp_path):
-    srv = MlflowServer(tmp_path)
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """One mlflow server for the file's tests (its start is the cost: 20-50 s of a 2-core
+    machine), made again where a test killed it; every one started is stopped at the end."""
+    started: list[MlflowServer] = []
+
+    def live() -> MlflowServer:
+        if not started or started[-1].proc.poll() is not None:
+            started.append(MlflowServer(tmp_path_factory.mktemp("mlflow")))
+        return started[-1]
+
     try:
-        yield srv
+        yield live
     finally:
-        srv.stop()
+        for srv in started:
+            srv.stop()
+
+
+@pytest.fixture
+def server(servers):
+    return servers()
 
 
 def run(run_dir, *overrides) -> int:

@@ -11,8 +11,10 @@ the balanced cut counts them) over that time. The new cut is the one whose slowe
 fastest at those speeds (strategies/pipeline/cut.py `balanced`), taken where the predicted cut of
 the slowest position's time beats `min_gain` and the noise of the medians, in the window and in
 each of its halves, and where it pays as a grow or a switch must: the step's predicted gain over
-the steps left beats (1 + margin) x what a recut costs (the run's recuts as measured, else two
-steps). The speeds are per parameter: a stage whose blocks compute more per parameter
+the steps left beats (1 + margin) x what a recut costs. A recut moves only the blocks that change
+position (strategies/pipeline/moves.py), so its cost is priced by what moves: the weight of those
+blocks (their parameters, whose bytes and optimizer state cross the link) at the seconds per unit
+of weight the run's recuts took, measured; two steps before any is measured. The speeds are per parameter: a stage whose blocks compute more per parameter
 reads as slower and gets fewer blocks, which is the same move. Pure: the controller carries a
 `Recut` out with `TrainWorker.recut` where the workers stop for it.
 
@@ -64,6 +66,7 @@ class StageBalancer:
         self.mode, self.window, self.min_gain, self.cooldown = mode, window, min_gain, cooldown
         self.total_steps, self.margin = total_steps, margin  # a recut's gain over the steps left pays its cost
         self.recuts_s: list[float] = []  # what the run's recuts took, measured (TrainWorker.recut's seconds)
+        self.recut_rates: list[float] = []  # those seconds per unit of the weight each moved
         self.pp = layout.pp
         self.ranks = [[r for r in range(layout.world) if layout.stage_of(r) == p] for p in range(self.pp)]
         self.where = [{"rank": rs[0], "node": (infos or [{}] * layout.world)[rs[0]].get("node_ip")}
@@ -93,6 +96,9 @@ class StageBalancer:
     def applied(self, decision: Recut, step: int) -> None:
         if decision.evidence.get("seconds") is not None:
             self.recuts_s.append(decision.evidence["seconds"])
+            moved = decision.evidence.get("moved_weight") or 0
+            if moved > 0:
+                self.recut_rates.append(decision.evidence["seconds"] / moved)
         self.starts = decision.starts
         self.arrived = None
         self.steps.clear()
@@ -191,22 +197,38 @@ class StageBalancer:
                 return None
             self.said = step
             return Report("straggler", evidence)
-        price = self._price(step_s, evidence["predicted_step_s"], step)
+        price = self._price(step_s, evidence["predicted_step_s"], step, self.moved_weight(starts))
         if not price["pays"]:
             return None
         return Recut(tuple(self.blocks[i] for i in starts[1:]), starts, {**evidence, **price})
 
-    def _price(self, step_s: float, predicted_s: float, step: int) -> dict:
+    def moved_weight(self, starts) -> float:
+        """The weight of the blocks whose position differs between the cut in force and `starts`:
+        what a recut to `starts` sends (a block's parameters and their optimizer state)."""
+        return sum(w for w, a, b in zip(self.weights, _positions(self.starts, len(self.blocks), self.pp),
+                                        _positions(starts, len(self.blocks), self.pp)) if a != b)
+
+    def _price(self, step_s: float, predicted_s: float, step: int, moved: float) -> dict:
         """Whether a recut predicted to take the step from `step_s` to `predicted_s` pays, as a grow
         or a switch is priced: its gain a step over the steps left must pay (1 + margin) x what a
-        recut costs (the run's measured recuts, else two steps, a switch's price before any is
-        measured). Without a known end (total_steps None) every gain pays."""
+        recut costs: the `moved` weight at the seconds per weight the run's recuts took (their
+        median), else two steps, a switch's price before any is measured. Without a known end
+        (total_steps None) every gain pays."""
         gain = step_s - predicted_s
-        cost = median(self.recuts_s) if self.recuts_s else 2 * step_s
+        measured = bool(self.recut_rates)
+        cost = median(self.recut_rates) * moved if measured else 2 * step_s
         left = None if self.total_steps is None else self.total_steps - step
         pays = gain > 0 and (left is None or gain * left > cost * (1 + self.margin))
         return {"pays": pays, "gain_s_per_step": gain, "steps_left": left, "recut_cost_s": cost,
-                "recut_cost_measured": bool(self.recuts_s), "switch_margin": self.margin}
+                "recut_cost_measured": measured, "moved_weight": moved,
+                "total_weight": sum(self.weights), "switch_margin": self.margin}
+
+
+def _positions(starts, n: int, pp: int) -> list[int]:
+    """Each block's position (the rank of the pipeline that runs it) under the cut `starts`: stage
+    k runs on position k % pp."""
+    ends = list(starts[1:]) + [n]
+    return [k % pp for k, (a, b) in enumerate(zip(starts, ends)) for _ in range(a, b)]
 
 
 def _sizes(starts, n: int) -> list[int]:
