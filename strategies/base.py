@@ -113,6 +113,10 @@ class Parallel:
     """A model laid out on the workers. `module` is what forward is called on (a wrapper, for
     DDP), `model` the model itself (its parameters may be shards)."""
 
+    # whether its gradients are views of storage it keeps from step to step (DDP's buckets): a
+    # switch away from it frees them only once the new layout is allocated (strategies/relayout.py)
+    grads_in_kept_storage = False
+
     # True when full state exists only as pieces on several ranks: gathering it is a collective
     # every rank must enter; otherwise rank 0 alone holds all of it.
     gathers_collectively = False

@@ -26,6 +26,7 @@ def allreduce_hook(process_group, bucket):
 
 
 class DataParallel(Parallel):
+    grads_in_kept_storage = True  # gradient_as_bucket_view: views of DDP's buckets
     _hooked = False  # DDP's comm hook registered (DDP takes one for its life)
     _route = None  # the hook in force: the attached route's, or None (the plain all-reduce)
 

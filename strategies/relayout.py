@@ -81,7 +81,7 @@ def relayout(old: Parallel | Held, old_optimizer: torch.optim.Optimizer | None, 
         sources = dict(old.sources)
     else:
         _at_rest(old.model)
-        shared = _drop_grads(old.model)
+        shared = _drop_grads(old.model, old.grads_in_kept_storage)
         old.detach()
         sources = {**dict(old.model.named_parameters()), **_buffers(old.model)}
     meta_ok = lookup(layout.strategy).meta_ok
@@ -154,15 +154,16 @@ def _free(t: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         storage.resize_(0)
 
 
-def _drop_grads(model: nn.Module) -> list[torch.Tensor]:
-    """Gradients go first: they are not carried over. A gradient of its own is freed now; one
-    that is a view of storage its layout keeps (DDP's buckets, with gradient_as_bucket_view) is
-    only let go here and returned, to be freed with `_free_after_commit` once the move is sure:
-    where the new layout cannot be allocated, the old one trains on with its buckets whole."""
+def _drop_grads(model: nn.Module, kept: bool = False) -> list[torch.Tensor]:
+    """Gradients go first: they are not carried over, and are freed now. Where they are views of
+    storage the layout keeps from step to step (`kept`: Parallel.grads_in_kept_storage, DDP's
+    buckets) they are only let go here and returned, to be freed with `_free_after_commit` once
+    the move is sure: where the new layout cannot be allocated, the old one trains on with its
+    buckets whole."""
     shared = []
     for p in model.parameters():
         if p.grad is not None:
-            if _local(p.grad)._base is not None:
+            if kept:
                 shared.append(p.grad)
             else:
                 _free(p.grad)

@@ -64,7 +64,7 @@ def recut(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Module,
     from gearshift.strategies.relayout import _at_rest, _drop_grads, _free_after_commit
 
     _at_rest(old.model)
-    shared = _drop_grads(old.model)
+    shared = _drop_grads(old.model, old.grads_in_kept_storage)
     old.detach()
     order = list(_named(model, ()))  # the whole model's names, in one order on every rank
     new = parallelize(model, layout, plan, options)  # cut on the meta device: nothing allocated yet

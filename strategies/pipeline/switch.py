@@ -112,7 +112,7 @@ def relayout(old: Parallel, old_optimizer: torch.optim.Optimizer, model: nn.Modu
 
     names = _tensors(model)  # the whole model's names and shapes, in one order on every rank
     _at_rest(old.model)
-    shared = _drop_grads(old.model)
+    shared = _drop_grads(old.model, old.grads_in_kept_storage)
     old.detach()
     new, failure = None, None
     try:
