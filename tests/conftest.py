@@ -139,20 +139,6 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    # the longest files first: `-n 2 --dist loadfile` hands each process the next file as it frees
-    # up, so a long file collected last (alphabetically) keeps one process busy while the other idles
-    first = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))
-
-
-# Each part's longest files (wall seconds of the file's tests, measured 2026-12-07 with
-# GEARSHIFT_TEST_CPU_LOG, `make test-all`'s parts on 2 cores): a hint of the order only.
-LONGEST_FILES = [
-    # part 2 (Ray): 166, 145, 108, 105, 82 s
-    "test_streaming.py", "test_node_loss.py", "test_testbed.py", "test_elastic.py", "test_jobs_api.py",
-    # part 1: 191, 137, 135, 109, 104 CPU-s
-    "test_benches.py", "test_crossing_cells.py", "test_pipeline_compose.py", "test_switch.py",
-]
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ class Pool:
         port = _free_port()
         members = self.members[:world]
         for rank, (_, conn) in enumerate(members):
-            conn.send((fn, rank, world, port, args))
+            conn.send((fn, rank, world, port, args, timeout_s))
         try:
             self._collect(members, timeout_s)
         except BaseException:
@@ -75,7 +75,12 @@ class Pool:
             for item in ready:
                 if item in waiting:
                     rank = waiting.pop(item)
-                    status, text = item.recv()
+                    try:
+                        status, text = item.recv()
+                    except EOFError:  # it died between its last word and its sentinel's
+                        members[rank][0].join(5)
+                        raise WorkerError(f"rank {rank} of {len(members)} died (exit code "
+                                          f"{members[rank][0].exitcode}) before it finished") from None
                     if status != "ok":
                         raise WorkerError(f"rank {rank} of {len(members)} failed:\n{text}")
                 elif sentinels[item] in waiting.values():
@@ -219,9 +224,9 @@ def _serve(conn, path: list[str]) -> None:
             if tainted:
                 break
             continue
-        fn, rank, world, port, args = call
+        fn, rank, world, port, args, timeout_s = call
         try:
-            _one_call(fn, rank, world, port, args)
+            _one_call(fn, rank, world, port, args, timeout_s)
             answer = ("ok", None)
         except BaseException:  # noqa: BLE001  (the parent raises it, with this text)
             answer = ("error", traceback.format_exc())
@@ -233,13 +238,15 @@ def _serve(conn, path: list[str]) -> None:
     os._exit(0)
 
 
-def _one_call(fn, rank: int, world: int, port: int, args: tuple) -> None:
+def _one_call(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # up to 8 processes on 2 cores
+    # a collective may wait as long as the whole call may take (a compile on a loaded machine
+    # keeps one rank away for long; gloo ends a process whose collective timed out)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
         fn(rank, world, *args)
     finally:
