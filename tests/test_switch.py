@@ -75,7 +75,8 @@ def test_forced_switches_reach_the_single_process_result(local_workers, tmp_path
     assert steps[3] == ("data", 1) and steps[4] == ("hybrid", 2) and steps[6] == ("tensor", 4) and steps[8] == ("data", 1)
 
 
-def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_slow(local_workers, tmp_path):
+def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_slow(local_workers, tmp_path,
+                                                                                      monkeypatch):
     """4 workers in 2 simulated nodes joined by a 2.5 MB/s link, starting on data (`adapt.start:
     memory`; the probe would start it on the pipeline: the test below): data parallelism
     all-reduces every gradient over it and waits most of each step. The policy predicts hybrid (tensor-parallel
@@ -83,6 +84,10 @@ def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_
     the activations at the cut over the link, 1 MiB a step each way here) and moves to the faster,
     the pipeline, within two steps of the record that showed it; it keeps it because it is faster
     (measured here: 0.80 s a step under data, 0.38 s under the pipeline, 0.38 s predicted)."""
+    # the policy also judges memory, from each worker's peak resident set, which on CPU is the
+    # process's lifetime peak (workers/step/telemetry.py): fresh processes, so that no earlier
+    # test's peak reads as pressure (a warm one once switched this run to hybrid for memory)
+    monkeypatch.setenv("GEARSHIFT_TEST_FRESH_PROCESSES", "1")
     run = tmp_path / "run"
     overrides = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.strategy=auto",
                  "inject.nodes=2", "inject.link={mb_per_s: 2.5, latency_ms: 2}", "train.steps=30",
