@@ -122,13 +122,16 @@ def test_auto_moves_to_pipeline_stages_by_itself_when_the_link_between_nodes_is_
           f"(switch took {switches[0]['seconds']:.2f} s)")
 
 
-def test_auto_starts_on_pipeline_stages_when_its_probe_finds_the_link_between_nodes_slow(local_workers, tmp_path):
+def test_auto_starts_on_pipeline_stages_when_its_probe_finds_the_link_between_nodes_slow(local_workers, tmp_path,
+                                                                                         monkeypatch):
     """The same 2.5 MB/s link, `adapt.start: probe` (the default): before the model is built the
     workers time all-reduces over the link and a matmul, and the run starts on the pipeline of a
     stage a node, the layout the cost model predicts fastest, with the probe and every layout's
     prediction in the policy's evidence. It never trains a step on data, and ends where plain
     PyTorch ends on the same batches."""
     from test_train_equivalence import reference
+
+    monkeypatch.setenv("GEARSHIFT_TEST_FRESH_PROCESSES", "1")  # its own peak memory: as the test above
 
     run = tmp_path / "run"
     # plain SGD: AdamW's first steps turn float noise in tiny gradients into whole updates
