@@ -94,7 +94,8 @@ def block(group, steps: int, warm: int, batch: int) -> dict:
             "samples_per_s_mean": batch * len(slowest[warm:]) / sum(slowest[warm:]),
             "warmup_excess_s": sum(slowest[:warm]) - warm * step_s,
             "data_share": statistics.median(shares) if shares else None,
-            "peak_mem_bytes": max(rr[-1].get("peak_mem_bytes") or 0 for rr in reports)}
+            # each report's peak is its own window's (monitoring/host_memory.py): the block's is their highest
+            "peak_mem_bytes": max(r.get("peak_mem_bytes") or 0 for rr in reports for r in rr)}
 
 
 def spread(values: list[float]) -> list[float]:

@@ -144,24 +144,19 @@ class _Sampler:
             self.reset_high_water()
         return self.sample()
 
-    # The kernel's own peak (VmHWM), reset per phase through /proc/self/clear_refs (Linux 4.0+):
-    # exact where the sampler may miss a short peak (it runs when the scheduler and the GIL let it).
+    # The kernel's own peak (VmHWM) per phase, exact where the sampler may miss a short peak (it
+    # runs when the scheduler and the GIL let it): a window of its own (monitoring/host_memory.py),
+    # which the worker's per-report windows do not cut short.
     def reset_high_water(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.hwm_ok = True
-        except OSError:
-            self.hwm_ok = False
+        from gearshift.monitoring.host_memory import process_peak
+
+        process_peak().take("bench phase")
+        self.hwm_ok = process_peak().windowed
 
     def high_water(self) -> int | None:
-        if not self.hwm_ok:
-            return None
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        return None
+        from gearshift.monitoring.host_memory import process_peak
+
+        return process_peak().take("bench phase") if self.hwm_ok else None
 
     def peak(self, phase: str) -> int:
         return max(self.peaks.get(phase, 0), self.hwm.get(phase) or 0)

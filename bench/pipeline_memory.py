@@ -10,8 +10,8 @@ as one replica of 2 stages whose blocks are split over 2 workers each (parallel.
 data switched into that and back. Per
 run: the driver's and the largest worker's peak resident set (bench.ingest.Watcher polls every
 process of the run), and from the step records each worker's own high-water mark (`peak_mem_bytes`,
-ru_maxrss: it only grows) just before each switch and just after it, so that what a switch adds
-beyond the layouts' own shows as the rise across it.
+the process's peak since its previous report) just before each switch and just after it, so that
+what a switch adds beyond the layouts' own shows as the rise across it.
 
     python bench/pipeline_memory.py            # ~9 minutes
     python bench/pipeline_memory.py --smoke    # data switched into the pipeline and back, a 0.1M-parameter

@@ -52,8 +52,9 @@ STEP = {
                                      "their gradients in transfer), mean over ranks; null under other layouts"),
     "samples_per_s": (NUM, "global batch / step_time_max"),
     "tokens_per_s": (OPT_NUM, "samples_per_s x tokens per sample, for sequence models; else null"),
-    "peak_mem_bytes": (OPT_NUM, "peak memory of the rank that used most (device memory on GPU, "
-                                 "process peak RSS on CPU); null if unknown"),
+    "peak_mem_bytes": (OPT_NUM, "peak memory of the rank that used most since its previous report (device "
+                                 "memory on GPU, the process's resident set on CPU; on CPU outside Linux the "
+                                 "process's lifetime peak); null if unknown"),
     "ranks": (dict, "per-rank lists indexed by rank: step_time, data_time, compute_time, comm_wait, "
                     "comm_wait_frac, samples_per_s (the rank's samples over its step time; the timing lists are "
                     "null when telemetry is off), share (the rank's samples of the step: its data-parallel "

@@ -7,6 +7,13 @@ hang. Under fault.on_node_loss elastic a rank that dies does not end the stream 
 survivors' loops end first (their collectives lose it), each reporting where it stopped, and
 lost.py's probe tells the lost ranks from slow ones before Ray does. The stream then raises the
 lowest lost rank's failure, naming every lost rank.
+
+Which news reaches the driver first is a race: a survivor's loop may fail outright (its failure
+raised, not a dropped step) and a dead rank's heartbeat may fail, before the lost ranks' polls do.
+Under elastic neither ends the stream as a plain failure: a dead heartbeat counts its rank lost, and
+a rank's raised failure is held (`Held`) while the probe asks every rank still open, until each has
+answered (nobody lost: the held failure is raised), a rank is counted lost (the loss is raised, the
+held failure kept in its details), or HOLD_S has passed.
 """
 
 from __future__ import annotations
@@ -25,6 +32,22 @@ log = logging.getLogger("gearshift")
 
 STALL_MARGIN_S = 5.0   # no report nor heartbeat, or one collective, for the collective timeout plus this: stuck
 POLL_S = 1.0  # a poll of a rank's reports returns after this when none comes (its first report ends it at once)
+# elastic: how long a rank's raised failure waits for a loss to be accounted before it is raised as
+# it is. A live rank answers the probe in milliseconds (seconds on a loaded machine) and a dead
+# process on a live node is reported dead by Ray within moments; a node gone is counted after
+# lost.PROBE_S of silence. A loss that takes longer to show is seen by the stall watch, as before.
+HOLD_S = 10.0
+
+
+class Held:
+    """Elastic: the first failure a rank raised, held until the ranks still open are accounted for."""
+
+    def __init__(self, failure: WorkerFailed, now: float):
+        self.failure, self.until = failure, now + HOLD_S
+
+    def settled(self, open_ranks, alive: set[int], now: float) -> bool:
+        """Whether to raise the held failure now: every open rank answered alive, or the hold is over."""
+        return all(r in alive for r in open_ranks) or now >= self.until
 
 
 class TrainStream:
@@ -59,6 +82,7 @@ class TrainStream:
         self.polls = {self._poll(rank): rank for rank in self.runs}
         watch = Liveness(len(self.ranks.workers), stall_timeout_s, fault.progress_timeout_s, time.monotonic())
         probe = LossProbe(self.ranks.workers, self.ranks.infos) if self.job.on_node_loss == "elastic" else None
+        held: Held | None = None
         while self.polls:
             ready, _ = ray.wait(list(self.polls), num_returns=1, timeout=0.1 if probe and probe.probing else 1.0)
             for rank in probe.gone(list(self.runs)) if probe else ():  # its peers lost it; it answers nothing
@@ -77,9 +101,13 @@ class TrainStream:
                         probe.step_dropped(rank)
                     yield rank, report
                 if ended:
-                    self._end(rank, watch)
+                    failure = self._end(rank, watch, probe)
+                    if failure is not None and held is None:
+                        held = Held(failure, time.monotonic())
                 else:
                     self.polls[self._poll(rank)] = rank
+            if held is not None and not self.lost and held.settled(self.runs, probe.alive, time.monotonic()):
+                raise held.failure
             if not heard:  # an empty poll comes back every POLL_S: the watch is kept whatever returned
                 self._hear(watch)
                 hung = watch.verdict(time.monotonic())
@@ -88,7 +116,12 @@ class TrainStream:
         if self.lost:
             err = self.lost[min(self.lost)]
             err.lost_ranks = sorted(self.lost)
+            if held is not None:  # a survivor's loop that failed with the loss: said with it
+                err.details = "\n".join(d for d in (err.details, f"rank {held.failure.rank} raised meanwhile: "
+                                                                  f"{held.failure.reason}") if d)
             raise err
+        if held is not None:
+            raise held.failure
 
     def _poll(self, rank: int):
         """A long poll of `rank`'s outbox, on its own thread (a heartbeat is not held up)."""
@@ -107,8 +140,9 @@ class TrainStream:
         except ray.exceptions.RayActorError as err:
             return self._died(rank, err, watch)
 
-    def _end(self, rank: int, watch: Liveness) -> None:
-        """`rank`'s loop has ended and every report of it is in: its call's failure, if any, is raised."""
+    def _end(self, rank: int, watch: Liveness, probe: LossProbe | None) -> WorkerFailed | None:
+        """`rank`'s loop has ended and every report of it is in: its call's failure, if any, is
+        raised; under elastic (`probe`) it is returned to be held, and the probe asks the others."""
         import ray
 
         try:
@@ -118,10 +152,15 @@ class TrainStream:
                                kind=WorkerFailed.SILENT) from None
         except ray.exceptions.RayActorError as err:
             self._died(rank, err, watch)
-            return
+            return None
         except ray.exceptions.RayError as err:
-            raise task_failure(err, rank) from None
+            if probe is None:
+                raise task_failure(err, rank) from None
+            probe.step_dropped(rank)  # the others are asked: a loss may be behind it
+            watch.finished(rank, time.monotonic())
+            return task_failure(err, rank)
         watch.finished(rank, time.monotonic())
+        return None
 
     def _died(self, rank: int, err, watch: Liveness) -> None:
         """`rank`'s process is gone: the run's failure, or under elastic a rank lost."""
@@ -153,8 +192,8 @@ class TrainStream:
                     continue  # dead, and accounted for (elastic)
                 try:
                     watch.answered(rank, ray.get(ref, timeout=0), time.monotonic())
-                except ray.exceptions.RayActorError as err:
-                    raise died(rank, self.ranks.infos[rank], err) from None
+                except ray.exceptions.RayActorError as err:  # elastic: counted lost, not the run's end
+                    self._died(rank, err, watch)
                 except ray.exceptions.RayError as err:  # an answer that could not be read tells nothing
                     log.debug("heartbeat of rank %d: %s", rank, err)
         if watch.should_poll(time.monotonic()):

@@ -72,12 +72,12 @@ def rejoin(worker, master_addr: str, master_port: int, timeout_s: float, rank: i
 
 def _done(worker, start: float, joined: float) -> dict:
     """A rejoin's result: its seconds, of which `join_s` forming the new group (the rest: the
-    state laid out on it), where the worker is, and its process's peak resident memory so far
-    (bytes; with the peak before the rejoin, what the regroup cost in memory)."""
-    import resource
+    state laid out on it), where the worker is, and its process's peak resident memory since its
+    last step report (bytes: what the regroup took at most; monitoring/host_memory.py)."""
+    from gearshift.monitoring.host_memory import process_peak
 
     return {"seconds": time.perf_counter() - start, "join_s": joined - start, "step": worker.step,
-            "layout": worker.layout.to_dict(), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "layout": worker.layout.to_dict(), "peak_rss_bytes": process_peak().take()}
 
 
 def warm(worker) -> None:

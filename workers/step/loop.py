@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gearshift.workers.group import priority
 from gearshift.workers.group.heartbeat import ACTIVITY
@@ -45,7 +46,7 @@ class StepLoop:
                 tail = w.io.writes.take(wait=True)  # the chunk ends with every write of it reported
             if tail:
                 yield {"rank": w.rank, "first_step": w.step, "losses": [], **tail}
-        except Exception as err:  # noqa: BLE001 - a peer lost between steps (a checkpoint's collective)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - a peer lost between steps (a checkpoint)
             if not oom.peer_gone(err):
                 raise
             yield {"rank": w.rank, "step_failed": self.step_failed(err)}
@@ -61,7 +62,7 @@ class StepLoop:
                     break
                 self.profiler.before_step(w.step, w.parallel.model)
                 loss, data_span, lr, found = w.runner.one_step(w.step)
-            except Exception as err:  # noqa: BLE001 - out of memory here or on a peer; anything else is raised
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - out of memory here or on a peer; anything else is raised
                 if not oom.ran_out(err) and not oom.peer_gone(err):
                     raise
                 if pending.losses:

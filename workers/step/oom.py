@@ -31,12 +31,25 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 def causes(err: BaseException) -> list[BaseException]:
     """`err` and the exceptions it was raised from: torch.distributed.pipelining raises a stage's
     failure as a RuntimeError ("[Stage k] failed to run forward") from the collective's or the
-    allocation's own error, so what failed is read down the chain."""
+    allocation's own error, so what failed is read down the chain. A checkpoint's collective
+    raises torch.distributed.checkpoint's CheckpointException (a BaseException) holding each
+    failed rank's own exception apart from the chain: those are read too."""
     chain: list[BaseException] = []
     while err is not None and err not in chain:
         chain.append(err)
+        for inner in checkpoint_failures(err):
+            chain.extend(e for e in causes(inner) if e not in chain)
         err = err.__cause__
     return chain
+
+
+def checkpoint_failures(err: BaseException) -> list[BaseException]:
+    """The ranks' own exceptions inside a CheckpointException; [] for any other exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(err, CheckpointException):
+        return []
+    return [inner for inner, _trace in err.failures.values() if isinstance(inner, BaseException)]
 
 
 def ran_out(err: BaseException) -> bool:

@@ -3,12 +3,12 @@ Ray metrics, peak memory, and turning a report's comm-clock spans into seconds."
 
 from __future__ import annotations
 
-import resource
 import time
 
 import torch
 
 from gearshift.monitoring.comm import CommClock
+from gearshift.monitoring.host_memory import process_peak
 from gearshift.workers.config import WorkerConfig
 
 
@@ -39,12 +39,13 @@ class WorkerTelemetry:
 
     def peak_memory(self) -> int | None:
         """Peak memory since the last report: device memory on GPU; on CPU the process's peak
-        resident set (Linux reports ru_maxrss in KiB), which only grows."""
+        resident set over the same window (monitoring/host_memory.py: the lifetime peak where the
+        kernel's mark cannot be reset)."""
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return int(peak)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return process_peak().take()
 
     EXTRAS_S = 0.5  # device samples and Ray metrics go out at most this often, however often reports do
 
