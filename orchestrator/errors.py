@@ -38,6 +38,10 @@ class WorkerFailed(GearshiftError):
         self.cause_text = f"{type(cause).__name__}: {cause}" if cause is not None else ""
         self.kind = kind
         self.reason = message
+        # elastic (cluster/stream.py): the ranks counted lost with this failure, and the survivors
+        # whose loop raised with the loss (they cannot say where they stopped: they receive the state)
+        self.lost_ranks: list[int] = []
+        self.raised_ranks: list[int] = []
         who = f"worker rank {rank}" if rank is not None else "the workers"
         super().__init__(f"Training failed in {who}: {message}")
 

@@ -124,6 +124,16 @@ def test_a_plan_says_why_the_survivors_cannot_go_on_in_memory():
     plan = elastic.plan(err, 1, _job("train.global_batch_size=24"), Layout("data", 4, 1),
                         [{"rank": r, "step": 8} for r in (0, 1, 3)], None)
     assert plan.layout == Layout("data", 3, 1) and plan.keep == [0, 1, 3] and plan.step == 7
+    # a survivor whose loop raised with the loss (the stream says which) cannot say where it stopped:
+    # it receives the state of those that dropped their step, as one a step behind does
+    err.raised_ranks = [0]
+    plan = elastic.plan(err, 1, _job("train.global_batch_size=24"), Layout("data", 4, 1),
+                        [{"rank": r, "step": 8} for r in (1, 3)], None)
+    assert plan.keep == [1, 3, 0] and plan.behind == [0] and plan.step == 7
+    err.raised_ranks = []
+    why = elastic.plan(err, 1, _job("train.global_batch_size=24"), Layout("data", 4, 1),
+                       [{"rank": r, "step": 8} for r in (1, 3)], None)
+    assert why == "not every survivor said where it stopped"
 
 
 def test_elastic_needs_room_below_num_workers_and_min_workers_at_most_num_workers():

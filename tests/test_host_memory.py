@@ -5,6 +5,7 @@ the adaptive policy switched a run for memory it did not use."""
 
 from __future__ import annotations
 
+import mmap
 import sys
 
 import pytest
@@ -19,11 +20,18 @@ MiB = 2**20
 HELD = 96 * MiB  # far above what the interpreter's own churn moves between two takes
 
 
-def hold(nbytes: int) -> bytearray:
-    """`nbytes` resident (each page touched); given back to the system when freed (an mmap)."""
-    block = bytearray(nbytes)
-    block[::4096] = b"\1" * len(block[::4096])
-    return block
+class hold:
+    """`nbytes` made resident (each page touched) in a mapping of its own, and given back to the
+    system when closed: not from the allocator's heap, whose freed chunks stay resident and can
+    serve a new allocation without a page the process did not hold already."""
+
+    def __init__(self, nbytes: int):
+        self.map = mmap.mmap(-1, nbytes)
+        for offset in range(0, nbytes, mmap.PAGESIZE):
+            self.map[offset] = 1
+
+    def __del__(self):
+        self.map.close()
 
 
 def test_a_window_after_a_larger_one_reads_its_own_peak():

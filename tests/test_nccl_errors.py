@@ -38,3 +38,13 @@ def test_an_error_in_the_users_code_is_still_not_retried():
     failed = WorkerFailed(0, "ValueError: shapes do not match", details="ValueError: shapes (3,) and (4,)")
     assert not failed.recoverable
     assert not oom.peer_gone(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
+def test_a_checkpoint_collective_that_lost_a_peer_is_a_peer_gone():
+    """torch.distributed.checkpoint raises a CheckpointException (a BaseException, outside the
+    cause chain) holding each failed rank's own error: a lost peer inside it is still read as one."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4711")
+    assert oom.peer_gone(CheckpointException("save failed", {1: (lost, None)}))
+    assert not oom.peer_gone(CheckpointException("save failed", {0: (OSError("No space left on device"), None)}))

@@ -142,12 +142,10 @@ ELASTIC = BASE + SGD + ["fault.on_node_loss=elastic", "cluster.min_workers=1", "
 
 
 # join alone is an extended variant: replace takes a joining node in too, after its loss (make test-extended).
-# replace is extended too for now: in 1 of its last 3 CI runs a survivor's loop failure (its collective lost
-# the node's ranks) reached the driver before the node's loss did, the stream raised it as a plain failure and
-# the run restarted from its checkpoint instead of shrinking in memory (orchestrator/cluster/stream.py `_end`:
-# a survivor's failure is not held back until the loss is accounted). An open bug, not a flaky test.
-@pytest.mark.parametrize("mode", [pytest.param("join", marks=pytest.mark.extended),
-                                  pytest.param("replace", marks=pytest.mark.extended)])
+# replace once failed in CI (1 run of 3): news of the loss reached the driver in an order the stream took as a
+# plain failure, and the run restarted from its checkpoint instead of shrinking in memory. Every order of that
+# race is now a test of its own (test_train_stream.py).
+@pytest.mark.parametrize("mode", [pytest.param("join", marks=pytest.mark.extended), "replace"])
 def test_an_elastic_run_grows_onto_a_node_that_joins_even_as_another_is_lost(tmp_path, mode):
     """join: a 2-worker run on the head alone grows to 4 when a node joins (from step 2).
     replace: a 4-worker run loses one node and gains another at the same moment: it goes on in

@@ -40,10 +40,12 @@ HOLD_S = 10.0
 
 
 class Held:
-    """Elastic: the first failure a rank raised, held until the ranks still open are accounted for."""
+    """Elastic: the first failure a rank raised, held until the ranks still open are accounted
+    for; `ranks`: every rank whose loop raised meanwhile."""
 
     def __init__(self, failure: WorkerFailed, now: float):
         self.failure, self.until = failure, now + HOLD_S
+        self.ranks = [failure.rank]
 
     def settled(self, open_ranks, alive: set[int], now: float) -> bool:
         """Whether to raise the held failure now: every open rank answered alive, or the hold is over."""
@@ -104,6 +106,8 @@ class TrainStream:
                     failure = self._end(rank, watch, probe)
                     if failure is not None and held is None:
                         held = Held(failure, time.monotonic())
+                    elif failure is not None:
+                        held.ranks.append(rank)
                 else:
                     self.polls[self._poll(rank)] = rank
             if held is not None and not self.lost and held.settled(self.runs, probe.alive, time.monotonic()):
@@ -116,7 +120,8 @@ class TrainStream:
         if self.lost:
             err = self.lost[min(self.lost)]
             err.lost_ranks = sorted(self.lost)
-            if held is not None:  # a survivor's loop that failed with the loss: said with it
+            if held is not None:  # survivors whose loop failed with the loss: said with it; they receive the state
+                err.raised_ranks = sorted(held.ranks)
                 err.details = "\n".join(d for d in (err.details, f"rank {held.failure.rank} raised meanwhile: "
                                                                   f"{held.failure.reason}") if d)
             raise err

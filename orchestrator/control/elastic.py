@@ -181,7 +181,7 @@ class Elastic:
         if rest is not None:
             step, ahead, redo = rest + 1, survivors, 0
         else:
-            step, ahead = self._stopped(layout, lost, survivors, dropped)
+            step, ahead = self._stopped(layout, lost, survivors, dropped, getattr(err, "raised_ranks", ()))
             if isinstance(ahead, str):
                 return ahead
             redo = 1
@@ -194,11 +194,14 @@ class Elastic:
                     behind=[r for r in keep if r not in ahead], redo=redo)
 
     @staticmethod
-    def _stopped(layout: Layout, lost: list[int], survivors: list[int], dropped: list[dict]) -> tuple[int, list | str]:
+    def _stopped(layout: Layout, lost: list[int], survivors: list[int], dropped: list[dict],
+                 raised: list[int] = ()) -> tuple[int, list | str]:
         """Lost inside the step loop: the step the survivors dropped, and those that trained
-        furthest (or why they cannot go on: a sentence in place of the list)."""
+        furthest (or why they cannot go on: a sentence in place of the list). A survivor whose
+        loop raised with the loss (`raised`, stream.py) cannot say where it stopped: it counts a
+        step behind and receives the state, as a new worker does."""
         dropped = [d for d in dropped if d["rank"] not in lost]
-        if sorted(d["rank"] for d in dropped) != survivors:
+        if not dropped or sorted({d["rank"] for d in dropped} | set(raised)) != survivors:
             return 0, "not every survivor said where it stopped"
         # a collective can complete on some ranks and not on others when a peer dies inside it:
         # the survivors a step behind receive the state of those ahead, as a new worker does
