@@ -191,17 +191,16 @@ def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(local_workers, 
     assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= tol
 
 
-@pytest.mark.timing  # it asserts on measured step times: run one at a time, nothing beside it
 @pytest.mark.crossing("recut", "pipeline")
 def test_a_slow_stage_hands_blocks_to_the_other_live_and_the_run_equals_plain_pytorch(local_workers, tmp_path):
     """Two stages of four 512-wide blocks; rank 1 (the second stage) computes 4x as long
     (inject.slow). Within two steps of the window that showed it, the pipeline is cut again with
-    fewer blocks on the slow stage, the state moved between the stages in memory, the step is
-    shorter, and the run ends where plain PyTorch does on the same batches."""
+    fewer blocks on the slow stage, the state moved between the stages in memory, and the run ends
+    where plain PyTorch does on the same batches."""
     from gearshift.monitoring.telemetry import read
 
     overrides = MLP[1] + ["model.kwargs={in_features: 784, hidden: 512, out_features: 10, layers: 8}",
-                          "train.steps=48", "train.global_batch_size=64", "train.grad_clip=1.0",
+                          "train.steps=24", "train.global_batch_size=64", "train.grad_clip=1.0",
                           "cluster.num_workers=2", "inject.slow={ranks: [1], factor: 4}",
                           # Adam turns float rounding into 1e-3 over 48 steps of this pipeline, recut or not
                           # (8.7e-4 measured on a static 4/4 and 7/1 cut alike): SGD with momentum here
@@ -222,9 +221,7 @@ def test_a_slow_stage_hands_blocks_to_the_other_live_and_the_run_equals_plain_py
     assert ev["blocks_per_stage_before"] == [4, 4] and first["split"][0].startswith("hidden.")
     steps = {r["step"]: r for r in records if r["type"] == "step"}
     assert steps[first["applied_step"] + 1]["stage_blocks"] == ev["blocks_per_stage_after"]
-    after = sorted(steps[s]["step_time_max"] for s in range(first["applied_step"] + 12, 49))
-    # the slow stage's sleep follows its compute (a median of its last 9 steps): a dozen steps on
-    assert after[len(after) // 2] < 0.9 * ev["measured_step_s"], (ev, after)
+    # what the recut buys in step time is measured in bench/recut.py, beside the same pipeline left as it was
     ref, _ = reference(job)
     final = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert max_diff(final, ref) <= 1e-5
