@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import os
 import socket
 import sys
@@ -275,6 +276,11 @@ def _reset() -> list[str]:
     torch.set_grad_enabled(True)
     outside = _forget_user_modules()
     gc.collect()
+    # what survives the call (torch, gearshift and every module imported, their caches) moves to
+    # the permanent generation: the next call's collections (this one's, the worker's own after an
+    # out-of-memory step) scan only what was made since. A full collection over torch's objects
+    # took 0.2-0.3 s of a core per call and process, 12 % of a layout-equivalence test's CPU
+    gc.freeze()
     return outside
 
 
@@ -289,11 +295,17 @@ def _forget_user_modules() -> list[str]:
     gone = []
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        real = os.path.realpath(path) if path else ""
+        real = _realpath(path) if path else ""
         if real.startswith(temp) and not real.startswith(keep):
             del sys.modules[name]
             gone.append(name)
     return gone
+
+
+@functools.lru_cache(maxsize=None)
+def _realpath(path: str) -> str:
+    """A module file's real path, resolved once (a few thousand modules, every call)."""
+    return os.path.realpath(path)
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
