@@ -304,6 +304,36 @@ def test_a_script_takes_the_judged_moves_of_a_run_and_leaves_what_happens_again(
         Script.of_run(telemetry, None)
 
 
+def test_a_replay_restarted_at_its_switch_boundary_does_not_switch_again():
+    """A replay restarted from the checkpoint of a boundary where it carried out the original's
+    switch is on that layout already: TRAINING's begin switches only where the layout differs (a
+    second switch there would be a record the original does not have)."""
+    from types import SimpleNamespace
+
+    from gearshift.orchestrator.control.script import Replayed, Script
+    from gearshift.orchestrator.control.states.training import TrainingState
+    from gearshift.strategies.layout import Layout
+
+    switched = []
+    tensor = Layout("tensor", 1, 2)
+    script = Script(start=Layout("data", 2, 1), switches={10: Replayed(tensor, 10, None, {})})
+    ctl = SimpleNamespace(
+        job=load_job(ROOT / "examples/mlp.yaml", TINY + ["train.steps=20", "cluster.num_workers=2"]),
+        layout=Layout("data", 2, 1), script=script, group=SimpleNamespace(),
+        tuning=SimpleNamespace(grid=None, begin=lambda step: None, apply_bucket=lambda bucket, step: None),
+        stragglers=SimpleNamespace(start_over=lambda: None, watching=False), make_policy=lambda: None)
+
+    def switch(target, step, reason, evidence=None, bucket=None):
+        switched.append((target, step, reason))
+        ctl.layout = target
+
+    ctl.switch = switch
+    TrainingState(ctl).begin(10)  # the boundary, first reached: the switch is carried out
+    assert switched == [(tensor, 10, "replay")]
+    TrainingState(ctl).begin(10)  # restarted from step 10's checkpoint, on tensor already
+    assert switched == [(tensor, 10, "replay")] and ctl.layout == tensor
+
+
 def test_a_replay_switches_and_puts_buckets_in_force_where_the_original_did(tmp_path, local_workers, capsys):
     """bucket_cap_mb auto: the original's tuning round tries buckets at steps its timing picks, and
     a switch at step 8 (a forced schedule's, its record rewritten here as a judge's, so that only

@@ -54,7 +54,10 @@ class TrainingState:
         ctl.tuning.begin(start_step)
         if ctl.script is not None:  # a replay: what the original put in force at this boundary, first
             replayed, bucket = ctl.script.switch_at(start_step), ctl.script.bucket_at(start_step)
-            if replayed is not None:
+            # (a restart from this boundary's checkpoint, after the switch was carried out here
+            # once: the layout is in force already, and a second switch record would be one the
+            # original does not have)
+            if replayed is not None and replayed.to != ctl.layout:
                 ctl.switch(replayed.to, start_step, replayed.name, replayed.evidence, bucket=replayed.bucket)
             if bucket is not None:
                 ctl.tuning.apply_bucket(bucket, start_step)
