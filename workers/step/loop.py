@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from gearshift.workers.group import priority
 from gearshift.workers.group.heartbeat import ACTIVITY
@@ -46,7 +45,8 @@ class StepLoop:
                 tail = w.io.writes.take(wait=True)  # the chunk ends with every write of it reported
             if tail:
                 yield {"rank": w.rank, "first_step": w.step, "losses": [], **tail}
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - a peer lost between steps (a checkpoint)
+        except BaseException as err:  # noqa: BLE001 - a peer lost between steps (a checkpoint's collective
+            # raises a CheckpointException, a BaseException); anything else is raised again
             if not oom.peer_gone(err):
                 raise
             yield {"rank": w.rank, "step_failed": self.step_failed(err)}
@@ -62,7 +62,7 @@ class StepLoop:
                     break
                 self.profiler.before_step(w.step, w.parallel.model)
                 loss, data_span, lr, found = w.runner.one_step(w.step)
-            except (Exception, CheckpointException) as err:  # noqa: BLE001 - out of memory here or on a peer; anything else is raised
+            except BaseException as err:  # noqa: BLE001 - out of memory here or on a peer; anything else is raised
                 if not oom.ran_out(err) and not oom.peer_gone(err):
                     raise
                 if pending.losses:

@@ -15,6 +15,7 @@ reported as such, and the run stops rather than continue from a state no plain r
 
 from __future__ import annotations
 
+import sys
 import gc
 
 import torch
@@ -45,9 +46,8 @@ def causes(err: BaseException) -> list[BaseException]:
 
 def checkpoint_failures(err: BaseException) -> list[BaseException]:
     """The ranks' own exceptions inside a CheckpointException; [] for any other exception."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if not isinstance(err, CheckpointException):
+    api = sys.modules.get("torch.distributed.checkpoint.api")  # not imported: no checkpoint raised
+    if api is None or not isinstance(err, api.CheckpointException):
         return []
     return [inner for inner, _trace in err.failures.values() if isinstance(inner, BaseException)]
 
