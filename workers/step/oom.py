@@ -15,8 +15,8 @@ reported as such, and the run stops rather than continue from a state no plain r
 
 from __future__ import annotations
 
-import sys
 import gc
+import sys
 
 import torch
 import torch.distributed as dist
