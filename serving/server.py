@@ -181,11 +181,14 @@ class Replica:
         if isinstance(artifact, (bytes, bytearray)):  # shipped by the driver: no shared disk needed
             import tempfile
 
-            self._file = tempfile.NamedTemporaryFile(prefix="gearshift-serve-", suffix=".model")
-            self._file.write(artifact)
-            self._file.flush()
-            artifact = self._file.name
-        self.runtime = open_artifact(artifact, threads)
+            # read whole when opened (an ONNX session, a torch.export program): the file goes at
+            # once, not with the replica's process (Serve ends it without running finalizers)
+            with tempfile.NamedTemporaryFile(prefix="gearshift-serve-", suffix=".model") as file:
+                file.write(artifact)
+                file.flush()
+                self.runtime = open_artifact(file.name, threads)
+        else:
+            self.runtime = open_artifact(artifact, threads)
         self.version = version or self.runtime.version
         self.predict_batch.set_max_batch_size(max_batch)
         self.predict_batch.set_batch_wait_timeout_s(batch_wait_ms / 1000.0)

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -302,6 +303,7 @@ def served(mlp_run, tmp_path_factory):
                             cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "RAY_DEDUP_LOGS": "0"})
     url = f"http://127.0.0.1:{port}"
+    started = time.time()
     try:
         deadline = time.monotonic() + 150
         while not state.exists():
@@ -314,6 +316,11 @@ def served(mlp_run, tmp_path_factory):
         assert not state.exists()
         with pytest.raises(OSError):
             urllib.request.urlopen(url + "/healthz", timeout=5)
+        # the model file a replica writes the shipped artifact to is gone with it (Serve ends replicas
+        # without running their finalizers: such files once piled up in the temp folder)
+        left = [f for f in pathlib.Path(tempfile.gettempdir()).glob("gearshift-serve-*.model")
+                if f.stat().st_mtime >= started]
+        assert not left, left
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
