@@ -308,17 +308,22 @@ class PooledGroup:
         from gearshift.workers.worker import WorkerConfig
 
         self.timeout_s = timeout_s
-        self.members = gloo_pool.HOSTS.take(world)
         config = WorkerConfig.from_job(job, [str(p) for p in search_paths or ["."]])
-        for _, conn in self.members:
-            conn.send(("host", config, cpus))
-        port = _free_port()
-        try:
-            self._each(lambda rank: ("call", ("setup", (rank, world, "127.0.0.1", port, 120.0))))
-            self.infos = self.call("build")
-        except BaseException:
-            self.close(failed=True)
-            raise
+        for attempt in range(3):
+            self.members = gloo_pool.HOSTS.take(world)
+            for _, conn in self.members:
+                conn.send(("host", config, cpus))
+            port = _free_port()
+            try:
+                self._each(lambda rank: ("call", ("setup", (rank, world, "127.0.0.1", port, 120.0))))
+                self.infos = self.call("build")
+                return
+            except BaseException as err:
+                self.close(failed=True)
+                # the port was taken by another process between choosing it and rank 0 listening on it
+                # (tests run two at a time): the group is made again on another, twice at most
+                if attempt == 2 or not any(w in str(err) for w in ("EADDRINUSE", "address already in use")):
+                    raise
 
     def call(self, method, *args: Any) -> list:
         if method == "train":
