@@ -205,7 +205,7 @@ def _killed_run(tmp_path, overrides, rank=3, at_step=8):
     killer.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
     killer.join(timeout=5)
-    assert killer.killed, "the worker was never killed"
+    assert killer.killed, f"the worker was never killed ({killer.error!r})"
     return summary
 
 

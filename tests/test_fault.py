@@ -19,6 +19,7 @@ from torch.utils.data import default_collate
 from gearshift.orchestrator.cluster import liveness, stream
 from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import load_job
+from gearshift.monitoring.telemetry import read
 from test_train_equivalence import MLP, max_diff, reference, run_gearshift
 from gearshift.workers.build import components
 from gearshift.workers.state import checkpoint
@@ -37,8 +38,10 @@ LAYOUTS = {"data": ["cluster.num_workers=2"],
 
 
 def records(run_dir) -> list[dict]:
+    """The run's records so far; read while the run writes, so a torn last line is skipped
+    (monitoring/telemetry.read), as `gearshift watch` skips it."""
     path = pathlib.Path(run_dir) / "telemetry.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read(path) if path.exists() else []
 
 
 def events(run_dir, name) -> list[dict]:
@@ -52,8 +55,16 @@ class Killer(threading.Thread):
         super().__init__(daemon=True)
         self.run_dir, self.rank, self.at_step = run_dir, rank, at_step
         self.killed: tuple[int, float, int] | None = None  # (pid, time, last step seen)
+        self.error: BaseException | None = None  # what stopped the thread, for the test's message
 
     def run(self):
+        try:
+            self._watch()
+        except BaseException as e:  # a test asserting `killed` says why it is None
+            self.error = e
+            raise
+
+    def _watch(self):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             recs = records(self.run_dir)
@@ -81,7 +92,7 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one
     killer.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "killed")
     killer.join(timeout=5)
-    assert killer.killed, "the worker was never killed"
+    assert killer.killed, f"the worker was never killed ({killer.error!r})"
     assert summary["status"] == "done" and summary["steps_done"] == 40
     [failure] = events(tmp_path / "killed", "failure")
     # the first to tell may be the killed rank's actor, or a peer whose collective lost it

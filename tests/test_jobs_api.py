@@ -34,6 +34,11 @@ from gearshift.orchestrator.cluster.jobs_api import JobsApiError, build_submissi
 from gearshift.orchestrator.cluster.jobs_client import resolve_address
 
 REPO = Path(__file__).resolve().parents[1]
+# A training job submitted here logs a line each step (train.log_every: 1); its longest silence
+# is its start: the head's job process imports torch and gearshift, joins the cluster and starts
+# the workers (the whole submit test takes 18 s on a quiet 2-core machine). A job silent for
+# 120 s has stopped moving, however loaded the machine.
+JOB_QUIET_S = 120
 
 
 @pytest.fixture
@@ -565,6 +570,10 @@ def test_submit_wait_logs_stop_status_against_real_ray(ray_dashboard, tmp_path):
         )
         try:
             rest = read_until(follower.stdout, "started", timeout_s=30)
+            # running and silent since 'started': a wait bounded by the job's own output ends
+            # after quiet_s, long before its timeout_s (the sleeper sleeps 120 s)
+            with pytest.raises(JobsApiError, match=f"{sleeper_id} is still RUNNING and has logged nothing for 2 s"):
+                jobs_api.wait(url, sleeper_id, timeout_s=100, poll_s=0.2, quiet_s=2)
             follower.send_signal(signal.SIGINT)
             rest += follower.communicate(timeout=30)[0].decode()
         finally:
@@ -596,7 +605,8 @@ def test_gearshift_submit_trains_a_real_job_on_the_cluster(ray_dashboard, tmp_pa
                      "--set", "train.steps=6", "--run-dir", str(run_dir)]) == 0
     job_id = capsys.readouterr().out.strip()
     assert job_id.startswith("gearshift-tiny-")
-    final = jobs_api.wait(ray_dashboard, job_id, timeout_s=120, poll_s=0.5)
+    # the job logs a line a step; before its first it imports and joins the cluster
+    final = jobs_api.wait(ray_dashboard, job_id, timeout_s=900, poll_s=0.5, quiet_s=JOB_QUIET_S)
     out = io.StringIO()
     jobs_api.logs(ray_dashboard, job_id, out=out)
     assert final == "SUCCEEDED", out.getvalue()
@@ -638,13 +648,13 @@ def test_gearshift_submit_streams_a_ray_dataset_built_on_the_cluster(ray_dashboa
     (work / "job.yaml").write_text(
         "name: streamed\nmodel: {entrypoint: 'streamed:model'}\n"
         "data: {ray_dataset: 'streamed:ray_style', kwargs: {size: 64}, input: x, target: label}\n"
-        "train: {steps: 4, global_batch_size: 16}\ncheckpoint: {every: 0}\n"
+        "train: {steps: 4, global_batch_size: 16, log_every: 1}\ncheckpoint: {every: 0}\n"
         "cluster: {num_workers: 2, cpus_per_worker: 0.5}\n")  # the head's 2 CPUs: 1 left for Ray Data
     run_dir = tmp_path / "on-the-head"
     assert cli.main(["submit", str(work / "job.yaml"), "--address", ray_dashboard, "--python", sys.executable,
                      "--run-dir", str(run_dir)]) == 0
     job_id = capsys.readouterr().out.strip()
-    final = jobs_api.wait(ray_dashboard, job_id, timeout_s=180, poll_s=0.5)
+    final = jobs_api.wait(ray_dashboard, job_id, timeout_s=900, poll_s=0.5, quiet_s=JOB_QUIET_S)
     out = io.StringIO()
     jobs_api.logs(ray_dashboard, job_id, out=out)
     assert final == "SUCCEEDED", out.getvalue()

@@ -43,7 +43,12 @@ def chaos():
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         tel = run_dir / "telemetry.jsonl"
-        recs = [json.loads(l) for l in tel.read_text().splitlines()] if tel.exists() else []
+        recs = []
+        for l in (tel.read_text().splitlines() if tel.exists() else []):
+            try:  # the run is writing: a torn last line is skipped
+                recs.append(json.loads(l))
+            except ValueError:
+                pass
         if max((r["step"] for r in recs if r["type"] == "step"), default=0) >= (2 if mode == "join" else 12):
             break
         time.sleep(0.05)

@@ -179,7 +179,7 @@ def test_a_stage_killed_mid_run_is_recovered_from_the_checkpoint(local_workers, 
     killer.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "run")
     killer.join(timeout=5)
-    assert killer.killed, "the worker was never killed"
+    assert killer.killed, f"the worker was never killed ({killer.error!r})"
     assert summary["status"] == "done" and summary["steps_done"] == 24, summary
     [failure] = events(tmp_path / "run", "failure")
     assert failure["dead_ranks"] == [1], failure

@@ -293,7 +293,7 @@ def test_a_killed_worker_recovers_at_the_exact_sample(ray_cluster, tmp_path):
     killer.start()
     summary = run(path, tmp_path / "killed", *slow)
     killer.join(timeout=5)
-    assert killer.killed, "the worker was never killed"
+    assert killer.killed, f"the worker was never killed ({killer.error!r})"
     assert summary["status"] == "done" and summary["steps_done"] == 40
     [restored] = events(tmp_path / "killed", "restored")
     assert restored["step"] % 6, "the restored step is inside a pass (6 steps a pass)"

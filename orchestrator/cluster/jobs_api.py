@@ -384,16 +384,32 @@ def stop(address: str | None, job_id: str) -> bool:
         return client.stop_job(job_id)
 
 
-def wait(address: str | None, job_id: str, timeout_s: float, poll_s: float = 1.0) -> JobStatus:
-    """Poll until the job ends; return its final status, or raise after ``timeout_s``."""
+def wait(address: str | None, job_id: str, timeout_s: float, poll_s: float = 1.0,
+         quiet_s: float | None = None) -> JobStatus:
+    """Poll until the job ends; return its final status, or raise after ``timeout_s``.
+
+    With ``quiet_s``, also raise once the job's log has not grown for that long: a bound
+    derived from the job's own progress (a job that writes a line per step) rather than from a
+    guess at its total time, which a loaded cluster stretches."""
     client, url = _connect(address)
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, said, heard = start + timeout_s, -1, start
     with _translate_errors(url, job_id):
         while True:
             state = client.get_job_status(job_id)
             if state.is_terminal():
                 return state
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if quiet_s is not None:
+                size = len(client.get_job_logs(job_id))
+                if size != said:
+                    said, heard = size, now
+                elif now - heard > quiet_s:
+                    raise JobsApiError(
+                        f"job {job_id} is still {state.value} and has logged nothing for {quiet_s:g} s; "
+                        f"`gearshift logs --follow {job_id}` shows what it is doing."
+                    )
+            if now > deadline:
                 raise JobsApiError(
                     f"job {job_id} is still {state.value} after {timeout_s:g} s; "
                     f"`gearshift logs --follow {job_id}` shows what it is doing."
