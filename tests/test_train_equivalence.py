@@ -6,6 +6,7 @@ only) and trains them with a bare PyTorch loop: no Ray, no process group, no gea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import shutil
@@ -18,6 +19,8 @@ from gearshift.orchestrator.commands import cli
 from gearshift.orchestrator.job import Job, load_job
 from gearshift.workers.build import components
 from gearshift.monitoring.telemetry import read
+from gearshift.strategies import rows as sample_rows
+from gearshift.workers.step import sample_masks
 from gearshift.workers.step.data import GlobalBatches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -51,6 +54,8 @@ def plain_parts(job: Job):
     model = components.build_model(spec["model"], paths)
     dataset = components.build_dataset(spec["data"], spec["model"], paths)
     loss_fn = components.build_loss(spec["loss"], paths)
+    if job.train.dropout_masks == "sample":  # the same per-sample masks as a run's (workers/step/sample_masks.py)
+        sample_masks.per_sample(model)
     o = job.optimizer
     if o.name == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
@@ -59,6 +64,14 @@ def plain_parts(job: Job):
         opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name](
             model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     return model, dataset, loss_fn, opt
+
+
+def masks_of(job: Job, step: int, rows: int):
+    """A plain forward of step `step`'s global batch, with the per-sample dropout masks a run draws
+    (train.dropout_masks: sample; a no-op for a model without dropout)."""
+    if job.train.dropout_masks != "sample":
+        return contextlib.nullcontext()
+    return sample_rows.rows(job.train.seed, step, sample_rows.places(0, rows))
 
 
 def continued(job: Job, state: dict, first: int, last: int, lr: float | None = None) -> dict:
@@ -75,7 +88,9 @@ def continued(job: Job, state: dict, first: int, last: int, lr: float | None = N
     for step in range(first, last):
         x, y = default_collate([dataset[i] for i in order.indices(step)])
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        with masks_of(job, step, len(x)):
+            loss = loss_fn(model(x), y)
+        loss.backward()
         opt.step()
     return model.state_dict()
 
@@ -87,7 +102,8 @@ def reference(job: Job) -> tuple[dict, list[float]]:
     for step in range(job.train.steps):
         x, y = default_collate([dataset[i] for i in order.indices(step)])
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        with masks_of(job, step, len(x)):
+            loss = loss_fn(model(x), y)
         loss.backward()
         if job.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), job.train.grad_clip)
@@ -255,7 +271,8 @@ def test_randomness_follows_the_data_parallel_replica(local_workers, tmp_path, l
     one replica between them): tensor(2) then equals tensor(1), and hybrid(2x2) equals data(2)."""
     layouts = {**LAYOUTS, "data2": ["cluster.num_workers=2", "parallel.strategy=data"]}
     base = GPT[1] + ["train.global_batch_size=8", "train.steps=6",
-                     "model.kwargs={vocab_size: 128, block_size: 32, n_layer: 2, n_head: 4, n_embd: 64, dropout: 0.3}"]
+                     "model.kwargs={vocab_size: 128, block_size: 32, n_layer: 2, n_head: 4, n_embd: 64, dropout: 0.3}",
+                     "train.dropout_masks=replica"]  # torch's dropout, a stream per replica
     finals = []
     for name in (layout, same_as):
         run_gearshift(GPT[0], base + layouts[name], tmp_path / name)

@@ -48,7 +48,8 @@ EVENTS = {
     "accumulation": "gradient accumulation",
     "recompute": "activation checkpointing",
     "compile": "compile",
-    "dropout": "dropout streams",
+    "dropout": "dropout masks per replica (dropout_masks: replica)",
+    "dropout_sample": "dropout masks per sample (the default)",
 }
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from gearshift.strategies import state
 from gearshift.strategies.pipeline.gather import StreamedGather
+from gearshift.strategies import rows as sample_rows
 from gearshift.strategies.state import _is_dtensor
 from gearshift.strategies.base import Options, Parallel
 from gearshift.strategies.layout import Layout
@@ -118,28 +119,32 @@ class PipelineParallel(Parallel):
 
         return fitted(rows, self.layout.pp, self.options.pp_microbatches, self.options.pp_schedule)
 
-    def run(self, x: torch.Tensor, y: torch.Tensor, loss_fn, scale: float) -> torch.Tensor | None:
+    def run(self, x: torch.Tensor, y: torch.Tensor, loss_fn, scale: float, rows=None) -> torch.Tensor | None:
         """Forward and backward of `x` through the pipeline in its micro-batches (`microbatches`),
         the mean of their losses multiplied by `scale` (each micro-batch's loss by `scale` over
-        their count); the gradients accumulate. The sum of the scaled losses on the last stage,
+        their count); the gradients accumulate. `rows` (strategies/rows.Rows, or None):
+        the places of x's rows for dropout, cut with the micro-batches for every stage. The sum of the scaled losses on the last stage,
         None on the others."""
         _, schedule = self.pipe(tuple(x.shape))
         each = scale / self.microbatches(x.shape[0])
         self._loss = lambda out, target: loss_fn(out, target) * each
         losses: list = []
         try:
-            with self._timed_p2p():
-                self._step(schedule, x, y, losses)
+            with self._timed_p2p(), sample_rows.within(rows):
+                self._step(schedule, x, y, losses, rows)
         finally:
             self._loss = None
         return torch.stack([l.detach().float() for l in losses]).sum() if losses else None
 
-    def _step(self, schedule, x, y, losses: list) -> None:
+    def _step(self, schedule, x, y, losses: list, rows=None) -> None:
         """The first stage takes the micro-batches as its input, the last the targets; every
         stage after the first gets the step's input as `inputs` (what runs before the first block
-        is computed again on every stage)."""
+        is computed again on every stage), and every stage the rows' places (`rows`), which the
+        schedule cuts with the micro-batches as it cuts the inputs."""
         args = (x,) if 0 in self.mine else ()
         kwargs = {"inputs": x} if any(s > 0 for s in self.mine) else {}
+        if rows is not None:
+            kwargs["rows"] = rows.places
         if self.stages - 1 in self.mine:
             kwargs["target"] = y
         schedule.step(*args, losses=losses, return_outputs=False, **kwargs)

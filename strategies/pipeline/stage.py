@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from gearshift.strategies.pipeline.cut import PRE, Cut, Trace
+from gearshift.strategies import rows as sample_rows
 
 
 class _Cut(Exception):  # noqa: N818 - control flow, not an error: the stage's forward ends here
@@ -103,14 +104,16 @@ class StageModule(nn.Module):
         not those of the rank's other stages."""
         return iter(self.own)
 
-    def forward(self, *args, inputs: torch.Tensor | None = None):
+    def forward(self, *args, inputs: torch.Tensor | None = None, rows: torch.Tensor | None = None):
         if self.stage == 0:
             x, self.received = args[0], None
         else:
             x, self.received = inputs, args[0]
         self.active[0] = self
+        outer = sample_rows.current()  # the pass's rows; `rows`: this micro-batch's places among them
         try:
-            return self.model(x)
+            with sample_rows.within(outer.narrowed(rows) if outer is not None and rows is not None else outer):
+                return self.model(x)
         except _Cut as cut:
             return cut.hidden
         finally:

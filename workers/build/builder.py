@@ -21,7 +21,7 @@ from gearshift.strategies.layout import Layout
 from gearshift.workers.build import components, recompute, shard_init
 from gearshift.workers.group.comm import CommRoute
 from gearshift.workers.group.simnet import SimulatedNetwork
-from gearshift.workers.step import oom, precision, schedules
+from gearshift.workers.step import oom, precision, sample_masks, schedules
 from gearshift.workers.step.data import GlobalBatches
 from gearshift.workers.step.loader import open_data
 from gearshift.workers.step.telemetry import WorkerTelemetry
@@ -135,6 +135,8 @@ class Builder:
             with torch.device("meta") if move_from else contextlib.nullcontext():
                 model, returned_plan = build()
             model = model if move_from else model.to(w.device)  # meta: relayout allocates the new pieces
+        if cfg.dropout_masks == "sample":  # before any wrapping: the modules' keys are their plain names
+            sample_masks.per_sample(model)
         self.recomputed = recompute.apply(model, cfg.activation_checkpointing, cfg.fsdp_units,
                                           builtin=not cfg.model.get("entrypoint") and layout.pp == 1)
         precision.keep_fp32(model, cfg.keep_fp32, w.device.type)

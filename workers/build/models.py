@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gearshift.strategies.rows import checkpoint_contexts
+
 
 class MLP(nn.Module):
     def __init__(self, in_features: int = 784, hidden: int = 512, out_features: int = 10, layers: int = 1,
@@ -130,7 +132,7 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, use_reentrant=False, context_fn=checkpoint_contexts)  # strategies/rows.py
             else:
                 x = block(x)
         return self.head(self.ln_f(x))

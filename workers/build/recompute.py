@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gearshift.strategies.rows import checkpoint_contexts
+
 
 def chosen(model: nn.Module, setting, fsdp_units: tuple[str, ...] = (), builtin: bool = False) -> list[str]:
     """The names of the modules to checkpoint (outermost matches only)."""
@@ -53,7 +55,8 @@ def _wrap(module: nn.Module) -> None:
     @functools.wraps(forward)
     def recomputed(*args, **kwargs):
         if module.training and torch.is_grad_enabled():
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            # the recomputation draws a sample's dropout masks as the forward did (strategies/rows.py)
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs)
         return forward(*args, **kwargs)  # evaluation: nothing is kept for backward anyway
 
     module.forward = recomputed

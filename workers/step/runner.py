@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from gearshift.strategies import rows as sample_rows
 from gearshift.workers.step import precision, shares, steps
 from gearshift.workers.step.evaluation import held_out_loss
 from gearshift.workers.step.grad_check import GradCheck
@@ -79,6 +80,15 @@ class StepRunner:
         w = self.w
         seed_generators(step_seed(w.config.seed, step, w.layout.seed_stream(w.rank)), w.device)
 
+    def rows(self, step: int) -> sample_rows.Rows | None:
+        """The global-batch places of this rank's share of `step`, for dropout masks per sample
+        (train.dropout_masks: sample); None: torch's dropout from the seeded stream."""
+        w = self.w
+        if w.config.dropout_masks != "sample":
+            return None
+        lo, hi = shares.bounds(w.config.global_batch_size, w.layout.dp_rank(w.rank), w.layout.dp, w.shares)
+        return sample_rows.Rows(w.config.seed, step, sample_rows.places(lo, hi))
+
     def autocast(self):
         """Autocast to the job's dtype, after the fp32 warm-up steps (precision phases)."""
         if self.autocast_dtype is None:  # fp32: a disabled autocast still costs ~0.1 ms a step to enter
@@ -86,8 +96,8 @@ class StepRunner:
         return torch.autocast(self.w.device.type, dtype=self.autocast_dtype,
                               enabled=precision.autocast_on(self.w.step, self.w.config))
 
-    def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.autocast():
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor, rows: sample_rows.Rows | None = None) -> torch.Tensor:
+        with self.autocast(), sample_rows.within(rows):
             return self.w.loss_fn(self.w.parallel.module(x), y)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +129,7 @@ class StepRunner:
             self.slow.before_compute(w.rank, step, len(x))
         started, waited = time.perf_counter(), clock.wait if clock and not clock.cuda else 0.0
         with self.probe.watching(w.parallel.model) if self.probe else contextlib.nullcontext():
-            loss = steps.choose(w.parallel, w.accumulation, uneven=w.shares is not None)(self, x, y)
+            loss = steps.choose(w.parallel, w.accumulation, uneven=w.shares is not None)(self, x, y, self.rows(step))
         if self.slow is not None:  # its own compute: less what it waited on peers inside the step (a pipeline's)
             waited = (clock.wait if clock and not clock.cuda else 0.0) - waited
             self.slow.computed(time.perf_counter() - started - waited, len(x))

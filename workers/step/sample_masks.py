@@ -1,0 +1,114 @@
+"""Dropout masks per sample (`train.dropout_masks: sample`, the default): the mask a `nn.Dropout`
+draws for a sample is a function of (the job's seed, the step, the sample's place in the step's
+global batch, the module's name, the element), never of the process that computes it. So a
+sample's masks are the same under every layout, whatever the replicas' shares, the micro-batch
+or the pipeline's micro-batches, and a run switched from one layout to another mid-way equals one
+that never switched. torch's dropout draws from a generator per process instead: gearshift seeds one
+stream per data replica and pipeline position (`train.dropout_masks: replica`, Layout.seed_stream),
+which keeps a fixed layout exact but draws other masks after a switch, a rebalance or a halved
+micro-batch.
+
+How: the build swaps each `nn.Dropout` (exactly that class, p > 0) for a `SampleDropout` holding
+a key made from its qualified name (`per_sample`); the step gives each forward the global-batch
+places of the rows it computes (strategies/rows.py, a context: the step variants of
+workers/step/steps.py, and the pipeline's stages through a `rows` tensor the schedule splits with
+the micro-batches); the mask is a counter-based hash of (key, seed, step, place, element), computed in int64 tensor
+arithmetic on the input's device, so that CPU and GPU draw the same mask. A recomputation in
+backward (activation checkpointing) runs in the rows it ran in forward (rows.checkpoint_contexts).
+
+Outside a step (a plain forward in training mode, the non-finite step's search), the module is
+torch's dropout. Not covered: functional dropout (F.dropout, scaled_dot_product_attention's
+dropout_p), Dropout1d/2d/3d and AlphaDropout, and a dataset's augmentation; they draw from the
+replica's stream. A dropout whose input is sharded (a DTensor with a Shard placement) is refused.
+A module called twice on the same rows in one forward draws the same mask both times.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from gearshift.strategies.rows import Rows, current
+
+_M32 = 0xFFFFFFFF
+# odd multipliers below 2**31: a product of a 32-bit value and one stays below 2**63, so the
+# int64 arithmetic never overflows on any device
+_C1, _C2, _GOLD = 0x7FEB352D, 0x1B873593, 0x1E3779B9
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two xorshift-multiply rounds, as lowbias32) of values in
+    [0, 2**32), elementwise, in place on `x`."""
+    for c in (_C1, _C2):
+        x.bitwise_xor_(x >> 16).mul_(c).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 15)
+
+
+def keep_mask(key: int, r: Rows, row_shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
+    """Which elements survive: (rows, *row_shape) booleans, each True with probability 1 - p,
+    a function of (key, seed, step, place, element index) alone."""
+    head = _mix(torch.tensor([(key ^ r.seed) & _M32], dtype=torch.int64, device=device))
+    head = _mix(head ^ (r.step & _M32))
+    per_row = _mix(_mix(head ^ r.places.to(device)))  # (rows,)
+    width = 1
+    for n in row_shape:
+        width *= n
+    per_element = _mix(torch.arange(width, dtype=torch.int64, device=device).mul_(_GOLD).bitwise_and_(_M32))
+    draw = _mix(per_row[:, None] ^ per_element[None, :])  # uniform in [0, 2**32)
+    return (draw >= int(p * 2**32)).view(len(r.places), *row_shape)
+
+
+class SampleDropout(nn.Dropout):
+    """nn.Dropout whose mask of each sample follows the sample (module docstring)."""
+
+    def __init__(self, p: float, inplace: bool, key: int, name: str):
+        super().__init__(p, inplace)
+        self.key, self.name = key, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = current() if self.training and self.p > 0 else None
+        if r is None:
+            if self.training and self.p > 0 and torch._C._current_graph_task_id() != -1:
+                raise RuntimeError(
+                    f"dropout {self.name!r} ran again in backward outside its step's rows: the model calls "
+                    "torch.utils.checkpoint itself; use train.activation_checkpointing instead, or "
+                    "train.dropout_masks: replica")
+            return super().forward(x)
+        local = _local(x, self.name)
+        if local.shape[0] != len(r.places):
+            raise RuntimeError(f"dropout {self.name!r}: input of {local.shape[0]} rows in a forward of "
+                               f"{len(r.places)} samples; train.dropout_masks: sample needs the batch first")
+        keep = keep_mask(self.key, r, tuple(local.shape[1:]), self.p, local.device)
+        out = local * (keep.to(local.dtype) * (1.0 / (1.0 - self.p)))
+        if local is x:
+            return out
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+
+
+def _local(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The tensor whose elements the mask covers: a replicated DTensor's local copy."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(x, DTensor):
+        if not all(isinstance(pl, Replicate) for pl in x.placements):
+            raise RuntimeError(f"dropout {name!r} on a sharded input ({x.placements}): train.dropout_masks: sample "
+                               "draws whole rows; use train.dropout_masks: replica")
+        return x.to_local()
+    return x
+
+
+def per_sample(model: nn.Module) -> list[str]:
+    """Swap each nn.Dropout of `model` (p > 0; not its subclasses) for a SampleDropout keyed by its
+    qualified name, in place; the names swapped."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Dropout and child.p > 0:
+                full = f"{name}.{child_name}" if name else child_name
+                setattr(module, child_name, SampleDropout(child.p, child.inplace, zlib.crc32(full.encode()), full))
+                swapped.append(full)
+    return swapped
