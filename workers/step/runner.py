@@ -183,7 +183,7 @@ class StepRunner:
 
         def forward():
             self.seed(step)
-            with self.autocast():
+            with self.autocast(), sample_rows.within(self.rows(step)):  # the step's own masks
                 w.parallel.model(x)
 
         self.non_finite.append(non_finite_step(step, loss, norm, first_non_finite_module(w.parallel.model, forward),
