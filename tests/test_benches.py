@@ -123,6 +123,7 @@ SMOKES = [
     # inductor compile alone takes 20-80 s here (`bench/loop.py --quick --only compile` runs it)
     Smoke("bench/loop.py", ("--smoke",), ("loader2/loader0 samples/s", "accum4/accum1: samples/s")),
     Smoke("bench/telemetry_overhead.py", ("--smoke",), ("worst case on/off", "tracking on/off")),  # 13 s
+    Smoke("bench/dropout.py", ("--smoke",), ("sample/torch step time", "transient peak of a step")),  # 9 s: one process
     Smoke("bench/comm_wait.py", ("--smoke",), ("data    rank 1: wait rise / expected", "straggler data",
                                                "one worker: wait / step")),
     # real runs on a Ray of their own: embedded (elastic: a cluster of two nodes on this machine)
