@@ -46,6 +46,17 @@ def test_a_samples_mask_is_the_same_however_the_rows_are_cut():
         assert not torch.equal(other != 0, kept)
 
 
+def test_hashing_in_chunks_draws_the_same_mask(monkeypatch):
+    """A large dropped tensor is hashed CHUNK elements at a time (bounded scratch memory); the
+    chunks change nothing, down to one row at a time."""
+    drop = sample_masks.SampleDropout(0.3, False, key=5, name="drop").train()
+    x = torch.randn(64, 3, 100)
+    whole = _dropped(drop, x, 1, 2, 0)
+    for chunk in (1000, 10):
+        monkeypatch.setattr(sample_masks, "CHUNK", chunk)
+        assert torch.equal(_dropped(drop, x, 1, 2, 0), whole)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_each_element_is_kept_with_probability_one_minus_p_independently(p):
     drop = sample_masks.SampleDropout(p, False, key=3, name="drop").train()

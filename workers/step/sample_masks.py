@@ -36,6 +36,7 @@ _M32 = 0xFFFFFFFF
 # odd multipliers below 2**31: a product of a 32-bit value and one stays below 2**63, so the
 # int64 arithmetic never overflows on any device
 _C1, _C2, _GOLD = 0x7FEB352D, 0x1B873593, 0x1E3779B9
+CHUNK = 1 << 22  # elements hashed at once: 2 x 32 MiB of int64 scratch at most
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +49,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def keep_mask(key: int, r: Rows, row_shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
     """Which elements survive: (rows, *row_shape) booleans, each True with probability 1 - p,
-    a function of (key, seed, step, place, element index) alone."""
+    a function of (key, seed, step, place, element index) alone. The hash runs on at most
+    CHUNK elements at a time (two int64 temporaries of that size), so a large dropped tensor
+    (attention weights) costs its boolean mask and a bounded scratch, not 16 bytes an element."""
     head = _mix(torch.tensor([(key ^ r.seed) & _M32], dtype=torch.int64, device=device))
     head = _mix(head ^ (r.step & _M32))
     per_row = _mix(_mix(head ^ r.places.to(device)))  # (rows,)
@@ -56,8 +59,13 @@ def keep_mask(key: int, r: Rows, row_shape: tuple[int, ...], p: float, device: t
     for n in row_shape:
         width *= n
     per_element = _mix(torch.arange(width, dtype=torch.int64, device=device).mul_(_GOLD).bitwise_and_(_M32))
-    draw = _mix(per_row[:, None] ^ per_element[None, :])  # uniform in [0, 2**32)
-    return (draw >= int(p * 2**32)).view(len(r.places), *row_shape)
+    threshold = int(p * 2**32)
+    keep = torch.empty((len(r.places), width), dtype=torch.bool, device=device)
+    step = max(1, CHUNK // max(width, 1))
+    for a in range(0, len(r.places), step):
+        # uniform in [0, 2**32) per element
+        keep[a:a + step] = _mix(per_row[a:a + step, None] ^ per_element[None, :]) >= threshold
+    return keep.view(len(r.places), *row_shape)
 
 
 class SampleDropout(nn.Dropout):
