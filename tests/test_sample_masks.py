@@ -70,6 +70,15 @@ def test_each_element_is_kept_with_probability_one_minus_p_independently(p):
         assert abs(corr) < 6 / n ** 0.5, corr
 
 
+def test_p_one_drops_everything_as_torchs_dropout_does():
+    drop = sample_masks.SampleDropout(1.0, False, key=2, name="drop").train()
+    x = torch.randn(3, 4, requires_grad=True)
+    out = _dropped(drop, x, 0, 0, 0)
+    assert torch.equal(out, torch.zeros_like(x))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
 def test_outside_a_step_it_is_torchs_dropout_and_in_evaluation_nothing():
     drop = sample_masks.SampleDropout(0.5, False, key=1, name="drop")
     x = torch.randn(4, 6)

@@ -25,6 +25,7 @@ A module called twice on the same rows in one forward draws the same mask both t
 
 from __future__ import annotations
 
+import sys
 import zlib
 
 import torch
@@ -89,7 +90,8 @@ class SampleDropout(nn.Dropout):
             raise RuntimeError(f"dropout {self.name!r}: input of {local.shape[0]} rows in a forward of "
                                f"{len(r.places)} samples; train.dropout_masks: sample needs the batch first")
         keep = keep_mask(self.key, r, tuple(local.shape[1:]), self.p, local.device)
-        out = local * (keep.to(local.dtype) * (1.0 / (1.0 - self.p)))
+        scale = 1.0 / (1.0 - self.p) if self.p < 1 else 0.0  # p = 1 drops everything, as torch's does
+        out = local * (keep.to(local.dtype) * scale)
         if local is x:
             return out
         from torch.distributed.tensor import DTensor
@@ -99,6 +101,8 @@ class SampleDropout(nn.Dropout):
 
 def _local(x: torch.Tensor, name: str) -> torch.Tensor:
     """The tensor whose elements the mask covers: a replicated DTensor's local copy."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist: nothing to import
+        return x
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(x, DTensor):
