@@ -1,4 +1,4 @@
-"""What dropout masks per sample cost: a training step with `train.dropout_masks: sample` (each
+"""What dropout masks per sample cost: a training step with `train.random_per: sample` (each
 nn.Dropout a SampleDropout, workers/step/sample_masks.py) against torch's own dropout
 (`replica`), side by side in one process.
 

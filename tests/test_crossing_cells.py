@@ -202,7 +202,7 @@ def test_dropout_masks_follow_the_data_replica_under_sharding(local_workers, tmp
     layouts = {**LAYOUTS, "data4": ["cluster.num_workers=4", "parallel.strategy=data"]}
     base = GPT[1] + ["train.global_batch_size=8", "train.steps=6",
                      "model.kwargs={vocab_size: 128, block_size: 32, n_layer: 2, n_head: 4, n_embd: 64, dropout: 0.3}",
-                     "train.dropout_masks=replica"]  # torch's dropout, a stream per replica
+                     "train.random_per=replica"]  # torch's dropout, a stream per replica
     finals = []
     for name in (layout, same_as):
         run_gearshift(GPT[0], base + layouts[name], tmp_path / name)

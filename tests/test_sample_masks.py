@@ -1,4 +1,4 @@
-"""Dropout masks per sample (train.dropout_masks: sample, workers/step/sample_masks.py): a sample's
+"""Dropout masks per sample (train.random_per: sample, workers/step/sample_masks.py): a sample's
 masks follow the sample, not the process or the micro-batch that computes it, so every layout, and
 a run switched between layouts mid-way, ends where the plain loop ends when that loop draws the
 same masks (tests/test_train_equivalence.py reference). The first tests need no workers."""
@@ -146,18 +146,42 @@ def test_a_models_own_checkpoint_is_refused_in_backward_not_given_other_masks():
         _grads(model, torch.randn(8, 6))
 
 
+def test_a_samples_augmentation_is_the_same_whoever_reads_it():
+    """A map-style dataset that adds fresh noise on every read (tests/fixtures/inspected.py): under
+    random_per: sample a step's rows read by one replica, by two, or by uneven shares are the same
+    rows; read from one stream per replica (replica) they are not."""
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    from inspected import jittered
+
+    from gearshift.workers.step.data import GlobalBatches
+    from gearshift.workers.step.loader import StepBatches
+
+    data = jittered(64)
+    order = GlobalBatches(len(data), 16, seed=3)
+
+    def read(per_sample, dp, shares=None):
+        return torch.cat([StepBatches(data, order, r, dp, 3, shares, per_sample=per_sample)[5][0] for r in range(dp)])
+
+    one = read(True, 1)
+    assert torch.equal(read(True, 2), one) and torch.equal(read(True, 2, (5, 11)), one)
+    assert torch.equal(read(True, 4), one)
+    assert not torch.equal(read(False, 2), read(False, 1))  # one stream per replica: other noise
+
+
 # --- runs: every layout, and a switch, against the plain loop with the same masks ----------------
 
 def _job(tmp_path, layout: str, steps: int = 4) -> tuple[pathlib.Path, list[str]]:
-    for name in ("dropout_blocks.py", "oom_model.py"):
+    for name in ("dropout_blocks.py", "inspected.py"):
         shutil.copy(FIXTURES / name, tmp_path / name)
     pair = "true" if layout in ("tensor", "hybrid", "pipeline_tp") else "false"
     plan = ", tp_plan: {'blocks.*.up': colwise, 'blocks.*.down': rowwise}" if pair == "true" else ""
     (tmp_path / "job.yaml").write_text(
         "name: dropout\n"
         f"model: {{entrypoint: 'dropout_blocks:blocks', kwargs: {{pair: {pair}}}}}\n"
-        "data: {entrypoint: 'oom_model:points', kwargs: {size: 256}}\n"
-        "loss: {entrypoint: 'oom_model:mse'}\n"
+        "data: {entrypoint: 'inspected:jittered', kwargs: {size: 256}}\n"  # fresh noise on every read
+        "loss: mse\n"
         "optimizer: {name: adam, lr: 0.01}\n"
         f"train: {{steps: {steps}, global_batch_size: 16, seed: 7}}\n"
         + (f"parallel: {{{plan[2:]}}}\n" if plan else "")
@@ -179,9 +203,10 @@ def _job(tmp_path, layout: str, steps: int = 4) -> tuple[pathlib.Path, list[str]
     pytest.param("pipeline_tp", marks=pytest.mark.crossing("dropout_sample", "pipeline_tp")),
 ])
 def test_every_layout_draws_the_plain_loops_masks(local_workers, tmp_path, layout):
-    """Four residual blocks, each dropping 30 % of its input, trained under the layout with its
-    shares cut into micro-batches: the run ends where the plain loop ends on the same batches with
-    the same per-sample masks. (torch's dropout, drawn per replica and position, ends elsewhere:
+    """Four residual blocks, each dropping 30 % of its input, on data that adds fresh noise to
+    every sample it reads, trained under the layout with its shares cut into micro-batches: the
+    run ends where the plain loop ends on the same batches with the same per-sample masks and
+    noise. (torch's dropout, drawn per replica and position, ends elsewhere:
     the last test.)"""
     job_file, overrides = _job(tmp_path, layout)
     summary = run_gearshift(job_file, overrides, tmp_path / "run")
@@ -192,10 +217,11 @@ def test_every_layout_draws_the_plain_loops_masks(local_workers, tmp_path, layou
 
 @pytest.mark.crossing("dropout_sample", "data")
 @pytest.mark.crossing("dropout_sample", "pipeline")
-def test_a_run_switched_into_a_pipeline_and_out_draws_the_masks_of_one_that_never_switched(local_workers, tmp_path):
+def test_a_run_switched_into_a_pipeline_and_out_draws_what_one_that_never_switched_draws(local_workers, tmp_path):
     """data(2) -> pipeline(2 stages, 2 micro-batches) at step 3 -> data at step 6, with dropout in
-    every block: the run equals the plain loop (so, one that never switched). With
-    train.dropout_masks: replica the same schedule ends elsewhere: after the switch the second
+    every block and fresh noise on every sample read: the run equals the plain loop (so, one that
+    never switched). With
+    train.random_per: replica the same schedule ends elsewhere: after the switch the second
     stage's blocks draw from another stream than data parallelism's replica did."""
     job_file, overrides = _job(tmp_path, "data", steps=8)
     schedule = "adapt.schedule=[{step: 3, strategy: pipeline, pp_size: 2}, {step: 6, strategy: data}]"
@@ -204,7 +230,7 @@ def test_a_run_switched_into_a_pipeline_and_out_draws_the_masks_of_one_that_neve
     assert [s["strategy"] for s in summary["strategy_history"]] == ["data", "pipeline", "data"]
     assert max_diff(torch.load(tmp_path / "sample" / "final.pt", weights_only=True), ref) <= 1e-5
 
-    replica = overrides + ["train.dropout_masks=replica"]
+    replica = overrides + ["train.random_per=replica"]
     run_gearshift(job_file, replica, tmp_path / "fixed")
     run_gearshift(job_file, replica + [schedule], tmp_path / "switched")
     fixed, switched = (torch.load(tmp_path / n / "final.pt", weights_only=True) for n in ("fixed", "switched"))

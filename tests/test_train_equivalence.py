@@ -22,6 +22,7 @@ from gearshift.monitoring.telemetry import read
 from gearshift.strategies import rows as sample_rows
 from gearshift.workers.step import sample_masks
 from gearshift.workers.step.data import GlobalBatches
+from gearshift.workers.step.loader import sample_seed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -54,7 +55,7 @@ def plain_parts(job: Job):
     model = components.build_model(spec["model"], paths)
     dataset = components.build_dataset(spec["data"], spec["model"], paths)
     loss_fn = components.build_loss(spec["loss"], paths)
-    if job.train.dropout_masks == "sample":  # the same per-sample masks as a run's (workers/step/sample_masks.py)
+    if job.train.random_per == "sample":  # the same per-sample masks as a run's (workers/step/sample_masks.py)
         sample_masks.per_sample(model)
     o = job.optimizer
     if o.name == "sgd":
@@ -66,10 +67,21 @@ def plain_parts(job: Job):
     return model, dataset, loss_fn, opt
 
 
+def batch_of(job: Job, dataset, order: GlobalBatches, step: int):
+    """Step `step`'s global batch, read item by item; under train.random_per: sample each item is
+    read under its own seed, as a run reads it (a dataset's augmentation follows the sample)."""
+    items = []
+    for place, i in enumerate(order.indices(step)):
+        if job.train.random_per == "sample":
+            torch.default_generator.manual_seed(sample_seed(job.train.seed, step, place))
+        items.append(dataset[i])
+    return default_collate(items)
+
+
 def masks_of(job: Job, step: int, rows: int):
     """A plain forward of step `step`'s global batch, with the per-sample dropout masks a run draws
-    (train.dropout_masks: sample; a no-op for a model without dropout)."""
-    if job.train.dropout_masks != "sample":
+    (train.random_per: sample; a no-op for a model without dropout)."""
+    if job.train.random_per != "sample":
         return contextlib.nullcontext()
     return sample_rows.rows(job.train.seed, step, sample_rows.places(0, rows))
 
@@ -86,7 +98,7 @@ def continued(job: Job, state: dict, first: int, last: int, lr: float | None = N
         group["lr"] = group["lr"] if lr is None else lr
     order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
     for step in range(first, last):
-        x, y = default_collate([dataset[i] for i in order.indices(step)])
+        x, y = batch_of(job, dataset, order, step)
         opt.zero_grad()
         with masks_of(job, step, len(x)):
             loss = loss_fn(model(x), y)
@@ -100,7 +112,7 @@ def reference(job: Job) -> tuple[dict, list[float]]:
     order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
     losses = []
     for step in range(job.train.steps):
-        x, y = default_collate([dataset[i] for i in order.indices(step)])
+        x, y = batch_of(job, dataset, order, step)
         opt.zero_grad()
         with masks_of(job, step, len(x)):
             loss = loss_fn(model(x), y)
@@ -272,7 +284,7 @@ def test_randomness_follows_the_data_parallel_replica(local_workers, tmp_path, l
     layouts = {**LAYOUTS, "data2": ["cluster.num_workers=2", "parallel.strategy=data"]}
     base = GPT[1] + ["train.global_batch_size=8", "train.steps=6",
                      "model.kwargs={vocab_size: 128, block_size: 32, n_layer: 2, n_head: 4, n_embd: 64, dropout: 0.3}",
-                     "train.dropout_masks=replica"]  # torch's dropout, a stream per replica
+                     "train.random_per=replica"]  # torch's dropout, a stream per replica
     finals = []
     for name in (layout, same_as):
         run_gearshift(GPT[0], base + layouts[name], tmp_path / name)

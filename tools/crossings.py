@@ -48,7 +48,7 @@ EVENTS = {
     "accumulation": "gradient accumulation",
     "recompute": "activation checkpointing",
     "compile": "compile",
-    "dropout": "dropout masks per replica (dropout_masks: replica)",
+    "dropout": "dropout masks per replica (random_per: replica)",
     "dropout_sample": "dropout masks per sample (the default)",
 }
 

@@ -70,7 +70,7 @@ class WorkerConfig:
     fsdp_mixed_precision: tuple[str, str] | None = None
     # strategy pipeline: {"microbatches", "schedule", "split", "pp_size"} (orchestrator/job/checks.py pp_microbatches)
     pipeline: Mapping[str, Any] = field(default_factory=dict)
-    dropout_masks: str = "sample"  # train.dropout_masks: sample (workers/step/sample_masks.py) | replica
+    random_per: str = "sample"  # train.random_per: sample (workers/step/sample_masks.py) | replica
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], search_paths=(".",), checkpoint_dir: str | None = None,
@@ -78,7 +78,7 @@ class WorkerConfig:
         train, par, tel, inject = job["train"], job["parallel"], job["telemetry"], job["inject"]
         return cls(
             name=job["name"], model=job["model"], data=job["data"], loss=job["loss"], optimizer=job["optimizer"],
-            seed=train["seed"], dropout_masks=train.get("dropout_masks", "sample"), global_batch_size=train["global_batch_size"], precision=_dtype(train["precision"]),
+            seed=train["seed"], random_per=train.get("random_per", "sample"), global_batch_size=train["global_batch_size"], precision=_dtype(train["precision"]),
             grad_clip=train["grad_clip"], activation_checkpointing=_checkpointing(train.get("activation_checkpointing", False)),
             strategy="data" if par["strategy"] == "auto" else par["strategy"], tp_size=par.get("tp_size"),
             shard_size=par.get("shard_size"), dp_shard=bool(par.get("dp_shard", False)),

@@ -85,7 +85,9 @@ def step_batch(job, step: int, rank: int = 0):
         raise UsageError(f"--step {step} is not valid: steps count from 1")
     dataset = components.build_dataset(spec["data"], spec["model"], [job.base_dir])
     order = GlobalBatches(len(dataset), job.train.global_batch_size, job.train.seed)
-    return StepBatches(dataset, order, layout.dp_rank(rank), layout.dp, job.train.seed)[step - 1], dataset, layout
+    steps = StepBatches(dataset, order, layout.dp_rank(rank), layout.dp, job.train.seed,
+                        per_sample=job.train.random_per == "sample")
+    return steps[step - 1], dataset, layout
 
 
 def summary(name: str, t) -> list[str]:

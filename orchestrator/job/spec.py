@@ -106,10 +106,11 @@ class TrainSpec:
                                       "accumulate over global_batch_size / (micro_batch_size x dp) of them; "
                                       "null: the whole share of the global batch at once")
     seed: int = _f(0, _int(0, 2**31 - 1), "seeds the model's initial weights, the data order and dropout")
-    dropout_masks: str = _f("sample", _choice("sample", "replica"), "sample: each nn.Dropout's mask of a sample "
-                            "follows the sample (the seed, the step, its place in the global batch), the same under "
-                            "every layout, share, micro-batch and switch; replica: torch's dropout, one stream per "
-                            "data replica and pipeline position (faster; a switch or a rebalance draws other masks)")
+    random_per: str = _f("sample", _choice("sample", "replica"), "sample: each nn.Dropout's mask of a sample, and "
+                         "a map-style dataset's augmentation of it, follow the sample (the seed, the step, its place "
+                         "in the global batch): the same under every layout, share, micro-batch and switch; replica: "
+                         "torch's dropout and the step's generator, one stream per data replica and pipeline position "
+                         "(a switch or a rebalance draws other numbers)")
     precision: str | dict = _f("fp32", _precision, "fp32, bf16 or fp16 (autocast; fp16 adds loss scaling), or "
                                "phases: {dtype: bf16 | fp16, fp32_warmup_steps: N, keep_fp32: [module patterns], "
                                "fp32_final_steps: N, final_fp32: [module patterns]}")

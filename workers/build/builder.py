@@ -135,7 +135,7 @@ class Builder:
             with torch.device("meta") if move_from else contextlib.nullcontext():
                 model, returned_plan = build()
             model = model if move_from else model.to(w.device)  # meta: relayout allocates the new pieces
-        if cfg.dropout_masks == "sample":  # before any wrapping: the modules' keys are their plain names
+        if cfg.random_per == "sample":  # before any wrapping: the modules' keys are their plain names
             sample_masks.per_sample(model)
         self.recomputed = recompute.apply(model, cfg.activation_checkpointing, cfg.fsdp_units,
                                           builtin=not cfg.model.get("entrypoint") and layout.pp == 1)

@@ -140,13 +140,21 @@ class GlobalBatches:
         return self.indices(step)[lo:hi]
 
 
-def load_batch(dataset, indices: list[int]):
+def load_batch(dataset, indices: list[int], seeds: list[int] | None = None):
     """One batch. A dataset may offer `get_batch(indices) -> (inputs, targets)` to skip
-    per-sample indexing and collation (the built-ins do); any map-style dataset works without."""
+    per-sample indexing and collation (the built-ins do); any map-style dataset works without.
+    `seeds`: torch's generator is seeded with seeds[k] before item k is read (augmentation per
+    sample); a dataset's own get_batch reads the batch at once, under the seed set before."""
     get_batch = getattr(dataset, "get_batch", None)
     if get_batch is not None:
         return get_batch(indices)
-    return default_collate([dataset[i] for i in indices])
+    if seeds is None:
+        return default_collate([dataset[i] for i in indices])
+    items = []
+    for i, seed in zip(indices, seeds):
+        torch.default_generator.manual_seed(seed)
+        items.append(dataset[i])
+    return default_collate(items)
 
 
 def tokens_per_sample(dataset) -> int | None:

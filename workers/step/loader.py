@@ -19,11 +19,18 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from gearshift.workers.build import components
 from gearshift.workers.step import streaming
 from gearshift.workers.step.data import GlobalBatches, load_batch
+from gearshift.workers.step.shares import bounds
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
     """RNG state is a function of (seed, step, rank): a resumed run draws what the original drew."""
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
+
+
+def sample_seed(seed: int, step: int, place: int) -> int:
+    """The seed a map-style dataset's item is read under when augmentation follows the sample
+    (train.random_per: sample): a function of (seed, step, its place in the global batch)."""
+    return (step_seed(seed, step, 0) * 6_364_136_223_846_793_005 + place + 1) % (2**63 - 1)
 
 
 def seed_generators(seed: int, device: torch.device) -> None:
@@ -35,12 +42,14 @@ def seed_generators(seed: int, device: torch.device) -> None:
 
 class StepBatches(Dataset):
     """Item s: this rank's (inputs, targets) of global step s. The step's seed is set first, so
-    a dataset's random augmentation draws the same numbers in any process."""
+    a dataset's random augmentation draws the same numbers in any process; with `per_sample`
+    (train.random_per: sample) each item is read under its own seed (`sample_seed`), so a sample's
+    augmentation is the same whichever replica, share or layout reads it."""
 
     def __init__(self, dataset, batches: GlobalBatches, dp_rank: int, dp: int, seed: int,
-                 shares: tuple[int, ...] | None = None):
+                 shares: tuple[int, ...] | None = None, per_sample: bool = False):
         self.dataset, self.batches, self.dp_rank, self.dp, self.seed = dataset, batches, dp_rank, dp, seed
-        self.shares = shares
+        self.shares, self.per_sample = shares, per_sample
 
     def __len__(self) -> int:  # steps go on for as long as the run asks
         return 2**62
@@ -49,7 +58,11 @@ class StepBatches(Dataset):
         # one stream per data-parallel replica, as the step loop seeds it (torch.manual_seed
         # costs ~70 us a call on CPU: the generator is seeded directly)
         torch.default_generator.manual_seed(step_seed(self.seed, step, self.dp_rank))
-        return load_batch(self.dataset, self.batches.shard(step, self.dp_rank, self.dp, self.shares))
+        indices = self.batches.shard(step, self.dp_rank, self.dp, self.shares)
+        if not self.per_sample:
+            return load_batch(self.dataset, indices)
+        lo, _ = bounds(self.batches.batch, self.dp_rank, self.dp, self.shares)
+        return load_batch(self.dataset, indices, [sample_seed(self.seed, step, lo + i) for i in range(len(indices))])
 
 
 class _From(Sampler):
@@ -106,7 +119,7 @@ def open_loader(cfg, dataset, batches: GlobalBatches, step: int, dp_rank: int, d
         return dataset.loader(step, dp_rank, dp, cfg.loader["prefetch"], shares)
     if cfg.loader["workers"]:  # loader processes unpickle the user's dataset: its module must import
         sys.path[:0] = [p for p in cfg.search_paths if p not in sys.path]
-    steps = StepBatches(dataset, batches, dp_rank, dp, cfg.seed, shares)
+    steps = StepBatches(dataset, batches, dp_rank, dp, cfg.seed, shares, per_sample=cfg.random_per == "sample")
     return StepLoader(steps, step, cfg.loader["workers"], cfg.loader["prefetch"],
                       pin_memory(cfg.loader.get("pin_memory", "auto"), device))
 

@@ -82,9 +82,9 @@ class StepRunner:
 
     def rows(self, step: int) -> sample_rows.Rows | None:
         """The global-batch places of this rank's share of `step`, for dropout masks per sample
-        (train.dropout_masks: sample); None: torch's dropout from the seeded stream."""
+        (train.random_per: sample); None: torch's dropout from the seeded stream."""
         w = self.w
-        if w.config.dropout_masks != "sample":
+        if w.config.random_per != "sample":
             return None
         lo, hi = shares.bounds(w.config.global_batch_size, w.layout.dp_rank(w.rank), w.layout.dp, w.shares)
         return sample_rows.Rows(w.config.seed, step, sample_rows.places(lo, hi))

@@ -1,10 +1,10 @@
-"""Dropout masks per sample (`train.dropout_masks: sample`, the default): the mask a `nn.Dropout`
+"""Dropout masks per sample (`train.random_per: sample`, the default): the mask a `nn.Dropout`
 draws for a sample is a function of (the job's seed, the step, the sample's place in the step's
 global batch, the module's name, the element), never of the process that computes it. So a
 sample's masks are the same under every layout, whatever the replicas' shares, the micro-batch
 or the pipeline's micro-batches, and a run switched from one layout to another mid-way equals one
 that never switched. torch's dropout draws from a generator per process instead: gearshift seeds one
-stream per data replica and pipeline position (`train.dropout_masks: replica`, Layout.seed_stream),
+stream per data replica and pipeline position (`train.random_per: replica`, Layout.seed_stream),
 which keeps a fixed layout exact but draws other masks after a switch, a rebalance or a halved
 micro-batch.
 
@@ -83,12 +83,12 @@ class SampleDropout(nn.Dropout):
                 raise RuntimeError(
                     f"dropout {self.name!r} ran again in backward outside its step's rows: the model calls "
                     "torch.utils.checkpoint itself; use train.activation_checkpointing instead, or "
-                    "train.dropout_masks: replica")
+                    "train.random_per: replica")
             return super().forward(x)
         local = _local(x, self.name)
         if local.shape[0] != len(r.places):
             raise RuntimeError(f"dropout {self.name!r}: input of {local.shape[0]} rows in a forward of "
-                               f"{len(r.places)} samples; train.dropout_masks: sample needs the batch first")
+                               f"{len(r.places)} samples; train.random_per: sample needs the batch first")
         keep = keep_mask(self.key, r, tuple(local.shape[1:]), self.p, local.device)
         scale = 1.0 / (1.0 - self.p) if self.p < 1 else 0.0  # p = 1 drops everything, as torch's does
         out = local * (keep.to(local.dtype) * scale)
@@ -107,8 +107,8 @@ def _local(x: torch.Tensor, name: str) -> torch.Tensor:
 
     if isinstance(x, DTensor):
         if not all(isinstance(pl, Replicate) for pl in x.placements):
-            raise RuntimeError(f"dropout {name!r} on a sharded input ({x.placements}): train.dropout_masks: sample "
-                               "draws whole rows; use train.dropout_masks: replica")
+            raise RuntimeError(f"dropout {name!r} on a sharded input ({x.placements}): train.random_per: sample "
+                               "draws whole rows; use train.random_per: replica")
         return x.to_local()
     return x
 
