@@ -49,7 +49,7 @@ EVENTS = {
     "recompute": "activation checkpointing",
     "compile": "compile",
     "dropout": "dropout masks per replica (random_per: replica)",
-    "dropout_sample": "dropout masks per sample (the default)",
+    "dropout_sample": "dropout masks and augmentation per sample (the default)",
 }
 
 
