@@ -53,9 +53,9 @@ def current() -> Rows | None:
     return _current.get()
 
 
-def places(lo: int, hi: int) -> torch.Tensor:
-    """The global-batch places of a replica's slice [lo, hi)."""
-    return torch.arange(lo, hi, dtype=torch.int64)
+def places(lo: int, hi: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The global-batch places of a replica's slice [lo, hi), on the device its rows are on."""
+    return torch.arange(lo, hi, dtype=torch.int64, device=device)
 
 
 def checkpoint_contexts():

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gearshift.strategies import rows as sample_rows
 from gearshift.strategies import state
 from gearshift.strategies.pipeline.gather import StreamedGather
-from gearshift.strategies import rows as sample_rows
 from gearshift.strategies.state import _is_dtensor
 from gearshift.strategies.base import Options, Parallel
 from gearshift.strategies.layout import Layout
@@ -122,9 +122,9 @@ class PipelineParallel(Parallel):
     def run(self, x: torch.Tensor, y: torch.Tensor, loss_fn, scale: float, rows=None) -> torch.Tensor | None:
         """Forward and backward of `x` through the pipeline in its micro-batches (`microbatches`),
         the mean of their losses multiplied by `scale` (each micro-batch's loss by `scale` over
-        their count); the gradients accumulate. `rows` (strategies/rows.Rows, or None):
-        the places of x's rows for dropout, cut with the micro-batches for every stage. The sum of the scaled losses on the last stage,
-        None on the others."""
+        their count); the gradients accumulate. `rows` (strategies/rows.Rows, or None): the
+        places of x's rows for dropout, cut with the micro-batches for every stage. The sum of
+        the scaled losses on the last stage, None on the others."""
         _, schedule = self.pipe(tuple(x.shape))
         each = scale / self.microbatches(x.shape[0])
         self._loss = lambda out, target: loss_fn(out, target) * each

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gearshift.strategies.pipeline.cut import PRE, Cut, Trace
 from gearshift.strategies import rows as sample_rows
+from gearshift.strategies.pipeline.cut import PRE, Cut, Trace
 
 
 class _Cut(Exception):  # noqa: N818 - control flow, not an error: the stage's forward ends here

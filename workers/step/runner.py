@@ -87,7 +87,7 @@ class StepRunner:
         if w.config.random_per != "sample":
             return None
         lo, hi = shares.bounds(w.config.global_batch_size, w.layout.dp_rank(w.rank), w.layout.dp, w.shares)
-        return sample_rows.Rows(w.config.seed, step, sample_rows.places(lo, hi))
+        return sample_rows.Rows(w.config.seed, step, sample_rows.places(lo, hi, w.device))
 
     def autocast(self):
         """Autocast to the job's dtype, after the fp32 warm-up steps (precision phases)."""
