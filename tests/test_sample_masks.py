@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from gearshift.monitoring.telemetry import read
 from gearshift.orchestrator.job import load_job
 from gearshift.strategies import rows as sample_rows
 from gearshift.workers.build import recompute
@@ -172,14 +173,15 @@ def test_a_samples_augmentation_is_the_same_whoever_reads_it():
 
 # --- runs: every layout, and a switch, against the plain loop with the same masks ----------------
 
-def _job(tmp_path, layout: str, steps: int = 4) -> tuple[pathlib.Path, list[str]]:
+def _job(tmp_path, layout: str, steps: int = 4, max_batch: int | None = None,
+         micro_batch: int | None = 4) -> tuple[pathlib.Path, list[str]]:
     for name in ("dropout_blocks.py", "inspected.py"):
         shutil.copy(FIXTURES / name, tmp_path / name)
     pair = "true" if layout in ("tensor", "hybrid", "pipeline_tp") else "false"
     plan = ", tp_plan: {'blocks.*.up': colwise, 'blocks.*.down': rowwise}" if pair == "true" else ""
     (tmp_path / "job.yaml").write_text(
         "name: dropout\n"
-        f"model: {{entrypoint: 'dropout_blocks:blocks', kwargs: {{pair: {pair}}}}}\n"
+        f"model: {{entrypoint: 'dropout_blocks:blocks', kwargs: {{pair: {pair}, max_batch: {max_batch or 'null'}}}}}\n"
         "data: {entrypoint: 'inspected:jittered', kwargs: {size: 256}}\n"  # fresh noise on every read
         "loss: mse\n"
         "optimizer: {name: adam, lr: 0.01}\n"
@@ -188,7 +190,8 @@ def _job(tmp_path, layout: str, steps: int = 4) -> tuple[pathlib.Path, list[str]
         + "checkpoint: {every: 0}\n")
     # a micro-batch of 4: each replica's share cut again (accumulation, or a pipeline's passes)
     piped = ["parallel.pp_microbatches=2"] if "parallel.strategy=pipeline" in LAYOUTS[layout] else []
-    return tmp_path / "job.yaml", LAYOUTS[layout] + piped + ["train.micro_batch_size=4"]
+    micro = [f"train.micro_batch_size={micro_batch}"] if micro_batch else []
+    return tmp_path / "job.yaml", LAYOUTS[layout] + piped + micro
 
 
 @pytest.mark.parametrize("layout", [
@@ -235,3 +238,16 @@ def test_a_run_switched_into_a_pipeline_and_out_draws_what_one_that_never_switch
     run_gearshift(job_file, replica + [schedule], tmp_path / "switched")
     fixed, switched = (torch.load(tmp_path / n / "final.pt", weights_only=True) for n in ("fixed", "switched"))
     assert max_diff(fixed, switched) > 1e-3
+
+
+def test_a_share_halved_after_running_out_of_memory_draws_the_same_masks(local_workers, tmp_path):
+    """data(2), each share 8 rows, more than 4 at once out of memory: step 1 is dropped and done
+    again in 2 micro-batches of 4, and the run equals the plain loop (which never ran out), masks
+    and noise included: a sample's draws do not follow the micro-batch it is computed in."""
+    job_file, overrides = _job(tmp_path, "data", steps=4, max_batch=4, micro_batch=None)
+    summary = run_gearshift(job_file, overrides, tmp_path / "run")
+    assert summary["status"] == "done" and summary["steps_done"] == 4
+    ooms = [r for r in read(tmp_path / "run" / "telemetry.jsonl") if r.get("event") == "oom"]
+    assert ooms and {(r["action"], r["micro_batch"]) for r in ooms} == {("accumulate", 8)}
+    ref, _ = reference(load_job(job_file, overrides))
+    assert max_diff(torch.load(tmp_path / "run" / "final.pt", weights_only=True), ref) <= 1e-5
