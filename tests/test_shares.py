@@ -95,7 +95,7 @@ def test_weighted_replicas_average_to_the_global_batch_gradient(micro):
         w = types.SimpleNamespace(parallel=_Layout(model), scaler=torch.amp.GradScaler("cpu", enabled=False),
                                   accumulation=micro, device=torch.device("cpu"),
                                   layout=types.SimpleNamespace(dp=3), config=types.SimpleNamespace(global_batch_size=16))
-        runner = types.SimpleNamespace(w=w, forward_loss=lambda a, b, m=model: torch.nn.functional.mse_loss(m(a), b))
+        runner = types.SimpleNamespace(w=w, forward_loss=lambda a, b, rows=None, m=model: torch.nn.functional.mse_loss(m(a), b))
         lo, hi = shares.bounds(16, r, 3, counts)
         losses.append(steps.choose(w.parallel, micro, uneven=True)(runner, x[lo:hi], y[lo:hi]))
         grads.append([p.grad for p in model.parameters()])
