@@ -49,7 +49,7 @@ def test_a_samples_mask_is_the_same_however_the_rows_are_cut():
 
 def test_hashing_in_chunks_draws_the_same_mask(monkeypatch):
     """A large dropped tensor is hashed CHUNK elements at a time (bounded scratch memory); the
-    chunks change nothing, down to one row at a time."""
+    chunks change nothing, down to a piece of one row (a row here is 300 elements)."""
     drop = sample_masks.SampleDropout(0.3, False, key=5, name="drop").train()
     x = torch.randn(64, 3, 100)
     whole = _dropped(drop, x, 1, 2, 0)

@@ -37,7 +37,7 @@ _M32 = 0xFFFFFFFF
 # odd multipliers below 2**31: a product of a 32-bit value and one stays below 2**63, so the
 # int64 arithmetic never overflows on any device
 _C1, _C2, _GOLD = 0x7FEB352D, 0x1B873593, 0x1E3779B9
-CHUNK = 1 << 22  # elements hashed at once: 2 x 32 MiB of int64 scratch at most
+CHUNK = 1 << 22  # elements hashed at once: 2 x 32 MiB of int64 scratch at most, however wide a row
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -48,24 +48,35 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 15)
 
 
+def _mix_int(x: int) -> int:
+    """`_mix` of one value, in Python: the same numbers without a tensor (a device copy) per call."""
+    for c in (_C1, _C2):
+        x = ((x ^ (x >> 16)) * c) & _M32
+    return x ^ (x >> 15)
+
+
 def keep_mask(key: int, r: Rows, row_shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
     """Which elements survive: (rows, *row_shape) booleans, each True with probability 1 - p,
-    a function of (key, seed, step, place, element index) alone. The hash runs on at most
-    CHUNK elements at a time (two int64 temporaries of that size), so a large dropped tensor
-    (attention weights) costs its boolean mask and a bounded scratch, not 16 bytes an element."""
-    head = _mix(torch.tensor([(key ^ r.seed) & _M32], dtype=torch.int64, device=device))
-    head = _mix(head ^ (r.step & _M32))
-    per_row = _mix(_mix(head ^ r.places.to(device)))  # (rows,)
+    a function of (key, seed, step, place, element index) alone. The hash runs on blocks of at
+    most CHUNK elements (rows by columns, so a row wider than CHUNK is cut too), each with two int64
+    temporaries of that size: a large dropped tensor (attention weights) costs its boolean mask
+    and a bounded scratch, not 16 bytes an element."""
+    head = _mix_int(_mix_int((key ^ r.seed) & _M32) ^ (r.step & _M32))
+    per_row = _mix(_mix(r.places.to(device) ^ head))  # (rows,)
     width = 1
     for n in row_shape:
         width *= n
-    per_element = _mix(torch.arange(width, dtype=torch.int64, device=device).mul_(_GOLD).bitwise_and_(_M32))
     threshold = int(p * 2**32)
     keep = torch.empty((len(r.places), width), dtype=torch.bool, device=device)
-    step = max(1, CHUNK // max(width, 1))
-    for a in range(0, len(r.places), step):
-        # uniform in [0, 2**32) per element
-        keep[a:a + step] = _mix(per_row[a:a + step, None] ^ per_element[None, :]) >= threshold
+    cols = max(1, min(width, CHUNK))
+    rows_at_once = max(1, CHUNK // cols)
+    for c in range(0, width, cols):
+        per_element = _mix(torch.arange(c, min(c + cols, width), dtype=torch.int64, device=device)
+                           .mul_(_GOLD).bitwise_and_(_M32))
+        for a in range(0, len(r.places), rows_at_once):
+            # uniform in [0, 2**32) per element
+            block = _mix(per_row[a:a + rows_at_once, None] ^ per_element[None, :])
+            keep[a:a + rows_at_once, c:c + cols] = block >= threshold
     return keep.view(len(r.places), *row_shape)
 
 
