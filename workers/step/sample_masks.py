@@ -9,18 +9,21 @@ which keeps a fixed layout exact but draws other masks after a switch, a rebalan
 micro-batch.
 
 How: the build swaps each `nn.Dropout` (exactly that class, p > 0) for a `SampleDropout` holding
-a key made from its qualified name (`per_sample`); the step gives each forward the global-batch
+a key made from its qualified name (`per_sample`). The step gives each forward the global-batch
 places of the rows it computes (strategies/rows.py, a context: the step variants of
 workers/step/steps.py, and the pipeline's stages through a `rows` tensor the schedule splits with
-the micro-batches); the mask is a counter-based hash of (key, seed, step, place, element), computed in int64 tensor
-arithmetic on the input's device, so that CPU and GPU draw the same mask. A recomputation in
-backward (activation checkpointing) runs in the rows it ran in forward (rows.checkpoint_contexts).
+the micro-batches). The mask is a counter-based hash of (key, seed, step, place, element),
+computed in int64 tensor arithmetic on the input's device (integer arithmetic does not round, so a
+GPU should draw the CPU's mask; this has run on CPU only). A recomputation in backward
+(activation checkpointing) runs in the rows it ran in forward (rows.checkpoint_contexts). A
+map-style dataset's augmentation follows the sample through its own seed (loader.sample_seed).
 
 Outside a step (a plain forward in training mode, the non-finite step's search), the module is
 torch's dropout. Not covered: functional dropout (F.dropout, scaled_dot_product_attention's
-dropout_p), Dropout1d/2d/3d and AlphaDropout, and a dataset's augmentation; they draw from the
-replica's stream. A dropout whose input is sharded (a DTensor with a Shard placement) is refused.
-A module called twice on the same rows in one forward draws the same mask both times.
+dropout_p), Dropout1d/2d/3d and AlphaDropout, and a dataset that reads its batch at once
+(get_batch); they draw from the replica's stream. A dropout whose input is sharded (a DTensor with
+a Shard placement) is refused. A module called twice on the same rows in one forward draws the
+same mask both times.
 """
 
 from __future__ import annotations
