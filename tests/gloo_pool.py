@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import datetime
 import functools
+import itertools
 import os
 import socket
 import sys
@@ -53,7 +54,7 @@ class Pool:
         if os.environ.get("GEARSHIFT_TEST_FRESH_PROCESSES") == "1":
             self.close()
         self._grow(world)
-        port = _free_port()
+        port = rendezvous_port()
         members = self.members[:world]
         for rank, (_, conn) in enumerate(members):
             conn.send((fn, rank, world, port, args, timeout_s))
@@ -194,10 +195,41 @@ def run(fn, world: int, args: tuple = (), timeout_s: float = 120.0) -> None:
                 raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The tests' rendezvous ports come from below the kernel's ephemeral range (32768 by default) and
+# above Ray's worker ports (10002-19999). A port bound as port 0 (gloo's listeners, Ray's servers,
+# another group's probe) is never one of them, so a port found free here is still free when rank 0
+# listens on it; each pytest-xdist worker takes its own slice, in turn. A port taken from the
+# ephemeral range instead was once handed to another process between the choice and the listen
+# (EADDRINUSE, and a rank joined that process's store: a fresh-clone CI run's test_eval hung).
+_PORT_LO, _PORT_HI = 20000, 32000
+_NEXT = itertools.count(os.getpid())
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def rendezvous_port() -> int:
+    """A port for a test group's rendezvous that nothing binding port 0 can be given meanwhile."""
+    hi = min(_PORT_HI, _ephemeral_low())
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    span = max(1, (hi - _PORT_LO) // count)
+    start = _PORT_LO + (int(worker) % count if worker.isdigit() else 0) * span
+    for _ in range(span):
+        port = start + next(_NEXT) % span
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # as rank 0's store binds it: every address
+            except OSError:
+                continue  # in use, or still in TIME_WAIT
+        return port
+    raise RuntimeError(f"no free rendezvous port in {start}..{start + span - 1}")
+
 
 
 # ---------------------------------------------------------------- in each pool process

@@ -33,7 +33,6 @@ import itertools
 import os
 import pickle
 import queue
-import socket
 import sys
 import threading
 import time
@@ -290,9 +289,7 @@ def _raised(rank: int | None, msg: tuple) -> WorkerFailed:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return gloo_pool.rendezvous_port()  # never one a process binding port 0 can be given meanwhile
 
 
 class PooledGroup:
