@@ -37,7 +37,7 @@ run: install
 # the quick tier: pure logic, plus one real Ray run each of run, submit, switch and recovery; two
 # at a time (a file's tests on one process; tests/README.md says what each tier costs)
 test: install-test
-	$(BIN)/python -m pytest -m "(not ray and not slow and not runs) or smoke" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "(not ray and not slow and not runs) or smoke" -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # everything but the extended variants (what CI runs), in three parts: the tests that start no
 # Ray, two at a time (a file's tests on one process); the Ray ones, two at a time too (each process
@@ -45,8 +45,8 @@ test: install-test
 # with nothing else beside them. No test asserts on measured time (that is bench/'s). Every part
 # always runs; it fails if any does (pytest's 5, nothing selected, is not a failure)
 test-all: install-test
-	$(BIN)/python -m pytest -m "not ray and not alone and not extended" -n 2 --dist loadfile $(PYTEST_ARGS); a=$$?; \
-	$(BIN)/python -m pytest -m "ray and not alone and not extended" -n 2 --dist loadfile $(PYTEST_ARGS); b=$$?; \
+	$(BIN)/python -m pytest -m "not ray and not alone and not extended" -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); a=$$?; \
+	$(BIN)/python -m pytest -m "ray and not alone and not extended" -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); b=$$?; \
 	$(BIN)/python -m pytest -m "alone and not extended" -n 2 $(PYTEST_ARGS); c=$$?; \
 	for r in $$a $$b $$c; do [ $$r -eq 0 ] || [ $$r -eq 5 ] || exit $$r; done
 

@@ -176,6 +176,10 @@ def mem_start(worker, period_s: float) -> int:
     import gc
 
     gc.collect()
+    # what the process holds before the build (torch and gearshift imported) is never garbage: out
+    # of the collector's sight, the collections each phase starts and ends with (and the automatic
+    # ones) scan only what the run made since, about 0.1 s of CPU less each here
+    gc.freeze()
     if _SAMPLER is None:
         _SAMPLER = _Sampler(period_s)
     return _SAMPLER.enter(None)

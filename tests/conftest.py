@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -44,6 +46,7 @@ def pytest_configure(config):
     # there before any Ray of this process has made it
     os.makedirs(os.path.join(RAY_TMPDIR, "ray"), exist_ok=True)
     atexit.register(shutil.rmtree, RAY_TMPDIR, True)
+    config.pluginmanager.register(LongestFirst(), "gearshift-longest-first")
 
 
 # Ray prints a warning per connection about token auth; tests read stderr, so keep it quiet.
@@ -139,6 +142,47 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+# ------------------------------------------------------------------ the order files are handed out
+
+SECONDS = pathlib.Path(__file__).with_name("seconds.json")
+
+
+class LongestFirst:
+    """A plugin of its own (registered in pytest_configure): this module's own
+    pytest_collection_modifyitems runs first, this one last, after -m has deselected, so a file
+    costs what runs of it."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        longest_files_first(items)
+
+
+def longest_files_first(items: list) -> None:
+    """Order the tests file by file, the files by the measured seconds of their selected tests,
+    longest first (tests/seconds.json, written by tests/seconds_table.py; a file none of whose
+    tests is in it counts as the longest), each file's tests in their own order. xdist's loadfile
+    hands files out in this order (the Makefile passes --no-loadscope-reorder, which would order
+    them by their number of tests): the long files start first and the short ones fill the end,
+    so neither process idles through a long tail while the other runs a long file it was handed
+    last."""
+    table = json.loads(SECONDS.read_text()) if SECONDS.exists() else {}
+    cost: dict[str, float] = {}
+    known: set[str] = set()
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        name = item.nodeid.split("::")[0]
+        first.setdefault(name, i)
+        cost[name] = cost.get(name, 0.0) + table.get(item.nodeid, 0.0)
+        if item.nodeid in table:
+            known.add(name)
+
+    def key(item) -> tuple[float, int]:
+        name = item.nodeid.split("::")[0]
+        return (-(cost[name] if name in known else float("inf")), first[name])
+
+    items.sort(key=key)  # stable: a file's tests keep their order
 
 
 @pytest.fixture

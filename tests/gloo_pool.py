@@ -151,12 +151,12 @@ class Pool:
         conn.close()
 
     def _grow(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         while len(self.members) < world:
             ours, theirs = ctx.Pipe()
             # not daemonic: a hosted worker may start processes of its own (data.loader.workers);
             # each ends when its pipe closes, and close() (atexit) stops them by their handles
-            proc = ctx.Process(target=_serve, args=(theirs, list(sys.path)), daemon=False)
+            proc = ctx.Process(target=_serve, args=(theirs, list(sys.path), dict(os.environ)), daemon=False)
             proc.start()
             theirs.close()
             self.members.append((proc, ours))
@@ -174,6 +174,25 @@ class Pool:
                 proc.kill()
                 proc.join(5)
             conn.close()
+
+
+# What every pool process imports: the fork server imports it once and forks each new process from
+# itself, so a process started after a kill or a failed call costs a fork, not the 1.5 to 2.5 s of
+# a core that importing torch and gearshift takes on this machine. The fork server is a process
+# of its own that has run nothing (this pytest process has, and forking it would be unsafe); a
+# module that fails to import there is imported by the process that needs it, as before.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "gearshift.workers.worker", "process_workers"]
+
+
+def _context():
+    """The start method of the pool's processes: the fork server, or a fresh interpreter each
+    (`spawn`) under GEARSHIFT_TEST_FRESH_PROCESSES=1."""
+    if os.environ.get("GEARSHIFT_TEST_FRESH_PROCESSES") == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 POOL = Pool()  # the gloo checks' processes
@@ -234,8 +253,12 @@ def rendezvous_port() -> int:
 
 # ---------------------------------------------------------------- in each pool process
 
-def _serve(conn, path: list[str]) -> None:
+def _serve(conn, path: list[str], env: dict[str, str]) -> None:
     sys.path[:] = path
+    # the environment of the pytest process now, as a spawned process would have it (a forked
+    # one has the fork server's, from when that started)
+    os.environ.clear()
+    os.environ.update(env)
     while True:
         try:
             call = conn.recv()

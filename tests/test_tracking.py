@@ -50,10 +50,12 @@ class MlflowServer:
              "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
              "--artifacts-destination", str(root / "artifacts")],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 120
+        start = time.monotonic()
+        deadline = start + 120
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    self.start_s = time.monotonic() - start
                     return
             except OSError:
                 assert self.proc.poll() is None, (root / "server.log").read_text()[-2000:]
@@ -91,8 +93,16 @@ def servers(tmp_path_factory):
 
 
 @pytest.fixture
-def server(servers):
-    return servers()
+def server(servers, monkeypatch):
+    """The live server, and how long a request to it may take: gearshift's 5 s suits a server that
+    answers, not this one on a 2-core machine running the suite beside it (a request once timed
+    out, the run's one try at its end too, and the run stayed RUNNING there). The bound follows
+    the server's own start, its heaviest work (sqlite's migrations): twice that, 30 to 60 s.
+    A dead server's refusal comes at once whatever the bound."""
+    srv = servers()
+    srv.request_s = min(60, max(30, round(2 * srv.start_s)))  # the run's end waits 4x: within the test's 300 s
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", str(srv.request_s))
+    return srv
 
 
 def run(run_dir, *overrides) -> int:
@@ -252,7 +262,9 @@ def test_sqlite_needs_no_server(tmp_path):
 
 def test_a_run_logged_to_a_real_mlflow_server_and_tensorboard(local_workers, tmp_path, server):
     run_dir = tmp_path / "run"
-    uri = f'{{mlflow: {{tracking_uri: "{server.url}", experiment: test}}, tensorboard: true}}'
+    # the end's wait covers a few requests at their bound (the batches, the artifacts, the status)
+    uri = (f'{{mlflow: {{tracking_uri: "{server.url}", experiment: test}}, tensorboard: true, '
+           f'close_timeout_s: {4 * server.request_s}}}')
     assert run(run_dir, f"tracking={uri}", "eval.every=5", "eval.data=synthetic_digits", "eval.batches=2",
                "adapt.schedule=[{step: 6, strategy: tensor}]", "parallel.strategy=data") == 0
     recs = records(run_dir)
