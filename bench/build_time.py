@@ -130,7 +130,7 @@ def main() -> None:
                                               "n_embd": 16}}
     figures: dict = {}
     with tempfile.TemporaryDirectory() as tmp, LocalGroup(job, WORKERS, [str(ROOT)], cpus=0.5,
-                                                          timeout_s=1800.0) as group:
+                                                          timeout_s=1800.0, start="spawn") as group:  # RSS measured
         for size, n_layer in sizes.items():
             folder = _pretrained_folder(_spec(n_layer, args.smoke), pathlib.Path(tmp) / size)
             runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}

@@ -213,7 +213,8 @@ def compare_accumulation(pairs: int, steps: int, warm: int, batch: int, mem_repe
                 ratios.append(got[4] / got[1])
         for i in range(mem_repeats):
             for n in ((1, 4) if i % 2 == 0 else (4, 1)):
-                with LocalGroup(jobs[n], WORKERS, [str(ROOT)], cpus=0.5) as group:  # fresh processes
+                # fresh processes, spawned: their peak resident set is measured
+                with LocalGroup(jobs[n], WORKERS, [str(ROOT)], cpus=0.5, start="spawn") as group:
                     base = max(group.apply(max_rss))
                     b = block(group, mem_steps, 1, batch)
                     mems[n].append((b["peak_mem_bytes"], b["peak_mem_bytes"] - base))

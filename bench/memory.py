@@ -297,7 +297,7 @@ def open_group(job: dict, world: int, period_s: float, before_build=None):
                 return [r[0] for r in results]
             return LocalGroup.call(self, method, *args)
 
-    return MemGroup(job, world, [str(ROOT)], cpus=0.5, timeout_s=900.0)
+    return MemGroup(job, world, [str(ROOT)], cpus=0.5, timeout_s=900.0, start="spawn")  # RSS measured
 
 
 def eval_peak(worker, micro_batch):
