@@ -35,12 +35,14 @@ run: install
 	$(BIN)/gearshift run $(JOB)
 
 # the quick tier: pure logic, plus one real Ray run each of run, submit, switch and recovery; two
-# at a time (a file's tests on one process; tests/README.md says what each tier costs)
+# at a time (a file's tests on one process, the files handed out longest first from
+# tests/seconds.json: conftest orders them, --no-loadscope-reorder keeps that order; tests/README.md
+# says what each tier costs)
 test: install-test
 	$(BIN)/python -m pytest -m "(not ray and not slow and not runs) or smoke" -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # everything but the extended variants (what CI runs), in three parts: the tests that start no
-# Ray, two at a time (a file's tests on one process); the Ray ones, two at a time too (each process
+# Ray, two at a time (a file's tests on one process, the longest files first); the Ray ones, two at a time too (each process
 # its own Ray session); the benches' smoke runs on a Ray of their own (marked alone), two at a time
 # with nothing else beside them. No test asserts on measured time (that is bench/'s). Every part
 # always runs; it fails if any does (pytest's 5, nothing selected, is not a failure)
