@@ -14,6 +14,7 @@ import pathlib
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 
 import pytest
@@ -71,6 +72,19 @@ def freshly_booted_clock(request, monkeypatch):
     offset = real() - 5.0
     monkeypatch.setattr(time, "monotonic", lambda: real() - offset)
     yield
+
+
+@pytest.fixture(autouse=True)
+def no_ray_left_up(request):
+    """A test outside the Ray tier leaves no Ray initialised in its pytest process: the next test
+    there would find it (a check that "starts nothing" once failed on a Ray an earlier test had
+    left up, in whichever test came next). The one that left it fails, and the Ray is shut down."""
+    yield
+    ray = sys.modules.get("ray")
+    if "ray" not in request.keywords and ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail("this test left Ray initialised in the pytest process: a test that starts Ray stops it, "
+                    "and one of the Ray tier is marked `ray`")
 
 
 def wait_until(condition, timeout_s: float = 15.0, interval_s: float = 0.2) -> bool:

@@ -71,8 +71,9 @@ class Pool:
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
+                stuck = sorted(waiting.values())
                 raise TimeoutError(f"{len(members)} gloo processes still running after {timeout_s:g}s "
-                                   f"(ranks {sorted(waiting.values())} never finished)")
+                                   f"(ranks {stuck} never finished)" + stacks([members[r][0].pid for r in stuck]))
             ready = wait(list(waiting) + list(sentinels), timeout=left)
             for item in ready:
                 if item in waiting:
@@ -186,13 +187,34 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
 
 
 def _context():
-    """The start method of the pool's processes: the fork server, or a fresh interpreter each
-    (`spawn`) under GEARSHIFT_TEST_FRESH_PROCESSES=1."""
-    if os.environ.get("GEARSHIFT_TEST_FRESH_PROCESSES") == "1":
-        return mp.get_context("spawn")
+    """The start method of the pool's processes. Under GEARSHIFT_TEST_FRESH_PROCESSES=1 they are
+    forked afresh for every call all the same: the fork server has run no call, and a forked
+    process's peak resident set starts at its size when forked (a test that reads a worker's
+    lifetime peak wants that)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def stacks(pids: list[int]) -> str:
+    """Where each process is (py-spy's dump, native frames too), for a timeout's message: a hang
+    that happens once in a hundred runs is diagnosed from the one failure's text. Empty without
+    py-spy (the `test` extra installs it)."""
+    import shutil
+    import subprocess
+
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    if spy is None:
+        return ""
+    out = []
+    for pid in pids:
+        try:
+            done = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=30)
+            out.append(f"\n--- pid {pid}:\n" + (done.stdout or done.stderr)[-6000:])
+        except (OSError, subprocess.SubprocessError) as err:
+            out.append(f"\n--- pid {pid}: no stack ({err})")
+    return "".join(out)
 
 
 POOL = Pool()  # the gloo checks' processes
@@ -320,6 +342,16 @@ def _reset() -> list[str]:
     mesh = sys.modules.get("gearshift.strategies.mesh")
     if mesh is not None:
         mesh.forget()  # its cached groups belong to the group destroyed below
+    rendezvous = sys.modules.get("gearshift.workers.group.rendezvous")
+    if rendezvous is not None:
+        # Imported (the fork server preloads it), it hooks every mesh's group making to exchange
+        # listeners on the default store, numbering the exchanges since its own join made the
+        # default group; a call's group is made here, not by that join, so the count starts
+        # again here. Left counting, a process that had served more calls than its peers waited
+        # on a key they never set (all ranks stuck in _exchange until the call's time limit).
+        rendezvous._EXCHANGES[0] = 0
+        rendezvous._OWN_PORTS.clear()
+        rendezvous._LISTENERS.clear()
     route = sys.modules.get("gearshift.workers.group.comm")
     if route is not None and hasattr(route, "CommRoute"):
         route.CommRoute.off()
