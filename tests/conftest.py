@@ -78,10 +78,12 @@ def freshly_booted_clock(request, monkeypatch):
 def no_ray_left_up(request):
     """A test outside the Ray tier leaves no Ray initialised in its pytest process: the next test
     there would find it (a check that "starts nothing" once failed on a Ray an earlier test had
-    left up, in whichever test came next). The one that left it fails, and the Ray is shut down."""
+    left up, in whichever test came next). The one that left it fails, and the Ray is shut down.
+    The session's own Ray (ray_cluster, which the quick tier's Ray tests share with the rest)
+    is not a leak."""
     yield
     ray = sys.modules.get("ray")
-    if "ray" not in request.keywords and ray is not None and ray.is_initialized():
+    if "ray" not in request.keywords and ray is not None and ray.is_initialized() and not SESSION_RAY:
         ray.shutdown()
         pytest.fail("this test left Ray initialised in the pytest process: a test that starts Ray stops it, "
                     "and one of the Ray tier is marked `ray`")
@@ -128,15 +130,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SESSION_RAY = []  # non-empty while ray_cluster's Ray is up: one the session keeps, not a leak
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 
     # 4 logical CPUs on a 2-core machine: room for a 2-worker job and a test that needs more
     info = ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    SESSION_RAY.append(info.address_info["gcs_address"])
     try:
         yield {"gcs_address": info.address_info["gcs_address"]}
     finally:
+        SESSION_RAY.clear()
         ray.shutdown()
 
 

@@ -97,14 +97,14 @@ class Pool:
         fault test killed it) is replaced, the others kept."""
         if os.environ.get("GEARSHIFT_TEST_FRESH_PROCESSES") == "1":
             self.close()
-        for member in [m for m in self.members if not m[0].is_alive()]:
+        for member in [m for m in self.members if ended(m[0])]:
             self._drop(member)
         self._grow(world)
         return self.members[:world]
 
     def take_more(self, count: int, busy: list[tuple]) -> list[tuple]:
         """`count` processes beside the `busy` ones a worker group holds already (its grow)."""
-        for member in [m for m in self.members if not m[0].is_alive() and m not in busy]:
+        for member in [m for m in self.members if ended(m[0]) and m not in busy]:
             self._drop(member)
         self._grow(len([m for m in self.members if m in busy]) + count)
         return [m for m in self.members if m not in busy][:count]
@@ -194,6 +194,25 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def ended(proc) -> bool:
+    """Whether a pool process has ended. A forked process's end reaches `proc.is_alive()` only
+    once the fork server has reaped it and written its status back, a moment later on a loaded
+    machine; the kernel's state of it says so at once (a zombie, or gone). A controller asking
+    which worker is gone right after a survivor's collective failed once heard "none" and fell
+    back to the checkpoint instead of going on in memory."""
+    if not proc.is_alive():
+        return True
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # reaped since is_alive() looked
+    if state in ("Z", "X"):
+        proc.join(5)  # its status, for the exit code, is on its way from the fork server
+        return True
+    return False
 
 
 def stacks(pids: list[int]) -> str:

@@ -216,7 +216,7 @@ class ProcessWorkerGroup:
     def dead_ranks(self) -> dict[int, str]:
         dead = dict(self.gone)
         for rank, (proc, _) in enumerate(self.members):
-            if not proc.is_alive() and rank not in dead:
+            if rank not in dead and gloo_pool.ended(proc):
                 dead[rank] = f"its process (pid {proc.pid}) died (exit code {proc.exitcode})"
         return dead
 

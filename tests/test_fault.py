@@ -49,11 +49,14 @@ def events(run_dir, name) -> list[dict]:
 
 
 class Killer(threading.Thread):
-    """Waits for the run to pass `at_step`, then SIGKILLs the process of worker `rank`."""
+    """Waits for the run to pass `at_step` (and, given `checkpointed`, for the checkpoint of that
+    step to be committed), then SIGKILLs the process of worker `rank`. A test that expects the
+    run restored from a checkpoint names it: a kill at a step alone once came, on a loaded
+    machine, before the step-10 checkpoint's write ended, and the run started again from step 0."""
 
-    def __init__(self, run_dir, rank: int, at_step: int):
+    def __init__(self, run_dir, rank: int, at_step: int, checkpointed: int | None = None):
         super().__init__(daemon=True)
-        self.run_dir, self.rank, self.at_step = run_dir, rank, at_step
+        self.run_dir, self.rank, self.at_step, self.checkpointed = run_dir, rank, at_step, checkpointed
         self.killed: tuple[int, float, int] | None = None  # (pid, time, last step seen)
         self.error: BaseException | None = None  # what stopped the thread, for the test's message
 
@@ -70,7 +73,9 @@ class Killer(threading.Thread):
             recs = records(self.run_dir)
             steps = [r["step"] for r in recs if r["type"] == "step"]
             started = [r for r in recs if r.get("event") == "state" and r.get("state") == "starting"]
-            if started and steps and max(steps) >= self.at_step:
+            saved = [r["step"] for r in recs if r.get("event") == "checkpoint"]
+            ready = self.checkpointed is None or self.checkpointed in saved
+            if started and steps and max(steps) >= self.at_step and ready:
                 pid = started[0]["workers"][self.rank]["pid"]
                 os.kill(pid, signal.SIGKILL)
                 self.killed = (pid, time.time(), max(steps))
@@ -88,7 +93,7 @@ class Killer(threading.Thread):
 @pytest.mark.crossing("restart", "hybrid")
 def test_a_killed_worker_is_replaced_and_the_run_ends_where_an_uninterrupted_one_ends(local_workers, tmp_path, layout):
     overrides = MLP[1] + LAYOUTS[layout] + SLOW
-    killer = Killer(tmp_path / "killed", rank=1, at_step=15)
+    killer = Killer(tmp_path / "killed", rank=1, at_step=15, checkpointed=10)
     killer.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "killed")
     killer.join(timeout=5)

@@ -250,7 +250,7 @@ def test_a_killed_worker_mid_schedule_with_accumulation_ends_where_an_uninterrup
     overrides = MLP[1] + SLOW + ["cluster.num_workers=2", "train.micro_batch_size=8", "train.global_batch_size=32",
                                  "optimizer.schedule={name: warmup_cosine, warmup_steps: 10, min_lr_ratio: 0.1}",
                                  "data.loader={workers: 1, prefetch: 2}", "train.grad_clip=0.5"]
-    killer = Killer(tmp_path / "killed", rank=1, at_step=15)
+    killer = Killer(tmp_path / "killed", rank=1, at_step=15, checkpointed=10)
     killer.start()
     summary = run_gearshift(MLP[0], overrides, tmp_path / "killed")
     killer.join(timeout=5)

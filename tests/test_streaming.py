@@ -289,7 +289,7 @@ def test_a_killed_worker_recovers_at_the_exact_sample(ray_cluster, tmp_path):
     slow = ["train.global_batch_size=16", "train.steps=40", "checkpoint.every=10", "inject.comm_delay_ms=30",
             "fault.max_failures=2"]
     run(path, tmp_path / "clean", *slow)
-    killer = Killer(tmp_path / "killed", rank=1, at_step=15)
+    killer = Killer(tmp_path / "killed", rank=1, at_step=15, checkpointed=10)
     killer.start()
     summary = run(path, tmp_path / "killed", *slow)
     killer.join(timeout=5)
