@@ -43,8 +43,8 @@ def test_mixed_precision_trains_with_fp32_master_weights(local_workers, tmp_path
     assert "step 30/30  loss" in err and "samples/s" in err and "ETA" in err
 
 
-def fails_with_one_paragraph(tmp_path, capsys) -> None:
-    """A user model that raises at its third call: the run ends failed, with one paragraph."""
+def fails_with_one_paragraph(tmp_path, capsys) -> dict:
+    """A user model that raises at its third call: the run ends with one paragraph; its summary."""
     shutil.copy(FIXTURES / "user_model.py", tmp_path / "user_model.py")
     (tmp_path / "job.yaml").write_text(
         "model: {entrypoint: 'user_model:flaky', kwargs: {fail_on: 3}}\ndata: 'user_model:waves'\nloss: mse\n"
@@ -55,12 +55,11 @@ def fails_with_one_paragraph(tmp_path, capsys) -> None:
     assert "Training failed in worker rank" in err and "ValueError: bad activation on call 3" in err
     assert "Traceback" not in err
     assert "user_model.py" in (tmp_path / "run/gearshift.log").read_text()  # the traceback is kept for the user
-    summary = json.loads((tmp_path / "run/summary.json").read_text())
-    assert summary["status"] == "failed"
+    return json.loads((tmp_path / "run/summary.json").read_text())
 
 
 def test_an_exception_in_user_code_ends_the_run_with_one_paragraph(local_workers, tmp_path, capsys):
-    fails_with_one_paragraph(tmp_path, capsys)
+    assert fails_with_one_paragraph(tmp_path, capsys)["status"] == "failed"
 
 
 @pytest.mark.ray
@@ -69,7 +68,7 @@ def test_on_ray_a_failed_run_leaves_no_placement_group_reserved_cpu_or_worker_pr
     """What a failed run leaves on Ray is Ray's to tell: this runs on the session's Ray (the
     warm processes above have no placement groups; asked there, Ray's API started a Ray of its
     own in the pytest process and left it up)."""
-    fails_with_one_paragraph(tmp_path, capsys)
+    assert fails_with_one_paragraph(tmp_path, capsys)["status"] == "failed"
     import ray
     from ray.util import placement_group_table
 
