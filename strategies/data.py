@@ -25,10 +25,27 @@ def allreduce_hook(process_group, bucket):
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
+class _Router:
+    """DDP's comm hook state: the hook in force and DDP's group. DDP's reducer (C++) holds its comm
+    hook and the hook's state for the DDP's life, out of reach of Python's cycle collector, so
+    neither may lead back to the DDP: a bound method of the layout did, and every layout torn
+    down (a switch, a regroup, a run's end) kept its DDP, gradient buckets and process group
+    (with gloo's threads) alive for the rest of the process."""
+
+    __slots__ = ("group", "route")
+
+    def __init__(self, group):
+        self.group = group
+        self.route = None  # the attached route's hook, or None (the plain all-reduce)
+
+
+def _routed(router: _Router, bucket):
+    return (router.route or allreduce_hook)(router.group, bucket)
+
+
 class DataParallel(Parallel):
     grads_in_kept_storage = True  # gradient_as_bucket_view: views of DDP's buckets
-    _hooked = False  # DDP's comm hook registered (DDP takes one for its life)
-    _route = None  # the hook in force: the attached route's, or None (the plain all-reduce)
+    _router = None  # DDP's comm hook state, once registered (DDP takes one hook for its life)
 
     def no_sync(self):
         return self.module.no_sync()  # the all-reduce waits for the step's last micro-batch
@@ -40,13 +57,12 @@ class DataParallel(Parallel):
         force, so attaching again only swaps the route. Without a route ever attached, DDP's
         built-in all-reduce runs, no hook at all."""
         super().attach(comm)
-        self._route = comm.ddp_hook(allreduce_hook) if comm is not None else None
-        if self._route is not None and not self._hooked:
-            self.module.register_comm_hook(self.module.process_group, self._routed)
-            self._hooked = True
-
-    def _routed(self, process_group, bucket):
-        return (self._route or allreduce_hook)(process_group, bucket)
+        route = comm.ddp_hook(allreduce_hook) if comm is not None else None
+        if route is not None and self._router is None:
+            self._router = _Router(self.module.process_group)
+            self.module.register_comm_hook(self._router, _routed)
+        if self._router is not None:
+            self._router.route = route
 
 
 def apply(model: nn.Module, mesh, layout: Layout, plan, options: Options) -> DataParallel:

@@ -52,9 +52,26 @@ def forget() -> None:
     go too: it caches each op's sharding by the meshes' values (shape, ranks, names), not their
     groups, so a mesh of the same shape on a new default group would be handed results that hold
     the old mesh, whose groups are gone ("Could not resolve the process group registered under the
-    name ...", seen in a process that made a second default group of the same size)."""
+    name ...", seen in a process that made a second default group of the same size).
+
+    Each cached mesh also lets go of its groups: a mesh holds them (its `_pg_registry`, the
+    root's for its sub-meshes) for as long as anything holds the mesh, and DTensor's caches hold
+    meshes where this process cannot clear them all (another thread's sharding cache, the native
+    one). Left there, every layout with a mesh kept its gloo groups, their threads and
+    connections, for the process's life: 2 threads more per tensor-parallel run in one
+    process. A caller that still needs the groups (`rendezvous.leave` holds them until their
+    collectives have timed out) holds them through the default group's list, not the mesh."""
+    for mesh, _, _ in _MESHES.values():
+        _release_groups(mesh)
     _MESHES.clear()
     _forget_dtensor_caches()
+
+
+def _release_groups(mesh) -> None:
+    """Drop `mesh`'s references to its process groups (torch keeps them in `_pg_registry`)."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if isinstance(registry, dict):
+        registry.clear()
 
 
 def _forget_dtensor_caches() -> None:
@@ -73,10 +90,19 @@ def _forget_dtensor_caches() -> None:
     cache = getattr(propagator, "propagate_op_sharding", None)
     if hasattr(cache, "cache_clear"):
         cache.cache_clear()
-    from torch.distributed.tensor import _redistribute
+    meta = getattr(type(propagator), "_propagate_tensor_meta_cached", None)
+    if hasattr(meta, "cache_clear"):
+        meta.cache_clear()
+    from torch.distributed.tensor import _collective_utils, _redistribute
 
     if hasattr(_redistribute, "clear_redistribute_planner_cache"):
         _redistribute.clear_redistribute_planner_cache()
+    transforms = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(transforms, "cache_clear"):
+        transforms.cache_clear()
+    topology = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
+    if hasattr(topology, "cache_clear"):
+        topology.cache_clear()
 
 
 def cached() -> int:

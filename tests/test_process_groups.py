@@ -143,3 +143,23 @@ def test_a_mesh_is_reused_until_its_default_group_is_gone(process_group):
     assert all(g in _groups() for g in again.get_all_groups())
     mesh.forget()
     assert mesh.cached() == 0
+
+
+def test_forgetting_the_meshes_lets_go_of_their_groups_whoever_still_holds_a_mesh(process_group):
+    """A mesh holds its groups, and DTensor's caches hold meshes (some where no one can clear
+    them: another thread's cache, the native one). Each forgotten mesh lets go of its groups, so a
+    destroyed group's gloo threads and connections end with it, not with the process."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from gearshift.strategies import mesh
+
+    held = mesh.device_mesh("cpu", (1, 1), ("dp", "tp"))  # as a cache that outlives the group would
+    groups = [weakref.ref(g) for g in held.get_all_groups()] + [weakref.ref(g) for g in _groups()]
+    mesh.forget()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    gc.collect()
+    assert held is not None and [g for g in groups if g() is not None] == []

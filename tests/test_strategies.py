@@ -22,6 +22,31 @@ def test_bucket_cap_mb_reaches_ddp(process_group, mb):
     assert all(p.grad is not None for p in ddp.parameters())
 
 
+def test_a_data_layout_torn_down_lets_go_of_its_ddp(process_group):
+    """DDP's reducer (C++) holds its comm hook and the hook's state for the DDP's life, where
+    Python's cycle collector cannot see them: a hook that led back to the DDP (a bound method of
+    the layout) kept every data layout ever torn down alive, with its gradient buckets and its
+    process group (a switch away from data, a regroup)."""
+    import gc
+    import weakref
+
+    from gearshift.monitoring.comm import CommClock
+    from gearshift.strategies import Layout, Options
+    from gearshift.workers.group.comm import CommRoute
+
+    par = data_strategy.apply(mlp(hidden=64), None, Layout("data", 1, 1), None, Options(torch.device("cpu")))
+    clock = CommClock(torch.device("cpu"))
+    par.attach(CommRoute(clock, None))
+    par.module(torch.randn(4, 784)).sum().backward()
+    assert clock.calls > 0  # the gradients' all-reduce went through the route's hook
+    par.attach(CommRoute(CommClock(torch.device("cpu")), None))  # attached again: the route is swapped
+    par.detach()
+    ddp, layout = weakref.ref(par.module), weakref.ref(par)
+    del par
+    gc.collect()
+    assert ddp() is None and layout() is None
+
+
 def test_param_groups_keep_shards_apart_for_fused_optimizers(process_group):
     """On GPU, Adam's default multi-tensor (foreach) update cannot mix DTensor shards and plain
     tensors in one call; forcing foreach here reproduces that on CPU."""
