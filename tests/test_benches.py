@@ -107,15 +107,12 @@ class Smoke:
     bench: str  # its path in the repository
     args: tuple[str, ...]
     shows: tuple[str, ...]  # what the output holds once the first measurement is made
-    stall_s: float = STALL_S  # the longest it may print nothing before it counts as stuck
     ray: bool = False  # starts Ray (its own, embedded: the Ray tier runs it)
     dry: str = ""  # why a dry run and not the smallest real one (empty: a real run)
 
     @property
     def id(self) -> str:
         return pathlib.Path(self.bench).stem
-
-
 
 
 TESTBED = "needs root: the testbed makes network namespaces, a shaped veth, cgroups (bench/testbed/)"
@@ -216,7 +213,7 @@ def run_smoke(smoke: Smoke, tmp_path: pathlib.Path) -> tuple[str, str]:
                                 stdout=out, stderr=err, start_new_session=True)
     why = "was interrupted"
     try:
-        why = wait_while_it_prints(proc, (stdout, stderr), smoke.stall_s, LIMIT_S)
+        why = wait_while_it_prints(proc, (stdout, stderr), STALL_S, LIMIT_S)
     finally:
         if why is not None:  # stuck, past the limit, or the test itself stopped
             with contextlib.suppress(ProcessLookupError):
